@@ -1,0 +1,327 @@
+"""Batch-size control: let the global batch grow during training.
+
+Mikami et al. 2018 (Sony, "ImageNet/ResNet-50 Training in 224 Seconds") grew the global batch
+from 34K to 68K during training; Smith et al. 2017 ("Don't Decay the Learning Rate, Increase
+the Batch Size") showed that multiplying the batch by 1/gamma where a schedule would multiply
+the learning rate by gamma gives the same curve with fewer parameter updates.
+
+A global batch ``B`` on ``W`` processes becomes ``per_device x W x accumulation``: the
+per-device batch grows up to a memory ceiling, then gradient accumulation takes over.
+
+Functional core: :func:`resolve_schedule`, :func:`smith_schedule`, :func:`value_at_epoch`,
+:func:`decompose`. Lightning adapter: :class:`BatchSizeRamp`.
+
+How the new batch takes effect: Lightning builds the training dataloader at the start of an
+epoch *before* ``on_train_epoch_start`` runs, so the callback tells the datamodule the next
+epoch's per-device batch at ``on_train_epoch_end`` (and, for the first epoch or a resumed run,
+at ``on_fit_start``), and sets ``trainer.reload_dataloaders_every_n_epochs = 1`` so the
+loader is rebuilt at every epoch boundary. Accumulation is set on
+``trainer.accumulate_grad_batches`` at ``on_train_epoch_start``, which the fit loop reads on
+every batch (the mechanism of Lightning's own ``GradientAccumulationScheduler``). At the
+start of every epoch the callback checks that the loader really has the scheduled batch size,
+so a datamodule that caches its loader fails loudly instead of training at the wrong size.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+
+from lightning_fastscale.data.protocol import BatchSizeControllable, require_protocol
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one global batch is served: ``per_device * world_size * accumulation``."""
+
+    global_batch: int
+    per_device: int
+    accumulation: int
+
+
+def resolve_schedule(schedule: Mapping[Any, Any], setting: str = "schedule") -> dict[int, int]:
+    """Turn ``{epoch: value}`` (keys may be strings, as YAML/Hydra gives them) into a sorted dict.
+
+    The schedule must start at epoch 0 and hold positive integer values.
+    """
+    if not schedule:
+        raise ValueError(f"{setting} is empty; give at least {{0: <value>}}")
+    out: dict[int, int] = {}
+    for key, value in schedule.items():
+        try:
+            epoch = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"{setting} key {key!r} is not an epoch number") from None
+        if epoch < 0:
+            raise ValueError(f"{setting} key {epoch} is negative; epochs start at 0")
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{setting}[{epoch}] = {value!r} must be a positive integer")
+        out[epoch] = value
+    if 0 not in out:
+        raise ValueError(
+            f"{setting} has no entry for epoch 0 (got epochs {sorted(out)}); "
+            f"add 0: <value> so the first epoch has a defined value"
+        )
+    return dict(sorted(out.items()))
+
+
+def value_at_epoch(schedule: Mapping[int, int], epoch: int) -> int:
+    """The value of a piecewise-constant ``{start_epoch: value}`` schedule at ``epoch``."""
+    current = None
+    for start, value in sorted(schedule.items()):
+        if start > epoch:
+            break
+        current = value
+    if current is None:
+        raise ValueError(f"schedule {dict(schedule)} has no value at epoch {epoch}")
+    return current
+
+
+def smith_schedule(
+    initial_global_batch: int, lr_milestones: Sequence[int], lr_decay_factor: float
+) -> dict[int, int]:
+    """Smith et al. 2017: where the LR would be multiplied by ``lr_decay_factor``, grow the batch.
+
+    The batch at milestone ``i`` is ``initial_global_batch / lr_decay_factor**i``, rounded to the
+    nearest integer (e.g. milestones [30, 60, 80] and factor 0.1 from 256 give
+    {0: 256, 30: 2560, 60: 25600, 80: 256000}).
+    """
+    if not 0 < lr_decay_factor < 1:
+        raise ValueError(
+            f"lr_decay_factor={lr_decay_factor} must be in (0, 1): it is the factor the LR "
+            "schedule would multiply the LR by (e.g. 0.1); the batch grows by its inverse"
+        )
+    milestones = sorted(int(m) for m in lr_milestones)
+    if any(m <= 0 for m in milestones) or len(set(milestones)) != len(milestones):
+        raise ValueError(f"lr_milestones={list(lr_milestones)} must be distinct positive epochs")
+    schedule = {0: initial_global_batch}
+    for i, m in enumerate(milestones, start=1):
+        schedule[m] = round(initial_global_batch / lr_decay_factor**i)
+    return schedule
+
+
+def decompose(global_batch: int, world_size: int, max_per_device_batch: int | None) -> BatchPlan:
+    """Split ``global_batch`` into per-device batch x ``world_size`` x accumulation steps.
+
+    The per-device batch is as large as allowed (at most ``max_per_device_batch``) so that the
+    fewest accumulation steps are used. When accumulation is needed, the per-device batch must
+    stay above half the ceiling: a split such as 34 = 2 x 17 on a ceiling of 16 would waste most
+    of the device, so it is refused with the nearest sizes that do split well.
+    """
+    if global_batch % world_size:
+        lower = global_batch // world_size * world_size
+        raise ValueError(
+            f"global batch {global_batch} is not divisible by the world size {world_size} "
+            f"(devices x nodes); use a multiple of {world_size}, e.g. {lower or world_size} "
+            f"or {lower + world_size}"
+        )
+    share = global_batch // world_size
+    if max_per_device_batch is None or share <= max_per_device_batch:
+        return BatchPlan(global_batch, share, 1)
+    if max_per_device_batch <= 0:
+        raise ValueError(f"max_per_device_batch={max_per_device_batch} must be positive")
+    for accumulation in range(math.ceil(share / max_per_device_batch), share + 1):
+        if share % accumulation == 0:
+            per_device = share // accumulation
+            break
+    if 2 * per_device <= max_per_device_batch:
+        step = world_size * max_per_device_batch
+        below = global_batch // step * step
+        raise ValueError(
+            f"global batch {global_batch} on {world_size} processes ({share} per process) only "
+            f"splits under max_per_device_batch={max_per_device_batch} as {per_device} x "
+            f"{accumulation} accumulation steps, which wastes the device; use a global batch "
+            f"that is a multiple of world_size x max_per_device_batch = {step}, e.g. "
+            f"{below or step} or {below + step}, or change max_per_device_batch"
+        )
+    return BatchPlan(global_batch, per_device, accumulation)
+
+
+def loader_batch_size(trainer: pl.Trainer) -> int | None:
+    """Per-device batch size of the training dataloader Lightning is using, if it has one."""
+    loader = trainer.train_dataloader
+    size = getattr(loader, "batch_size", None)
+    return size if isinstance(size, int) else None
+
+
+class BatchSizeRamp(Callback):
+    """Grow the global batch during training (Mikami et al. 2018; Smith et al. 2017).
+
+    Args:
+        schedule: ``{epoch: global_batch}``, piecewise constant from each epoch on (e.g.
+            ``{0: 16384, 10: 32768, 30: 65536}``). Give this or the three Smith arguments.
+        initial_global_batch, lr_milestones, lr_decay_factor: Smith et al.'s form: the batch
+            grows by ``1 / lr_decay_factor`` at each epoch where an LR schedule would decay.
+        max_per_device_batch: memory ceiling of one device; above it the callback uses
+            gradient accumulation. ``None``: no ceiling, never accumulate.
+        scale_lr: apply the linear scaling rule (Goyal et al. 2017): each optimizer group's LR
+            becomes ``lr_at_fit_start * global_batch / schedule[0]``. When a
+            :class:`~lightning_fastscale.callbacks.lr_schedule.WarmupDecayLR` or an LR
+            scheduler from ``configure_optimizers`` is present, that one owns the LR and
+            ``scale_lr=True`` is refused at setup (use ``WarmupDecayLR(reference_batch=...)``,
+            which reads the current global batch every step).
+
+    The datamodule must implement
+    :class:`~lightning_fastscale.data.protocol.BatchSizeControllable`. Samples per optimizer
+    step equal the scheduled global batch when the training set splits into whole batches; as
+    in plain Lightning, a partial last batch of an epoch is stepped on as it is.
+    """
+
+    def __init__(
+        self,
+        schedule: Mapping[Any, int] | None = None,
+        *,
+        initial_global_batch: int | None = None,
+        lr_milestones: Sequence[int] | None = None,
+        lr_decay_factor: float | None = None,
+        max_per_device_batch: int | None = None,
+        scale_lr: bool = False,
+    ) -> None:
+        smith_args = (initial_global_batch, lr_milestones, lr_decay_factor)
+        if schedule is not None and any(a is not None for a in smith_args):
+            raise ValueError(
+                "BatchSizeRamp: give either schedule={epoch: global_batch} or "
+                "initial_global_batch + lr_milestones + lr_decay_factor (Smith et al.), not both"
+            )
+        if schedule is None:
+            if any(a is None for a in smith_args):
+                raise ValueError(
+                    "BatchSizeRamp needs schedule={epoch: global_batch}, or all of "
+                    "initial_global_batch, lr_milestones and lr_decay_factor"
+                )
+            schedule = smith_schedule(initial_global_batch, lr_milestones, lr_decay_factor)
+        self.schedule = resolve_schedule(schedule, "BatchSizeRamp.schedule")
+        if max_per_device_batch is not None and (
+            isinstance(max_per_device_batch, bool) or max_per_device_batch <= 0
+        ):
+            raise ValueError(
+                f"BatchSizeRamp.max_per_device_batch={max_per_device_batch!r} must be a positive "
+                "integer, or None for no ceiling"
+            )
+        self.max_per_device_batch = max_per_device_batch
+        self.scale_lr = scale_lr
+        self._world_size = 1
+        # Epoch whose per-device batch the datamodule was last told; saved in checkpoints so a
+        # resumed run serves the epoch it restarts in (see on_fit_start).
+        self._prepared_epoch = 0
+        self._base_lrs: list[list[float]] | None = None
+
+    def plan(self, epoch: int, world_size: int | None = None) -> BatchPlan:
+        """The batch plan of ``epoch`` (per-device batch, accumulation) on ``world_size`` processes."""
+        return decompose(
+            value_at_epoch(self.schedule, epoch), world_size or self._world_size,
+            self.max_per_device_batch,
+        )
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Validate the datamodule and every scheduled size before any training step."""
+        if stage != "fit":
+            return
+        require_protocol(trainer.datamodule, BatchSizeControllable, "BatchSizeRamp")
+        self._world_size = trainer.world_size
+        plans = [self.plan(epoch) for epoch in self.schedule]
+        if any(p.accumulation > 1 for p in plans) and not pl_module.automatic_optimization:
+            raise ValueError(
+                "BatchSizeRamp needs gradient accumulation for this schedule (max_per_device_batch="
+                f"{self.max_per_device_batch}), which Lightning only does under automatic "
+                "optimization; raise max_per_device_batch or use automatic optimization"
+            )
+        if trainer.reload_dataloaders_every_n_epochs != 1:
+            trainer.reload_dataloaders_every_n_epochs = 1
+        if self.scale_lr:
+            from lightning_fastscale.callbacks.lr_schedule import WarmupDecayLR
+
+            if any(isinstance(cb, WarmupDecayLR) for cb in trainer.callbacks):
+                raise ValueError(
+                    "BatchSizeRamp(scale_lr=True) and WarmupDecayLR both set the learning rate; "
+                    "set BatchSizeRamp.scale_lr=false and WarmupDecayLR.reference_batch=<batch the "
+                    "base LR was tuned for>: WarmupDecayLR then scales by the current global batch"
+                )
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Serve the first epoch of this fit (0, or the resumed one) and capture base LRs."""
+        if self.scale_lr:
+            if trainer.lr_scheduler_configs:
+                raise ValueError(
+                    "BatchSizeRamp(scale_lr=True) would fight the LR scheduler returned by "
+                    "configure_optimizers; set scale_lr=false, or drop that scheduler and use "
+                    "WarmupDecayLR(reference_batch=...) which also follows the batch"
+                )
+            if self._base_lrs is None:
+                self._base_lrs = [[g["lr"] for g in opt.param_groups] for opt in trainer.optimizers]
+        trainer.datamodule.set_train_batch_size(self.plan(self._prepared_epoch).per_device)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Apply the plan of the epoch training starts in (a resumed run may start mid-epoch)."""
+        self._enter_epoch(trainer)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Apply this epoch's plan and log it."""
+        plan = self._enter_epoch(trainer)
+        pl_module.log_dict(
+            {
+                "batch_size/global": float(plan.global_batch),
+                "batch_size/per_device": float(plan.per_device),
+                "batch_size/accumulation": float(plan.accumulation),
+            },
+            on_step=False, on_epoch=True,
+        )
+
+    def _enter_epoch(self, trainer: pl.Trainer) -> BatchPlan:
+        """Check the loader serves this epoch's batch; set accumulation and (optionally) LR."""
+        epoch = trainer.current_epoch
+        plan = self.plan(epoch)
+        if epoch != self._prepared_epoch:
+            raise RuntimeError(
+                f"BatchSizeRamp prepared the dataloader for epoch {self._prepared_epoch} but "
+                f"epoch {epoch} is starting; this happens when a checkpoint was saved by a "
+                "callback that runs before BatchSizeRamp at on_train_epoch_end. Put BatchSizeRamp "
+                "before it in the callback list"
+            )
+        served = loader_batch_size(trainer)
+        if served is not None and served != plan.per_device:
+            raise RuntimeError(
+                f"BatchSizeRamp asked {type(trainer.datamodule).__name__}.set_train_batch_size("
+                f"{plan.per_device}) for epoch {epoch}, but the training dataloader has batch_size "
+                f"{served}; train_dataloader() must build a new DataLoader with "
+                "self.train_batch_size on every call (do not cache it)"
+            )
+        # The fit loop reads this on every batch (as GradientAccumulationScheduler relies on).
+        trainer.accumulate_grad_batches = plan.accumulation
+        if self.scale_lr and self._base_lrs is not None:
+            ratio = plan.global_batch / self.schedule[0]
+            for opt, bases in zip(trainer.optimizers, self._base_lrs):
+                for group, base in zip(opt.param_groups, bases):
+                    group["lr"] = base * ratio
+        return plan
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Tell the datamodule the next epoch's per-device batch before its loader is built."""
+        self._prepared_epoch = trainer.current_epoch + 1
+        trainer.datamodule.set_train_batch_size(self.plan(self._prepared_epoch).per_device)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Schedule, the epoch the datamodule is prepared for, and base LRs (for resuming)."""
+        return {
+            "schedule": dict(self.schedule),
+            "max_per_device_batch": self.max_per_device_batch,
+            "prepared_epoch": self._prepared_epoch,
+            "base_lrs": self._base_lrs,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the ramp position; refuse a checkpoint written under a different schedule."""
+        saved = {int(k): v for k, v in state_dict["schedule"].items()}
+        if saved != self.schedule or state_dict["max_per_device_batch"] != self.max_per_device_batch:
+            raise ValueError(
+                f"the checkpoint was written with BatchSizeRamp schedule {saved} and "
+                f"max_per_device_batch={state_dict['max_per_device_batch']}, but this run has "
+                f"{self.schedule} and {self.max_per_device_batch}; resume with the same settings "
+                "or start a new run"
+            )
+        self._prepared_epoch = state_dict["prepared_epoch"]
+        self._base_lrs = state_dict["base_lrs"]

@@ -1,0 +1,286 @@
+"""Learning-rate warmup and decay for large batches, stepped per optimizer step.
+
+Goyal et al. 2017 ("Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour"): scale the
+learning rate linearly with the global batch, ``lr = base_lr * global_batch / reference_batch``
+(0.1 per 256 images for ResNet-50), and reach it by a gradual linear warmup over the first
+epochs (5). After warmup the MLPerf LARS reference decays polynomially (power 2) to an end LR;
+cosine decay (Loshchilov & Hutter 2017) is the other common choice.
+
+Functional core: :func:`lr_at` (the closed form; at whole steps it equals torch's
+``LinearLR`` warmup followed by ``PolynomialLR`` / ``CosineAnnealingLR``, which the tests
+check). The torch scheduler objects are not used directly because they count calls to
+``step()``; here the position is *fractional epochs of applied optimizer steps*, which stays
+right when ``BatchSizeRamp`` or ``ProgressiveResizing`` change the number of steps per epoch
+and when the loss scaler skips a step.
+
+Lightning adapter: :class:`WarmupDecayLR`. Skipped steps: when fp16 loss scaling finds
+inf/NaN gradients the optimizer step is skipped, and the schedule must not move (a known
+Lightning complaint: a plain ``LRScheduler`` still steps). Detection, in order:
+
+* a precision plugin exposing ``last_step_skipped`` (``LARSMixedPrecision`` of this package):
+  read after the step;
+* Lightning's ``MixedPrecision`` with a ``GradScaler``: ``GradScaler.update()`` lowers the
+  scale exactly when it skipped the step (by ``backoff_factor`` < 1), so the scale is read
+  before the step and compared after it (one host sync per step on GPU);
+* any other plugin (fp32, bf16) never skips.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+
+DECAYS = ("poly", "cosine", "none")
+
+
+def lr_at(
+    progress: float,
+    peak_lr: float,
+    *,
+    warmup_epochs: float,
+    total_epochs: float,
+    warmup_start_factor: float = 0.0,
+    decay: str = "poly",
+    power: float = 2.0,
+    end_lr: float = 0.0,
+) -> float:
+    """Learning rate after ``progress`` epochs (fractional) of applied optimizer steps.
+
+    Warmup (Goyal et al.): ``peak * (f + (1 - f) * progress / warmup_epochs)`` while
+    ``progress < warmup_epochs``. Then with ``p = (progress - warmup) / (total - warmup)``
+    clipped to [0, 1]: ``poly`` gives ``end + (peak - end) * (1 - p) ** power`` (MLPerf LARS:
+    power 2, end 1e-4), ``cosine`` gives ``end + (peak - end) * (1 + cos(pi p)) / 2``,
+    ``none`` keeps ``peak``.
+    """
+    if progress < warmup_epochs:
+        f = warmup_start_factor
+        return peak_lr * (f + (1.0 - f) * progress / warmup_epochs)
+    if decay == "none":
+        return peak_lr
+    p = min(1.0, (progress - warmup_epochs) / (total_epochs - warmup_epochs))
+    if decay == "poly":
+        shape = (1.0 - p) ** power
+    elif decay == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * p))
+    else:
+        raise ValueError(f"decay={decay!r}; choose one of {DECAYS}")
+    return end_lr + (peak_lr - end_lr) * shape
+
+
+def current_global_batch(trainer: pl.Trainer) -> int:
+    """Samples per optimizer step right now: per-device batch x world size x accumulation."""
+    loader = trainer.train_dataloader
+    per_device = getattr(loader, "batch_size", None)
+    if not isinstance(per_device, int):
+        per_device = getattr(trainer.datamodule, "train_batch_size", None)
+    if not isinstance(per_device, int):
+        raise ValueError(
+            "WarmupDecayLR.reference_batch is set (linear scaling), but the per-device batch "
+            "size is unknown: the train dataloader has no integer batch_size and the "
+            "datamodule no train_batch_size; use DataLoader(batch_size=...) or a datamodule "
+            "implementing BatchSizeControllable, or set reference_batch=null"
+        )
+    return per_device * trainer.world_size * trainer.accumulate_grad_batches
+
+
+class WarmupDecayLR(Callback):
+    """Linear warmup then polynomial/cosine decay, with optional linear scaling by batch.
+
+    Args:
+        warmup_epochs: length of the linear warmup, in epochs (Goyal: 5; MLPerf: 5 below
+            batch 32K, 25 from 32K). 0 disables warmup.
+        decay: ``"poly"`` (MLPerf LARS), ``"cosine"`` or ``"none"`` (constant after warmup).
+        power: exponent of ``poly`` decay (MLPerf: 2).
+        end_lr: LR at the end of decay, absolute (MLPerf: 1e-4).
+        warmup_start_factor: warmup starts at this fraction of the peak LR (MLPerf: 0; Goyal:
+            ``reference_batch / global_batch``, i.e. the unscaled LR).
+        total_epochs: where decay ends; default ``Trainer(max_epochs)``.
+        reference_batch: when set, the peak LR of each parameter group is its configured LR x
+            ``current_global_batch / reference_batch`` (Goyal's linear scaling rule), read every
+            step, so it follows ``BatchSizeRamp`` and ``ProgressiveResizing(scale_batch=True)``.
+
+    This callback owns the learning rate: it refuses to run together with an LR scheduler
+    from ``configure_optimizers`` or with ``BatchSizeRamp(scale_lr=True)``. The configured
+    LRs are read at the start of the first fit and kept in checkpoints with the schedule
+    position, so a resumed run continues exactly.
+    """
+
+    def __init__(
+        self,
+        warmup_epochs: float = 5.0,
+        decay: str = "poly",
+        power: float = 2.0,
+        end_lr: float = 0.0,
+        warmup_start_factor: float = 0.0,
+        total_epochs: float | None = None,
+        reference_batch: int | None = None,
+    ) -> None:
+        if decay not in DECAYS:
+            raise ValueError(f"WarmupDecayLR.decay={decay!r}; choose one of {DECAYS}")
+        if warmup_epochs < 0:
+            raise ValueError(f"WarmupDecayLR.warmup_epochs={warmup_epochs} must be >= 0")
+        if not 0.0 <= warmup_start_factor <= 1.0:
+            raise ValueError(
+                f"WarmupDecayLR.warmup_start_factor={warmup_start_factor} must be in [0, 1]"
+            )
+        if power <= 0:
+            raise ValueError(f"WarmupDecayLR.power={power} must be positive")
+        if end_lr < 0:
+            raise ValueError(f"WarmupDecayLR.end_lr={end_lr} must be >= 0")
+        if reference_batch is not None and (isinstance(reference_batch, bool) or reference_batch <= 0):
+            raise ValueError(
+                f"WarmupDecayLR.reference_batch={reference_batch!r} must be a positive integer "
+                "(the batch the base LR was tuned for, e.g. 256), or null to turn scaling off"
+            )
+        self.warmup_epochs = float(warmup_epochs)
+        self.decay = decay
+        self.power = power
+        self.end_lr = end_lr
+        self.warmup_start_factor = warmup_start_factor
+        self.total_epochs = total_epochs
+        self.reference_batch = reference_batch
+        self._total = 0.0
+        self._base_lrs: list[float] | None = None
+        # Position = _progress_before_epoch + _applied_in_epoch / _steps_in_epoch: folded once
+        # per epoch so that whole epochs add up exactly, saved whole so resuming is exact.
+        self._progress_before_epoch = 0.0
+        self._applied_in_epoch = 0
+        self._steps_in_epoch = 1
+        self._skipped_steps = 0
+        self._scale_before: float | None = None
+        self._step_pending = False
+
+    @property
+    def progress(self) -> float:
+        """Epochs of applied optimizer steps so far (fractional)."""
+        return self._progress_before_epoch + self._applied_in_epoch / self._steps_in_epoch
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Resolve the schedule length and refuse a second owner of the LR."""
+        if stage != "fit":
+            return
+        total = self.total_epochs if self.total_epochs is not None else trainer.max_epochs
+        if total is None or total <= 0:
+            raise ValueError(
+                "WarmupDecayLR needs the length of training: set WarmupDecayLR.total_epochs or "
+                f"Trainer(max_epochs=...) (max_epochs is {trainer.max_epochs})"
+            )
+        if self.decay != "none" and total <= self.warmup_epochs:
+            raise ValueError(
+                f"WarmupDecayLR: warmup_epochs={self.warmup_epochs} leaves no room for decay in "
+                f"{total} epochs; lower warmup_epochs, raise total_epochs/max_epochs, or use "
+                "decay='none'"
+            )
+        self._total = float(total)
+        from lightning_fastscale.callbacks.batch_size_ramp import BatchSizeRamp
+
+        if any(isinstance(cb, BatchSizeRamp) and cb.scale_lr for cb in trainer.callbacks):
+            raise ValueError(
+                "BatchSizeRamp(scale_lr=True) and WarmupDecayLR both set the learning rate; "
+                "set BatchSizeRamp.scale_lr=false and WarmupDecayLR.reference_batch=<batch the "
+                "base LR was tuned for>: WarmupDecayLR then scales by the current global batch"
+            )
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Capture the configured LRs as base LRs (unless restored from a checkpoint)."""
+        if trainer.lr_scheduler_configs:
+            raise ValueError(
+                "WarmupDecayLR owns the learning rate, but configure_optimizers also returned an "
+                "LR scheduler; remove it (scheduler=none in the Hydra config) or drop WarmupDecayLR"
+            )
+        if len(trainer.optimizers) != 1:
+            raise ValueError(
+                f"WarmupDecayLR drives one optimizer; configure_optimizers returned "
+                f"{len(trainer.optimizers)}"
+            )
+        if self._base_lrs is None:
+            self._base_lrs = [g["lr"] for g in trainer.optimizers[0].param_groups]
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Fail before the first step if linear scaling cannot read the global batch."""
+        if self.reference_batch is not None:
+            current_global_batch(trainer)
+        if math.isinf(trainer.num_training_batches):
+            raise ValueError(
+                "WarmupDecayLR schedules by fractional epochs and needs a training dataloader "
+                "with a length (an IterableDataset without __len__ has none)"
+            )
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Fold the finished epoch into the position."""
+        self._progress_before_epoch += self._applied_in_epoch / self._steps_in_epoch
+        self._applied_in_epoch = 0
+
+    def lr_now(self, trainer: pl.Trainer) -> list[float]:
+        """The LR of each parameter group for the next optimizer step."""
+        assert self._base_lrs is not None
+        scale = 1.0
+        if self.reference_batch is not None:
+            scale = current_global_batch(trainer) / self.reference_batch
+        return [
+            lr_at(
+                self.progress, base * scale, warmup_epochs=self.warmup_epochs,
+                total_epochs=self._total, warmup_start_factor=self.warmup_start_factor,
+                decay=self.decay, power=self.power, end_lr=self.end_lr,
+            )
+            for base in self._base_lrs
+        ]
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        """Set the LR for the step about to run; remember the loss scale to detect a skip."""
+        # Steps in this epoch can change at epoch boundaries (BatchSizeRamp, resizing).
+        self._steps_in_epoch = max(
+            1, math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches)
+        )
+        for group, lr in zip(optimizer.param_groups, self.lr_now(trainer)):
+            group["lr"] = lr
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self._scale_before = scaler.get_scale() if scaler is not None else None
+        self._step_pending = True
+
+    def _last_step_skipped(self, trainer: pl.Trainer) -> bool:
+        plugin = trainer.precision_plugin
+        if hasattr(plugin, "last_step_skipped"):
+            return bool(plugin.last_step_skipped)
+        scaler = getattr(plugin, "scaler", None)
+        if scaler is not None and self._scale_before is not None:
+            return scaler.get_scale() < self._scale_before
+        return False
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Advance the position by one step unless the loss scaler skipped it; log the LR."""
+        if not self._step_pending:
+            return
+        self._step_pending = False
+        if self._last_step_skipped(trainer):
+            self._skipped_steps += 1
+        else:
+            self._applied_in_epoch += 1
+        pl_module.log_dict(
+            {
+                "lr_schedule/lr": trainer.optimizers[0].param_groups[0]["lr"],
+                "lr_schedule/epoch_progress": self.progress,
+                "lr_schedule/skipped_steps": float(self._skipped_steps),
+            },
+            on_step=True, on_epoch=False,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Base LRs and schedule position."""
+        return {
+            "base_lrs": self._base_lrs,
+            "progress_before_epoch": self._progress_before_epoch,
+            "applied_in_epoch": self._applied_in_epoch,
+            "steps_in_epoch": self._steps_in_epoch,
+            "skipped_steps": self._skipped_steps,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore base LRs and schedule position."""
+        self._base_lrs = state_dict["base_lrs"]
+        self._progress_before_epoch = state_dict["progress_before_epoch"]
+        self._applied_in_epoch = state_dict["applied_in_epoch"]
+        self._steps_in_epoch = state_dict["steps_in_epoch"]
+        self._skipped_steps = state_dict["skipped_steps"]

@@ -1,0 +1,313 @@
+"""Progressive resizing: train on small images early and full-size images late.
+
+fast.ai's DAWNBench ImageNet run (Howard et al. 2018, "Now anyone can train Imagenet in 18
+minutes") trained at 128 px, then 224 px, then a final phase at 288 px, raised the batch size
+while images were small, and validated at a larger resolution than it trained at. Composer's
+progressive resizing (MosaicML) starts at a fraction of full size (``initial_scale``, e.g. 0.5)
+and grows linearly to full size, which it keeps for the last ``finish_fraction`` of training.
+
+Functional core: :func:`composer_schedule`, :func:`scaled_batch_size`, :func:`resize_images`
+(plus the shared :func:`~lightning_fastscale.callbacks.batch_size_ramp.value_at_epoch`).
+Lightning adapter: :class:`ProgressiveResizing`, with two ways to make the images a size:
+
+* ``mode="datamodule"``: the datamodule implements
+  :class:`~lightning_fastscale.data.protocol.ResolutionControllable` and decodes at that size
+  (cheaper: small images are also cheaper to load). The callback sets the next epoch's
+  resolution at the end of the previous one and has the dataloaders rebuilt every epoch.
+* ``mode="batch"``: the fallback for any datamodule. Each batch, already on the device, is
+  resized in place with ``torch.nn.functional.interpolate`` (anti-aliased bilinear). This
+  needs batches laid out as a list ``[images, targets, ...]`` with ``images`` of shape
+  ``(N, C, H, W)``, which is what the default collate makes of ``(image, target)`` samples.
+
+``mode="auto"`` takes the datamodule path when the datamodule implements the protocol and
+the batch path otherwise.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+
+from lightning_fastscale.callbacks.batch_size_ramp import resolve_schedule, value_at_epoch
+from lightning_fastscale.data.protocol import (
+    BatchSizeControllable,
+    ResolutionControllable,
+    require_protocol,
+)
+
+MODES = ("auto", "datamodule", "batch")
+
+
+def composer_schedule(
+    max_epochs: int, full_resolution: int, initial_scale: float = 0.5,
+    finish_fraction: float = 0.2, size_increment: int = 4,
+) -> dict[int, int]:
+    """Composer-style schedule by epoch: grow linearly from ``initial_scale`` to full size.
+
+    The scale at epoch ``e`` is ``initial + (1 - initial) * min(1, (e / max_epochs) /
+    (1 - finish_fraction))``; the size is rounded to a multiple of ``size_increment``.
+    Consecutive equal sizes are merged.
+    """
+    if not 0 < initial_scale <= 1:
+        raise ValueError(f"initial_scale={initial_scale} must be in (0, 1]")
+    if not 0 <= finish_fraction < 1:
+        raise ValueError(f"finish_fraction={finish_fraction} must be in [0, 1)")
+    if size_increment <= 0:
+        raise ValueError(f"size_increment={size_increment} must be positive")
+    schedule: dict[int, int] = {}
+    for epoch in range(max_epochs):
+        elapsed = min(1.0, epoch / max_epochs / (1 - finish_fraction))
+        scale = initial_scale + (1 - initial_scale) * elapsed
+        size = max(size_increment, size_increment * round(scale * full_resolution / size_increment))
+        if not schedule or schedule[max(schedule)] != size:
+            schedule[epoch] = size
+    return schedule
+
+
+def scaled_batch_size(
+    base_batch: int, base_resolution: int, resolution: int, max_batch: int | None = None
+) -> int:
+    """fast.ai's rule: keep pixels per batch constant, ``base * (base_res / res)**2``, capped."""
+    size = max(1, math.floor(base_batch * (base_resolution / resolution) ** 2))
+    return size if max_batch is None else min(size, max_batch)
+
+
+def resize_images(images: torch.Tensor, resolution: int) -> torch.Tensor:
+    """Resize a ``(N, C, H, W)`` float batch to ``resolution`` x ``resolution`` (anti-aliased)."""
+    if images.shape[-2:] == (resolution, resolution):
+        return images
+    return F.interpolate(
+        images, size=(resolution, resolution), mode="bilinear", align_corners=False,
+        antialias=True,
+    )
+
+
+class ProgressiveResizing(Callback):
+    """Train at a resolution that changes by epoch (fast.ai 2018; Composer).
+
+    Args:
+        schedule: ``{epoch: resolution}``, piecewise constant (e.g. ``{0: 128, 10: 224,
+            18: 288}``). Or leave it out and give ``full_resolution`` for the Composer form.
+        full_resolution, initial_scale, finish_fraction, size_increment: Composer form (see
+            :func:`composer_schedule`; spans ``Trainer(max_epochs)``).
+        val_resolution: resolution of validation images (fast.ai validated larger than it
+            trained); ``None`` leaves validation alone.
+        mode: ``"auto"``, ``"datamodule"`` or ``"batch"`` (see the module docstring).
+        scale_batch: raise the per-device batch when images are smaller, keeping pixels per
+            batch constant relative to the datamodule's batch size and resolution at setup
+            (fast.ai). Needs ``mode="datamodule"`` and a datamodule implementing
+            ``BatchSizeControllable``. Refused together with ``BatchSizeRamp``: both would own
+            the per-device batch (use one or the other; ``WarmupDecayLR(reference_batch=...)``
+            follows either).
+        max_per_device_batch: cap for ``scale_batch``.
+    """
+
+    def __init__(
+        self,
+        schedule: Mapping[Any, int] | None = None,
+        *,
+        full_resolution: int | None = None,
+        initial_scale: float = 0.5,
+        finish_fraction: float = 0.2,
+        size_increment: int = 4,
+        val_resolution: int | None = None,
+        mode: str = "auto",
+        scale_batch: bool = False,
+        max_per_device_batch: int | None = None,
+    ) -> None:
+        if (schedule is None) == (full_resolution is None):
+            raise ValueError(
+                "ProgressiveResizing needs exactly one of schedule={epoch: resolution} or "
+                "full_resolution=<px> (Composer form with initial_scale/finish_fraction)"
+            )
+        if mode not in MODES:
+            raise ValueError(f"ProgressiveResizing.mode={mode!r}; choose one of {MODES}")
+        if scale_batch and mode == "batch":
+            raise ValueError(
+                "ProgressiveResizing(scale_batch=True) changes the datamodule's batch size and "
+                "cannot work with mode='batch'; use mode='datamodule' (or 'auto') with a "
+                "datamodule implementing BatchSizeControllable, or scale_batch=false"
+            )
+        if val_resolution is not None and val_resolution <= 0:
+            raise ValueError(f"ProgressiveResizing.val_resolution={val_resolution} must be positive")
+        self.schedule = (
+            resolve_schedule(schedule, "ProgressiveResizing.schedule")
+            if schedule is not None else None
+        )
+        self.full_resolution = full_resolution
+        self.initial_scale = initial_scale
+        self.finish_fraction = finish_fraction
+        self.size_increment = size_increment
+        self.val_resolution = val_resolution
+        self.mode = mode
+        self.scale_batch = scale_batch
+        self.max_per_device_batch = max_per_device_batch
+        self._resolved_mode = mode
+        self._base_batch: int | None = None
+        self._base_resolution: int | None = None
+        self._prepared_epoch = 0
+        self._current = 0
+
+    def resolution(self, epoch: int) -> int:
+        """Training resolution of ``epoch``."""
+        assert self.schedule is not None, "schedule is resolved at setup"
+        return value_at_epoch(self.schedule, epoch)
+
+    def batch_size(self, epoch: int) -> int | None:
+        """Per-device batch of ``epoch`` under ``scale_batch``, else ``None``."""
+        if not self.scale_batch:
+            return None
+        return scaled_batch_size(
+            self._base_batch, self._base_resolution, self.resolution(epoch),
+            self.max_per_device_batch,
+        )
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Resolve the schedule and the mode; validate the datamodule before training."""
+        if stage != "fit":
+            return
+        if self.schedule is None:
+            if not trainer.max_epochs or trainer.max_epochs < 1:
+                raise ValueError(
+                    "ProgressiveResizing(full_resolution=...) spreads its schedule over "
+                    "Trainer(max_epochs); set max_epochs or give schedule={epoch: resolution}"
+                )
+            self.schedule = composer_schedule(
+                trainer.max_epochs, self.full_resolution, self.initial_scale,
+                self.finish_fraction, self.size_increment,
+            )
+        dm = trainer.datamodule
+        if self.mode == "auto":
+            self._resolved_mode = "datamodule" if isinstance(dm, ResolutionControllable) else "batch"
+        if self._resolved_mode == "datamodule":
+            require_protocol(dm, ResolutionControllable, "ProgressiveResizing(mode='datamodule')")
+            trainer.reload_dataloaders_every_n_epochs = 1
+            if self.val_resolution is not None:
+                dm.set_val_resolution(self.val_resolution)
+        if self.scale_batch:
+            if self._resolved_mode != "datamodule":
+                raise ValueError(
+                    "ProgressiveResizing(scale_batch=True) needs a datamodule implementing "
+                    f"ResolutionControllable; {type(dm).__name__} does not, so only "
+                    "mode='batch' is possible; set scale_batch=false"
+                )
+            require_protocol(dm, BatchSizeControllable, "ProgressiveResizing(scale_batch=True)")
+            from lightning_fastscale.callbacks.batch_size_ramp import BatchSizeRamp
+
+            if any(isinstance(cb, BatchSizeRamp) for cb in trainer.callbacks):
+                raise ValueError(
+                    "ProgressiveResizing(scale_batch=True) and BatchSizeRamp would both set the "
+                    "per-device batch size; set ProgressiveResizing.scale_batch=false to keep "
+                    "the ramp, or remove BatchSizeRamp"
+                )
+            if self._base_batch is None:
+                self._base_batch = dm.train_batch_size
+                self._base_resolution = dm.train_resolution
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Prepare the first epoch of this fit (0, or the one a resumed run restarts in)."""
+        self._prepare(trainer, self._prepared_epoch)
+
+    def _prepare(self, trainer: pl.Trainer, epoch: int) -> None:
+        self._prepared_epoch = epoch
+        if self._resolved_mode != "datamodule":
+            return
+        trainer.datamodule.set_train_resolution(self.resolution(epoch))
+        if self.scale_batch:
+            trainer.datamodule.set_train_batch_size(self.batch_size(epoch))
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Enter the epoch training starts in (a resumed run may start mid-epoch)."""
+        self._enter_epoch(trainer)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Enter the epoch and log its resolution."""
+        self._enter_epoch(trainer)
+        pl_module.log("resolution/train", float(self._current), on_step=False, on_epoch=True)
+
+    def _enter_epoch(self, trainer: pl.Trainer) -> None:
+        epoch = trainer.current_epoch
+        if epoch != self._prepared_epoch:
+            raise RuntimeError(
+                f"ProgressiveResizing prepared the dataloader for epoch {self._prepared_epoch} "
+                f"but epoch {epoch} is starting; this happens when a checkpoint was saved by a "
+                "callback that runs before ProgressiveResizing at on_train_epoch_end. Put "
+                "ProgressiveResizing before it in the callback list"
+            )
+        self._current = self.resolution(epoch)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Tell the datamodule the next epoch's resolution before its loader is built."""
+        self._prepare(trainer, trainer.current_epoch + 1)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        """Batch mode: resize the images in place. Datamodule mode: check the first batch."""
+        if self._resolved_mode == "batch":
+            _replace_images(batch, self._current, "training")
+        elif batch_idx == 0 and _images(batch) is not None:
+            got = tuple(_images(batch).shape[-2:])
+            if got != (self._current, self._current):
+                raise RuntimeError(
+                    f"ProgressiveResizing asked {type(trainer.datamodule).__name__}."
+                    f"set_train_resolution({self._current}) but the training batch has images of "
+                    f"{got[0]}x{got[1]}; train_dataloader() must build its transforms from "
+                    "self.train_resolution on every call"
+                )
+
+    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Batch mode with ``val_resolution``: resize validation images in place."""
+        if self._resolved_mode == "batch" and self.val_resolution is not None:
+            _replace_images(batch, self.val_resolution, "validation")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Schedule, the epoch the datamodule is prepared for, and the batch reference."""
+        return {
+            "schedule": self.schedule,
+            "prepared_epoch": self._prepared_epoch,
+            "base_batch": self._base_batch,
+            "base_resolution": self._base_resolution,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the position; refuse a checkpoint written under a different schedule."""
+        saved = {int(k): v for k, v in state_dict["schedule"].items()}
+        if self.schedule is not None and saved != self.schedule:
+            raise ValueError(
+                f"the checkpoint was written with ProgressiveResizing schedule {saved}, but this "
+                f"run has {self.schedule}; resume with the same schedule or start a new run"
+            )
+        self.schedule = saved
+        self._prepared_epoch = state_dict["prepared_epoch"]
+        self._base_batch = state_dict["base_batch"]
+        self._base_resolution = state_dict["base_resolution"]
+
+
+def _images(batch: Any) -> torch.Tensor | None:
+    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor) and batch[0].ndim == 4:
+        return batch[0]
+    return None
+
+
+def _replace_images(batch: Any, resolution: int, stage: str) -> None:
+    if not isinstance(batch, list) or _images(batch) is None:
+        layout = type(batch).__name__
+        if isinstance(batch, (list, tuple)) and batch:
+            layout += f" of ({', '.join(type(b).__name__ for b in batch)})"
+        raise TypeError(
+            f"ProgressiveResizing(mode='batch') resizes {stage} images inside the batch and needs "
+            f"a list [images (N, C, H, W), targets, ...]; got a {layout}. Return "
+            "(image, target) samples with the default collate (which makes such a list), or "
+            "implement ResolutionControllable on the datamodule and use mode='datamodule'"
+        )
+    if not batch[0].is_floating_point():
+        raise TypeError(
+            f"ProgressiveResizing(mode='batch') interpolates {stage} images and needs a float "
+            f"tensor, got {batch[0].dtype}; convert images to float in the dataset or use "
+            "mode='datamodule'"
+        )
+    batch[0] = resize_images(batch[0], resolution)
