@@ -1,0 +1,28 @@
+# Two entry points: `make train` (the default job on the built-in dataset) and `make test`.
+# Both create the virtual environment .venv when missing and install the package into it.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# torch/torchvision pinned to the builds the project is tested with (CUDA wheels run on CPU too)
+TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
+
+.PHONY: train test setup clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install $(TORCH_PINS)
+	$(BIN)/pip install -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+train: setup
+	$(BIN)/fastscale-train $(ARGS)
+
+test: setup
+	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) outputs multirun

@@ -1,0 +1,15 @@
+"""Data: the built-in procedural dataset, the ImageNet-layout datamodule, and their protocol."""
+from .datamodules import ImageFolderDataModule, ProceduralDataModule
+from .procedural import MAX_CLASSES, SHAPES, ProceduralShapes
+from .protocol import BatchSizeControllable, ResolutionControllable, require_protocol
+
+__all__ = [
+    "BatchSizeControllable",
+    "ImageFolderDataModule",
+    "MAX_CLASSES",
+    "ProceduralDataModule",
+    "ProceduralShapes",
+    "ResolutionControllable",
+    "SHAPES",
+    "require_protocol",
+]

@@ -1,0 +1,76 @@
+"""The small protocol a datamodule implements so that schedules can change its batch and size.
+
+Batch-size control (Mikami et al. 2018, Smith et al. 2017) and progressive resizing
+(fast.ai 2018) change the per-device batch size and the training resolution between epochs.
+Lightning builds dataloaders once per reload, so a callback cannot do this alone: it asks the
+datamodule through these methods, then makes the Trainer reload the dataloaders at the next
+epoch boundary (``trainer.reload_dataloaders_every_n_epochs``).
+
+To make your own ``LightningDataModule`` work with ``BatchSizeRamp`` and
+``ProgressiveResizing``, give it:
+
+* ``train_batch_size: int`` (per device) and ``set_train_batch_size(n)``: the next call of
+  ``train_dataloader()`` yields batches of ``n`` samples per device;
+* ``train_resolution: int`` and ``set_train_resolution(px)``: the next ``train_dataloader()``
+  yields square images of ``px`` pixels;
+* ``val_resolution: int`` and ``set_val_resolution(px)``: likewise for ``val_dataloader()``.
+
+Setters raise ``ValueError`` for values they cannot serve (zero, negative). A datamodule that
+lacks a method gets a clear error from the callback at setup, never a silent no-op. Both
+built-in datamodules (``ProceduralDataModule``, ``ImageFolderDataModule``) implement it.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class BatchSizeControllable(Protocol):
+    """A datamodule whose per-device training batch size can change between epochs."""
+
+    train_batch_size: int
+
+    def set_train_batch_size(self, per_device_batch_size: int) -> None:
+        """Make the next ``train_dataloader()`` use ``per_device_batch_size``."""
+
+
+@runtime_checkable
+class ResolutionControllable(Protocol):
+    """A datamodule whose training and validation resolutions can change between epochs."""
+
+    train_resolution: int
+    val_resolution: int
+
+    def set_train_resolution(self, resolution: int) -> None:
+        """Make the next ``train_dataloader()`` produce ``resolution`` x ``resolution`` images."""
+
+    def set_val_resolution(self, resolution: int) -> None:
+        """Make the next ``val_dataloader()`` produce ``resolution`` x ``resolution`` images."""
+
+
+def require_protocol(datamodule: Any, protocol: type, needed_by: str) -> None:
+    """Raise a ``TypeError`` naming what is missing if ``datamodule`` lacks ``protocol``."""
+    if datamodule is None:
+        raise TypeError(
+            f"{needed_by} needs a LightningDataModule passed as Trainer.fit(datamodule=...); "
+            "plain dataloaders cannot change batch size or resolution between epochs"
+        )
+    if not isinstance(datamodule, protocol):
+        wanted = [
+            n for n in protocol.__annotations__ if not hasattr(datamodule, n)
+        ] + [
+            n for n in ("set_train_batch_size", "set_train_resolution", "set_val_resolution")
+            if hasattr(protocol, n) and not callable(getattr(datamodule, n, None))
+        ]
+        raise TypeError(
+            f"{needed_by} needs a datamodule implementing {protocol.__name__} "
+            f"(see lightning_fastscale.data.protocol); {type(datamodule).__name__} lacks "
+            f"{', '.join(wanted) or 'part of it'}"
+        )
+
+
+def check_positive(name: str, value: int) -> int:
+    """Validate a batch size or resolution given to a setter."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value

@@ -1,0 +1,167 @@
+"""``fastscale-train``: the Hydra entry point.
+
+Composes ``conf/train.yaml`` with its groups (model, data, optimizer, scheduler, trainer,
+strategy, precision, callbacks, logger, experiment, hparams_search), instantiates them with
+``hydra.utils.instantiate`` and fits an :class:`~lightning_fastscale.module.ImageClassifier`.
+Returns the monitored metric, so sweepers (Optuna) can optimise it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning.pytorch as pl
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+import lightning_fastscale  # noqa: F401  (registers strategies and models)
+
+from .module import ImageClassifier
+
+log = logging.getLogger(__name__)
+
+
+def _config_dir() -> str:
+    # Installed wheels carry the configs inside the package; a source checkout keeps them at
+    # the repository root, as DESIGN.md lays out.
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "conf", here.parent / "conf"):
+        if (candidate / "train.yaml").is_file():
+            return str(candidate)
+    raise FileNotFoundError(f"cannot find the Hydra configs (train.yaml) in {here / 'conf'} or {here.parent / 'conf'}")
+
+
+def _is_multirun() -> bool:
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def build_strategy(cfg: DictConfig, devices: Any) -> Any:
+    """Strategy object or name from the ``strategy`` group.
+
+    Lightning's default DDP launcher re-executes the script once per extra rank, which does
+    not mix with Hydra multirun (each re-executed child would start the whole sweep again).
+    Inside a multirun with several devices the strategy is therefore started with the
+    ``spawn`` method instead, so each sweep job forks its ranks in-process.
+    """
+    node = cfg.get("strategy")
+    if node is None or (isinstance(node, DictConfig) and not node):
+        return "auto"
+    if not isinstance(node, DictConfig):
+        return node
+    multi_device = devices not in (1, "1", None) and not (isinstance(devices, list) and len(devices) == 1)
+    if "_target_" in node:
+        if _is_multirun() and multi_device:
+            return instantiate(node, start_method="spawn")
+        return instantiate(node)
+    name = node.get("name", "auto")
+    if _is_multirun() and multi_device and name == "ddp":
+        return "ddp_spawn"
+    return name
+
+
+def build_precision(cfg: DictConfig) -> tuple[Any, list[Any]]:
+    """``(precision_string_or_None, plugins)`` from the ``precision`` group."""
+    node = cfg.get("precision")
+    if node is None or (isinstance(node, DictConfig) and not node):
+        return None, []
+    if isinstance(node, DictConfig) and "_target_" in node:
+        return None, [instantiate(node)]
+    if isinstance(node, DictConfig):
+        return node.get("value"), []
+    return node, []
+
+
+def build_logger(cfg: DictConfig) -> Any:
+    """The configured logger; W&B goes offline (no network at all) without an API key."""
+    node = cfg.get("logger")
+    if not node:
+        return False
+    if "WandbLogger" in str(node.get("_target_", "")):
+        online = os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") == "online"
+        if not online:
+            os.environ["WANDB_MODE"] = "offline"
+            return instantiate(node, offline=True)
+    return instantiate(node)
+
+
+def _check_output_dir_is_fresh(cfg: DictConfig) -> None:
+    """Refuse to write checkpoints into a folder that already holds some."""
+    ckpt_cfg = cfg.get("callbacks", {}).get("model_checkpoint")
+    if not ckpt_cfg or not ckpt_cfg.get("dirpath"):
+        return
+    dirpath = Path(ckpt_cfg.dirpath)
+    existing = sorted(dirpath.glob("*.ckpt")) if dirpath.is_dir() else []
+    if existing:
+        raise FileExistsError(
+            f"{dirpath} already holds checkpoints ({existing[0].name}, ...); refusing to overwrite "
+            "them. Use a new hydra.run.dir (the default is a fresh timestamped folder), or resume "
+            "with ckpt_path=... which writes into a new run folder."
+        )
+
+
+def train(cfg: DictConfig) -> float | None:
+    """Fit the configured model; return the final value of ``cfg.monitor`` (or None)."""
+    pl.seed_everything(cfg.seed, workers=True)
+    _check_output_dir_is_fresh(cfg)
+    datamodule = instantiate(cfg.data)
+    num_classes = getattr(datamodule, "num_classes", None) or cfg.get("num_classes")
+    model_cfg = cfg.model
+    module = ImageClassifier(
+        model=model_cfg.name,
+        num_classes=num_classes,
+        optimizer=instantiate(cfg.optimizer) if cfg.get("optimizer") else None,
+        scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
+        model_kwargs=OmegaConf.to_container(model_cfg.get("kwargs") or {}, resolve=True),
+    )
+    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
+    logger = build_logger(cfg)
+    precision, plugins = build_precision(cfg)
+    trainer_kwargs: dict[str, Any] = {
+        "strategy": build_strategy(cfg, cfg.trainer.get("devices")),
+        "callbacks": callbacks,
+        "logger": logger,
+        "plugins": plugins or None,
+    }
+    if precision is not None:
+        trainer_kwargs["precision"] = precision
+    trainer: pl.Trainer = instantiate(cfg.trainer, **trainer_kwargs)
+    if logger:
+        trainer.logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    finally:
+        _finish_wandb(logger, trainer)
+    value = trainer.callback_metrics.get(cfg.monitor)
+    if value is None:
+        log.warning("metric %s was not logged; nothing to return", cfg.monitor)
+        return None
+    if trainer.is_global_zero:
+        print(f"final {cfg.monitor}: {float(value):.4f}")
+    return float(value)
+
+
+def _finish_wandb(logger: Any, trainer: pl.Trainer) -> None:
+    from lightning.pytorch.loggers import WandbLogger
+
+    if isinstance(logger, WandbLogger) and trainer.is_global_zero:
+        import wandb
+
+        run = wandb.run
+        if run is not None:
+            print(f"W&B run written to {Path(run.dir).parent}" + (" (offline)" if run.offline else ""))
+        wandb.finish()
+
+
+@hydra.main(version_base="1.3", config_path=_config_dir(), config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    """Console entry point: ``fastscale-train [group=option ...] [key=value ...] [-m]``."""
+    return train(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Run a function on several CPU processes joined by a gloo process group (test helper)."""
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # several ranks share two cores: avoid oversubscription
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        queue.put((rank, fn(rank, world_size, *args)))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120) -> list:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return results by rank.
+
+    ``fn`` must be importable (module level) and its return value picklable. A process that
+    fails makes this raise; the whole run is bounded by ``timeout`` seconds.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = mp.start_processes(
+        _entry, args=(world_size, free_port(), fn, args, queue), nprocs=world_size,
+        join=False, start_method="spawn",
+    )
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not procs.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for p in procs.processes:
+                p.kill()
+            raise TimeoutError(f"distributed run of {fn.__name__} exceeded {timeout}s")
+    results: dict[int, Any] = {}
+    while not queue.empty():
+        rank, value = queue.get()
+        results[rank] = value
+    return [results[r] for r in range(world_size)]
