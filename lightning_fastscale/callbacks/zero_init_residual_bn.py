@@ -1,0 +1,84 @@
+"""Zero-initialise the last BN gamma of every residual branch.
+
+Goyal et al. 2017 ("Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour", section
+5.1) set gamma = 0 in the final BN of each residual block, so every block starts as the
+identity and the network behaves as a shallower one early in training, which eases the
+large learning rates of large-batch training; Jia et al. 2018 (Tencent, batch 64K) use the
+same initialisation.
+
+Supported residual blocks:
+
+* torchvision ResNets: ``BasicBlock.bn2`` and ``Bottleneck.bn3``;
+* any block with a ``zero_init_last()`` method: the marker convention of timm (its ResNet
+  blocks, and other timm families, define it) that this package's own models
+  (``resnet_small``) follow too. Give your own residual blocks such a method to support them.
+
+Functional core: :func:`zero_init_residual_bn`. Lightning adapter: :class:`ZeroInitResidualBN`.
+"""
+from __future__ import annotations
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+from torchvision.models import resnet as tv_resnet
+
+
+def _torchvision_last_bn(block: nn.Module) -> nn.Module | None:
+    if isinstance(block, tv_resnet.Bottleneck):
+        return block.bn3
+    if isinstance(block, tv_resnet.BasicBlock):
+        return block.bn2
+    return None
+
+
+def zero_init_residual_bn(model: nn.Module) -> list[str]:
+    """Zero the gamma of the last BN in each residual branch of ``model`` (Goyal et al. 2017).
+
+    Returns:
+        Qualified names of the residual blocks that were initialised, in module order.
+
+    Raises:
+        ValueError: when ``model`` contains no supported residual block (see the module
+        docstring for what is supported), naming how to add support.
+    """
+    done: list[str] = []
+    for name, block in model.named_modules():
+        zero_init_last = getattr(block, "zero_init_last", None)
+        if callable(zero_init_last):
+            zero_init_last()
+            done.append(name)
+            continue
+        last_bn = _torchvision_last_bn(block)
+        if last_bn is not None and getattr(last_bn, "weight", None) is not None:
+            nn.init.zeros_(last_bn.weight)
+            done.append(name)
+    if not done:
+        raise ValueError(
+            f"ZeroInitResidualBN: {type(model).__name__} has no residual block it knows "
+            "(torchvision BasicBlock/Bottleneck, or a block with a zero_init_last() method as in "
+            "timm); give your residual blocks a zero_init_last() method that zeroes the last "
+            "BN's weight, or remove the callback"
+        )
+    return done
+
+
+class ZeroInitResidualBN(pl.Callback):
+    """Apply :func:`zero_init_residual_bn` to the LightningModule once, before training starts.
+
+    It runs in ``setup("fit")``: before Lightning restores a checkpoint's weights (so a resumed
+    run keeps its trained gammas: the restore overwrites the zeros) and before the strategy
+    wraps or shards the model. The same module object is initialised once only, so a second
+    ``trainer.fit`` on an already trained module does not zero its gammas again. A model built
+    lazily in ``configure_model`` does not exist yet at ``setup``; zero-initialise such models
+    in their constructor (timm: ``zero_init_last=True``; torchvision: ``zero_init_residual=True``).
+    """
+
+    # Kept on the module (not in the callback) so it travels with it, e.g. into spawned workers.
+    _DONE_FLAG = "_fastscale_zero_init_residual_bn_done"
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or getattr(pl_module, self._DONE_FLAG, False):
+            return
+        blocks = zero_init_residual_bn(pl_module)
+        setattr(pl_module, self._DONE_FLAG, True)
+        rank_zero_info(f"ZeroInitResidualBN: zeroed the last BN gamma of {len(blocks)} residual blocks")

@@ -1,0 +1,82 @@
+"""AlexNet-BN: AlexNet with batch normalisation after every conv layer and after pool5.
+
+Krizhevsky et al. 2012's AlexNet does not train at very large batches; You et al. 2017 (LARS)
+replaced its local response normalisation by BN after each convolution ("AlexNet-BN") to
+reach batch 8K-32K, and Jia et al. 2018 (Tencent, "Training ImageNet in Four Minutes") added
+one more BN layer after pool5 so that batch 64K converges (58.7% top-1 in 95 epochs).
+
+Layout (ImageNet widths of the original single-tower network, no channel groups):
+conv1 11x11/4 96 - pool - conv2 5x5 256 - pool - conv3 3x3 384 - conv4 3x3 384 - conv5 3x3 256
+- pool5 - BN - fc6 4096 - fc7 4096 - fc8, each conv followed by BN and ReLU (conv biases are
+dropped: the BN shift replaces them). pool5 is an adaptive max-pool to 6x6: on the 13x13 map a
+224 px input gives, its windows are exactly those of the original 3x3 stride-2 pool, and it
+also lets the network run on the 32-64 px images of the built-in dataset (any input of at
+least 31 px).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .registry import register_model
+
+MIN_RESOLUTION = 31
+"""Smallest input side for which pool1 and pool2 still have a 3x3 window to pool."""
+
+
+def _conv_bn_relu(in_channels: int, out_channels: int, kernel: int, stride: int, padding: int) -> list[nn.Module]:
+    return [
+        nn.Conv2d(in_channels, out_channels, kernel, stride, padding, bias=False),
+        nn.BatchNorm2d(out_channels),
+        nn.ReLU(inplace=True),
+    ]
+
+
+class AlexNetBN(nn.Module):
+    """AlexNet with BN after each conv and after pool5 (You et al. 2017; Jia et al. 2018).
+
+    Args:
+        num_classes: outputs of fc8.
+        dropout: dropout probability before fc6 and fc7 (0.5 as in Krizhevsky et al. 2012).
+        in_channels: input image channels.
+    """
+
+    def __init__(self, num_classes: int = 1000, dropout: float = 0.5, in_channels: int = 3) -> None:
+        super().__init__()
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"model.dropout={dropout} must be in [0, 1)")
+        self.features = nn.Sequential(
+            *_conv_bn_relu(in_channels, 96, 11, 4, 2),
+            nn.MaxPool2d(3, 2),
+            *_conv_bn_relu(96, 256, 5, 1, 2),
+            nn.MaxPool2d(3, 2),
+            *_conv_bn_relu(256, 384, 3, 1, 1),
+            *_conv_bn_relu(384, 384, 3, 1, 1),
+            *_conv_bn_relu(384, 256, 3, 1, 1),
+        )
+        self.pool5 = nn.AdaptiveMaxPool2d(6)
+        self.bn_pool5 = nn.BatchNorm2d(256)
+        self.classifier = nn.Sequential(
+            nn.Flatten(),
+            nn.Dropout(dropout),
+            nn.Linear(256 * 6 * 6, 4096),
+            nn.ReLU(inplace=True),
+            nn.Dropout(dropout),
+            nn.Linear(4096, 4096),
+            nn.ReLU(inplace=True),
+            nn.Linear(4096, num_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if min(x.shape[-2:]) < MIN_RESOLUTION:
+            raise ValueError(
+                f"AlexNetBN needs images of at least {MIN_RESOLUTION} px, got {tuple(x.shape[-2:])}; "
+                "raise the data resolution (e.g. data.resolution=32)"
+            )
+        return self.classifier(self.bn_pool5(self.pool5(self.features(x))))
+
+
+@register_model("alexnet_bn")
+def alexnet_bn(num_classes: int = 1000, **kwargs) -> AlexNetBN:
+    """AlexNet-BN of Jia et al. 2018 (``model=alexnet_bn``); kwargs go to :class:`AlexNetBN`."""
+    return AlexNetBN(num_classes=num_classes, **kwargs)
