@@ -1,0 +1,47 @@
+"""Communication planner: alpha-beta-gamma cost model, fusion planning, scaling prediction.
+
+Answers before a run which all-reduce algorithm (flat ring, hierarchical, 2D torus) and which
+gradient buckets to use on a cluster, and how training will scale (``fastscale-plan``).
+"""
+from lightning_fastscale.planner.auto import AutoPlan, auto_plan, module_profile
+from lightning_fastscale.planner.cluster import Cluster, ClusterConfigError, available_clusters, load_cluster
+from lightning_fastscale.planner.cost_model import (
+    ALGORITHMS,
+    CommParams,
+    Topology,
+    allreduce_time,
+    bandwidth_bound,
+    choose_algorithm,
+    predict_allreduce,
+)
+from lightning_fastscale.planner.fusion import FusionPlan, best_uniform_cap, ddp_buckets, plan_fusion, plan_two_segment
+from lightning_fastscale.planner.profile import GradientProfile, profile_model, profile_module
+from lightning_fastscale.planner.scaling import allreduce_cost, predict_step, scaling_curve
+
+__all__ = [
+    "ALGORITHMS",
+    "AutoPlan",
+    "Cluster",
+    "ClusterConfigError",
+    "CommParams",
+    "FusionPlan",
+    "GradientProfile",
+    "Topology",
+    "allreduce_cost",
+    "allreduce_time",
+    "auto_plan",
+    "available_clusters",
+    "bandwidth_bound",
+    "best_uniform_cap",
+    "choose_algorithm",
+    "ddp_buckets",
+    "load_cluster",
+    "module_profile",
+    "plan_fusion",
+    "plan_two_segment",
+    "predict_allreduce",
+    "predict_step",
+    "profile_model",
+    "profile_module",
+    "scaling_curve",
+]

@@ -1,0 +1,186 @@
+"""Gradient profile of a model: gradient sizes in backward order and estimated backward time.
+
+The fusion planner needs, for every gradient in the order backward produces it, its size and
+the compute time spent before it is ready. Sizes come from the model's parameters. Times
+come from FLOPs: torch's own ``FlopCounterMode`` counts the forward FLOPs of every module on
+a model built on the ``meta`` device (no memory, no compute), backward is taken as twice the
+forward (Kaplan et al. 2020's usual 1:2 forward:backward ratio for matmul/conv), and the
+device's sustained FLOP/s turns FLOPs into seconds. Memory-bound layers (batch norm,
+activations) count zero FLOPs, so pass measured per-layer times where they matter
+(:func:`profile_from_times`).
+
+Backward order is the reverse of ``model.parameters()``, which is also the order DDP assumes
+before its first rebuild; for sequential models it is the order gradients become ready.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+__all__ = ["GradientProfile", "build_model", "profile_from_times", "profile_model", "profile_module"]
+
+
+@dataclass(frozen=True)
+class GradientProfile:
+    """Per-gradient ``names``, ``grad_bytes`` and ``backward_s`` in backward order, plus the
+    forward time of one step and the total parameter count."""
+
+    names: tuple[str, ...]
+    grad_bytes: tuple[int, ...]
+    backward_s: tuple[float, ...]
+    forward_s: float
+
+    @property
+    def numel(self) -> int:
+        """Gradient elements (fp32: ``total_bytes / 4``)."""
+        return sum(self.grad_bytes) // 4
+
+    @property
+    def backward_total_s(self) -> float:
+        """Backward compute time of one step."""
+        return float(sum(self.backward_s))
+
+    def scaled(self, factor: float) -> "GradientProfile":
+        """The same profile with compute times multiplied by ``factor`` (another batch size)."""
+        return GradientProfile(
+            self.names, self.grad_bytes, tuple(t * factor for t in self.backward_s), self.forward_s * factor
+        )
+
+
+class _BertEncoder(nn.Module):
+    """A BERT-shaped encoder (Devlin et al. 2019) from torch's own transformer layers.
+
+    Only the parameter shapes and the FLOPs matter to the planner; vocabulary 30522,
+    512 positions, 2 token types, pooler, as in BERT.
+    """
+
+    def __init__(self, layers: int, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.word = nn.Embedding(30522, hidden)
+        self.position = nn.Embedding(512, hidden)
+        self.token_type = nn.Embedding(2, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        layer = nn.TransformerEncoderLayer(hidden, heads, 4 * hidden, activation="gelu", batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.pooler = nn.Linear(hidden, hidden)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.norm(self.word(tokens) + self.position(positions) + self.token_type(torch.zeros_like(tokens)))
+        return self.pooler(self.encoder(x)[:, 0])
+
+
+_BUILTIN = {"bert_large": (24, 1024, 16), "bert_base": (12, 768, 12)}
+
+
+def build_model(name: str) -> tuple[nn.Module, bool]:
+    """Build ``name`` on the meta device; returns the model and whether it takes token ids.
+
+    Looks in order at the built-in BERT shapes (``bert_base``, ``bert_large``), the package's
+    model factory, torchvision, then timm.
+    """
+    with torch.device("meta"):
+        if name in _BUILTIN:
+            return _BertEncoder(*_BUILTIN[name]), True
+        errors = []
+        try:
+            from lightning_fastscale.models import create_model
+
+            return create_model(name, num_classes=1000), False
+        except Exception as err:  # the factory may not know the name; try the next source
+            errors.append(f"lightning_fastscale.models: {err}")
+        import torchvision
+
+        try:
+            return torchvision.models.get_model(name, weights=None), False
+        except Exception as err:
+            errors.append(f"torchvision: {err}")
+        try:
+            import timm
+
+            return timm.create_model(name, pretrained=False), False
+        except Exception as err:
+            errors.append(f"timm: {err}")
+    raise ValueError(f"model {name!r} not found ({'; '.join(errors)}); built-in: {sorted(_BUILTIN)}")
+
+
+def _own_flops(model: nn.Module, counts: dict[str, dict]) -> dict[str, float]:
+    """FLOPs of each module itself: FlopCounterMode adds children into their callers.
+
+    Containers that are never called (``ModuleList``) have no entry, so a module's FLOPs are
+    taken off its nearest *counted* ancestor.
+    """
+    total = {}
+    root = type(model).__name__
+    for key, ops in counts.items():
+        if key == root or key.startswith(root + "."):
+            total[key[len(root) + 1:]] = float(sum(ops.values()))
+    own = dict(total)
+    for name, flops in total.items():
+        if not name:
+            continue
+        parent = name
+        while parent:
+            parent = parent.rsplit(".", 1)[0] if "." in parent else ""
+            if parent in total:
+                own[parent] -= flops
+                break
+    return {name: max(0.0, flops) for name, flops in own.items()}
+
+
+def profile_model(name: str, batch: int, input_size: int, sustained_tflops: float) -> GradientProfile:
+    """Gradient profile of model ``name`` for a per-rank ``batch`` at ``input_size``.
+
+    ``input_size`` is the image side in pixels, or the sequence length for token models.
+    """
+    if batch < 1 or input_size < 1:
+        raise ValueError(f"batch={batch} and input_size={input_size} must be >= 1")
+    model, tokens = build_model(name)
+    with torch.device("meta"):
+        if tokens:
+            x = torch.zeros(batch, input_size, dtype=torch.long)
+        else:
+            x = torch.empty(batch, 3, input_size, input_size)
+    return profile_module(model, x, sustained_tflops)
+
+
+def profile_module(module: nn.Module, example_input: torch.Tensor, sustained_tflops: float) -> GradientProfile:
+    """Gradient profile of ``module`` from one forward pass on ``example_input``.
+
+    The module may live on the meta device (nothing is computed) or on CPU (one real
+    forward pass, without autograd).
+    """
+    if sustained_tflops <= 0:
+        raise ValueError(f"sustained_tflops={sustained_tflops} must be > 0")
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        module(example_input)
+    own = _own_flops(module, counter.get_flop_counts())
+    flops_per_s = sustained_tflops * 1e12
+    # Backward walks modules in reverse; a module's gradients are ready after its backward.
+    params = [(f"{m}.{p}" if m else p, m, tensor)
+              for m, sub in module.named_modules()
+              for p, tensor in sub.named_parameters(recurse=False) if tensor.requires_grad]
+    names, sizes, times, pending, charged = [], [], [], 0.0, set()
+    for full, module_name, tensor in reversed(params):
+        if module_name not in charged:
+            charged.add(module_name)
+            pending += 2.0 * own.get(module_name, 0.0) / flops_per_s
+        names.append(full)
+        sizes.append(tensor.numel() * tensor.element_size())
+        times.append(pending)
+        pending = 0.0
+    forward_s = sum(own.values()) / flops_per_s
+    return GradientProfile(tuple(names), tuple(sizes), tuple(times), forward_s)
+
+
+def profile_from_times(grad_bytes: Sequence[int], backward_s: Sequence[float], forward_s: float = 0.0) -> GradientProfile:
+    """A profile from measured values (e.g. per-layer backward hooks on the real device)."""
+    if len(grad_bytes) != len(backward_s):
+        raise ValueError("grad_bytes and backward_s must have one entry per gradient")
+    names = tuple(f"grad{i}" for i in range(len(grad_bytes)))
+    return GradientProfile(names, tuple(int(b) for b in grad_bytes), tuple(float(t) for t in backward_s), float(forward_s))

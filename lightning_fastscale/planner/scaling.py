@@ -1,0 +1,112 @@
+"""Predicted step time and scaling efficiency of data-parallel training from 1 GPU upwards.
+
+Weak scaling, as in the published records (Jia et al. 2018; Mikami et al. 2018): every rank
+keeps its per-GPU batch, so the compute of a step is the same on 1 or P GPUs and only the
+gradient all-reduce is added. A step is forward + backward + the communication that the
+fusion plan cannot hide behind backward; scaling efficiency is
+``step(1 GPU) / step(P GPUs)`` (throughput per GPU relative to one GPU).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+
+from lightning_fastscale.planner.cost_model import ALGORITHMS, CommParams, Topology, allreduce_time
+from lightning_fastscale.planner.fusion import FusionPlan, ddp_buckets, plan_fusion, simulate
+from lightning_fastscale.planner.profile import GradientProfile
+
+__all__ = ["StepPrediction", "allreduce_cost", "default_gpu_counts", "predict_step", "scaling_curve"]
+
+
+def allreduce_cost(
+    algorithm: str, topology: Topology, params: CommParams, wire_dtype: str = "fp32",
+    topk_ratio: float | None = None, grad_element_bytes: int = 4,
+):
+    """A vectorised cost function for the fusion planner: bucket bytes (as held) -> seconds."""
+    def cost(nbytes: np.ndarray) -> np.ndarray:
+        return allreduce_time(algorithm, np.asarray(nbytes, dtype=float) / grad_element_bytes,
+                              topology, params, wire_dtype, topk_ratio)
+    return cost
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """One (GPU count, algorithm) point of the prediction."""
+
+    gpus: int
+    nodes: int
+    algorithm: str
+    allreduce_s: float
+    plan: FusionPlan
+    step_s: float
+    compute_s: float
+
+    @property
+    def efficiency(self) -> float:
+        """Scaling efficiency against one GPU (weak scaling)."""
+        return self.compute_s / self.step_s
+
+    def as_dict(self) -> dict:
+        """JSON-friendly summary."""
+        return {
+            "gpus": self.gpus, "nodes": self.nodes, "algorithm": self.algorithm,
+            "allreduce_s": self.allreduce_s, "step_s": self.step_s, "compute_s": self.compute_s,
+            "exposed_comm_s": self.plan.exposed_s, "efficiency": self.efficiency,
+            "num_buckets": self.plan.num_buckets,
+        }
+
+
+def _topology(gpus: int, ranks_per_node: int) -> Topology:
+    if gpus <= ranks_per_node:
+        return Topology(1, gpus)
+    return Topology.from_world(gpus, ranks_per_node)
+
+
+def predict_step(
+    profile: GradientProfile, gpus: int, ranks_per_node: int, params: CommParams, algorithm: str,
+    wire_dtype: str = "fp32", topk_ratio: float | None = None, fusion: str = "auto",
+) -> StepPrediction:
+    """Predicted step on ``gpus`` ranks (``ranks_per_node`` to a node) with ``algorithm``.
+
+    ``fusion``: ``"auto"`` (optimal buckets), ``"two"`` (two segments), ``"single"`` (one
+    bucket after backward, no overlap) or ``"ddp25"`` (DDP's default 25 MiB cap).
+    """
+    topology = _topology(gpus, ranks_per_node)
+    cost = allreduce_cost(algorithm, topology, params, wire_dtype, topk_ratio)
+    grad, back = profile.grad_bytes, profile.backward_s
+    if fusion == "auto":
+        plan = plan_fusion(grad, back, cost)
+    elif fusion == "two":
+        plan = plan_fusion(grad, back, cost, max_buckets=2)
+    elif fusion == "single":
+        plan = simulate([len(grad)], grad, back, cost)
+    elif fusion == "ddp25":
+        plan = simulate(ddp_buckets(grad, [25 * 1024 * 1024]), grad, back, cost)
+    else:
+        raise ValueError(f"fusion={fusion!r} must be one of 'auto', 'two', 'single', 'ddp25'")
+    compute = profile.forward_s + profile.backward_total_s
+    whole = float(cost(np.asarray([float(sum(grad))]))[0])
+    return StepPrediction(gpus, topology.nodes, algorithm, whole, plan, compute + plan.exposed_s, compute)
+
+
+def default_gpu_counts(ranks_per_node: int, up_to: int = 4096) -> list[int]:
+    """1 GPU, one full node, then twice as many nodes each time, up to ``up_to`` GPUs."""
+    counts, nodes = [1], 1
+    while nodes * ranks_per_node <= up_to:
+        counts.append(nodes * ranks_per_node)
+        nodes *= 2
+    return sorted(set(counts))
+
+
+def scaling_curve(
+    profile: GradientProfile, gpu_counts: Sequence[int], ranks_per_node: int, params: CommParams,
+    algorithms: Sequence[str] = ALGORITHMS, wire_dtype: str = "fp32", topk_ratio: float | None = None,
+    fusion: str = "auto",
+) -> list[StepPrediction]:
+    """:func:`predict_step` for every GPU count and algorithm."""
+    predict = partial(predict_step, profile, ranks_per_node=ranks_per_node, params=params,
+                      wire_dtype=wire_dtype, topk_ratio=topk_ratio, fusion=fusion)
+    return [predict(gpus=g, algorithm=a) for g in gpu_counts for a in algorithms]
