@@ -1,0 +1,317 @@
+"""LARS: layer-wise adaptive rate scaling, as a functional core and a plain torch optimizer.
+
+You, Gitman & Ginsburg 2017 ("Large Batch Training of Convolutional Networks",
+arXiv:1708.03888) give each layer its own learning rate, proportional to the ratio of the
+weight norm to the gradient norm:
+
+    local_lr = eta * ||w|| / (||g|| + wd * ||w|| + eps)
+    g'       = local_lr * (g + wd * w)        then momentum SGD with the global lr.
+
+Jia et al. 2018 (Tencent, "Highly Scalable Deep Learning Training System with
+Mixed-Precision: Training ImageNet in Four Minutes") combined it with half-precision compute:
+the trust ratio and the update are computed in fp32, on fp32 master weights.
+
+Conventions, chosen to match timm's ``Lars`` (and NVIDIA apex LARC) so trajectories agree:
+
+* the ratio is 1 where ``||w|| == 0`` or ``||g|| == 0`` (fresh zero-initialised layers);
+* ``trust_clip`` is LARC's clip mode: ``ratio = min(ratio / lr, 1)``, i.e. the effective
+  learning rate of a layer is ``min(local_lr, lr)``;
+* parameters that are not adapted (bias, norm layers: see
+  :mod:`lightning_fastscale.param_groups`) get ratio 1, i.e. the plain ``g + wd * w``.
+
+Everything here works on lists of tensors with torch's ``_foreach`` kernels and one stacked
+tensor of per-layer norms: no Python work per parameter in the arithmetic.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..param_groups import is_excluded, split_parameters, validate_patterns
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def check_lars_options(eta: float, eps: float) -> None:
+    """Raise ``ValueError`` for a trust coefficient or epsilon LARS cannot use."""
+    if not eta > 0:
+        raise ValueError(
+            f"LARS trust coefficient eta={eta!r} must be > 0; You et al. 2017 and the MLPerf "
+            "ResNet-50 reference use eta=0.001"
+        )
+    if not eps >= 0:
+        raise ValueError(f"LARS eps={eps!r} must be >= 0 (it only guards the division; 1e-8 is usual)")
+
+
+def foreach_norms(tensors: Sequence[Tensor]) -> Tensor:
+    """fp32 (or fp64) L2 norm of each tensor, stacked into one 1-D tensor.
+
+    Half-precision inputs are accumulated in fp32: a sum of squares of fp16 values overflows
+    above ~256 and underflows below ~1e-4, which is how fp16 LARS loses its updates.
+    """
+    if not tensors:
+        return torch.empty(0)
+    dtype = torch.float32 if tensors[0].dtype in _HALF else None
+    return torch.stack(torch._foreach_norm(list(tensors), 2, dtype=dtype))
+
+
+def trust_ratios(
+    w_norms: Tensor,
+    g_norms: Tensor,
+    *,
+    lr: float,
+    weight_decay: float,
+    eta: float,
+    eps: float,
+    trust_clip: bool,
+    adapt: Tensor | None = None,
+) -> Tensor:
+    """Per-layer LARS ratios ``eta * ||w|| / (||g|| + wd * ||w|| + eps)`` (You et al. 2017).
+
+    Args:
+        w_norms, g_norms: stacked per-layer norms (same shape).
+        lr: the group's global learning rate (used only by ``trust_clip``).
+        weight_decay: the group's L2 weight decay, folded into the ratio's denominator.
+        eta: trust coefficient.
+        eps: added to the denominator.
+        trust_clip: LARC clip mode, ``min(ratio / lr, 1)``.
+        adapt: optional boolean mask; where False the ratio is 1 (parameter not adapted).
+
+    Returns:
+        A tensor of ratios, in fp32 for half-precision norms.
+    """
+    w_norms = w_norms.float() if w_norms.dtype in _HALF else w_norms
+    g_norms = g_norms.to(w_norms.dtype)
+    ratio = eta * w_norms / (g_norms + weight_decay * w_norms + eps)
+    keep = (w_norms > 0) & (g_norms > 0)
+    if adapt is not None:
+        keep &= adapt
+    ratio = torch.where(keep, ratio, torch.ones_like(ratio))
+    if trust_clip:
+        clipped = (ratio / lr).clamp(max=1.0)
+        # unadapted parameters keep ratio 1: clipping is part of LARS, not of plain SGD
+        ratio = clipped if adapt is None else torch.where(adapt, clipped, ratio)
+    return ratio
+
+
+def lars_rescale_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    *,
+    lr: float,
+    weight_decay: float = 0.0,
+    eta: float = 1e-3,
+    eps: float = 1e-8,
+    trust_clip: bool = False,
+    adapt: Tensor | None = None,
+    grad_norms: Tensor | None = None,
+) -> Tensor:
+    """In place: ``grads[i] <- r_i * (grads[i] + weight_decay * params[i])`` (You et al. 2017).
+
+    The gradients must be the true (unscaled) ones: the ratio is not invariant to a loss
+    scale when ``weight_decay`` or ``eps`` is non-zero (apex LARC issue #1030 computed it on
+    loss-scaled gradients). After this, step any optimizer with weight decay 0 for these
+    parameters; their decay is already in the gradient.
+
+    Args:
+        params, grads: matching lists, one device.
+        lr, weight_decay, eta, eps, trust_clip: see :func:`trust_ratios`.
+        adapt: boolean mask over the list; False entries get ratio 1 (plain ``g + wd*w``).
+        grad_norms: the stacked gradient norms if the caller already has them.
+
+    Returns:
+        The ratios that were applied (1-D, one per tensor).
+    """
+    if not params:
+        return torch.empty(0)
+    g_norms = foreach_norms(grads) if grad_norms is None else grad_norms
+    ratios = trust_ratios(
+        foreach_norms(params), g_norms, lr=lr, weight_decay=weight_decay, eta=eta, eps=eps,
+        trust_clip=trust_clip, adapt=adapt,
+    )
+    grads = list(grads)
+    if weight_decay:
+        torch._foreach_add_(grads, list(params), alpha=weight_decay)
+    torch._foreach_mul_(grads, list(ratios.to(grads[0].dtype).unbind()))
+    return ratios
+
+
+def lars_sgd_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor | None],
+    *,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    nesterov: bool,
+    weight_decay: float,
+    eta: float,
+    eps: float,
+    trust_clip: bool,
+    adapt: Tensor,
+) -> None:
+    """One LARS + momentum-SGD step over lists, leaving ``grads`` unmodified.
+
+    Same update as ``lars_rescale_`` followed by ``torch.optim.SGD`` (weight decay 0), but the
+    ratio is folded into the momentum update (``buf = m*buf + r*g + r*wd*w``) instead of
+    being written into the gradient first: one pass over memory less, which is what brings
+    the step to within a norm or two of plain SGD. New momentum buffers are stored into
+    ``momentum_buffers`` in place.
+    """
+    if not params:
+        return
+    ratios = trust_ratios(
+        foreach_norms(params), foreach_norms(grads), lr=lr, weight_decay=weight_decay, eta=eta,
+        eps=eps, trust_clip=trust_clip, adapt=adapt,
+    ).to(params[0].dtype)
+    r = list(ratios.unbind())
+    r_wd = list((ratios * weight_decay).unbind()) if weight_decay else None
+
+    if momentum == 0:
+        # p <- p * (1 - lr*r*wd) - lr*r*g
+        if r_wd is not None:
+            torch._foreach_mul_(params, list((1 - lr * ratios * weight_decay).unbind()))
+        torch._foreach_addcmul_(params, grads, list((-lr * ratios).unbind()))
+        return
+
+    old = [i for i, b in enumerate(momentum_buffers) if b is not None]
+    if old:
+        bufs = [momentum_buffers[i] for i in old]
+        scale = 1.0 - dampening
+        torch._foreach_mul_(bufs, momentum)
+        torch._foreach_addcmul_(bufs, [grads[i] for i in old], [r[i] for i in old], value=scale)
+        if r_wd is not None:
+            torch._foreach_addcmul_(bufs, [params[i] for i in old], [r_wd[i] for i in old], value=scale)
+    if len(old) < len(params):
+        # torch SGD starts a buffer at the first update itself (no dampening)
+        fresh = [i for i, b in enumerate(momentum_buffers) if b is None]
+        new = torch._foreach_mul([grads[i] for i in fresh], [r[i] for i in fresh])
+        if r_wd is not None:
+            torch._foreach_addcmul_(new, [params[i] for i in fresh], [r_wd[i] for i in fresh])
+        for i, buf in zip(fresh, new):
+            momentum_buffers[i] = buf
+
+    bufs = momentum_buffers  # all present now
+    if nesterov:
+        # p <- p - lr * (r*(g + wd*p) + m*buf), with the decay term taken from the old p
+        if r_wd is not None:
+            torch._foreach_mul_(params, list((1 - lr * ratios * weight_decay).unbind()))
+        torch._foreach_addcmul_(params, grads, list((-lr * ratios).unbind()))
+        torch._foreach_add_(params, bufs, alpha=-lr * momentum)
+    else:
+        torch._foreach_add_(params, bufs, alpha=-lr)
+
+
+class LARS(torch.optim.Optimizer):
+    """Momentum SGD with LARS layer-wise learning rates (You et al. 2017), for plain PyTorch.
+
+    The update equals ``torch.optim.SGD`` (momentum, dampening, nesterov) on the gradient
+    ``r * (g + wd * w)``, ``r`` the trust ratio of :func:`trust_ratios`, computed in fp32. The
+    same arithmetic as :class:`~lightning_fastscale.precision.LARSMixedPrecision`; use that
+    plugin under Lightning (it adds loss scaling and skipping of non-finite steps).
+
+    Which parameters are adapted follows the shared rule of
+    :mod:`lightning_fastscale.param_groups`: given bare parameters, those with ``ndim <= 1``
+    (bias, norm affine) are not adapted (they still get the group's weight decay, as SGD
+    would); :meth:`from_module` applies the full rule (also parameters of norm layers and
+    name patterns) and gives the excluded ones weight decay 0, as Jia et al. 2018 do.
+    A group with ``lars=False`` is plain SGD.
+
+    Args:
+        params: parameters or parameter groups.
+        lr: global learning rate.
+        momentum, dampening, nesterov, weight_decay: as in ``torch.optim.SGD``.
+        eta: trust coefficient (0.001 in You et al. and MLPerf).
+        eps: added to the ratio's denominator.
+        trust_clip: LARC clip mode (effective lr ``min(local_lr, lr)``).
+
+    Correspondence with ``timm.optim.Lars``: ``trust_coeff=eta``, same ``eps``,
+    ``trust_clip``, momentum/dampening/nesterov; timm adapts every parameter of a group with
+    non-zero weight decay, so put the excluded parameters in a group with ``weight_decay=0``
+    (what :meth:`from_module` does) to get identical trajectories.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float,
+        momentum: float = 0.9,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        eta: float = 1e-3,
+        eps: float = 1e-8,
+        trust_clip: bool = False,
+    ) -> None:
+        if not lr >= 0:
+            raise ValueError(f"LARS lr={lr!r} must be >= 0")
+        if not momentum >= 0:
+            raise ValueError(f"LARS momentum={momentum!r} must be >= 0")
+        if not weight_decay >= 0:
+            raise ValueError(f"LARS weight_decay={weight_decay!r} must be >= 0")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("LARS nesterov=True needs momentum > 0 and dampening 0 (as torch SGD)")
+        check_lars_options(eta, eps)
+        defaults = dict(
+            lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+            nesterov=nesterov, eta=eta, eps=eps, trust_clip=trust_clip, lars=True,
+        )
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group (may override any default, and ``lars``)."""
+        super().add_param_group(param_group)
+        check_lars_options(self.param_groups[-1]["eta"], self.param_groups[-1]["eps"])
+
+    @classmethod
+    def from_module(
+        cls,
+        module: nn.Module,
+        lr: float,
+        weight_decay: float = 0.0,
+        exclude: Sequence[str] = (),
+        **kwargs: Any,
+    ) -> LARS:
+        """LARS over ``module`` with bias/norm parameters (and ``exclude`` name globs) in a
+        group with neither LARS nor weight decay (Jia et al. 2018; MLPerf reference)."""
+        adapted, excluded = split_parameters(module, validate_patterns(exclude))
+        if not adapted:
+            raise ValueError(
+                f"LARS.from_module: exclude={list(exclude)!r} together with the bias/norm rule "
+                "excludes every parameter of the module; narrow the patterns"
+            )
+        groups: list[dict[str, Any]] = [{"params": [p for _, p in adapted], "weight_decay": weight_decay}]
+        if excluded:
+            groups.append({"params": [p for _, p in excluded], "weight_decay": 0.0, "lars": False})
+        return cls(groups, lr=lr, **kwargs)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One update; ``closure`` re-evaluates the loss as for any torch optimizer."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            grads = [p.grad for p in params]
+            bufs = [self.state[p].get("momentum_buffer") for p in params] if group["momentum"] else []
+            adapt = torch.tensor(
+                [group["lars"] and not is_excluded("", p) for p in params], device=params[0].device
+            )
+            lars_sgd_(
+                params, grads, bufs, lr=float(group["lr"]), momentum=group["momentum"],
+                dampening=group["dampening"], nesterov=group["nesterov"],
+                weight_decay=group["weight_decay"], eta=group["eta"], eps=group["eps"],
+                trust_clip=group["trust_clip"], adapt=adapt,
+            )
+            for p, buf in zip(params, bufs):
+                self.state[p]["momentum_buffer"] = buf
+        return loss

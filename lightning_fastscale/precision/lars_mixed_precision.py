@@ -1,0 +1,306 @@
+"""``LARSMixedPrecision``: half-precision compute, fp32 master weights, loss scaling and LARS.
+
+Jia et al. 2018 (Tencent, "Highly Scalable Deep Learning Training System with
+Mixed-Precision: Training ImageNet in Four Minutes") trained ResNet-50 at batch 64K with
+fp16 compute and LARS (You et al. 2017). LARS applied to fp16 weights failed: many updates
+rounded to zero. Their fix, which this plugin reproduces on top of Lightning's
+``MixedPrecision`` plugin: the forward/backward run in half precision under ``torch.autocast``
+while the parameters (the master weights) stay fp32; the loss is scaled so small gradients
+survive fp16; the trust ratio and the update are computed in fp32 from the *unscaled*
+gradient.
+
+The step, in order (``optimizer_step``):
+
+1. closure: forward under autocast, backward of the scaled loss;
+2. ``scaler.unscale_`` (16-mixed only): gradients are the true ones from here on;
+3. Lightning's ``on_before_optimizer_step`` hooks, then gradient clipping if configured
+   (``Trainer(gradient_clip_val=...)``), on the unscaled gradients and before LARS. Note
+   that with weight decay 0, LARS is invariant to the gradient's norm, so norm clipping only
+   affects parameters LARS does not adapt;
+4. if any gradient is non-finite (or its norm overflows fp32): skip the step entirely (no
+   weight, momentum or LARS change), the scaler backs off, ``skipped_steps`` grows,
+   ``last_step_skipped`` is True;
+5. LARS: every gradient becomes ``r * (g + wd * w)`` in fp32, ``r`` the trust ratio for
+   adapted parameters and 1 for excluded ones, with ``wd`` the group's weight decay; the
+   group's ``weight_decay`` is set to 0 for the wrapped step and restored after (as apex
+   LARC does), so nothing is decayed twice;
+6. the wrapped optimizer's ``step()``;
+7. ``scaler.update()``.
+
+Which parameters LARS leaves alone is the shared rule of
+:mod:`lightning_fastscale.param_groups` (bias, normalisation layers, ``ndim <= 1``, plus the
+``exclude`` name globs).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import Tensor, nn
+from torch.optim import LBFGS, Optimizer
+
+from ..param_groups import is_excluded, split_parameters, validate_patterns
+from .lars import check_lars_options, foreach_norms, lars_rescale_
+
+log = logging.getLogger(__name__)
+
+PRECISIONS = ("16-mixed", "bf16-mixed", "32-true")
+_ALIASES = {"32": "32-true"}
+
+
+def _lightning_module(model: nn.Module) -> nn.Module:
+    """The LightningModule inside strategy wrappers such as DistributedDataParallel."""
+    while not isinstance(model, pl.LightningModule) and isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    return model
+
+
+class LARSMixedPrecision(MixedPrecision):
+    """Lightning precision plugin: autocast compute, fp32 master weights, loss scaling, LARS.
+
+    ``Trainer(plugins=[LARSMixedPrecision("bf16-mixed")])`` with the module's own optimizer
+    (momentum SGD is the usual one). See the module docstring for the exact step order
+    (Jia et al. 2018; You et al. 2017).
+
+    Args:
+        precision: ``"16-mixed"`` (fp16 autocast + dynamic loss scaling), ``"bf16-mixed"``
+            (bf16 autocast, no scaler) or ``"32"``/``"32-true"`` (no autocast). fp16 autocast
+            works on CPU with torch >= 2.3 as well as on CUDA.
+        device: autocast/scaler device type, ``"cuda"`` or ``"cpu"``; by default ``"cuda"``
+            when CUDA is available.
+        eta: trust coefficient (0.001 in You et al. and the MLPerf reference).
+        eps: added to the ratio's denominator.
+        trust_clip: LARC clip mode, ratio ``min(ratio / lr, 1)``: a layer's effective
+            learning rate is ``min(local_lr, lr)``.
+        exclude: extra glob patterns on parameter names (``fnmatch``) that LARS leaves alone,
+            on top of the shared bias/norm rule.
+        scaler: a ``torch.amp.GradScaler`` to use for ``"16-mixed"`` (one is made otherwise).
+
+    Attributes:
+        skipped_steps: how many optimizer steps were skipped for non-finite gradients
+            (saved in checkpoints, logged as ``lars/skipped_steps``).
+        last_step_skipped: whether the most recent ``optimizer_step`` was skipped for
+            non-finite gradients. Schedulers that must not advance on a skipped step (the
+            warmup schedule) read this.
+    """
+
+    def __init__(
+        self,
+        precision: str = "bf16-mixed",
+        device: str | None = None,
+        *,
+        eta: float = 1e-3,
+        eps: float = 1e-8,
+        trust_clip: bool = False,
+        exclude: Sequence[str] = (),
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
+        precision = _ALIASES.get(str(precision), str(precision))
+        if precision not in PRECISIONS:
+            raise ValueError(
+                f"LARSMixedPrecision(precision={precision!r}) is not supported; use one of "
+                f"{PRECISIONS} ('32' is accepted for '32-true')"
+            )
+        check_lars_options(eta, eps)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device not in ("cuda", "cpu"):
+            raise ValueError(f"LARSMixedPrecision(device={device!r}) must be 'cuda' or 'cpu'")
+        if precision == "32-true":
+            if scaler is not None:
+                raise ValueError("LARSMixedPrecision(precision='32-true') uses no loss scaler; drop `scaler`")
+            # MixedPrecision accepts only the two autocast modes; fp32 needs none of its setup
+            self.precision = precision
+            self.device = device
+            self.scaler = None
+        else:
+            super().__init__(precision, device, scaler)  # type: ignore[arg-type]
+        self.eta = eta
+        self.eps = eps
+        self.trust_clip = trust_clip
+        self.exclude = validate_patterns(exclude)
+        self.skipped_steps = 0
+        self.last_step_skipped = False
+        self._adapted_ids: set[int] | None = None
+        self._named_ids: set[int] = set()
+
+    # ---- setup -------------------------------------------------------------------------
+
+    def connect(
+        self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
+        """Classify parameters and validate the configuration before the first step."""
+        self._classify(_lightning_module(model))
+        for optimizer in optimizers:
+            self._validate(optimizer)
+        return super().connect(model, optimizers, lr_schedulers)
+
+    def _classify(self, module: nn.Module) -> None:
+        adapted, excluded = split_parameters(module, self.exclude)
+        self._adapted_ids = {id(p) for _, p in adapted}
+        self._named_ids = self._adapted_ids | {id(p) for _, p in excluded}
+
+    def _adapts(self, p: Tensor) -> bool:
+        assert self._adapted_ids is not None
+        if id(p) in self._named_ids:
+            return id(p) in self._adapted_ids
+        # a parameter the module does not name: only the name-free part of the rule applies
+        return not is_excluded("", p)
+
+    def _validate(self, optimizer: Optimizer) -> None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if params and not any(self._adapts(p) for p in params):
+            raise ValueError(
+                f"LARSMixedPrecision(exclude={self.exclude!r}): the bias/norm rule plus these "
+                f"patterns exclude all {len(params)} parameters of {type(optimizer).__name__}, so "
+                "LARS would do nothing; narrow `exclude` or use plain MixedPrecision"
+            )
+        low = sorted({str(p.dtype) for p in params if p.dtype in (torch.float16, torch.bfloat16)})
+        if low:
+            raise ValueError(
+                f"LARSMixedPrecision keeps fp32 master weights, but the model has {low} parameters "
+                "(e.g. after `.half()`); keep the module in fp32: autocast does the half-precision "
+                "compute (Jia et al. 2018: LARS on fp16 weights loses its updates)"
+            )
+        for group in optimizer.param_groups:
+            if group.get("weight_decay", 0.0) and (
+                isinstance(optimizer, torch.optim.AdamW) or group.get("decoupled_weight_decay", False)
+            ):
+                raise ValueError(
+                    f"LARSMixedPrecision folds weight decay into the gradient (L2, as LARS "
+                    f"defines it), which would change {type(optimizer).__name__}'s decoupled "
+                    "decay; use SGD (or Adam) for LARS, or set weight_decay=0"
+                )
+        decayed_excluded = sum(
+            1 for g in optimizer.param_groups if g.get("weight_decay", 0.0)
+            for p in g["params"] if not self._adapts(p)
+        )
+        if decayed_excluded:
+            rank_zero_warn(
+                f"LARSMixedPrecision: {decayed_excluded} parameters that LARS excludes (bias/norm) "
+                "are in optimizer groups with weight decay, so they are still decayed; Jia et al. "
+                "2018 decay neither: add the NoWeightDecayOnBiasNorm callback or build the groups "
+                "with lightning_fastscale.param_groups"
+            )
+
+    # ---- autocast ----------------------------------------------------------------------
+
+    def autocast_context_manager(self) -> torch.autocast:
+        """``torch.autocast`` for the mixed modes; a disabled one for ``"32-true"``."""
+        if self.precision == "32-true":
+            return torch.autocast(self.device, enabled=False)
+        return super().autocast_context_manager()
+
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        """Run forward passes under :meth:`autocast_context_manager`."""
+        with self.autocast_context_manager():
+            yield
+
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        """Clip the unscaled gradients (this plugin unscales for every optimizer, fused ones too)."""
+        Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
+
+    # ---- the step ----------------------------------------------------------------------
+
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: Optimizer,
+        model: pl.LightningModule,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        """Closure, unscale, hooks/clipping, non-finite skip, LARS, optimizer step, scaler update."""
+        if isinstance(optimizer, LBFGS):
+            raise MisconfigurationException("LARSMixedPrecision does not support LBFGS (a closure-driven line search)")
+        closure_result = closure()
+        if closure_result is None and model.automatic_optimization:
+            # training_step returned None: Lightning skipped backward, there is nothing to step
+            return closure_result
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+        self._after_closure(model, optimizer)
+        if self._adapted_ids is None:
+            self._classify(_lightning_module(model))
+            self._validate(optimizer)
+
+        groups = []
+        finite: list[Tensor] = []
+        for group in optimizer.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                grads = [p.grad for p in params]
+                g_norms = foreach_norms(grads)
+                finite.append(torch.isfinite(g_norms).all())
+                groups.append((group, params, grads, g_norms))
+
+        self.last_step_skipped = bool(finite) and not bool(torch.stack(finite).all())
+        if self.last_step_skipped:
+            self.skipped_steps += 1
+            log.info("LARSMixedPrecision: non-finite gradient, step skipped (%d so far)", self.skipped_steps)
+            step_output = None
+        else:
+            step_output = self._lars_step(optimizer, groups, **kwargs)
+        if self.scaler is not None:
+            # after unscale_ found an inf, update() lowers the scale; otherwise it may grow it
+            self.scaler.update()
+        self._log(model)
+        return closure_result if step_output is None else step_output
+
+    def _lars_step(self, optimizer: Optimizer, groups: list[tuple], **kwargs: Any) -> Any:
+        saved: list[tuple[dict, float]] = []
+        try:
+            for group, params, grads, g_norms in groups:
+                flags = [self._adapts(p) for p in params]
+                wd = group.get("weight_decay", 0.0)
+                if any(flags) or wd:
+                    lars_rescale_(
+                        params, grads, lr=float(group["lr"]), weight_decay=wd, eta=self.eta,
+                        eps=self.eps, trust_clip=self.trust_clip,
+                        adapt=torch.tensor(flags, device=g_norms.device), grad_norms=g_norms,
+                    )
+                if wd:
+                    saved.append((group, wd))
+                    group["weight_decay"] = 0.0
+            return optimizer.step(**kwargs)
+        finally:
+            for group, wd in saved:
+                group["weight_decay"] = wd
+
+    def _log(self, model: pl.LightningModule) -> None:
+        # self.log is only valid inside the Trainer's control flow (fit loop hooks)
+        trainer = getattr(model, "_trainer", None)
+        if trainer is None or getattr(model, "_current_fx_name", None) is None:
+            return
+        metrics = {"lars/skipped_steps": float(self.skipped_steps)}
+        if self.scaler is not None:
+            metrics["lars/loss_scale"] = float(self.scaler.get_scale())
+        model.log_dict(metrics, on_step=True, on_epoch=False, logger=trainer.logger is not None)
+
+    # ---- checkpointing -----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Loss-scaler state and the skip counters, saved in Lightning checkpoints."""
+        return {
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "skipped_steps": self.skipped_steps,
+            "last_step_skipped": self.last_step_skipped,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        if self.scaler is not None and state_dict.get("scaler"):
+            self.scaler.load_state_dict(state_dict["scaler"])
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self.last_step_skipped = bool(state_dict.get("last_step_skipped", False))
