@@ -222,6 +222,9 @@ class BatchSizeRamp(Callback):
         if stage != "fit":
             return
         require_protocol(trainer.datamodule, BatchSizeControllable, "BatchSizeRamp")
+        # A new fit starts at epoch 0 unless a checkpoint is restored after this hook.
+        self._prepared_epoch = 0
+        self._base_lrs = None
         self._world_size = trainer.world_size
         plans = [self.plan(epoch) for epoch in self.schedule]
         if any(p.accumulation > 1 for p in plans) and not pl_module.automatic_optimization:
@@ -268,7 +271,7 @@ class BatchSizeRamp(Callback):
                 "batch_size/per_device": float(plan.per_device),
                 "batch_size/accumulation": float(plan.accumulation),
             },
-            on_step=False, on_epoch=True,
+            on_step=False, on_epoch=True, sync_dist=True,
         )
 
     def _enter_epoch(self, trainer: pl.Trainer) -> BatchPlan:

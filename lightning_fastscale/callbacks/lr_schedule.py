@@ -174,6 +174,12 @@ class WarmupDecayLR(Callback):
                 "decay='none'"
             )
         self._total = float(total)
+        # A new fit starts the schedule afresh unless a checkpoint is restored after this hook.
+        self._base_lrs = None
+        self._progress_before_epoch = 0.0
+        self._applied_in_epoch = 0
+        self._steps_in_epoch = 1
+        self._skipped_steps = 0
         from lightning_fastscale.callbacks.batch_size_ramp import BatchSizeRamp
 
         if any(isinstance(cb, BatchSizeRamp) and cb.scale_lr for cb in trainer.callbacks):

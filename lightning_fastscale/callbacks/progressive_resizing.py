@@ -135,10 +135,11 @@ class ProgressiveResizing(Callback):
             )
         if val_resolution is not None and val_resolution <= 0:
             raise ValueError(f"ProgressiveResizing.val_resolution={val_resolution} must be positive")
-        self.schedule = (
+        self._fixed_schedule = (
             resolve_schedule(schedule, "ProgressiveResizing.schedule")
             if schedule is not None else None
         )
+        self.schedule = self._fixed_schedule
         self.full_resolution = full_resolution
         self.initial_scale = initial_scale
         self.finish_fraction = finish_fraction
@@ -171,6 +172,10 @@ class ProgressiveResizing(Callback):
         """Resolve the schedule and the mode; validate the datamodule before training."""
         if stage != "fit":
             return
+        # A new fit starts at epoch 0 unless a checkpoint is restored after this hook.
+        self._prepared_epoch = 0
+        self._base_batch = self._base_resolution = None
+        self.schedule = self._fixed_schedule
         if self.schedule is None:
             if not trainer.max_epochs or trainer.max_epochs < 1:
                 raise ValueError(
@@ -205,9 +210,8 @@ class ProgressiveResizing(Callback):
                     "per-device batch size; set ProgressiveResizing.scale_batch=false to keep "
                     "the ramp, or remove BatchSizeRamp"
                 )
-            if self._base_batch is None:
-                self._base_batch = dm.train_batch_size
-                self._base_resolution = dm.train_resolution
+            self._base_batch = dm.train_batch_size
+            self._base_resolution = dm.train_resolution
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Prepare the first epoch of this fit (0, or the one a resumed run restarts in)."""
@@ -228,7 +232,7 @@ class ProgressiveResizing(Callback):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Enter the epoch and log its resolution."""
         self._enter_epoch(trainer)
-        pl_module.log("resolution/train", float(self._current), on_step=False, on_epoch=True)
+        pl_module.log("resolution/train", float(self._current), on_step=False, on_epoch=True, sync_dist=True)
 
     def _enter_epoch(self, trainer: pl.Trainer) -> None:
         epoch = trainer.current_epoch
@@ -276,7 +280,7 @@ class ProgressiveResizing(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the position; refuse a checkpoint written under a different schedule."""
         saved = {int(k): v for k, v in state_dict["schedule"].items()}
-        if self.schedule is not None and saved != self.schedule:
+        if saved != self.schedule:
             raise ValueError(
                 f"the checkpoint was written with ProgressiveResizing schedule {saved}, but this "
                 f"run has {self.schedule}; resume with the same schedule or start a new run"

@@ -1,0 +1,25 @@
+"""Large-batch recipe callbacks, one technique per module (see each module for its paper)."""
+from lightning_fastscale.callbacks.batch_size_ramp import BatchSizeRamp
+from lightning_fastscale.callbacks.lr_schedule import WarmupDecayLR
+from lightning_fastscale.callbacks.progressive_resizing import ProgressiveResizing
+from lightning_fastscale.callbacks.label_smoothing import LabelSmoothing, smooth_targets, smoothing_at_epoch
+from lightning_fastscale.callbacks.skip_weight_decay import (
+    NoWeightDecayOnBiasNorm,
+    SkipWeightDecay,
+    param_groups_without_decay,
+)
+from lightning_fastscale.callbacks.zero_init_residual_bn import ZeroInitResidualBN, zero_init_residual_bn
+
+__all__ = [
+    "BatchSizeRamp",
+    "LabelSmoothing",
+    "NoWeightDecayOnBiasNorm",
+    "ProgressiveResizing",
+    "SkipWeightDecay",
+    "WarmupDecayLR",
+    "ZeroInitResidualBN",
+    "param_groups_without_decay",
+    "smooth_targets",
+    "smoothing_at_epoch",
+    "zero_init_residual_bn",
+]
