@@ -1,0 +1,200 @@
+"""Measure all-reduce algorithms on an emulated cluster: the API behind ``benchmarks/allreduce.py``.
+
+:func:`measure_allreduce` builds an :class:`~lightning_fastscale.emulation.EmulatedCluster`
+per bandwidth cap, starts ``torchrun --nnodes N --node_rank i`` on every emulated node (the
+real multi-node launch path) and times each algorithm on each size. Results come back as a
+plain dict, so the planner can fit its alpha-beta cost model to them.
+
+Times are compared against the bandwidth bound 2(N-1)/N * M / B: the bytes each node must
+send over its link in any all-reduce of M bytes across N nodes (Patarasuk & Yuan 2009; used
+for the hierarchical all-reduce of Jia et al. 2018 and the 2D torus of Mikami et al. 2018).
+
+Algorithm specs are ``name[:dtype][@chunks]``: ``dtype`` (``fp32``, ``fp16``, ``bf16``) is
+what goes over the wire, ``chunks`` splits the tensor into that many pieces pipelined through
+the stages (default: one piece). Names:
+
+- ``flat``: ``torch.distributed.all_reduce`` over all ranks (what plain DDP does; gloo ring).
+- ``ring``, ``hier``, ``torus2d``: the strategy's functions in
+  :mod:`lightning_fastscale.strategies.allreduce`.
+- ``hier_topk``, ``torus2d_topk``: the same with top-k compression of the inter-node stage
+  (``topk_ratio``, error feedback carried across repetitions).
+- ``pipe_hier``, ``pipe_torus2d``: the chunk-pipelined variants of
+  :mod:`lightning_fastscale.strategies.pipelined` (fp32 inside the node, ``dtype`` between
+  nodes only).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+__all__ = ["measure_allreduce", "bandwidth_bound_s", "parse_algorithm", "WIRE_DTYPES"]
+
+WIRE_DTYPES = {"fp32": None, "fp16": "float16", "bf16": "bfloat16"}
+_ALGORITHMS = ("flat", "ring", "hier", "torus2d", "hier_topk", "torus2d_topk", "pipe_hier", "pipe_torus2d")
+_MASTER_PORT = 29500  # free by construction: the emulated network namespaces are new
+
+
+def parse_algorithm(spec: str) -> tuple[str, str, int]:
+    """``"hier:fp16@8"`` -> ``("hier", "fp16", 8)``; defaults: ``fp32`` on the wire, 1 chunk."""
+    head, _, chunks = spec.partition("@")
+    name, _, dtype = head.partition(":")
+    dtype = dtype or "fp32"
+    if name not in _ALGORITHMS:
+        raise ValueError(f"unknown algorithm {name!r} in {spec!r}; choose from {', '.join(_ALGORITHMS)}")
+    if dtype not in WIRE_DTYPES:
+        raise ValueError(f"unknown wire dtype {dtype!r} in {spec!r}; choose from {', '.join(WIRE_DTYPES)}")
+    if chunks and not (chunks.isdigit() and int(chunks) >= 1):
+        raise ValueError(f"chunk count in {spec!r} must be a positive integer (e.g. hier@8)")
+    return name, dtype, int(chunks or 1)
+
+
+def bandwidth_bound_s(num_bytes: float, num_nodes: int, bandwidth_mbit: float) -> float:
+    """Lower bound on the time of an all-reduce of ``num_bytes`` across ``num_nodes`` links."""
+    return 2 * (num_nodes - 1) / num_nodes * num_bytes / (bandwidth_mbit * 1e6 / 8)
+
+
+def measure_allreduce(
+    numels: Sequence[int],
+    algorithms: Sequence[str],
+    caps_mbit: Sequence[float | None],
+    *,
+    num_nodes: int = 2,
+    ranks_per_node: int = 4,
+    reps: int = 3,
+    topk_ratio: float = 0.01,
+    timeout_s: float = 900.0,
+) -> dict:
+    """Time all-reduce ``algorithms`` of fp32 tensors of ``numels`` elements on emulated clusters.
+
+    One emulated cluster of ``num_nodes`` x ``ranks_per_node`` CPU ranks (gloo) is built per
+    entry of ``caps_mbit`` (Mbit/s per node link and direction; ``None`` = uncapped). Every
+    (size, algorithm) is run ``reps`` times after one warm-up; a repetition's time is the
+    slowest rank's. Needs root (network namespaces); raises
+    :class:`~lightning_fastscale.emulation.NamespaceUnavailable` otherwise.
+
+    Returns ``{"config": {...}, "results": [{"cap_mbit", "numel", "algorithm", "times_s",
+    "median_s", "rel_error", "bound_s", "bound_fraction", "ratio_vs_flat"}, ...]}`` where
+    ``bound_s`` is for the fp32 payload and ``ratio_vs_flat`` is flat's median over this
+    one's, measured in the same cluster (``None`` when ``flat`` was not requested).
+    """
+    from lightning_fastscale.emulation.netns_cluster import EmulatedCluster
+
+    for spec in algorithms:
+        parse_algorithm(spec)
+    config = dict(numels=list(numels), algorithms=list(algorithms), reps=reps,
+                  topk_ratio=topk_ratio, ranks_per_node=ranks_per_node)
+    results = []
+    for cap in caps_mbit:
+        with tempfile.TemporaryDirectory(prefix="fastscale-allreduce-") as tmp:
+            out = Path(tmp) / "result.json"
+            worker_cfg = dict(config, output=str(out))
+            with EmulatedCluster(num_nodes, bandwidth_mbit=cap) as cluster:
+                commands = [
+                    [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(num_nodes),
+                     "--node_rank", str(i), "--nproc_per_node", str(ranks_per_node),
+                     "--master_addr", cluster.nodes[0].address, "--master_port", str(_MASTER_PORT),
+                     "-m", "lightning_fastscale.emulation.collectives", "--worker", json.dumps(worker_cfg)]
+                    for i in range(num_nodes)
+                ]
+                ran = cluster.run(commands, timeout=timeout_s)
+            failed = [r for r in ran if r.returncode != 0]
+            if failed or not out.exists():
+                detail = "\n".join(f"--- node {r.node} rc={r.returncode} ---\n{(r.stderr or '')[-3000:]}" for r in ran)
+                raise RuntimeError(f"all-reduce measurement failed at cap {cap} Mbit/s\n{detail}")
+            measured = json.loads(out.read_text())
+        flat = {r["numel"]: r["median_s"] for r in measured if r["algorithm"] == "flat"}
+        for row in measured:
+            bound = None if cap is None else bandwidth_bound_s(row["numel"] * 4, num_nodes, cap)
+            row.update(
+                cap_mbit=cap,
+                bound_s=bound,
+                bound_fraction=None if bound is None else bound / row["median_s"],
+                ratio_vs_flat=flat[row["numel"]] / row["median_s"] if row["numel"] in flat else None,
+            )
+            results.append(row)
+    return {"config": dict(config, num_nodes=num_nodes, caps_mbit=list(caps_mbit)), "results": results}
+
+
+# -- worker side (runs under torchrun inside an emulated node) --------------------------------
+def _make_algorithm(spec: str, numel: int, groups, cfg: dict) -> Callable:
+    import torch
+    import torch.distributed as dist
+
+    name, dtype, chunks = parse_algorithm(spec)
+    wire = None if WIRE_DTYPES[dtype] is None else getattr(torch, WIRE_DTYPES[dtype])
+    if name == "flat":
+        if wire is not None or chunks != 1:
+            raise ValueError(f"{spec}: flat is one plain fp32 all_reduce; use ring:fp16@k for casts/chunks")
+        return lambda t: dist.all_reduce(t)
+    if name.startswith("pipe_"):
+        from lightning_fastscale.strategies import pipelined
+
+        fn = pipelined.pipelined_hierarchical_allreduce_ if name == "pipe_hier" else pipelined.pipelined_torus2d_allreduce_
+        return lambda t: fn(t, groups, comm_dtype=wire, num_chunks=chunks)
+    from lightning_fastscale.strategies import allreduce
+
+    chunk_numel = None if chunks == 1 else -(-numel // chunks)
+    if name.endswith("_topk"):
+        fn = allreduce.ALGORITHMS[name.removesuffix("_topk")]
+        topk = allreduce.TopKErrorFeedback(cfg["topk_ratio"])
+        return lambda t: fn(t, groups, comm_dtype=wire, topk=topk, chunk_numel=chunk_numel)
+    fn = allreduce.ALGORITHMS[name]
+    return lambda t: fn(t, groups, comm_dtype=wire, chunk_numel=chunk_numel)
+
+
+def _worker(cfg: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from lightning_fastscale.strategies.topology import Topology, build_process_groups
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = build_process_groups(Topology(world, cfg["ranks_per_node"]))
+    rows = []
+    for numel in cfg["numels"]:
+        base = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+        # Rank r contributes (r + 1) * base, so the exact sum is known without gathering.
+        expected = base * (world * (world + 1) / 2)
+        work = torch.empty_like(base)
+        for spec in cfg["algorithms"]:
+            run = _make_algorithm(spec, numel, groups, cfg)
+            times = []
+            for rep in range(cfg["reps"] + 1):
+                torch.mul(base, rank + 1, out=work)
+                dist.barrier()
+                start = time.perf_counter()
+                run(work)
+                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                if rep > 0:  # rep 0 warms up connections and allocator
+                    times.append(elapsed.item())
+            rel_error = ((work - expected).norm() / expected.norm()).item()
+            rows.append(dict(numel=numel, algorithm=spec, times_s=times,
+                             median_s=statistics.median(times), rel_error=rel_error))
+            if rank == 0:
+                print(f"[allreduce] {spec:18s} numel={numel} median={rows[-1]['median_s']:.3f}s "
+                      f"rel_error={rel_error:.2e}", flush=True)
+    if rank == 0:
+        Path(cfg["output"]).write_text(json.dumps(rows))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", required=True, help="JSON config (internal: used by measure_allreduce)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _worker(json.loads(args.worker))
+
+
+if __name__ == "__main__":
+    _main()
