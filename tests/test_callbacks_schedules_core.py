@@ -157,10 +157,15 @@ def test_warmup_decay_rejects_bad_settings(kwargs, message):
 
 
 def test_composer_schedule_hand_values():
-    # scale(e) = 0.5 + 0.5 * min(1, e / 8); size = 4 * round(scale * 224 / 4) (round half even).
+    # 10 epochs, last 2 at full size: scale(e) = 0.5 + 0.5 * min(1, e / 8);
+    # size = 4 * round(scale * 224 / 4) (round half to even).
     assert composer_schedule(10, 224, 0.5, 0.2, 4) == {
         0: 112, 1: 128, 2: 140, 3: 152, 4: 168, 5: 184, 6: 196, 7: 208, 8: 224,
     }
+    # 3 epochs: ceil(0.2 * 3) = 1 epoch at full size, scale 0.5, 0.75 over the 2 before it.
+    assert composer_schedule(3, 32, 0.5, 0.2, 4) == {0: 16, 1: 24, 2: 32}
+    # 0.3 * 10 epochs is 3 full-size epochs, not 4 (floating point gives 3.0000000000000004).
+    assert min(e for e, s in composer_schedule(10, 64, 0.5, 0.3, 4).items() if s == 64) == 7
     assert composer_schedule(4, 32, 1.0, 0.0, 4) == {0: 32}
     with pytest.raises(ValueError, match="initial_scale"):
         composer_schedule(4, 32, 0.0)

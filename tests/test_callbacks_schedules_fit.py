@@ -319,6 +319,18 @@ def test_plugin_last_step_skipped_holds_the_schedule(tmp_path):
     assert cb._skipped_steps == 1
 
 
+def test_lars_mixed_precision_skip_holds_the_schedule(tmp_path):
+    """Interop with this package's LARS plugin, which reports skips in last_step_skipped."""
+    from lightning_fastscale.precision import LARSMixedPrecision
+
+    cb = WarmupDecayLR(warmup_epochs=1, total_epochs=2, decay="poly")
+    plugin = LARSMixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    model = InfOnSteps({(0, 0)}, lr=0.2)
+    trainer(tmp_path, [cb], max_epochs=1, plugins=[plugin]).fit(model, ControllableDM(batch_size=16))
+    assert plugin.skipped_steps == 1 and cb._skipped_steps == 1
+    assert model.lrs == pytest.approx([0.0, 0.0, 0.05, 0.1])
+
+
 def test_warmup_misuse_errors(tmp_path):
     t = trainer(tmp_path, [WarmupDecayLR(warmup_epochs=5)], max_epochs=3)
     with pytest.raises(ValueError, match="leaves no room for decay"):

@@ -49,9 +49,11 @@ def composer_schedule(
 ) -> dict[int, int]:
     """Composer-style schedule by epoch: grow linearly from ``initial_scale`` to full size.
 
-    The scale at epoch ``e`` is ``initial + (1 - initial) * min(1, (e / max_epochs) /
-    (1 - finish_fraction))``; the size is rounded to a multiple of ``size_increment``.
-    Consecutive equal sizes are merged.
+    The last ``ceil(finish_fraction * max_epochs)`` epochs are at full size; over the ``R``
+    epochs before them the scale is ``initial + (1 - initial) * e / R``. (Composer resizes per
+    step; here sizes change at epoch boundaries, where the dataloader is rebuilt, so the full-size
+    phase is rounded up to whole epochs.) Sizes are rounded to a multiple of ``size_increment``
+    and consecutive equal sizes are merged.
     """
     if not 0 < initial_scale <= 1:
         raise ValueError(f"initial_scale={initial_scale} must be in (0, 1]")
@@ -59,10 +61,11 @@ def composer_schedule(
         raise ValueError(f"finish_fraction={finish_fraction} must be in [0, 1)")
     if size_increment <= 0:
         raise ValueError(f"size_increment={size_increment} must be positive")
+    # The tolerance keeps 0.3 * 10 (= 3.0000000000000004 in floating point) at 3 epochs.
+    ramp_epochs = max_epochs - math.ceil(finish_fraction * max_epochs - 1e-9)
     schedule: dict[int, int] = {}
     for epoch in range(max_epochs):
-        elapsed = min(1.0, epoch / max_epochs / (1 - finish_fraction))
-        scale = initial_scale + (1 - initial_scale) * elapsed
+        scale = initial_scale + (1 - initial_scale) * min(1.0, epoch / max(ramp_epochs, 1))
         size = max(size_increment, size_increment * round(scale * full_resolution / size_increment))
         if not schedule or schedule[max(schedule)] != size:
             schedule[epoch] = size
