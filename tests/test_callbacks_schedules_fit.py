@@ -294,29 +294,49 @@ def test_skipped_fp16_steps_do_not_advance_warmup(tmp_path):
 
 
 class SkippingPrecision(pl.plugins.Precision):
-    """Stand-in for LARSMixedPrecision: skips chosen steps and says so in last_step_skipped."""
+    """Skips the optimizer step on chosen calls; says so in last_step_skipped if ``report``."""
 
-    def __init__(self, skip_calls):
+    def __init__(self, skip_calls, report: bool):
         self.skip_calls = set(skip_calls)
         self.calls = 0
-        self.last_step_skipped = False
+        if report:
+            self.last_step_skipped = False
 
     def optimizer_step(self, optimizer, model, closure, **kwargs):
         closure_result = closure()
         self._after_closure(model, optimizer)
-        self.last_step_skipped = self.calls in self.skip_calls
+        skip = self.calls in self.skip_calls
         self.calls += 1
-        if not self.last_step_skipped:
+        if hasattr(self, "last_step_skipped"):
+            self.last_step_skipped = skip
+        if not skip:
             optimizer.step()
         return closure_result
 
 
-def test_plugin_last_step_skipped_holds_the_schedule(tmp_path):
+@pytest.mark.parametrize("report", [True, False], ids=["last_step_skipped", "optimizer_step_hook"])
+def test_plugin_skip_holds_the_schedule(tmp_path, report):
     cb = WarmupDecayLR(warmup_epochs=1, total_epochs=2, decay="none", warmup_start_factor=0.5)
     model = TinyNet(lr=0.2)
-    trainer(tmp_path, [cb], max_epochs=1, plugins=[SkippingPrecision({0})]).fit(model, ControllableDM(batch_size=16))
+    plugin = SkippingPrecision({0}, report)
+    trainer(tmp_path, [cb], max_epochs=1, plugins=[plugin]).fit(model, ControllableDM(batch_size=16))
     assert model.lrs == pytest.approx([0.1, 0.1, 0.125, 0.15])
     assert cb._skipped_steps == 1
+
+
+def test_fused_optimizer_skip_is_seen_through_the_loss_scale(tmp_path):
+    """A fused optimizer gets the GradScaler and skips inside its own step(): the scale tells."""
+
+    class Fused(InfOnSteps):
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=self.lr, fused=True)
+
+    cb = WarmupDecayLR(warmup_epochs=1, total_epochs=2, decay="none")
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    model = Fused({(0, 1)}, lr=0.2)
+    trainer(tmp_path, [cb], max_epochs=1, plugins=[plugin]).fit(model, ControllableDM(batch_size=16))
+    assert cb._skipped_steps == 1
+    assert model.lrs == pytest.approx([0.0, 0.05, 0.05, 0.1])
 
 
 def test_lars_mixed_precision_skip_holds_the_schedule(tmp_path):

@@ -15,14 +15,17 @@ and when the loss scaler skips a step.
 
 Lightning adapter: :class:`WarmupDecayLR`. Skipped steps: when fp16 loss scaling finds
 inf/NaN gradients the optimizer step is skipped, and the schedule must not move (a known
-Lightning complaint: a plain ``LRScheduler`` still steps). Detection, in order:
+Lightning complaint: a plain ``LRScheduler`` still steps). A step counts as skipped when:
 
-* a precision plugin exposing ``last_step_skipped`` (``LARSMixedPrecision`` of this package):
-  read after the step;
-* Lightning's ``MixedPrecision`` with a ``GradScaler``: ``GradScaler.update()`` lowers the
-  scale exactly when it skipped the step (by ``backoff_factor`` < 1), so the scale is read
-  before the step and compared after it (one host sync per step on GPU);
-* any other plugin (fp32, bf16) never skips.
+* the precision plugin exposes ``last_step_skipped`` (``LARSMixedPrecision`` of this
+  package) and it is true; that answer is authoritative; otherwise when
+* the optimizer's ``step()`` did not run (seen through torch's
+  ``Optimizer.register_step_post_hook``): this is how ``GradScaler.step`` skips for ordinary
+  optimizers, and how any other plugin that skips would show; or
+* the ``GradScaler``'s scale went down during the step: ``update()`` lowers it exactly when it
+  found inf/NaN (by ``backoff_factor`` < 1). This catches fused optimizers, which are handed
+  the scaler and skip inside their own ``step()``. Reading the scale costs one host sync per
+  step on GPU.
 """
 from __future__ import annotations
 
@@ -151,6 +154,8 @@ class WarmupDecayLR(Callback):
         self._skipped_steps = 0
         self._scale_before: float | None = None
         self._step_pending = False
+        self._step_ran = False
+        self._hook_handle: Any = None
 
     @property
     def progress(self) -> float:
@@ -203,6 +208,16 @@ class WarmupDecayLR(Callback):
             )
         if self._base_lrs is None:
             self._base_lrs = [g["lr"] for g in trainer.optimizers[0].param_groups]
+        self._hook_handle = trainer.optimizers[0].register_step_post_hook(self._on_optimizer_step)
+
+    def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._step_ran = True
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Remove the optimizer hook."""
+        if self._hook_handle is not None:
+            self._hook_handle.remove()
+            self._hook_handle = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Fail before the first step if linear scaling cannot read the global batch."""
@@ -244,16 +259,17 @@ class WarmupDecayLR(Callback):
             group["lr"] = lr
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self._scale_before = scaler.get_scale() if scaler is not None else None
+        self._step_ran = False
         self._step_pending = True
 
     def _last_step_skipped(self, trainer: pl.Trainer) -> bool:
         plugin = trainer.precision_plugin
         if hasattr(plugin, "last_step_skipped"):
             return bool(plugin.last_step_skipped)
+        if not self._step_ran:
+            return True
         scaler = getattr(plugin, "scaler", None)
-        if scaler is not None and self._scale_before is not None:
-            return scaler.get_scale() < self._scale_before
-        return False
+        return scaler is not None and self._scale_before is not None and scaler.get_scale() < self._scale_before
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Advance the position by one step unless the loss scaler skipped it; log the LR."""
