@@ -1,0 +1,228 @@
+"""Start-up calibration: time a few collectives on the real process groups, fit alpha/beta/gamma.
+
+Inside each node (every node at once, as in training) and among the node leaders, a few
+message sizes are all-gathered, all-reduced, reduced and broadcast: the primitives the
+algorithms are built from. Each measured time ``t`` is, in the model, linear in the link
+parameters: ``t = c_a alpha + c_b beta + c_g gamma`` with coefficients given by the closed
+forms of :mod:`~lightning_fastscale.planner.cost_model` (Thakur et al. 2005) for that
+primitive, ``p`` and size. One non-negative least-squares fit over all primitives and sizes
+(relative errors, so small messages count as much as large ones) gives the link's
+parameters. Gamma, which both levels share in the model, is taken from inside the node.
+Every rank takes part; rank 0's fit is broadcast so all ranks plan identically.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from lightning_fastscale.planner.cost_model import (
+    CommParams,
+    allgather_time,
+    broadcast_time,
+    reduce_time,
+    ring_allreduce_time,
+)
+
+__all__ = ["CalibrationResult", "LinkFit", "calibrate", "calibrate_process_groups", "fit_link"]
+
+DEFAULT_SIZES = (256 * 1024, 1024 * 1024, 4 * 1024 * 1024, 16 * 1024 * 1024)
+
+# Closed form of each calibrated primitive: (p, nbytes, alpha, beta, gamma) -> seconds.
+PRIMITIVES: dict[str, Callable[..., float]] = {
+    "allgather": lambda p, n, a, b, g: allgather_time(p, n, a, b),
+    "allreduce": ring_allreduce_time,
+    "reduce": reduce_time,
+    "broadcast": lambda p, n, a, b, g: broadcast_time(p, n, a, b),
+}
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """Fitted parameters of one link level, the samples and the worst relative residual."""
+
+    alpha: float
+    beta: float
+    gamma: float
+    samples: dict = field(default_factory=dict)
+    max_rel_residual: float = 0.0
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    """Fitted :class:`CommParams` plus the per-level fits and raw timings (for the report)."""
+
+    params: CommParams
+    intra: LinkFit | None
+    inter: LinkFit | None
+
+
+def _nonneg_lstsq(design: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0 (3 unknowns: try each support set)."""
+    best, best_err = np.zeros(design.shape[1]), np.inf
+    for k in range(1, design.shape[1] + 1):
+        for support in itertools.combinations(range(design.shape[1]), k):
+            coef, *_ = np.linalg.lstsq(design[:, support], target, rcond=None)
+            if (coef < 0).any():
+                continue
+            full = np.zeros(design.shape[1])
+            full[list(support)] = coef
+            err = float(np.sum((design @ full - target) ** 2))
+            if err < best_err:
+                best, best_err = full, err
+    return best
+
+
+def fit_link(p: int, samples: dict[str, tuple[Sequence[float], Sequence[float]]]) -> LinkFit:
+    """Alpha, beta, gamma of a link from ``{primitive: (sizes_bytes, seconds)}`` over ``p`` ranks.
+
+    Primitives: ``allgather``, ``allreduce``, ``reduce``, ``broadcast`` (their closed forms are
+    those the cost model uses). Raises if beta comes out zero: the timings then do not grow
+    with the size and cannot describe a link (use larger sizes).
+    """
+    if p < 2:
+        raise ValueError(f"a link fit needs at least 2 ranks, got p={p}")
+    rows, target = [], []
+    for name, (sizes, times) in samples.items():
+        form = PRIMITIVES[name]
+        for n, t in zip(sizes, times):
+            coeffs = [form(p, n, 1.0, 0.0, 0.0), form(p, n, 0.0, 1.0, 0.0), form(p, n, 0.0, 0.0, 1.0)]
+            rows.append(np.asarray(coeffs) / t)  # relative error: divide each row by its time
+            target.append(1.0)
+    design, target = np.asarray(rows), np.asarray(target)
+    alpha, beta, gamma = _nonneg_lstsq(design, target)
+    if beta <= 0:
+        raise ValueError(f"calibration timings {samples} do not grow with size: use larger calibration sizes")
+    residual = float(np.max(np.abs(design @ np.array([alpha, beta, gamma]) - 1.0)))
+    plain = {name: {"sizes": list(map(float, s)), "seconds": list(map(float, t))} for name, (s, t) in samples.items()}
+    return LinkFit(float(alpha), float(beta), float(gamma), plain, residual)
+
+
+def _time(op, world_group, reps: int, active: bool) -> float:
+    """Median over ``reps`` of the slowest member's time of ``op`` (after one warm-up)."""
+    times = []
+    for rep in range(reps + 1):
+        dist.barrier(group=world_group)
+        elapsed = 0.0
+        if active:
+            start = time.perf_counter()
+            op()
+            elapsed = time.perf_counter() - start
+        slowest = torch.tensor([elapsed], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=world_group)
+        if rep:
+            times.append(slowest.item())
+    return float(np.median(times))
+
+
+def _measure(group, p: int, sizes: Sequence[int], reps: int, active: bool, root: int) -> dict:
+    """``{primitive: (bytes, seconds)}``; sizes rounded to a multiple of ``p`` elements.
+
+    ``root`` is the global rank of the group's first member (target of reduce/broadcast).
+    """
+    used = [4 * max(p, nbytes // 4 // p * p) for nbytes in sizes]
+    samples = {name: (used, []) for name in PRIMITIVES}
+    for nbytes in used:
+        full = torch.ones(nbytes // 4)
+        part = torch.ones(nbytes // 4 // p)
+        ops = {
+            "allgather": lambda: dist.all_gather_into_tensor(full, part, group=group),
+            "allreduce": lambda: dist.all_reduce(full, group=group),
+            "reduce": lambda: dist.reduce(full, dst=root, group=group),
+            "broadcast": lambda: dist.broadcast(full, src=root, group=group),
+        }
+        for name, op in ops.items():
+            samples[name][1].append(_time(op, None, reps, active))
+    return samples
+
+
+def calibrate(
+    intra_group: dist.ProcessGroup | None,
+    leader_group: dist.ProcessGroup | None,
+    ranks_per_node: int,
+    nodes: int,
+    is_leader: bool,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    reps: int = 3,
+    intra_root: int = 0,
+) -> CalibrationResult:
+    """Measure and fit the link parameters on the running process groups (collective call).
+
+    ``intra_group`` is this rank's node group, ``leader_group`` the group of one rank per node
+    (only meaningful where ``is_leader``). With one rank per node the intra level is not
+    measured (and gets the inter-node values: it is never used); with one node, the inter
+    level gets the intra values. Timing uses 4-byte elements; ``sizes`` are in bytes.
+    ``intra_root`` is the global rank of this node's first rank (reduce/broadcast root); the
+    leader group's first member is global rank 0.
+    """
+    intra = inter = None
+    if ranks_per_node > 1:
+        intra = fit_link(ranks_per_node, _measure(intra_group, ranks_per_node, sizes, reps, True, intra_root))
+    if nodes > 1:
+        inter = fit_link(nodes, _measure(leader_group, nodes, sizes, reps, is_leader, 0))
+    fits = [intra, inter]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(fits, src=0)
+    intra, inter = fits
+    if intra is None and inter is None:
+        raise ValueError("calibration needs at least 2 ranks (ranks_per_node > 1 or nodes > 1)")
+    near, far = intra or inter, inter or intra
+    gamma = (intra or inter).gamma
+    params = CommParams(near.alpha, near.beta, far.alpha, far.beta, gamma)
+    return CalibrationResult(params, intra, inter)
+
+
+def calibrate_process_groups(groups, sizes: Sequence[int] = DEFAULT_SIZES, reps: int = 3) -> CalibrationResult:
+    """:func:`calibrate` on the strategy's ``ProcessGroups`` (``strategies/topology.py``).
+
+    Uses ``groups.intra`` and, on local rank 0, ``groups.inter`` (the group of the ranks with
+    the same local rank, i.e. the node leaders for local rank 0).
+    """
+    topo = groups.topology
+    leader = groups.local_rank == 0
+    return calibrate(groups.intra, groups.inter if leader else None, topo.ranks_per_node,
+                     topo.num_nodes, leader, sizes, reps, groups.intra_ranks[0])
+
+
+def _main(argv: Sequence[str] | None = None) -> None:
+    """``torchrun ... -m lightning_fastscale.planner.calibrate --output params.json``.
+
+    Calibrates the cluster torchrun spans (nodes x ``--ranks-per-node``, default
+    ``LOCAL_WORLD_SIZE``) on gloo or NCCL and writes the fitted parameters (rank 0).
+    """
+    import argparse
+    import json
+    import os
+
+    from lightning_fastscale.strategies.topology import Topology as RankTopology, build_process_groups
+
+    parser = argparse.ArgumentParser(description="Fit alpha/beta/gamma on the running cluster.")
+    parser.add_argument("--ranks-per-node", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES), help="message sizes in bytes")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--output", required=True, help="JSON file written by rank 0")
+    args = parser.parse_args(argv)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    groups = build_process_groups(RankTopology(dist.get_world_size(), args.ranks_per_node))
+    result = calibrate_process_groups(groups, args.sizes, args.reps)
+    if dist.get_rank() == 0:
+        fits = {name: None if fit is None else {"alpha": fit.alpha, "beta": fit.beta, "gamma": fit.gamma,
+                                                "max_rel_residual": fit.max_rel_residual, "samples": fit.samples}
+                for name, fit in (("intra", result.intra), ("inter", result.inter))}
+        with open(args.output, "w") as fh:
+            json.dump({"params": result.params.as_dict(), "fits": fits,
+                       "nodes": groups.topology.num_nodes, "ranks_per_node": args.ranks_per_node}, fh, indent=2)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,42 @@
+"""Calibration: the fit recovers known parameters; the collective call agrees on all ranks."""
+import pytest
+
+from lightning_fastscale.planner.calibrate import PRIMITIVES, calibrate_process_groups, fit_link
+from tests.distributed import run_distributed
+
+
+def test_fit_recovers_parameters_from_model_timings():
+    alpha, beta, gamma, p = 3e-5, 2e-9, 5e-10, 4
+    sizes = [2.0**k for k in range(16, 25, 2)]
+    samples = {name: (sizes, [form(p, n, alpha, beta, gamma) for n in sizes]) for name, form in PRIMITIVES.items()}
+    fit = fit_link(p, samples)
+    assert fit.alpha == pytest.approx(alpha, rel=1e-6)
+    assert fit.beta == pytest.approx(beta, rel=1e-6)
+    assert fit.gamma == pytest.approx(gamma, rel=1e-6)
+    assert fit.max_rel_residual < 1e-9
+
+
+def test_fit_never_returns_negative_parameters():
+    # Timings that a negative latency would fit best: alpha is clamped to 0, beta stays > 0.
+    sizes = [1e5, 1e6, 1e7]
+    fit = fit_link(2, {"allgather": (sizes, [0.5 * n * 1e-9 - 1e-6 for n in sizes])})
+    assert fit.alpha == 0.0 and fit.beta > 0 and fit.gamma == 0.0
+
+
+def test_fit_rejects_flat_timings():
+    with pytest.raises(ValueError, match="larger calibration sizes"):
+        fit_link(2, {"allgather": ([1e3, 1e4], [1e-3, 1e-3])})
+
+
+def _calibrate_2x2(rank, world_size):
+    from lightning_fastscale.strategies.topology import Topology, build_process_groups
+
+    groups = build_process_groups(Topology(world_size, 2))
+    result = calibrate_process_groups(groups, sizes=[16 * 1024, 256 * 1024], reps=1)
+    return result.params.as_dict()
+
+
+def test_calibration_on_real_groups_agrees_across_ranks():
+    results = run_distributed(_calibrate_2x2, 4, timeout=300)
+    assert all(r == results[0] for r in results)
+    assert results[0]["beta_intra"] > 0 and results[0]["beta_inter"] > 0
