@@ -219,13 +219,19 @@ def test_ramp_setup_refuses_a_size_not_divisible_by_world_size():
     """The setup check sees the real world size; a stand-in trainer avoids starting 4 processes."""
     ramp = BatchSizeRamp({0: 8, 3: 10})
     fake = SimpleNamespace(datamodule=ControllableDM(), world_size=4, callbacks=[ramp],
-                           reload_dataloaders_every_n_epochs=0)
+                           reload_dataloaders_every_n_epochs=0, accumulate_grad_batches=1)
     with pytest.raises(ValueError, match=r"global batch 10 is not divisible by the world size 4.*e\.g\. 8 or 12"):
         ramp.setup(fake, TinyNet(), "fit")
     ramp = BatchSizeRamp({0: 8, 3: 12})
     ramp.setup(fake, TinyNet(), "fit")
     assert fake.reload_dataloaders_every_n_epochs == 1
     assert ramp.plan(3) == ramp.plan(3, world_size=4) and ramp.plan(3).per_device == 3
+
+
+def test_ramp_refuses_trainer_accumulation(tmp_path):
+    t = trainer(tmp_path, [BatchSizeRamp({0: 8})], accumulate_grad_batches=2)
+    with pytest.raises(ValueError, match=r"accumulate_grad_batches=2\) and BatchSizeRamp"):
+        t.fit(TinyNet(), ControllableDM())
 
 
 def test_ramp_refuses_scale_lr_with_module_scheduler(tmp_path):

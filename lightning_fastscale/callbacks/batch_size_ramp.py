@@ -162,7 +162,7 @@ class BatchSizeRamp(Callback):
             becomes ``lr_at_fit_start * global_batch / schedule[0]``. When a
             :class:`~lightning_fastscale.callbacks.lr_schedule.WarmupDecayLR` or an LR
             scheduler from ``configure_optimizers`` is present, that one owns the LR and
-            ``scale_lr=True`` is refused at setup (use ``WarmupDecayLR(reference_batch=...)``,
+            ``scale_lr=True`` is refused before training (use ``WarmupDecayLR(reference_batch=...)``,
             which reads the current global batch every step).
 
     The datamodule must implement
@@ -233,8 +233,14 @@ class BatchSizeRamp(Callback):
                 f"{self.max_per_device_batch}), which Lightning only does under automatic "
                 "optimization; raise max_per_device_batch or use automatic optimization"
             )
-        if trainer.reload_dataloaders_every_n_epochs != 1:
-            trainer.reload_dataloaders_every_n_epochs = 1
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) and "
+                "BatchSizeRamp both set gradient accumulation; remove accumulate_grad_batches "
+                "(BatchSizeRamp accumulates when the per-device share of the global batch exceeds "
+                "max_per_device_batch)"
+            )
+        trainer.reload_dataloaders_every_n_epochs = 1
         if self.scale_lr:
             from lightning_fastscale.callbacks.lr_schedule import WarmupDecayLR
 
@@ -306,6 +312,11 @@ class BatchSizeRamp(Callback):
         """Tell the datamodule the next epoch's per-device batch before its loader is built."""
         self._prepared_epoch = trainer.current_epoch + 1
         trainer.datamodule.set_train_batch_size(self.plan(self._prepared_epoch).per_device)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Hand accumulation back to the Trainer's default, so a later fit starts clean."""
+        if stage == "fit":
+            trainer.accumulate_grad_batches = 1
 
     def state_dict(self) -> dict[str, Any]:
         """Schedule, the epoch the datamodule is prepared for, and base LRs (for resuming)."""
