@@ -104,19 +104,19 @@ def _check_output_dir_is_fresh(cfg: DictConfig) -> None:
         )
 
 
-def train(cfg: DictConfig) -> float | None:
-    """Fit the configured model; return the final value of ``cfg.monitor`` (or None)."""
-    pl.seed_everything(cfg.seed, workers=True)
-    _check_output_dir_is_fresh(cfg)
+def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.Trainer]:
+    """Instantiate the datamodule, module and Trainer that ``cfg`` describes (no fitting)."""
     datamodule = instantiate(cfg.data)
-    num_classes = getattr(datamodule, "num_classes", None) or cfg.get("num_classes")
+    num_classes = getattr(datamodule, "num_classes", None)
+    if num_classes is None:
+        raise ValueError(f"{type(datamodule).__name__} has no num_classes attribute; the classifier needs it")
     model_cfg = cfg.model
     module = ImageClassifier(
         model=model_cfg.name,
         num_classes=num_classes,
         optimizer=instantiate(cfg.optimizer) if cfg.get("optimizer") else None,
         scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
-        model_kwargs=OmegaConf.to_container(model_cfg.get("kwargs") or {}, resolve=True),
+        model_kwargs=OmegaConf.to_container(model_cfg.kwargs, resolve=True) if model_cfg.get("kwargs") else {},
     )
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
     logger = build_logger(cfg)
@@ -130,12 +130,20 @@ def train(cfg: DictConfig) -> float | None:
     if precision is not None:
         trainer_kwargs["precision"] = precision
     trainer: pl.Trainer = instantiate(cfg.trainer, **trainer_kwargs)
-    if logger:
+    return datamodule, module, trainer
+
+
+def train(cfg: DictConfig) -> float | None:
+    """Fit the configured model; return the final value of ``cfg.monitor`` (or None)."""
+    pl.seed_everything(cfg.seed, workers=True)
+    _check_output_dir_is_fresh(cfg)
+    datamodule, module, trainer = build(cfg)
+    if trainer.logger:
         trainer.logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     finally:
-        _finish_wandb(logger, trainer)
+        _finish_wandb(trainer)
     value = trainer.callback_metrics.get(cfg.monitor)
     if value is None:
         log.warning("metric %s was not logged; nothing to return", cfg.monitor)
@@ -145,10 +153,10 @@ def train(cfg: DictConfig) -> float | None:
     return float(value)
 
 
-def _finish_wandb(logger: Any, trainer: pl.Trainer) -> None:
+def _finish_wandb(trainer: pl.Trainer) -> None:
     from lightning.pytorch.loggers import WandbLogger
 
-    if isinstance(logger, WandbLogger) and trainer.is_global_zero:
+    if isinstance(trainer.logger, WandbLogger) and trainer.is_global_zero:
         import wandb
 
         run = wandb.run

@@ -1,0 +1,115 @@
+"""``fastscale-train`` end to end: single run with W&B offline, resume, multirun with DDP."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY = [
+    "data.train_size=192", "data.val_size=64", "data.batch_size=32",
+    "model.kwargs.widths=[8,16,16]", "trainer.max_epochs=1", "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false", "trainer.log_every_n_steps=1", "callbacks.throughput=null",
+]
+
+
+def fastscale_train(args, cwd, timeout=300):
+    exe = Path(sys.executable).with_name("fastscale-train")
+    env = {**os.environ, "WANDB_MODE": "", "WANDB_API_KEY": "", "OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in env.items() if v != ""}
+    proc = subprocess.run(
+        [str(exe), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def wandb_logged_values(run_dir: Path, key: str) -> list[float]:
+    """Values logged under ``key`` in an offline W&B run file.
+
+    Offline runs keep everything in ``run-*.wandb`` (protobuf records); a history item is the
+    key as field 2 followed by its JSON value as field 16, which is all this needs to read.
+    """
+    data = _only(run_dir.glob("run-*.wandb")).read_bytes()
+    k = key.encode()
+    pattern = re.escape(bytes([0x12, len(k)]) + k + b"\x82\x01") + rb".([-0-9.eE]+)"
+    return [float(m.group(1)) for m in re.finditer(pattern, data, re.DOTALL)]
+
+
+def _only(paths):
+    paths = list(paths)
+    assert len(paths) == 1, paths
+    return paths[0]
+
+
+def test_single_run_wandb_offline_then_resume(tmp_path):
+    run_dir = tmp_path / "first"
+    out = fastscale_train([*TINY, f"hydra.run.dir={run_dir}"], tmp_path)
+    assert "final val/top1:" in out
+    assert "(offline)" in out  # no API key: W&B ran offline and said where
+
+    wandb_run = _only((run_dir / "wandb").glob("offline-run-*"))
+    logged = wandb_logged_values(wandb_run, "val/top1")
+    assert logged and all(0.0 <= v <= 1.0 for v in logged)
+    assert f"final val/top1: {logged[-1]:.4f}" in out  # the printed metric is the logged one
+    run_file = _only(wandb_run.glob("run-*.wandb")).read_bytes()
+    assert b"resnet_small" in run_file and b"ProceduralDataModule" in run_file  # the config
+
+    last = run_dir / "checkpoints" / "last.ckpt"
+    first_state = torch.load(last, map_location="cpu", weights_only=False)
+    assert first_state["epoch"] == 0 and first_state["global_step"] == 6  # 192 / 32 steps
+
+    # Resuming writes into a new folder and continues at epoch 1, step 6.
+    resumed_dir = tmp_path / "resumed"
+    fastscale_train(
+        [*TINY, "trainer.max_epochs=2", f"ckpt_path={last}", f"hydra.run.dir={resumed_dir}", "logger=csv"],
+        tmp_path,
+    )
+    resumed = torch.load(resumed_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert resumed["epoch"] == 1 and resumed["global_step"] == 12
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 6  # untouched
+
+
+def test_refuses_to_overwrite_checkpoints(tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "last.ckpt").write_bytes(b"precious")
+    exe = Path(sys.executable).with_name("fastscale-train")
+    proc = subprocess.run(
+        [str(exe), *TINY, "logger=csv", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode != 0
+    assert "refusing to overwrite" in proc.stderr and "hydra.run.dir" in proc.stderr
+    assert (run_dir / "checkpoints" / "last.ckpt").read_bytes() == b"precious"
+
+
+def test_multirun_two_jobs_with_two_ddp_processes_each(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    out = fastscale_train(
+        ["-m", *TINY, "optimizer.lr=0.05,0.1", "trainer.devices=2", "trainer.accelerator=cpu",
+         "strategy=ddp", f"hydra.sweep.dir={sweep_dir}"],
+        tmp_path, timeout=600,
+    )
+    assert out.count("final val/top1:") == 2
+    for job in ("0", "1"):
+        job_dir = sweep_dir / job
+        assert (job_dir / "checkpoints" / "last.ckpt").is_file()
+        wandb_run = _only((job_dir / "wandb").glob("offline-run-*"))
+        assert wandb_logged_values(wandb_run, "val/top1")
+    lrs = {(sweep_dir / j / ".hydra" / "overrides.yaml").read_text().count("optimizer.lr=0.05") for j in "01"}
+    assert lrs == {0, 1}  # each job ran its own learning rate
+
+
+def test_plain_ddp_run_on_two_cpu_processes(tmp_path):
+    run_dir = tmp_path / "ddp"
+    out = fastscale_train(
+        [*TINY, "trainer.devices=2", "trainer.accelerator=cpu", "strategy=ddp", "logger=csv",
+         f"hydra.run.dir={run_dir}"],
+        tmp_path,
+    )
+    assert "final val/top1:" in out
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert state["global_step"] == 3  # 192 samples / (2 ranks x 32) per step
