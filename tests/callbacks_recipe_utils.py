@@ -68,14 +68,14 @@ class TinyClassifier(pl.LightningModule):
         logits = self(x)
         loss = self.criterion(logits, y)
         self.train_records.append(
-            (self.current_epoch, logits.detach().clone(), y, float(loss), self.criterion.label_smoothing)
+            (self.current_epoch, logits.detach().clone(), y, loss.item(), self.criterion.label_smoothing)
         )
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
         logits = self(x)
-        self.val_records.append((logits.detach().clone(), y, float(self.criterion(logits, y))))
+        self.val_records.append((logits.detach().clone(), y, self.criterion(logits, y).item()))
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, weight_decay=self.weight_decay)

@@ -32,6 +32,8 @@ from ..param_groups import split_parameters, validate_patterns
 
 DECAY_GROUP = "decay"
 NO_DECAY_GROUP = "no_decay"
+_INNER = "__configure_optimizers_without_regrouping__"
+_UNSET = object()
 
 
 def param_groups_without_decay(
@@ -91,6 +93,7 @@ class NoWeightDecayOnBiasNorm(pl.Callback):
 
     def __init__(self, extra_patterns: Sequence[str] = ()) -> None:
         self.extra_patterns = validate_patterns(extra_patterns)
+        self._saved: Any = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -103,9 +106,11 @@ class NoWeightDecayOnBiasNorm(pl.Callback):
                 f"{self.extra_patterns}), so there is nothing to exclude from weight decay; "
                 "remove the callback or add patterns"
             )
-        original = pl_module.configure_optimizers
-        # Idempotent across repeated fits: wrap the class method, not a previous wrapper.
-        original = getattr(original, "__wrapped_by_no_wd__", original)
+        # A user may have set configure_optimizers on the instance; teardown puts back exactly
+        # what was there. A wrapper left by an interrupted fit is unwrapped, not wrapped twice.
+        saved = pl_module.__dict__.get("configure_optimizers", _UNSET)
+        self._saved = getattr(saved, _INNER, saved)
+        original = getattr(pl_module.configure_optimizers, _INNER, pl_module.configure_optimizers)
         extra = self.extra_patterns
 
         @functools.wraps(original)
@@ -121,7 +126,7 @@ class NoWeightDecayOnBiasNorm(pl.Callback):
             finally:
                 del pl_module.parameters
 
-        configure_optimizers.__wrapped_by_no_wd__ = original  # type: ignore[attr-defined]
+        setattr(configure_optimizers, _INNER, original)
         pl_module.configure_optimizers = configure_optimizers  # type: ignore[method-assign]
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -147,9 +152,19 @@ class NoWeightDecayOnBiasNorm(pl.Callback):
         )
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        wrapped = pl_module.__dict__.get("configure_optimizers")
-        if wrapped is not None and hasattr(wrapped, "__wrapped_by_no_wd__"):
-            del pl_module.configure_optimizers
+        self._restore(pl_module)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore(pl_module)
+
+    def _restore(self, pl_module: pl.LightningModule) -> None:
+        if self._saved is None:
+            return
+        if self._saved is _UNSET:
+            pl_module.__dict__.pop("configure_optimizers", None)
+        else:
+            pl_module.configure_optimizers = self._saved  # type: ignore[method-assign]
+        self._saved = None
 
 
 SkipWeightDecay = NoWeightDecayOnBiasNorm

@@ -1,0 +1,66 @@
+"""AlexNet-BN: layout of Jia et al. 2018, forward at 32 and 224 px, registry, bad input."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_fastscale.models import create_model
+from lightning_fastscale.models.alexnet_bn import AlexNetBN
+
+
+@pytest.fixture(scope="module")
+def model() -> AlexNetBN:
+    return create_model("alexnet_bn", num_classes=10)
+
+
+def test_registered_and_parameter_count_matches_hand_count(model) -> None:
+    assert isinstance(model, AlexNetBN)
+    convs = 3 * 96 * 11 * 11 + 96 * 256 * 5 * 5 + 256 * 384 * 9 + 384 * 384 * 9 + 384 * 256 * 9
+    bns = 2 * (96 + 256 + 384 + 384 + 256 + 256)  # five conv BNs + the BN after pool5
+    fcs = (256 * 6 * 6 + 1) * 4096 + (4096 + 1) * 4096 + (4096 + 1) * 10
+    assert sum(p.numel() for p in model.parameters()) == convs + bns + fcs
+
+
+def test_bn_follows_every_conv_and_pool5() -> None:
+    """Trace the layer order of a forward pass: each conv is followed by BN, and pool5 by BN."""
+    model = AlexNetBN(num_classes=10, dropout=0.0)
+    order: list[nn.Module] = []
+    for m in model.modules():
+        if isinstance(m, (nn.Conv2d, nn.BatchNorm2d, nn.AdaptiveMaxPool2d, nn.MaxPool2d, nn.Linear)):
+            m.register_forward_hook(lambda mod, inp, out: order.append(mod))
+    model(torch.randn(2, 3, 64, 64))
+    kinds = [type(m).__name__ for m in order]
+    assert kinds == [
+        "Conv2d", "BatchNorm2d", "MaxPool2d",
+        "Conv2d", "BatchNorm2d", "MaxPool2d",
+        "Conv2d", "BatchNorm2d", "Conv2d", "BatchNorm2d", "Conv2d", "BatchNorm2d",
+        "AdaptiveMaxPool2d", "BatchNorm2d",
+        "Linear", "Linear", "Linear",
+    ]
+
+
+@pytest.mark.parametrize("resolution", [32, 64, 224])
+def test_forward_and_backward_at_small_and_imagenet_resolution(model, resolution) -> None:
+    model.train()
+    x = torch.randn(2, 3, resolution, resolution)
+    out = model(x)
+    assert out.shape == (2, 10) and torch.isfinite(out).all()
+    out.sum().backward()
+    assert model.features[0].weight.grad is not None and torch.isfinite(model.features[0].weight.grad).all()
+    model.zero_grad()
+
+
+def test_adaptive_pool5_equals_the_original_pool_at_224_px() -> None:
+    """At 224 px conv5 gives 13x13, where a 6x6 adaptive max-pool is AlexNet's 3x3/2 max-pool."""
+    fmap = torch.randn(2, 256, 13, 13)
+    assert torch.equal(nn.AdaptiveMaxPool2d(6)(fmap), nn.MaxPool2d(3, 2)(fmap))
+    model = AlexNetBN(num_classes=10).eval()
+    assert model.features(torch.randn(1, 3, 224, 224)).shape[-2:] == (13, 13)
+
+
+def test_bad_input_and_arguments_get_clear_errors(model) -> None:
+    with pytest.raises(ValueError, match="at least 31 px, got \\(30, 30\\)"):
+        model(torch.randn(1, 3, 30, 30))
+    with pytest.raises(ValueError, match="model.dropout=1.0"):
+        AlexNetBN(dropout=1.0)
