@@ -1,0 +1,185 @@
+"""Node topology of a data-parallel job and the process groups the hierarchical all-reduce needs.
+
+Ranks are laid out the way Lightning, torchrun and SLURM lay them out: node ``n`` holds the
+contiguous global ranks ``n * ranks_per_node ... (n + 1) * ranks_per_node - 1``. The two-level
+all-reduce of Jia et al. 2018 (Tencent, "Highly Scalable Deep Learning Training System with
+Mixed-Precision") and the 2D-torus all-reduce of Mikami et al. 2018 (Sony, "Massively
+Distributed SGD") both need one group per node ("intra") and one group per local rank across
+nodes ("inter"); :func:`build_process_groups` makes them once.
+"""
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+
+@dataclass(frozen=True)
+class Topology:
+    """``world_size`` ranks split into equal nodes of ``ranks_per_node`` contiguous ranks.
+
+    Raises ``ValueError`` naming the settings when the split is impossible.
+    """
+
+    world_size: int
+    ranks_per_node: int
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}.")
+        if self.ranks_per_node < 1:
+            raise ValueError(
+                f"ranks_per_node must be >= 1, got {self.ranks_per_node}. Set it to the number of "
+                "processes per node (e.g. Trainer(devices=...)) or leave it unset to detect it."
+            )
+        if self.world_size % self.ranks_per_node:
+            raise ValueError(
+                f"world size {self.world_size} is not a multiple of ranks_per_node={self.ranks_per_node}: "
+                "every node must hold the same number of ranks. Choose ranks_per_node dividing "
+                f"{self.world_size} (or change Trainer(devices=..., num_nodes=...))."
+            )
+
+    @property
+    def num_nodes(self) -> int:
+        """Number of (possibly emulated) nodes."""
+        return self.world_size // self.ranks_per_node
+
+    def node_rank(self, rank: int) -> int:
+        """Index of the node holding global ``rank``."""
+        self._check_rank(rank)
+        return rank // self.ranks_per_node
+
+    def local_rank(self, rank: int) -> int:
+        """Position of global ``rank`` inside its node."""
+        self._check_rank(rank)
+        return rank % self.ranks_per_node
+
+    def node_ranks(self, node: int) -> list[int]:
+        """Global ranks of ``node``."""
+        return list(range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node))
+
+    def peer_ranks(self, local_rank: int) -> list[int]:
+        """Global ranks with ``local_rank`` on every node (the leaders when ``local_rank == 0``)."""
+        return [node * self.ranks_per_node + local_rank for node in range(self.num_nodes)]
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world of size {self.world_size}.")
+
+
+def _parse_slurm_tasks_per_node(value: str) -> int | None:
+    # SLURM writes e.g. "4", "4(x2)" or "4(x2),3" (heterogeneous); only a single count is usable.
+    counts = {int(m.group(1)) for m in re.finditer(r"(\d+)(?:\(x\d+\))?", value)}
+    return counts.pop() if len(counts) == 1 else None
+
+
+def detect_ranks_per_node(cluster_environment_or_env: Any = None) -> int | None:
+    """Ranks per node as the launcher sees it, or ``None`` if the launcher does not say.
+
+    Accepts a Lightning ``ClusterEnvironment`` or a mapping of environment variables (default:
+    ``os.environ``). Reads torchrun's ``LOCAL_WORLD_SIZE``, then SLURM's
+    ``SLURM_NTASKS_PER_NODE``; a Lightning environment that launched the processes itself
+    (``creates_processes_externally`` false) defers to the strategy's ``devices`` count.
+    """
+    env: Mapping[str, str]
+    if cluster_environment_or_env is None:
+        env = os.environ
+    elif isinstance(cluster_environment_or_env, Mapping):
+        env = cluster_environment_or_env
+    else:
+        name = type(cluster_environment_or_env).__name__
+        if name == "LightningEnvironment" and not cluster_environment_or_env.creates_processes_externally:
+            return None
+        env = os.environ
+    if env.get("LOCAL_WORLD_SIZE"):
+        return int(env["LOCAL_WORLD_SIZE"])
+    if env.get("SLURM_NTASKS_PER_NODE"):
+        return _parse_slurm_tasks_per_node(env["SLURM_NTASKS_PER_NODE"])
+    return None
+
+
+@dataclass
+class ProcessGroups:
+    """Process groups of one rank for the two-level all-reduce.
+
+    ``intra``: this rank's node. ``inter``: the ranks with this rank's local rank on every node
+    (the node leaders for local rank 0). ``intra_out``: a second group over the same node,
+    used for the outbound (broadcast / all-gather) stage so it never shares a collective
+    sequence with the inbound stage. ``world``: a private group over all ranks, so that the
+    flat ring never interleaves with collectives others issue on the default group (e.g.
+    SyncBatchNorm during backward). ``intra_ranks``/``inter_ranks``: global ranks in group order.
+    """
+
+    topology: Topology
+    rank: int
+    backend: str
+    intra: ProcessGroup
+    intra_out: ProcessGroup
+    inter: ProcessGroup
+    world: ProcessGroup
+    intra_ranks: list[int]
+    inter_ranks: list[int]
+    calls: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's position inside its node."""
+        return self.topology.local_rank(self.rank)
+
+    @property
+    def node_rank(self) -> int:
+        """This rank's node."""
+        return self.topology.node_rank(self.rank)
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this rank is its node's leader (local rank 0)."""
+        return self.local_rank == 0
+
+    def count(self, stage: str) -> None:
+        """Record one collective issued for ``stage`` (inspected by tests and logs)."""
+        self.calls[stage] = self.calls.get(stage, 0) + 1
+
+
+def build_process_groups(topology: Topology) -> ProcessGroups:
+    """Create the intra-node and inter-node groups of ``topology``.
+
+    Collective: every rank must call it, in the same order, after ``init_process_group``.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("build_process_groups needs torch.distributed.init_process_group to run first.")
+    if dist.get_world_size() != topology.world_size:
+        raise ValueError(
+            f"topology world_size={topology.world_size} but the process group has "
+            f"{dist.get_world_size()} ranks."
+        )
+    rank = dist.get_rank()
+    backend = dist.get_backend()
+    mine: dict[str, ProcessGroup] = {}
+    # new_group is collective over the default group: every rank creates every group.
+    for kind in ("intra", "intra_out"):
+        for node in range(topology.num_nodes):
+            group = dist.new_group(topology.node_ranks(node))
+            if node == topology.node_rank(rank):
+                mine[kind] = group
+    for local in range(topology.ranks_per_node):
+        group = dist.new_group(topology.peer_ranks(local))
+        if local == topology.local_rank(rank):
+            mine["inter"] = group
+    world = dist.new_group(list(range(topology.world_size)))
+    return ProcessGroups(
+        topology=topology,
+        rank=rank,
+        backend=str(backend),
+        intra=mine["intra"],
+        intra_out=mine["intra_out"],
+        inter=mine["inter"],
+        world=world,
+        intra_ranks=topology.node_ranks(topology.node_rank(rank)),
+        inter_ranks=topology.peer_ranks(topology.local_rank(rank)),
+    )
