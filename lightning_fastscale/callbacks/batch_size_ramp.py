@@ -242,6 +242,7 @@ class BatchSizeRamp(Callback):
             )
         trainer.reload_dataloaders_every_n_epochs = 1
         if self.scale_lr:
+            # imported here: lr_schedule imports this module
             from lightning_fastscale.callbacks.lr_schedule import WarmupDecayLR
 
             if any(isinstance(cb, WarmupDecayLR) for cb in trainer.callbacks):

@@ -35,6 +35,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from lightning_fastscale.callbacks.batch_size_ramp import BatchSizeRamp, loader_batch_size
+
 DECAYS = ("poly", "cosine", "none")
 
 
@@ -74,9 +76,8 @@ def lr_at(
 
 def current_global_batch(trainer: pl.Trainer) -> int:
     """Samples per optimizer step right now: per-device batch x world size x accumulation."""
-    loader = trainer.train_dataloader
-    per_device = getattr(loader, "batch_size", None)
-    if not isinstance(per_device, int):
+    per_device = loader_batch_size(trainer)
+    if per_device is None:
         per_device = getattr(trainer.datamodule, "train_batch_size", None)
     if not isinstance(per_device, int):
         raise ValueError(
@@ -185,8 +186,6 @@ class WarmupDecayLR(Callback):
         self._applied_in_epoch = 0
         self._steps_in_epoch = 1
         self._skipped_steps = 0
-        from lightning_fastscale.callbacks.batch_size_ramp import BatchSizeRamp
-
         if any(isinstance(cb, BatchSizeRamp) and cb.scale_lr for cb in trainer.callbacks):
             raise ValueError(
                 "BatchSizeRamp(scale_lr=True) and WarmupDecayLR both set the learning rate; "

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 
-from lightning_fastscale.callbacks.batch_size_ramp import resolve_schedule, value_at_epoch
+from lightning_fastscale.callbacks.batch_size_ramp import BatchSizeRamp, resolve_schedule, value_at_epoch
 from lightning_fastscale.data.protocol import (
     BatchSizeControllable,
     ResolutionControllable,
@@ -205,8 +205,6 @@ class ProgressiveResizing(Callback):
                     "mode='batch' is possible; set scale_batch=false"
                 )
             require_protocol(dm, BatchSizeControllable, "ProgressiveResizing(scale_batch=True)")
-            from lightning_fastscale.callbacks.batch_size_ramp import BatchSizeRamp
-
             if any(isinstance(cb, BatchSizeRamp) for cb in trainer.callbacks):
                 raise ValueError(
                     "ProgressiveResizing(scale_batch=True) and BatchSizeRamp would both set the "
