@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning_fastscale.emulation.collectives import measure_allreduce  # noqa: E402
 from lightning_fastscale.emulation.netns_cluster import EmulatedCluster  # noqa: E402
+from lightning_fastscale.planner.calibrate import DEFAULT_SIZES  # noqa: E402
 from lightning_fastscale.planner.cost_model import CommParams, Topology, predict_allreduce  # noqa: E402
 
 # The measured name of each modelled algorithm: "flat" is plain dist.all_reduce (gloo's ring).
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--configs", nargs="+", default=["2x4:500", "2x4:200", "4x2:500"],
                         help="NODESxRANKS_PER_NODE:CAP_MBIT entries")
     parser.add_argument("--numels", type=int, nargs="+", default=[1_000_000, 4_000_000, 16_000_000])
-    parser.add_argument("--calib-sizes", type=int, nargs="+", default=[262_144, 1_048_576, 4_194_304, 16_777_216],
+    parser.add_argument("--calib-sizes", type=int, nargs="+", default=list(DEFAULT_SIZES),
                         help="calibration message sizes in bytes")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--json", help="also write the rows to this JSON file")

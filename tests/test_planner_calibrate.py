@@ -16,6 +16,14 @@ def test_fit_recovers_parameters_from_model_timings():
     assert fit.max_rel_residual < 1e-9
 
 
+def test_fit_with_shared_gamma_fits_alpha_and_beta_only():
+    alpha, beta, gamma, p = 1e-4, 1.6e-8, 4e-9, 2
+    sizes = [2.0**k for k in range(20, 27, 2)]
+    samples = {name: (sizes, [form(p, n, alpha, beta, gamma) for n in sizes]) for name, form in PRIMITIVES.items()}
+    fit = fit_link(p, samples, gamma=gamma)
+    assert (fit.alpha, fit.beta, fit.gamma) == pytest.approx((alpha, beta, gamma), rel=1e-6)
+
+
 def test_fit_never_returns_negative_parameters():
     # Timings that a negative latency would fit best: alpha is clamped to 0, beta stays > 0.
     sizes = [1e5, 1e6, 1e7]

@@ -31,7 +31,8 @@ from lightning_fastscale.planner.cost_model import (
 
 __all__ = ["CalibrationResult", "LinkFit", "calibrate", "calibrate_process_groups", "fit_link"]
 
-DEFAULT_SIZES = (256 * 1024, 1024 * 1024, 4 * 1024 * 1024, 16 * 1024 * 1024)
+# Gradient buckets are MBs to 100s of MBs; small sizes would mostly measure start-up effects.
+DEFAULT_SIZES = (1 << 20, 4 << 20, 16 << 20, 64 << 20)
 
 # Closed form of each calibrated primitive: (p, nbytes, alpha, beta, gamma) -> seconds.
 PRIMITIVES: dict[str, Callable[..., float]] = {
@@ -78,12 +79,16 @@ def _nonneg_lstsq(design: np.ndarray, target: np.ndarray) -> np.ndarray:
     return best
 
 
-def fit_link(p: int, samples: dict[str, tuple[Sequence[float], Sequence[float]]]) -> LinkFit:
+def fit_link(
+    p: int, samples: dict[str, tuple[Sequence[float], Sequence[float]]], gamma: float | None = None
+) -> LinkFit:
     """Alpha, beta, gamma of a link from ``{primitive: (sizes_bytes, seconds)}`` over ``p`` ranks.
 
     Primitives: ``allgather``, ``allreduce``, ``reduce``, ``broadcast`` (their closed forms are
-    those the cost model uses). Raises if beta comes out zero: the timings then do not grow
-    with the size and cannot describe a link (use larger sizes).
+    those the cost model uses). With ``gamma`` given, only alpha and beta are fitted (the
+    model shares one gamma between the link levels; on a slow link the reduction cost cannot
+    be told apart from the transfer). Raises if beta comes out zero: the timings then do not
+    grow with the size and cannot describe a link (use larger sizes).
     """
     if p < 2:
         raise ValueError(f"a link fit needs at least 2 ranks, got p={p}")
@@ -92,10 +97,14 @@ def fit_link(p: int, samples: dict[str, tuple[Sequence[float], Sequence[float]]]
         form = PRIMITIVES[name]
         for n, t in zip(sizes, times):
             coeffs = [form(p, n, 1.0, 0.0, 0.0), form(p, n, 0.0, 1.0, 0.0), form(p, n, 0.0, 0.0, 1.0)]
+            known = 0.0 if gamma is None else coeffs[2] * gamma
             rows.append(np.asarray(coeffs) / t)  # relative error: divide each row by its time
-            target.append(1.0)
+            target.append(1.0 - known / t)
     design, target = np.asarray(rows), np.asarray(target)
-    alpha, beta, gamma = _nonneg_lstsq(design, target)
+    if gamma is None:
+        alpha, beta, gamma = _nonneg_lstsq(design, target)
+    else:
+        (alpha, beta), gamma = _nonneg_lstsq(design[:, :2], target), float(gamma)
     if beta <= 0:
         raise ValueError(f"calibration timings {samples} do not grow with size: use larger calibration sizes")
     residual = float(np.max(np.abs(design @ np.array([alpha, beta, gamma]) - 1.0)))
@@ -164,7 +173,8 @@ def calibrate(
     if ranks_per_node > 1:
         intra = fit_link(ranks_per_node, _measure(intra_group, ranks_per_node, sizes, reps, True, intra_root))
     if nodes > 1:
-        inter = fit_link(nodes, _measure(leader_group, nodes, sizes, reps, is_leader, 0))
+        inter = fit_link(nodes, _measure(leader_group, nodes, sizes, reps, is_leader, 0),
+                         gamma=None if intra is None else intra.gamma)
     fits = [intra, inter]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(fits, src=0)

@@ -18,7 +18,9 @@ from lightning_fastscale.planner.cost_model import ALGORITHMS, CommParams, Topol
 from lightning_fastscale.planner.fusion import FusionPlan, ddp_buckets, plan_fusion, simulate
 from lightning_fastscale.planner.profile import GradientProfile
 
-__all__ = ["StepPrediction", "allreduce_cost", "default_gpu_counts", "predict_step", "scaling_curve"]
+__all__ = [
+    "StepPrediction", "allreduce_cost", "default_gpu_counts", "predict_step", "scaling_curve", "topology_for",
+]
 
 
 def allreduce_cost(
@@ -59,7 +61,8 @@ class StepPrediction:
         }
 
 
-def _topology(gpus: int, ranks_per_node: int) -> Topology:
+def topology_for(gpus: int, ranks_per_node: int) -> Topology:
+    """Topology of ``gpus`` ranks: one partial node below ``ranks_per_node``, else full nodes."""
     if gpus <= ranks_per_node:
         return Topology(1, gpus)
     return Topology.from_world(gpus, ranks_per_node)
@@ -74,7 +77,7 @@ def predict_step(
     ``fusion``: ``"auto"`` (optimal buckets), ``"two"`` (two segments), ``"single"`` (one
     bucket after backward, no overlap) or ``"ddp25"`` (DDP's default 25 MiB cap).
     """
-    topology = _topology(gpus, ranks_per_node)
+    topology = topology_for(gpus, ranks_per_node)
     cost = allreduce_cost(algorithm, topology, params, wire_dtype, topk_ratio)
     grad, back = profile.grad_bytes, profile.backward_s
     if fusion == "auto":

@@ -1,0 +1,42 @@
+"""The strategy seam: auto_plan picks the algorithm with the earliest predicted finish."""
+import pytest
+import torch
+from torch import nn
+
+from lightning_fastscale.planner import CommParams, Topology, auto_plan, choose_algorithm, load_cluster, module_profile
+from lightning_fastscale.planner.fusion import MB
+
+SLOW_NIC = CommParams(alpha_intra=5e-6, beta_intra=1e-11, alpha_inter=2e-5, beta_inter=8e-9, gamma=0.0)
+FLAT = CommParams(alpha_intra=1e-6, beta_intra=1e-9, alpha_inter=1e-6, beta_inter=1e-9, gamma=0.0)
+
+
+def net():
+    return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+
+
+def test_module_profile_from_time_and_from_flops():
+    model = net()
+    prof = module_profile(model, backward_time_s=0.01)
+    assert prof.names[0] == "4.bias" and sum(prof.grad_bytes) == 4 * sum(p.numel() for p in model.parameters())
+    assert prof.backward_total_s == pytest.approx(0.01)
+    flops = module_profile(model, example_input=torch.randn(8, 256), sustained_tflops=1e-3)
+    # backward = 2 x forward matmul FLOPs: 2 * 2 * 8 * (256*512 + 512*512 + 512*10) / 1e9 s
+    assert flops.backward_total_s == pytest.approx(4 * 8 * (256 * 512 + 512 * 512 + 512 * 10) / 1e9)
+    with pytest.raises(ValueError, match="backward_time_s"):
+        module_profile(model)
+
+
+def test_auto_plan_choices():
+    prof = module_profile(net(), backward_time_s=0.01)
+    slow = auto_plan(prof, Topology(4, 8), SLOW_NIC)
+    assert slow.algorithm in ("hier", "torus2d")
+    assert slow.plan.finish_s == min(p.finish_s for p in slow.candidates.values())
+    assert sum(slow.ddp_kwargs["bucket_cap_mb_list"]) * MB == pytest.approx(sum(prof.grad_bytes))
+    assert auto_plan(prof, Topology(4, 8), FLAT).algorithm == "ring"
+    assert auto_plan(prof, Topology(1, 8), SLOW_NIC).algorithm == "ring"
+    assert set(slow.summary()) == {"algorithm", "plan", "ddp_kwargs", "predicted_finish_s"}
+
+
+def test_choose_algorithm_from_a_cluster():
+    cluster = load_cluster("tencent_cloud_25g_vpc")
+    assert choose_algorithm(cluster, 100e6, wire_dtype="fp16") in ("hier", "torus2d")
