@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_fastscale.param_groups import split_parameters
-from lightning_fastscale.precision import LARSMixedPrecision
+from lightning_fastscale.precision import LARS, LARSMixedPrecision
 
 
 def textbook(w, g, *, lr, wd, eta, eps, clip):
@@ -282,7 +282,7 @@ def test_excluding_every_parameter_fails_before_training(tmp_path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(module.parameters(), w0))
 
 
-def test_half_weights_and_adamw_are_refused(tmp_path) -> None:
+def test_half_weights_adamw_and_double_lars_are_refused(tmp_path) -> None:
     module = Tiny(make_net())
     module.half()
     with pytest.raises(ValueError, match="fp32 master weights"):
@@ -294,3 +294,10 @@ def test_half_weights_and_adamw_are_refused(tmp_path) -> None:
 
     with pytest.raises(ValueError, match="decoupled"):
         trainer(LARSMixedPrecision("32", "cpu"), tmp_path, max_steps=1).fit(WithAdamW(make_net()), data())
+
+    class WithLARS(Tiny):
+        def configure_optimizers(self):
+            return LARS(self.parameters(), lr=0.1)
+
+    with pytest.raises(ValueError, match="second time"):
+        trainer(LARSMixedPrecision("32", "cpu"), tmp_path, max_steps=1).fit(WithLARS(make_net()), data())

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
 from ..param_groups import is_excluded, split_parameters, validate_patterns
-from .lars import check_lars_options, foreach_norms, lars_rescale_
+from .lars import LARS, check_lars_options, foreach_norms, lars_rescale_
 
 log = logging.getLogger(__name__)
 
@@ -136,12 +136,17 @@ class LARSMixedPrecision(MixedPrecision):
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
         """Classify parameters and validate the configuration before the first step."""
-        self._classify(_lightning_module(model))
+        self.classify(_lightning_module(model))
         for optimizer in optimizers:
             self._validate(optimizer)
         return super().connect(model, optimizers, lr_schedulers)
 
-    def _classify(self, module: nn.Module) -> None:
+    def classify(self, module: nn.Module) -> None:
+        """Record which of ``module``'s parameters LARS adapts (the shared rule + ``exclude``).
+
+        ``connect`` calls it with the LightningModule; call it yourself only when driving
+        :meth:`lars_step` outside a Trainer.
+        """
         adapted, excluded = split_parameters(module, self.exclude)
         self._adapted_ids = {id(p) for _, p in adapted}
         self._named_ids = self._adapted_ids | {id(p) for _, p in excluded}
@@ -154,6 +159,12 @@ class LARSMixedPrecision(MixedPrecision):
         return not is_excluded("", p)
 
     def _validate(self, optimizer: Optimizer) -> None:
+        if isinstance(optimizer, LARS):
+            raise ValueError(
+                "LARSMixedPrecision would apply LARS a second time on top of the LARS optimizer; "
+                "use it with a plain optimizer (torch.optim.SGD), or use the LARS optimizer with "
+                "Lightning's own precision (Trainer(precision='16-mixed'|'bf16-mixed'))"
+            )
         params = [p for g in optimizer.param_groups for p in g["params"]]
         if params and not any(self._adapts(p) for p in params):
             raise ValueError(
@@ -232,9 +243,23 @@ class LARSMixedPrecision(MixedPrecision):
             self.scaler.unscale_(optimizer)
         self._after_closure(model, optimizer)
         if self._adapted_ids is None:
-            self._classify(_lightning_module(model))
+            self.classify(_lightning_module(model))
             self._validate(optimizer)
+        step_output = self.lars_step(optimizer, **kwargs)
+        if self.scaler is not None:
+            # after unscale_ found an inf, update() lowers the scale; otherwise it may grow it
+            self.scaler.update()
+        self._log(model)
+        return closure_result if step_output is None else step_output
 
+    def lars_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        """Steps 4-6 on unscaled gradients: skip if non-finite, else LARS, then ``optimizer.step``.
+
+        Returns the optimizer's return value, or None for a skipped step (``last_step_skipped``
+        tells which). The scaler is not touched here.
+        """
+        if self._adapted_ids is None:
+            raise RuntimeError("LARSMixedPrecision.lars_step before classify(module): connect the plugin first")
         groups = []
         finite: list[Tensor] = []
         for group in optimizer.param_groups:
@@ -249,16 +274,7 @@ class LARSMixedPrecision(MixedPrecision):
         if self.last_step_skipped:
             self.skipped_steps += 1
             log.info("LARSMixedPrecision: non-finite gradient, step skipped (%d so far)", self.skipped_steps)
-            step_output = None
-        else:
-            step_output = self._lars_step(optimizer, groups, **kwargs)
-        if self.scaler is not None:
-            # after unscale_ found an inf, update() lowers the scale; otherwise it may grow it
-            self.scaler.update()
-        self._log(model)
-        return closure_result if step_output is None else step_output
-
-    def _lars_step(self, optimizer: Optimizer, groups: list[tuple], **kwargs: Any) -> Any:
+            return None
         saved: list[tuple[dict, float]] = []
         try:
             for group, params, grads, g_norms in groups:

@@ -1,0 +1,151 @@
+"""Time one optimizer step over ResNet-50's parameters: LARS variants against torch SGD.
+
+ResNet-50 (torchvision, random init, no download): 161 parameter tensors, 25.6M values, with
+random gradients. Every variant gets the same two parameter groups from the shared rule
+(weights with weight decay and LARS; bias/BN with neither), momentum 0.9, weight decay 5e-5.
+
+    variant            what runs
+    torch_sgd_foreach  torch.optim.SGD(foreach=True)                      (the baseline)
+    lars (ours)        lightning_fastscale.precision.LARS (ratio folded into momentum)
+    plugin_path (ours) LARSMixedPrecision.lars_step around torch SGD foreach: non-finite
+                       check, gradients rescaled in place, SGD step with weight decay 0
+    timm_lars          timm.optim.Lars with its default (foreach=None: per-tensor loop on CPU)
+    timm_lars_foreach  timm.optim.Lars(foreach=True)
+
+Variants run round-robin within each repeat so that load on the machine hits them alike;
+the table gives medians and the ratio to the baseline's median, all from one process.
+
+    python benchmarks/lars_step.py --repeats 15 --threads 1 [--clock process|wall] [--device cpu|cuda]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import timm.optim
+import torch
+import torchvision
+
+from lightning_fastscale.param_groups import split_parameters
+from lightning_fastscale.precision import LARS, LARSMixedPrecision
+
+LR, MOMENTUM, WD, ETA = 0.1, 0.9, 5e-5, 1e-3
+
+
+def setup(device: str) -> tuple[dict[str, Callable[[], None]], dict]:
+    """Build each variant's model copy, gradients and optimizer; return step callables."""
+    base = torchvision.models.resnet50(weights=None)
+    adapted, excluded = split_parameters(base)
+    gen = torch.Generator().manual_seed(0)
+    grads = {n: torch.randn(p.shape, generator=gen) * 1e-2 for n, p in base.named_parameters()}
+    info = {
+        "tensors": len(grads),
+        "values": sum(g.numel() for g in grads.values()),
+        "adapted_tensors": len(adapted),
+        "adapted_values": sum(p.numel() for _, p in adapted),
+    }
+
+    def clone() -> tuple[torch.nn.Module, list[torch.Tensor], list[torch.Tensor]]:
+        net = copy.deepcopy(base).to(device)
+        for n, p in net.named_parameters():
+            p.grad = grads[n].to(device)
+        a, e = split_parameters(net)
+        return net, [p for _, p in a], [p for _, p in e]
+
+    steps: dict[str, Callable[[], None]] = {}
+
+    _, a, e = clone()
+    sgd = torch.optim.SGD(
+        [{"params": a}, {"params": e, "weight_decay": 0.0}], lr=LR, momentum=MOMENTUM, weight_decay=WD, foreach=True
+    )
+    steps["torch_sgd_foreach"] = sgd.step
+
+    _, a, e = clone()
+    lars = LARS(
+        [{"params": a}, {"params": e, "weight_decay": 0.0, "lars": False}],
+        lr=LR, momentum=MOMENTUM, weight_decay=WD, eta=ETA,
+    )
+    steps["lars (ours)"] = lars.step
+
+    # the plugin's own step code (non-finite check, rescale, wrapped SGD), without a Trainer
+    net, a, e = clone()
+    inner = torch.optim.SGD(
+        [{"params": a}, {"params": e, "weight_decay": 0.0}], lr=LR, momentum=MOMENTUM, weight_decay=WD, foreach=True
+    )
+    plugin = LARSMixedPrecision("32", device.split(":")[0], eta=ETA)
+    plugin.classify(net)
+    all_grads = [p.grad for p in net.parameters()]
+    saved = [g.clone() for g in all_grads]
+
+    def restore() -> None:  # outside the timed region: the plugin rescales gradients in place
+        torch._foreach_copy_(all_grads, saved)
+
+    steps["plugin_path (ours)"] = lambda: plugin.lars_step(inner)
+    steps["_restore_plugin_grads"] = restore
+
+    for name, foreach in (("timm_lars", None), ("timm_lars_foreach", True)):
+        _, a, e = clone()
+        # timm adapts every parameter of a group with weight decay != 0 (or always_adapt)
+        opt = timm.optim.Lars(
+            [{"params": a, "always_adapt": True}, {"params": e, "weight_decay": 0.0}],
+            lr=LR, momentum=MOMENTUM, weight_decay=WD, trust_coeff=ETA, foreach=foreach,
+        )
+        steps[name] = opt.step
+    return steps, info
+
+
+def main() -> None:
+    """Parse arguments, time every variant round-robin, print the table (and JSON)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--clock", choices=("process", "wall"), default="process",
+        help="process: CPU time of this process (robust to other jobs on a shared machine; "
+        "use with --threads 1); wall: perf_counter (use on a quiet machine or with CUDA)",
+    )
+    ap.add_argument("--json", default=None, help="also write the results to this file")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    steps, info = setup(args.device)
+    restore = steps.pop("_restore_plugin_grads")
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    clock = time.process_time if args.clock == "process" else time.perf_counter
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for rep in range(args.warmup + args.repeats):
+        for name, step in steps.items():
+            restore()
+            sync()
+            t0 = clock()
+            step()
+            sync()
+            if rep >= args.warmup:
+                times[name].append(clock() - t0)
+    base = statistics.median(times["torch_sgd_foreach"])
+    print(
+        f"ResNet-50: {info['tensors']} tensors, {info['values'] / 1e6:.2f}M values "
+        f"({info['adapted_tensors']} tensors / {info['adapted_values'] / 1e6:.2f}M adapted by LARS); "
+        f"device {args.device}, {torch.get_num_threads()} threads, {args.clock} clock, {args.repeats} repeats, "
+        f"torch {torch.__version__}"
+    )
+    print("| variant | median ms | min ms | ratio to torch SGD foreach |")
+    print("|---|---|---|---|")
+    rows = {}
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        rows[name] = {"median_s": med, "min_s": min(ts), "ratio": med / base}
+        print(f"| {name} | {med * 1e3:.1f} | {min(ts) * 1e3:.1f} | {med / base:.2f}x |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"info": info, "args": vars(args), "results": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
