@@ -3,7 +3,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_fastscale.planner import CommParams, Topology, auto_plan, choose_algorithm, load_cluster, module_profile
+from lightning_fastscale.planner import (
+    CommParams, CostModelPlanner, Topology, auto_plan, choose_algorithm, load_cluster, module_profile,
+)
 from lightning_fastscale.planner.fusion import MB
 
 SLOW_NIC = CommParams(alpha_intra=5e-6, beta_intra=1e-11, alpha_inter=2e-5, beta_inter=8e-9, gamma=0.0)
@@ -40,3 +42,27 @@ def test_auto_plan_choices():
 def test_choose_algorithm_from_a_cluster():
     cluster = load_cluster("tencent_cloud_25g_vpc")
     assert choose_algorithm(cluster, 100e6, wire_dtype="fp16") in ("hier", "torus2d")
+
+
+class _StrategyTopology:
+    """Stand-in for strategies.topology.Topology: (world_size, ranks_per_node) with num_nodes."""
+
+    def __init__(self, world_size, ranks_per_node):
+        self.world_size, self.ranks_per_node = world_size, ranks_per_node
+        self.num_nodes = world_size // ranks_per_node
+
+
+def test_cost_model_planner_callables_agree_with_auto_plan():
+    model = net()
+    planner = CostModelPlanner(SLOW_NIC, backward_time_s=0.01)
+    topo = _StrategyTopology(32, 8)
+    expected = auto_plan(module_profile(model, backward_time_s=0.01), Topology(4, 8), SLOW_NIC)
+    assert planner.select_algorithm(model, topo) == expected.algorithm
+    assert planner.fusion_caps(model, topo) == expected.plan.ddp_bucket_cap_mb_list()
+    # from a shipped cluster, with FLOP-based backward times from an example input
+    planner = CostModelPlanner("tencent_cloud_25g_vpc", wire_dtype="fp16", example_input=torch.randn(4, 256))
+    assert planner.select_algorithm(model, _StrategyTopology(16, 8)) in ("hier", "torus2d")
+    with pytest.raises(ValueError, match="backward_time_s"):
+        CostModelPlanner(SLOW_NIC).plan(model, topo)
+    with pytest.raises(ValueError, match="calibrate=True"):
+        CostModelPlanner()

@@ -3,7 +3,7 @@
 Answers before a run which all-reduce algorithm (flat ring, hierarchical, 2D torus) and which
 gradient buckets to use on a cluster, and how training will scale (``fastscale-plan``).
 """
-from lightning_fastscale.planner.auto import AutoPlan, auto_plan, module_profile
+from lightning_fastscale.planner.auto import AutoPlan, CostModelPlanner, auto_plan, module_profile
 from lightning_fastscale.planner.cluster import Cluster, ClusterConfigError, available_clusters, load_cluster
 from lightning_fastscale.planner.cost_model import (
     ALGORITHMS,
@@ -23,6 +23,7 @@ __all__ = [
     "AutoPlan",
     "Cluster",
     "ClusterConfigError",
+    "CostModelPlanner",
     "CommParams",
     "FusionPlan",
     "GradientProfile",

@@ -17,7 +17,7 @@ from lightning_fastscale.planner.fusion import FusionPlan, plan_fusion
 from lightning_fastscale.planner.profile import GradientProfile, profile_module
 from lightning_fastscale.planner.scaling import allreduce_cost
 
-__all__ = ["AutoPlan", "auto_plan", "module_profile"]
+__all__ = ["AutoPlan", "CostModelPlanner", "auto_plan", "module_profile"]
 
 
 @dataclass(frozen=True)
@@ -88,3 +88,104 @@ def auto_plan(
     best = min(algorithms, key=lambda a: (round(candidates[a].finish_s, 12), algorithms.index(a)))
     plan = candidates[best]
     return AutoPlan(best, plan, plan.ddp_kwargs(), candidates)
+
+
+def _planner_topology(topology) -> Topology:
+    """The planner's ``Topology`` from either topology class (strategy's has ``num_nodes``)."""
+    if isinstance(topology, Topology):
+        return topology
+    return Topology(int(topology.num_nodes), int(topology.ranks_per_node))
+
+
+class CostModelPlanner:
+    """The two callables ``HierarchicalAllReduceStrategy`` takes for ``algorithm="auto"``.
+
+    ::
+
+        planner = CostModelPlanner("tencent_cloud_25g_vpc", wire_dtype="fp16", backward_time_s=0.15)
+        strategy = HierarchicalAllReduceStrategy(
+            algorithm="auto", comm_dtype="fp16",
+            algorithm_selector=planner.select_algorithm, fusion_plan=planner.fusion_caps)
+
+    ``params``: a :class:`CommParams`, a :class:`~lightning_fastscale.planner.cluster.Cluster`
+    or the name/path of a cluster description; ``None`` with ``calibrate=True`` measures them
+    at setup on the real process groups (:mod:`~lightning_fastscale.planner.calibrate`).
+    Backward time per gradient: from ``example_input`` (default: the module's
+    ``example_input_array``) and ``sustained_tflops`` (default: the cluster's device), else
+    ``backward_time_s`` spread over the gradients by size. ``wire_dtype`` and ``topk_ratio``
+    must match the strategy's ``comm_dtype`` and top-k setting. The plan is computed once per
+    module and topology; every rank computes the same plan from the same inputs (calibrated
+    parameters are broadcast from rank 0).
+    """
+
+    def __init__(
+        self,
+        params=None,
+        *,
+        calibrate: bool = False,
+        calibration_sizes: Sequence[int] | None = None,
+        wire_dtype: str = "fp32",
+        topk_ratio: float | None = None,
+        backward_time_s: float | None = None,
+        sustained_tflops: float | None = None,
+        example_input: torch.Tensor | None = None,
+        algorithms: Sequence[str] = ALGORITHMS,
+    ) -> None:
+        from lightning_fastscale.planner.cluster import Cluster, load_cluster
+
+        if isinstance(params, str):
+            params = load_cluster(params)
+        if isinstance(params, Cluster):
+            sustained_tflops = sustained_tflops or params.device.sustained_tflops
+            params = params.comm_params()
+        if params is None and not calibrate:
+            raise ValueError("CostModelPlanner needs params (CommParams, Cluster or cluster name) or calibrate=True")
+        self.params: CommParams | None = params
+        self.calibrate = calibrate
+        self.calibration_sizes = calibration_sizes
+        self.wire_dtype = wire_dtype
+        self.topk_ratio = topk_ratio
+        self.backward_time_s = backward_time_s
+        self.sustained_tflops = sustained_tflops
+        self.example_input = example_input
+        self.algorithms = tuple(algorithms)
+        self._plans: dict[tuple, AutoPlan] = {}
+
+    def _params(self, topology: Topology, strategy_topology) -> CommParams:
+        if self.params is None or self.calibrate:
+            from lightning_fastscale.planner.calibrate import DEFAULT_SIZES, calibrate_process_groups
+            from lightning_fastscale.strategies.topology import build_process_groups
+
+            groups = build_process_groups(strategy_topology)
+            self.params = calibrate_process_groups(groups, self.calibration_sizes or DEFAULT_SIZES).params
+            self.calibrate = False
+        return self.params
+
+    def plan(self, module: nn.Module, topology) -> AutoPlan:
+        """The :class:`AutoPlan` for ``module`` on ``topology`` (computed once)."""
+        planner_topology = _planner_topology(topology)
+        key = (id(module), planner_topology)
+        if key not in self._plans:
+            example = self.example_input
+            if example is None:
+                example = getattr(module, "example_input_array", None)
+            if not isinstance(example, torch.Tensor) or self.sustained_tflops is None:
+                example = None
+            if example is None and self.backward_time_s is None:
+                raise ValueError(
+                    "CostModelPlanner cannot estimate backward time: give backward_time_s=..., or "
+                    "sustained_tflops=... with example_input=... (or a module example_input_array)"
+                )
+            profile = module_profile(module, self.backward_time_s, example, self.sustained_tflops)
+            params = self._params(planner_topology, topology)
+            self._plans[key] = auto_plan(profile, planner_topology, params, self.wire_dtype, self.topk_ratio,
+                                         self.algorithms)
+        return self._plans[key]
+
+    def select_algorithm(self, module: nn.Module, topology) -> str:
+        """``algorithm_selector`` for the strategy: the planned algorithm."""
+        return self.plan(module, topology).algorithm
+
+    def fusion_caps(self, module: nn.Module, topology) -> list[float]:
+        """``fusion_plan`` for the strategy: DDP ``bucket_cap_mb_list`` of the planned buckets."""
+        return self.plan(module, topology).plan.ddp_bucket_cap_mb_list()
