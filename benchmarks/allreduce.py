@@ -23,9 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_fastscale.emulation.collectives import measure_allreduce  # noqa: E402
 
 DEFAULT_ALGORITHMS = [
-    "flat", "ring", "hier", "torus2d", "hier@8", "torus2d@8", "hier:fp16", "hier:fp16@8",
-    "torus2d:fp16@8", "pipe_hier@8", "pipe_torus2d@8", "pipe_hier:fp16@8", "pipe_torus2d:fp16@8",
-    "hier_topk@8",
+    "flat", "ring", "hier", "torus2d", "hier@16", "torus2d@16", "hier:fp16@16", "torus2d:fp16@16",
+    "pipe_hier@16", "pipe_hier:fp16@16", "pipe_torus2d:fp16@16", "hier_topk@16",
 ]
 
 

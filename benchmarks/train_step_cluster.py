@@ -34,7 +34,7 @@ def _worker(cfg: dict) -> None:
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
-    import lightning_fastscale  # noqa: F401  (registers the strategies)
+    import lightning_fastscale.strategies  # noqa: F401  (registers the strategies)
     from lightning_fastscale.models import create_model
 
     class Classifier(pl.LightningModule):

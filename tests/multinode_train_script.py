@@ -38,13 +38,14 @@ def _dataset() -> TensorDataset:
 
 
 def _strategy_report(strategy) -> dict:
-    """What a hierarchical strategy detected (empty for plain DDP)."""
+    """What a hierarchical strategy detected and did (``None``/empty for plain DDP)."""
     topology = getattr(strategy, "topology", None)
-    groups = getattr(strategy, "process_groups", None)
+    state = getattr(strategy, "hook_state", None)
     return {
         "topology_num_nodes": getattr(topology, "num_nodes", None),
         "topology_ranks_per_node": getattr(topology, "ranks_per_node", None),
-        "collective_calls": dict(getattr(groups, "calls", {}) or {}),
+        "hook_calls": getattr(state, "hook_calls", 0),
+        "collective_calls": dict(state.groups.calls) if state is not None else {},
     }
 
 
@@ -58,7 +59,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.strategy.startswith("hier"):
-        import lightning_fastscale  # noqa: F401  (registers "hier_ring"/"hier_torus")
+        import lightning_fastscale.strategies  # noqa: F401  (registers "hier_ring"/"hier_torus")
 
     pl.seed_everything(0, verbose=False)
     model = TinyClassifier()

@@ -17,6 +17,7 @@ removed on exit, also on failure, time-out or ``KeyboardInterrupt``.
 """
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
 import os
@@ -106,6 +107,13 @@ def check_namespace_support() -> None:
             raise NamespaceUnavailable(f"tbf qdisc unavailable: {tbf.stderr.strip()}")
     finally:
         _ip("netns", "del", probe, check=False)
+
+
+def _die_with_parent() -> None:
+    # If the harness itself is SIGKILLed its finally-blocks cannot run: let the kernel kill the
+    # node launchers then (PR_SET_PDEATHSIG); a later run sweeps the namespaces.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
 def _pid_alive(pid: int) -> bool:
@@ -277,7 +285,11 @@ class EmulatedCluster:
         capture: bool = True,
         cwd: str | None = None,
     ) -> subprocess.Popen:
-        """Start ``argv`` inside node ``index`` (own session, so it can be killed as a group)."""
+        """Start ``argv`` inside node ``index`` (own session, so it can be killed as a group).
+
+        The process is killed by the kernel if the calling thread dies, so call this from a
+        thread that outlives it (``run`` does).
+        """
         if self._closed:
             raise RuntimeError("cluster already closed")
         full_env = dict(os.environ if env is None else env)
@@ -286,6 +298,7 @@ class EmulatedCluster:
         proc = subprocess.Popen(
             ["ip", "netns", "exec", self.nodes[index].namespace, *argv],
             env=full_env, stdout=out, stderr=out, text=True, start_new_session=True, cwd=cwd,
+            preexec_fn=_die_with_parent,
         )
         with self._lock:
             self._procs.append(proc)
