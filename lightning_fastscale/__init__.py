@@ -3,18 +3,38 @@
 Importing the package registers its strategies with Lightning, so ``Trainer(strategy="hier_ring")``
 works; see DESIGN.md for what lives where.
 """
+from . import strategies  # noqa: F401  (registers "hier_ring", "hier_torus" and _spawn variants)
+from .callbacks import (
+    BatchSizeRamp,
+    LabelSmoothing,
+    NoWeightDecayOnBiasNorm,
+    ProgressiveResizing,
+    WarmupDecayLR,
+    ZeroInitResidualBN,
+)
 from .data import ImageFolderDataModule, ProceduralDataModule, ProceduralShapes
 from .models import create_model, register_model
 from .module import ImageClassifier
 from .param_groups import is_excluded, split_parameters
+from .precision import LARS, LARSMixedPrecision
+from .strategies import HierarchicalAllReduceStrategy
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchSizeRamp",
+    "HierarchicalAllReduceStrategy",
     "ImageClassifier",
     "ImageFolderDataModule",
+    "LARS",
+    "LARSMixedPrecision",
+    "LabelSmoothing",
+    "NoWeightDecayOnBiasNorm",
     "ProceduralDataModule",
     "ProceduralShapes",
+    "ProgressiveResizing",
+    "WarmupDecayLR",
+    "ZeroInitResidualBN",
     "create_model",
     "is_excluded",
     "register_model",
