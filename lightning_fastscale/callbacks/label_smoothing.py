@@ -2,8 +2,8 @@
 
 Label smoothing (Szegedy et al. 2016, "Rethinking the Inception Architecture") trains against
 ``(1 - eps) * onehot(y) + eps / K`` instead of the one-hot target. Mikami et al. 2018 (Sony,
-ImageNet/ResNet-50 in 224 s at batch 34K-68K) and the MLPerf v0.5+ ResNet-50 LARS reference
-(eps = 0.1) use it to keep accuracy at very large batch sizes.
+ImageNet/ResNet-50 in 224 s at batch 34K-68K) and the MLPerf ResNet-50 LARS reference runs
+(``--label_smoothing=0.1``) use it to keep accuracy at very large batch sizes.
 
 Functional core: :func:`smooth_targets` (the target distribution) and
 :func:`smoothing_at_epoch` (the schedule). Lightning adapter: :class:`LabelSmoothing` sets
