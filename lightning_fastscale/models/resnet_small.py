@@ -49,7 +49,7 @@ class ResNetSmall(nn.Module):
     def __init__(
         self,
         num_classes: int = 10,
-        widths: Sequence[int] = (32, 64, 128),
+        widths: Sequence[int] = (16, 32, 64),
         blocks_per_stage: int | Sequence[int] = 1,
         in_channels: int = 3,
     ) -> None:
@@ -86,7 +86,7 @@ class ResNetSmall(nn.Module):
 
 @register_model("resnet_small")
 def resnet_small(num_classes: int = 10, **kwargs) -> ResNetSmall:
-    """The default model of the built-in job: widths (32, 64, 128), one block per stage."""
+    """The default model of the built-in job: widths (16, 32, 64), one block per stage."""
     return ResNetSmall(num_classes=num_classes, **kwargs)
 
 
