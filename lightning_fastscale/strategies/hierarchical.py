@@ -258,9 +258,11 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
                 logger.log_hyperparams(summary)
 
     def teardown(self) -> None:
-        """Stop the communication thread, then let DDP unwrap the model."""
+        """Stop the communication thread and release the node groups, then let DDP unwrap the model."""
         if self.hook_state is not None:
             self.hook_state.close()
+            if dist.is_initialized():
+                self.hook_state.groups.destroy()
         super().teardown()
 
     @classmethod

@@ -141,6 +141,11 @@ class ProcessGroups:
         """Whether this rank is its node's leader (local rank 0)."""
         return self.local_rank == 0
 
+    def destroy(self) -> None:
+        """Release this rank's groups (at teardown; each holds connections to its peers)."""
+        for group in {id(g): g for g in (self.intra, self.intra_out, self.inter, self.world)}.values():
+            dist.destroy_process_group(group)
+
     def count(self, stage: str) -> None:
         """Record one collective issued for ``stage`` (inspected by tests and logs)."""
         self.calls[stage] = self.calls.get(stage, 0) + 1
