@@ -10,7 +10,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 
-def tensor_loader(n: int = 32, batch_size: int = 8, resolution: int = 8, classes: int = 4, seed: int = 0) -> DataLoader:
+def tensor_loader(
+    n: int = 32, batch_size: int = 8, resolution: int = 8, classes: int = 4, seed: int = 0
+) -> DataLoader:
     """A fixed, unshuffled loader of random images and labels (same data in every epoch)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 3, resolution, resolution, generator=g)
@@ -18,7 +20,9 @@ def tensor_loader(n: int = 32, batch_size: int = 8, resolution: int = 8, classes
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
 
 
-def make_trainer(tmp_path: Path, callbacks: list[pl.Callback], max_epochs: int = 1, **kwargs: Any) -> pl.Trainer:
+def make_trainer(
+    tmp_path: Path, callbacks: list[pl.Callback], max_epochs: int = 1, **kwargs: Any
+) -> pl.Trainer:
     """A quiet single-process CPU Trainer writing only under ``tmp_path``."""
     kwargs.setdefault("enable_checkpointing", False)
     return pl.Trainer(
@@ -43,8 +47,13 @@ class TinyClassifier(pl.LightningModule):
     tests can recompute the losses by hand; validation deliberately uses ``self.criterion`` too.
     """
 
-    def __init__(self, model: nn.Module | None = None, weight_decay: float = 0.1, with_scheduler: bool = False,
-                 classes: int = 4) -> None:
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        weight_decay: float = 0.1,
+        with_scheduler: bool = False,
+        classes: int = 4,
+    ) -> None:
         super().__init__()
         self.model = model or nn.Sequential(
             nn.Conv2d(3, 6, 3, padding=1),

@@ -8,7 +8,6 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-import lightning_fastscale.models.alexnet_bn  # noqa: F401  (registers model=alexnet_bn)
 from lightning_fastscale.callbacks import (
     BatchSizeRamp,
     LabelSmoothing,

@@ -154,7 +154,9 @@ class NoWeightDecayOnBiasNorm(pl.Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._restore(pl_module)
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
         self._restore(pl_module)
 
     def _restore(self, pl_module: pl.LightningModule) -> None:

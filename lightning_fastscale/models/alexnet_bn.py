@@ -24,7 +24,9 @@ MIN_RESOLUTION = 31
 """Smallest input side for which pool1 and pool2 still have a 3x3 window to pool."""
 
 
-def _conv_bn_relu(in_channels: int, out_channels: int, kernel: int, stride: int, padding: int) -> list[nn.Module]:
+def _conv_bn_relu(
+    in_channels: int, out_channels: int, kernel: int, stride: int, padding: int
+) -> list[nn.Module]:
     return [
         nn.Conv2d(in_channels, out_channels, kernel, stride, padding, bias=False),
         nn.BatchNorm2d(out_channels),
@@ -71,7 +73,8 @@ class AlexNetBN(nn.Module):
         if min(x.shape[-2:]) < MIN_RESOLUTION:
             raise ValueError(
                 f"AlexNetBN needs images of at least {MIN_RESOLUTION} px, got {tuple(x.shape[-2:])}; "
-                "raise the data resolution (e.g. data.resolution=32)"
+                "raise the input resolution (data.resolution, or the smallest size of a "
+                "ProgressiveResizing schedule)"
             )
         return self.classifier(self.bn_pool5(self.pool5(self.features(x))))
 
