@@ -301,3 +301,36 @@ def test_half_weights_adamw_and_double_lars_are_refused(tmp_path) -> None:
 
     with pytest.raises(ValueError, match="second time"):
         trainer(LARSMixedPrecision("32", "cpu"), tmp_path, max_steps=1).fit(WithLARS(make_net()), data())
+
+
+class RankInjected(Tiny):
+    """Puts an inf into one rank's gradient only; DDP's all-reduce spreads it to every rank."""
+
+    def on_after_backward(self) -> None:
+        if self.trainer.global_step in self.inject and self.global_rank == self.trainer.world_size - 1:
+            self.net[0].weight.grad[0, 0] = self.inject[self.trainer.global_step]
+
+    def train_dataloader(self):
+        # rank r gets samples r, r+2, ...: step k's global batch is samples 8k..8k+7 on both layouts
+        loader = data(batch=8 // self.trainer.world_size)
+        sampler = torch.utils.data.DistributedSampler(
+            loader.dataset, self.trainer.world_size, self.global_rank, shuffle=False
+        )
+        return torch.utils.data.DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler)
+
+
+def test_ddp_two_processes_equals_single_process(tmp_path) -> None:
+    """2 CPU processes x batch 4 (gloo DDP) take the same LARS steps as one process x batch 8,
+    including a step skipped because one rank alone saw an inf (no BN: batch statistics
+    would differ by design)."""
+    results = []
+    for devices, strategy in ((1, "auto"), (2, "ddp_spawn")):
+        module = RankInjected(make_net(bn=False), wd=1e-3, inject={1: math.inf})
+        plugin = LARSMixedPrecision("32", "cpu", eta=0.01)
+        tr = trainer(plugin, tmp_path, max_steps=3, devices=devices, strategy=strategy, use_distributed_sampler=False)
+        tr.fit(module)
+        results.append([p.detach().clone() for p in module.parameters()])
+    start = [p.detach() for p in make_net(bn=False).parameters()]
+    assert not torch.equal(results[0][0], start[0])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -245,15 +245,32 @@ class LARSMixedPrecision(MixedPrecision):
         if self._adapted_ids is None:
             self.classify(_lightning_module(model))
             self._validate(optimizer)
-        step_output = self.lars_step(optimizer, **kwargs)
+        step_output = self.lars_step(optimizer, agree=self._any_rank(model), **kwargs)
         if self.scaler is not None:
             # after unscale_ found an inf, update() lowers the scale; otherwise it may grow it
             self.scaler.update()
         self._log(model)
         return closure_result if step_output is None else step_output
 
-    def lars_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+    @staticmethod
+    def _any_rank(model: pl.LightningModule) -> Callable[[bool], bool] | None:
+        trainer = getattr(model, "_trainer", None)
+        if trainer is None or trainer.world_size == 1:
+            return None
+        return lambda flag: trainer.strategy.reduce_boolean_decision(flag, all=False)
+
+    def lars_step(
+        self, optimizer: Optimizer, agree: Callable[[bool], bool] | None = None, **kwargs: Any
+    ) -> Any:
         """Steps 4-6 on unscaled gradients: skip if non-finite, else LARS, then ``optimizer.step``.
+
+        Args:
+            optimizer: the wrapped optimizer.
+            agree: turns this rank's "non-finite" flag into the decision of all ranks (skip
+                if any rank saw one). Gradients are identical after DDP's all-reduce, but a
+                rank that steps while another skips would silently fork the replicas, so the
+                Trainer path pays one scalar all-reduce per step for the guarantee.
+            kwargs: passed to ``optimizer.step``.
 
         Returns the optimizer's return value, or None for a skipped step (``last_step_skipped``
         tells which). The scaler is not touched here.
@@ -270,7 +287,8 @@ class LARSMixedPrecision(MixedPrecision):
                 finite.append(torch.isfinite(g_norms).all())
                 groups.append((group, params, grads, g_norms))
 
-        self.last_step_skipped = bool(finite) and not bool(torch.stack(finite).all())
+        nonfinite = bool(finite) and not bool(torch.stack(finite).all())
+        self.last_step_skipped = agree(nonfinite) if agree is not None else nonfinite
         if self.last_step_skipped:
             self.skipped_steps += 1
             log.info("LARSMixedPrecision: non-finite gradient, step skipped (%d so far)", self.skipped_steps)
