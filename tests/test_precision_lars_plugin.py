@@ -107,16 +107,18 @@ def reference_grads(net: nn.Module, batch) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "precision, wd, clip, rtol, atol",
+    "precision, wd, clip, rtol, atol, clip_val",
     [
-        ("32", 1e-2, False, 1e-5, 1e-7),
-        ("32", 0.0, True, 1e-5, 1e-7),
-        ("32", 5e-2, True, 1e-5, 1e-7),
+        ("32", 1e-2, False, 1e-5, 1e-7, None),
+        ("32", 0.0, True, 1e-5, 1e-7, None),
+        ("32", 5e-2, True, 1e-5, 1e-7, None),
+        # gradient clipping by total norm happens on the unscaled gradients, before LARS
+        ("32", 5e-2, False, 1e-5, 1e-7, 0.05),
         # fp16 compute: gradients carry fp16 rounding (~1e-4 absolute here)
-        ("16-mixed", 1e-2, False, 2e-2, 1e-4),
+        ("16-mixed", 1e-2, False, 2e-2, 1e-4, None),
     ],
 )
-def test_one_step_equals_textbook_formula(tmp_path, precision, wd, clip, rtol, atol) -> None:
+def test_one_step_equals_textbook_formula(tmp_path, precision, wd, clip, rtol, atol, clip_val) -> None:
     """First step, momentum SGD (buffer = first update): w1 = w0 - lr * g', g' from the
     formula on gradients computed independently in fp32. Under 16-mixed the plugin scales
     the loss by 2^8: using loss-scaled gradients in the ratio (apex #1030) would fail here."""
@@ -126,11 +128,16 @@ def test_one_step_equals_textbook_formula(tmp_path, precision, wd, clip, rtol, a
     w0 = [p.detach().clone() for p in net.parameters()]
     plugin = LARSMixedPrecision(precision, "cpu", eta=eta, trust_clip=clip, scaler=small_scaler() if precision == "16-mixed" else None)
     rec = Recorder()
-    trainer(plugin, tmp_path, max_steps=1, callbacks=[rec]).fit(Tiny(net, lr=lr, wd=wd), data())
+    trainer(plugin, tmp_path, max_steps=1, callbacks=[rec], gradient_clip_val=clip_val).fit(Tiny(net, lr=lr, wd=wd), data())
     assert plugin.skipped_steps == 0
     adapted = {id(p) for _, p in split_parameters(net)[0]}
-    for p, w, g, seen in zip(net.parameters(), w0, ref, rec.grads[0]):
+    for g, seen in zip(ref, rec.grads[0]):
         torch.testing.assert_close(seen, g, rtol=rtol, atol=atol * 10)  # hooks see unscaled gradients
+    if clip_val is not None:
+        total = math.sqrt(sum(float((g.double() ** 2).sum()) for g in ref))
+        assert total > clip_val  # the clipping is active
+        ref = [g * (clip_val / (total + 1e-6)) for g in ref]
+    for p, w, g in zip(net.parameters(), w0, ref):
         if id(p) in adapted:
             update = textbook(w, g, lr=lr, wd=wd, eta=eta, eps=1e-8, clip=clip)
         else:

@@ -17,9 +17,10 @@ The step, in order (``optimizer_step``):
    (``Trainer(gradient_clip_val=...)``), on the unscaled gradients and before LARS. Note
    that with weight decay 0, LARS is invariant to the gradient's norm, so norm clipping only
    affects parameters LARS does not adapt;
-4. if any gradient is non-finite (or its norm overflows fp32): skip the step entirely (no
-   weight, momentum or LARS change), the scaler backs off, ``skipped_steps`` grows,
-   ``last_step_skipped`` is True;
+4. if any gradient is non-finite (or its norm overflows fp32) on any rank: skip the step
+   entirely (no weight, momentum or LARS change), the scaler backs off, ``skipped_steps``
+   grows, ``last_step_skipped`` is True; in bf16/fp32 too, where Lightning has no scaler to
+   do it;
 5. LARS: every gradient becomes ``r * (g + wd * w)`` in fp32, ``r`` the trust ratio for
    adapted parameters and 1 for excluded ones, with ``wd`` the group's weight decay; the
    group's ``weight_decay`` is set to 0 for the wrapped step and restored after (as apex
@@ -34,8 +35,7 @@ Which parameters LARS leaves alone is the shared rule of
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -207,12 +207,6 @@ class LARSMixedPrecision(MixedPrecision):
         if self.precision == "32-true":
             return torch.autocast(self.device, enabled=False)
         return super().autocast_context_manager()
-
-    @contextmanager
-    def forward_context(self) -> Generator[None, None, None]:
-        """Run forward passes under :meth:`autocast_context_manager`."""
-        with self.autocast_context_manager():
-            yield
 
     def clip_gradients(
         self,
