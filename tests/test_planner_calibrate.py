@@ -40,7 +40,7 @@ def _calibrate_2x2(rank, world_size):
     from lightning_fastscale.strategies.topology import Topology, build_process_groups
 
     groups = build_process_groups(Topology(world_size, 2))
-    result = calibrate_process_groups(groups, sizes=[16 * 1024, 256 * 1024], reps=1)
+    result = calibrate_process_groups(groups, sizes=[1 << 20, 8 << 20], reps=1)
     return result.params.as_dict()
 
 
