@@ -61,6 +61,7 @@ def test_large_batch_turns_on_every_technique_and_keeps_the_defaults() -> None:
 def test_presets_compose_and_instantiate(experiment, model, epochs, active) -> None:
     cfg = _compose(f"experiment={experiment}", "data.root=/nonexistent")
     assert (cfg.model.name, cfg.trainer.max_epochs) == (model, epochs)
+    assert cfg.strategy._target_.endswith("HierarchicalAllReduceStrategy")
     built = _recipe_callbacks(cfg)
     assert set(built) == active
     assert built["batch_size_ramp"].schedule == {0: 65536}
