@@ -15,6 +15,7 @@ from typing import Any
 import hydra
 import lightning.pytorch as pl
 from hydra.core.hydra_config import HydraConfig
+from lightning.pytorch.callbacks import LearningRateMonitor, ThroughputMonitor
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -120,6 +121,8 @@ def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.
     )
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
     logger = build_logger(cfg)
+    if not logger:  # these only report to a logger, and Lightning refuses them without one
+        callbacks = [c for c in callbacks if not isinstance(c, (LearningRateMonitor, ThroughputMonitor))]
     precision, plugins = build_precision(cfg)
     trainer_kwargs: dict[str, Any] = {
         "strategy": build_strategy(cfg, cfg.trainer.get("devices")),
