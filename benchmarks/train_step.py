@@ -1,8 +1,8 @@
 """Training-step throughput: ``strategy="ddp"`` against ``"hier_ring"`` / ``"hier_torus"``.
 
 Single node, no emulation: N local CPU processes on gloo train a real model with Lightning;
-each strategy runs in the same processes, in interleaved rounds (ddp, hier_ring, hier_torus,
-ddp, ...) so that drifting machine load hits all of them alike. Reports images/s (median over
+each strategy runs in the same processes, in interleaved rounds (order rotated each round) so
+that drifting machine load hits all of them alike. Reports images/s (median over
 rounds) and the ratio to ddp measured in the same run. On one node the hierarchical strategy
 reduces to one all-reduce over the node, so the ratio measures the cost of the hook machinery
 (target: within 5% of ddp). ``--ranks-per-node`` groups the local ranks into emulated nodes
@@ -91,8 +91,10 @@ def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace, que
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     results: dict[str, list[float]] = {name: [] for name in args.strategies}
-    for _ in range(args.rounds):
-        for name in args.strategies:
+    for round_ in range(args.rounds):
+        # Rotate the order each round so no strategy always runs first (warm caches, load drift).
+        shift = round_ % len(args.strategies)
+        for name in args.strategies[shift:] + args.strategies[:shift]:
             results[name].append(images_per_second(make_strategy(name, args.ranks_per_node, args.comm_dtype),
                                                    args, world_size))
     if rank == 0:

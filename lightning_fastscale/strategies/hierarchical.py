@@ -10,7 +10,6 @@ top-k compression of the inter-node stage (Tencent Cloud 2020). Registered in Li
 """
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,7 +24,6 @@ from lightning_fastscale.strategies.allreduce import TopKErrorFeedback
 from lightning_fastscale.strategies.comm_hooks import HOOKS, HierarchicalHookState
 from lightning_fastscale.strategies.topology import Topology, build_process_groups, detect_ranks_per_node
 
-log = logging.getLogger(__name__)
 
 COMM_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 _MB = 1024 * 1024
