@@ -246,7 +246,7 @@ def _empty_row(job: dict[str, Any]) -> dict[str, Any]:
             "final_top1": float("nan"), "best_top1": float("nan"), "wall_s": 0.0, "error": None, "curve": []}
 
 
-FIELDS = ("arm", "adds", "global_batch", "steps", "base_lr", "peak_lr", "final_top1", "best_top1", "wall_s", "error")
+FIELDS = ("arm", "adds", "global_batch", "epochs", "steps", "base_lr", "peak_lr", "final_top1", "best_top1", "wall_s", "error")
 
 
 def write_outputs(rows: list[dict[str, Any]], sweep: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> None:
@@ -263,11 +263,11 @@ def write_outputs(rows: list[dict[str, Any]], sweep: list[dict[str, Any]], meta:
 
 def format_table(rows: list[dict[str, Any]], sweep: list[dict[str, Any]]) -> str:
     """Markdown table of the arms, then the baseline LR sweep."""
-    lines = ["| arm | adds | global batch | optimizer steps | LR at B0 | peak LR | final top-1 | best top-1 | wall s |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| arm | adds | global batch | epochs | optimizer steps | LR at B0 | peak LR | final top-1 | best top-1 | wall s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        note = f" (failed: {r['error']})" if r["error"] else ""
-        lines.append(f"| {r['arm']} | {r['adds']}{note} | {r['global_batch']} | {r['steps']} | {r['base_lr']:g} | {r.get('peak_lr', float('nan')):.3g} "
+        note = f" ({r['error']})" if r["error"] else ""
+        lines.append(f"| {r['arm']} | {r['adds']}{note} | {r['global_batch']} | {r['epochs']} | {r['steps']} | {r['base_lr']:g} | {r.get('peak_lr', float('nan')):.3g} "
                      f"| {100 * r['final_top1']:.2f} | {100 * r['best_top1']:.2f} | {r['wall_s']:.0f} |")
     if sweep:
         lines += ["", "baseline LR sweep (batch B0): " + ", ".join(
@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     write_outputs(rows, sweep if len(sweep) > 1 else [], meta, args.output_dir)
     if meta["warning"]:
         print("WARNING:", meta["warning"])
-    print(f"total wall {meta['total_wall_s']:.0f} s; load average at start {load_start[0]:.1f}, "
+    print(f"{'collected' if args.collect else 'total wall'} {meta['total_wall_s']:.0f} s; load average at start {load_start[0]:.1f}, "
           f"at end {meta['loadavg_end'][0]:.1f} on {meta['cpu_count']} CPUs")
     return {"rows": rows, "sweep": sweep, "meta": meta}
 
@@ -378,7 +378,7 @@ def collect(output_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]
             return _empty_row({"name": arm, "preset": preset, "adds": adds}) | {"error": "not run"}
         r = json.loads(path.read_text())
         if not r.get("done") and not r.get("error"):
-            r["error"] = f"interrupted after {r['epochs']} epochs"
+            r["error"] = f"unfinished: {r['epochs']} epochs done"
         return r
 
     runs = output_dir / "runs"
