@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,16 +41,21 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         _entry, args=(world_size, free_port(), fn, args, queue), nprocs=world_size,
         join=False, start_method="spawn",
     )
-    import time
-
     deadline = time.monotonic() + timeout
-    while not procs.join(timeout=max(0.1, deadline - time.monotonic())):
+    results: dict[int, Any] = {}
+
+    def drain() -> None:
+        # Read while the ranks run: a result larger than the pipe buffer would otherwise
+        # block its sender forever.
+        while not queue.empty():
+            rank, value = queue.get()
+            results[rank] = value
+
+    while not procs.join(timeout=0.2):
+        drain()
         if time.monotonic() > deadline:
             for p in procs.processes:
                 p.kill()
             raise TimeoutError(f"distributed run of {fn.__name__} exceeded {timeout}s")
-    results: dict[int, Any] = {}
-    while not queue.empty():
-        rank, value = queue.get()
-        results[rank] = value
+    drain()
     return [results[r] for r in range(world_size)]
