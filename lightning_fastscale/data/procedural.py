@@ -55,17 +55,17 @@ SHAPES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "square": lambda u, v: _box(u, v, 0, 0, 0.7, 0.7),
     "frame": lambda u, v: (torch.maximum(u.abs(), v.abs()) - 0.6).abs() - 0.13,
     "triangle": lambda u, v: _polygon(u, v, 3, 0.95),
-    "hexagon": lambda u, v: _polygon(u, v, 6, 0.9),
     "plus": lambda u, v: torch.minimum(_box(u, v, 0, 0, 0.9, 0.25), _box(u, v, 0, 0, 0.25, 0.9)),
     "bars": lambda u, v: torch.minimum(_box(u, v, 0, 0.5, 0.9, 0.17), _box(u, v, 0, -0.5, 0.9, 0.17)),
     "star": lambda u, v: torch.hypot(u, v) - (0.6 + 0.32 * torch.cos(5 * torch.atan2(v, u))),
     "crescent": lambda u, v: torch.maximum(_disk(u, v, 0, 0, 0.9), -_disk(u, v, 0.45, 0, 0.7)),
-    "half_disk": lambda u, v: torch.maximum(_disk(u, v, 0, 0.3, 0.9), 0.3 - v),
-    "corner": lambda u, v: torch.minimum(_box(u, v, -0.55, 0, 0.25, 0.85), _box(u, v, 0, -0.6, 0.8, 0.25)),
-    "two_squares": lambda u, v: torch.minimum(_box(u, v, -0.4, -0.4, 0.33, 0.33), _box(u, v, 0.4, 0.4, 0.33, 0.33)),
     "three_dots": lambda u, v: torch.stack(
         [_disk(u, v, 0.6 * math.cos(a), 0.6 * math.sin(a), 0.3) for a in (math.pi / 2, 7 * math.pi / 6, 11 * math.pi / 6)]
     ).amin(0),
+    "hexagon": lambda u, v: _polygon(u, v, 6, 0.9),
+    "half_disk": lambda u, v: torch.maximum(_disk(u, v, 0, 0.3, 0.9), 0.3 - v),
+    "corner": lambda u, v: torch.minimum(_box(u, v, -0.55, 0, 0.25, 0.85), _box(u, v, 0, -0.6, 0.8, 0.25)),
+    "two_squares": lambda u, v: torch.minimum(_box(u, v, -0.4, -0.4, 0.33, 0.33), _box(u, v, 0.4, 0.4, 0.33, 0.33)),
     "target": lambda u, v: torch.minimum((torch.hypot(u, v) - 0.78).abs() - 0.12, _disk(u, v, 0, 0, 0.3)),
     "chevron": _chevron,
 }
@@ -137,7 +137,7 @@ class ProceduralShapes(Dataset):
 
     def _params(self, index: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed, _SPLIT_IDS[self.split], index])
-        pose = [rng.uniform(0, 2 * math.pi), rng.uniform(0.35, 0.6), *rng.uniform(-0.35, 0.35, 2)]
+        pose = [rng.uniform(0, 2 * math.pi), rng.uniform(0.5, 0.8), *rng.uniform(-0.3, 0.3, 2)]
         fg, bg = rng.uniform(0, 1, 3), rng.uniform(0, 1, 3)
         while np.abs(fg - bg).sum() < 0.6:  # keep the shape visible against its background
             fg = rng.uniform(0, 1, 3)
