@@ -27,6 +27,29 @@ sys.path.insert(0, str(REPO))
 PORT = 29500  # free by construction: the emulated nodes are fresh network namespaces
 
 
+_ALGORITHM_OF = {"hier_ring": "hier", "hier_torus": "torus2d"}
+
+
+def make_strategy(spec: str):
+    """``"ddp"`` / ``"hier_ring"`` as is; ``"hier_ring:pipeline_chunk_mb=4,comm_dtype=fp16"`` builds
+    :class:`~lightning_fastscale.strategies.HierarchicalAllReduceStrategy` with those options."""
+    name, _, options = spec.partition(":")
+    if not options:
+        return spec
+    if name not in _ALGORITHM_OF:
+        raise ValueError(f"strategy options are only supported for {sorted(_ALGORITHM_OF)}, got {spec!r}")
+    from lightning_fastscale.strategies import HierarchicalAllReduceStrategy
+
+    kwargs = {}
+    for item in options.split(","):
+        key, _, value = item.partition("=")
+        try:
+            kwargs[key] = json.loads(value)
+        except json.JSONDecodeError:
+            kwargs[key] = value
+    return HierarchicalAllReduceStrategy(algorithm=_ALGORITHM_OF[name], **kwargs)
+
+
 def _worker(cfg: dict) -> None:
     """One rank: train ``warmup + steps`` steps, time the last ``steps`` (runs under torchrun)."""
     import lightning.pytorch as pl
@@ -67,7 +90,7 @@ def _worker(cfg: dict) -> None:
     timer = StepTimer()
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
-        accelerator="cpu", strategy=cfg["strategy"], num_nodes=cfg["nodes"], devices=cfg["ranks_per_node"],
+        accelerator="cpu", strategy=make_strategy(cfg["strategy"]), num_nodes=cfg["nodes"], devices=cfg["ranks_per_node"],
         max_steps=total, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[timer],
     )
@@ -121,7 +144,9 @@ def main() -> None:
     """Parse arguments, run, print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--strategies", nargs="+", default=["ddp", "hier_ring", "hier_torus"])
+    parser.add_argument("--strategies", nargs="+", default=["ddp", "hier_ring", "hier_torus"],
+                        help='names, or name:key=value,... for HierarchicalAllReduceStrategy options, '
+                             'e.g. "hier_ring:pipeline_chunk_mb=4,comm_dtype=fp16"')
     parser.add_argument("--cap", type=float, default=500.0, help="per-node link cap, Mbit/s (0 = uncapped)")
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--ranks-per-node", type=int, default=4)

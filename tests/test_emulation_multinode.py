@@ -100,15 +100,15 @@ def test_two_emulated_nodes_match_single_node_ddp(tmp_path: Path) -> None:
 def test_cluster_removes_everything_on_failure() -> None:
     _namespaces_or_skip()
     cluster = EmulatedCluster(2, bandwidth_mbit=100)
+    procs = []
     with pytest.raises(KeyboardInterrupt):
         with cluster:
-            cluster.start(0, ["sleep", "300"])
-            cluster.start(1, ["bash", "-c", "sleep 300 & sleep 300"])
+            procs.append(cluster.start(0, ["sleep", "300"]))
+            procs.append(cluster.start(1, ["bash", "-c", "sleep 300 & sleep 300"]))
             raise KeyboardInterrupt
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert cluster.name not in listed
-    for proc in cluster._procs:
-        assert proc.poll() is not None
+    assert len(procs) == 2 and all(p.poll() is not None for p in procs)
     with pytest.raises(TimeoutError, match="exceeded"):
         with EmulatedCluster(1) as quick:
             quick.run([["sleep", "30"]], timeout=0.5)

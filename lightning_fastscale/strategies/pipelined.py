@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 __all__ = ["pipelined_hierarchical_allreduce_", "pipelined_torus2d_allreduce_", "chunk_bounds"]
 
 
-def chunk_bounds(numel: int, num_chunks: int, align: int = 1) -> list[tuple[int, int]]:
-    """Split ``[0, numel)`` into at most ``num_chunks`` contiguous ranges, sizes multiples of ``align``.
+def chunk_bounds(numel: int, num_chunks: int) -> list[tuple[int, int]]:
+    """Split ``[0, numel)`` into at most ``num_chunks`` contiguous ranges of equal size.
 
     Only the last range may be shorter. Empty ranges are never returned.
     """
@@ -45,7 +45,6 @@ def chunk_bounds(numel: int, num_chunks: int, align: int = 1) -> list[tuple[int,
     if numel == 0:
         return []
     step = -(-numel // num_chunks)
-    step = -(-step // align) * align
     return [(start, min(start + step, numel)) for start in range(0, numel, step)]
 
 
