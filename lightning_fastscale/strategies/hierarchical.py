@@ -80,6 +80,9 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
         topk_start_iter: iterations sent uncompressed first (DDP rebuilds buckets after one).
         pipeline_chunk_mb: split each bucket into chunks of this size, pipelined through stages.
         algorithm_selector: ``(module, topology) -> name`` used for ``algorithm="auto"``.
+        planner: a :class:`~lightning_fastscale.planner.CostModelPlanner`; supplies both
+            ``algorithm_selector`` and (unless fusion is set explicitly) ``fusion_plan`` from the
+            communication cost model. Its wire dtype and top-k ratio must match this strategy's.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (and DDP).
     """
 
@@ -96,8 +99,20 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
         topk_start_iter: int = 2,
         pipeline_chunk_mb: float | None = None,
         algorithm_selector: AlgorithmSelector | None = None,
+        planner: Any = None,
         **kwargs: Any,
     ) -> None:
+        if planner is not None:
+            wanted_topk = topk_ratio if compression == "topk" else None
+            if (planner.wire_dtype, planner.topk_ratio) != (comm_dtype, wanted_topk):
+                raise ValueError(
+                    f"planner plans for wire_dtype={planner.wire_dtype!r}, topk_ratio={planner.topk_ratio} "
+                    f"but the strategy sends comm_dtype={comm_dtype!r}, topk_ratio={wanted_topk}: "
+                    "give the planner the same settings"
+                )
+            algorithm_selector = algorithm_selector or planner.select_algorithm
+            if bucket_cap_mb is None and fusion_plan is None and two_segment_split is None:
+                fusion_plan = planner.fusion_caps
         if algorithm not in (*HOOKS, "auto"):
             raise ValueError(f"algorithm={algorithm!r}: choose one of {[*HOOKS, 'auto']}.")
         if comm_dtype not in COMM_DTYPES:
