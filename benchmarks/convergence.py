@@ -57,7 +57,7 @@ ARMS: list[tuple[str, str, str]] = [
     ("5_recipe", "convergence_recipe", "+ label smoothing, no WD bias/BN, zero-init BN"),
     ("6_full", "convergence_full", "+ batch-size ramp (full recipe)"),
 ]
-DEFAULT_BASELINE_LRS = (0.025, 0.05, 0.1)
+DEFAULT_BASELINE_LRS = (0.025, 0.05, 0.1, 0.2)
 
 
 class PrerenderedSplit(Dataset):
