@@ -92,7 +92,7 @@ def build_logger(cfg: DictConfig) -> Any:
 
 def _check_output_dir_is_fresh(cfg: DictConfig) -> None:
     """Refuse to write checkpoints into a folder that already holds some."""
-    ckpt_cfg = cfg.get("callbacks", {}).get("model_checkpoint")
+    ckpt_cfg = (cfg.get("callbacks") or {}).get("model_checkpoint")
     if not ckpt_cfg or not ckpt_cfg.get("dirpath"):
         return
     dirpath = Path(ckpt_cfg.dirpath)
