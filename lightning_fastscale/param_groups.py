@@ -55,11 +55,6 @@ def is_excluded(
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in extra_patterns)
 
 
-def excluded_parameter_names(module: nn.Module, extra_patterns: Sequence[str] = ()) -> list[str]:
-    """Qualified names of the parameters of ``module`` that :func:`is_excluded` selects."""
-    return [name for name, _ in split_parameters(module, extra_patterns)[1]]
-
-
 def split_parameters(
     module: nn.Module, extra_patterns: Sequence[str] = ()
 ) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
@@ -79,11 +74,6 @@ def split_parameters(
         ) else adapted
         target.append((name, param))
     return adapted, excluded
-
-
-def excluded_parameter_ids(module: nn.Module, extra_patterns: Sequence[str] = ()) -> set[int]:
-    """``id()`` of each excluded parameter: for code that holds only the optimizer's params."""
-    return {id(p) for _, p in split_parameters(module, extra_patterns)[1]}
 
 
 def validate_patterns(patterns: Iterable[str]) -> list[str]:

@@ -63,8 +63,6 @@ class _ResizableDataModule(pl.LightningDataModule):
 
     # -- loaders --------------------------------------------------------------------------
     def _loader(self, dataset: Dataset, batch_size: int, shuffle: bool) -> DataLoader:
-        # Persistent workers would keep serving the old resolution/batch after a protocol
-        # change, so they are kept only while neither changes (the loader is rebuilt anyway).
         return DataLoader(
             dataset,
             batch_size=batch_size,
