@@ -153,6 +153,7 @@ def lars_sgd_(
     eps: float,
     trust_clip: bool,
     adapt: Tensor,
+    grad_norms: Tensor | None = None,
 ) -> None:
     """One LARS + momentum-SGD step over lists, leaving ``grads`` unmodified.
 
@@ -160,12 +161,14 @@ def lars_sgd_(
     ratio is folded into the momentum update (``buf = m*buf + r*g + r*wd*w``) instead of
     being written into the gradient first: one pass over memory less, which is what brings
     the step to within a norm or two of plain SGD. New momentum buffers are stored into
-    ``momentum_buffers`` in place.
+    ``momentum_buffers`` in place. ``grad_norms``: the stacked gradient norms if the caller
+    already has them (the plugin's non-finite check computes them).
     """
     if not params:
         return
+    g_norms = foreach_norms(grads) if grad_norms is None else grad_norms
     ratios = trust_ratios(
-        foreach_norms(params), foreach_norms(grads), lr=lr, weight_decay=weight_decay, eta=eta,
+        foreach_norms(params), g_norms, lr=lr, weight_decay=weight_decay, eta=eta,
         eps=eps, trust_clip=trust_clip, adapt=adapt,
     ).to(params[0].dtype)
     r = list(ratios.unbind())

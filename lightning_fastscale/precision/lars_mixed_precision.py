@@ -28,6 +28,13 @@ The step, in order (``optimizer_step``):
 6. the wrapped optimizer's ``step()``;
 7. ``scaler.update()``.
 
+Steps 5-6 have a fused form for ``torch.optim.SGD`` itself (the usual optimizer): the ratio
+is folded into SGD's momentum update (``lars_sgd_``) on SGD's own state, inside SGD's step
+hooks, instead of being written into every gradient first. Same result to float32 rounding,
+gradients left as they were, and about the cost of a plain SGD step
+(``benchmarks/lars_step.py``). Any other optimizer, SGD subclasses included, takes 5-6 as
+written.
+
 Which parameters LARS leaves alone is the shared rule of
 :mod:`lightning_fastscale.param_groups` (bias, normalisation layers, ``ndim <= 1``, plus the
 ``exclude`` name globs).
@@ -40,6 +47,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.optim.optimizer as torch_optimizer_module
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -47,7 +55,7 @@ from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
 from ..param_groups import is_excluded, split_parameters, validate_patterns
-from .lars import LARS, check_lars_options, foreach_norms, lars_rescale_
+from .lars import LARS, check_lars_options, foreach_norms, lars_rescale_, lars_sgd_
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +68,26 @@ def _lightning_module(model: nn.Module) -> nn.Module:
     while not isinstance(model, pl.LightningModule) and isinstance(getattr(model, "module", None), nn.Module):
         model = model.module
     return model
+
+
+def _fused_sgd_applies(optimizer: Optimizer, groups: list[tuple[dict, list, list, Tensor]], kwargs: dict) -> bool:
+    """Whether ``LARSMixedPrecision._fused_sgd_step`` reproduces ``optimizer.step()`` exactly.
+
+    Only for ``torch.optim.SGD`` itself (a subclass may change ``step``), with no arguments
+    for ``step`` (the closure already ran), an options set ``lars_sgd_`` implements (not
+    ``maximize``, not ``differentiable``; ``foreach``/``fused`` only choose kernels), dense
+    gradients, and ``step`` not replaced on the instance by anything but a torch LR
+    scheduler's call-tracking wrapper.
+    """
+    if type(optimizer) is not torch.optim.SGD or kwargs:
+        return False
+    instance_step = optimizer.__dict__.get("step")
+    if instance_step is not None and not getattr(instance_step, "_wrapped_by_lr_sched", False):
+        return False
+    return all(
+        not group["maximize"] and not group["differentiable"] and not any(g.is_sparse for g in grads)
+        for group, _, grads, _ in groups
+    )
 
 
 class LARSMixedPrecision(MixedPrecision):
@@ -258,6 +286,10 @@ class LARSMixedPrecision(MixedPrecision):
     ) -> Any:
         """Steps 4-6 on unscaled gradients: skip if non-finite, else LARS, then ``optimizer.step``.
 
+        For ``torch.optim.SGD`` itself, with no ``kwargs``, LARS and the step are one fused
+        update (:meth:`_fused_sgd_step`) and the gradients are left unchanged; otherwise the
+        gradients are rescaled in place and ``optimizer.step(**kwargs)`` runs.
+
         Args:
             optimizer: the wrapped optimizer.
             agree: turns this rank's "non-finite" flag into the decision of all ranks (skip
@@ -287,6 +319,8 @@ class LARSMixedPrecision(MixedPrecision):
             self.skipped_steps += 1
             log.info("LARSMixedPrecision: non-finite gradient, step skipped (%d so far)", self.skipped_steps)
             return None
+        if _fused_sgd_applies(optimizer, groups, kwargs):
+            return self._fused_sgd_step(optimizer, groups)
         saved: list[tuple[dict, float]] = []
         try:
             for group, params, grads, g_norms in groups:
@@ -305,6 +339,63 @@ class LARSMixedPrecision(MixedPrecision):
         finally:
             for group, wd in saved:
                 group["weight_decay"] = wd
+
+    def _fused_sgd_step(self, optimizer: Optimizer, groups: list[tuple[dict, list, list, Tensor]]) -> None:
+        """``lars_sgd_`` on torch SGD's own state: the ratio folded into the momentum update.
+
+        Same result as the generic path (rescale the gradients, then ``SGD.step``) without
+        writing the rescaled gradients: one read and one write pass over memory less. The
+        momentum buffers live in ``optimizer.state[p]["momentum_buffer"]``, where SGD keeps
+        them, so checkpoints move freely between the two paths and plain SGD.
+
+        What ``SGD.step()`` does besides the arithmetic is kept:
+
+        * step pre/post hooks (per optimizer and global) and the profiler's
+          ``Optimizer.step#SGD.step`` range: torch adds them to ``SGD.step`` by wrapping it
+          with ``Optimizer.profile_hook_step`` (``Optimizer._patch_step_function``); the update
+          here is wrapped with that same function and called as ``step()`` is, with only the
+          optimizer as argument, so hooks run in the same order with the same arguments.
+          Pre-hooks run before the update and see the unscaled, un-rescaled gradients (on the
+          generic path they see the rescaled ones). The ratio reuses the gradient norms of the
+          non-finite check (a pass over memory less) unless a pre-hook is registered, which
+          may have changed the gradients: then they are measured again after the hooks.
+        * the "optimizer.step() was called" mark of torch LR schedulers: ``LRScheduler``
+          replaces the instance's ``step`` by a wrapper that sets ``optimizer._opt_called``
+          and then calls the class's ``step``; ``_fused_sgd_applies`` takes this path only
+          when that wrapper (or none) is installed, and the mark is set here as the wrapper
+          would.
+        * no autograd recording (``SGD.step`` runs under no_grad unless ``differentiable``,
+          which this path refuses).
+
+        Lightning counts steps in its loops, around the precision plugin, not through the torch
+        optimizer, so its accounting is the same on both paths.
+        """
+
+        # torch keeps no public list of hooks; an unknown layout counts as "hooks present"
+        pre_hooks = getattr(optimizer, "_optimizer_step_pre_hooks", True) or getattr(
+            torch_optimizer_module, "_global_optimizer_pre_hooks", True
+        )
+
+        def update(opt: Optimizer) -> None:
+            with torch.no_grad():
+                for group, params, grads, g_norms in groups:
+                    if pre_hooks:
+                        g_norms = foreach_norms(grads)
+                    momentum = group["momentum"]
+                    bufs = [opt.state[p].get("momentum_buffer") for p in params] if momentum else []
+                    lars_sgd_(
+                        params, grads, bufs, lr=float(group["lr"]), momentum=momentum,
+                        dampening=group["dampening"], nesterov=group["nesterov"],
+                        weight_decay=float(group["weight_decay"]), eta=self.eta, eps=self.eps,
+                        trust_clip=self.trust_clip, grad_norms=g_norms,
+                        adapt=torch.tensor([self._adapts(p) for p in params], device=g_norms.device),
+                    )
+                    for p, buf in zip(params, bufs):
+                        opt.state[p]["momentum_buffer"] = buf
+
+        if getattr(optimizer.step, "_wrapped_by_lr_sched", False):
+            optimizer._opt_called = True  # type: ignore[attr-defined]
+        return Optimizer.profile_hook_step(update)(optimizer)
 
     def _log(self, model: pl.LightningModule) -> None:
         # self.log is only valid inside the Trainer's control flow (fit loop hooks)

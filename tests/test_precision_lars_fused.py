@@ -1,0 +1,225 @@
+"""``LARSMixedPrecision``'s fused path around ``torch.optim.SGD`` against its generic path.
+
+The fused path (``lars_sgd_`` on SGD's own momentum state, inside SGD's step hooks) must give
+what the generic path gives (gradients rescaled in place, then ``SGD.step``), which a trivial
+SGD subclass forces; and it must keep what ``SGD.step()`` does for others: step hooks, the
+LR scheduler's call tracking, checkpoints.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import nn
+
+from lightning_fastscale.callbacks.lr_schedule import WarmupDecayLR
+from lightning_fastscale.param_groups import split_parameters
+from lightning_fastscale.precision import LARSMixedPrecision
+from tests.test_precision_lars_plugin import Tiny, data, make_net, small_scaler, trainer
+
+
+class SubSGD(torch.optim.SGD):
+    """Plain SGD under another type: the plugin must take its generic path."""
+
+
+@pytest.fixture
+def fused_calls(monkeypatch) -> list[int]:
+    """Counts the plugin's fused steps (so a test knows which path it exercised)."""
+    calls: list[int] = []
+    original = LARSMixedPrecision._fused_sgd_step
+
+    def counting(self, optimizer, groups):
+        calls.append(1)
+        return original(self, optimizer, groups)
+
+    monkeypatch.setattr(LARSMixedPrecision, "_fused_sgd_step", counting)
+    return calls
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6), nn.ReLU(), nn.Flatten(), nn.Linear(96, 10), nn.Linear(10, 3))
+
+
+def sgd_groups(model: nn.Module, wd: float) -> list[dict]:
+    """Adapted weights with decay; bias/BN without; and one group mixing an adapted weight
+    with an excluded bias, with its own lr and decay (so the bias there is decayed, ratio 1)."""
+    adapted, excluded = split_parameters(model)
+    last = model[5]
+    mixed = {id(last.weight), id(last.bias)}
+    return [
+        {"params": [p for _, p in adapted if id(p) not in mixed]},
+        {"params": [p for _, p in excluded if id(p) not in mixed], "weight_decay": 0.0},
+        {"params": [last.weight, last.bias], "lr": 0.05, "weight_decay": 3 * wd},
+    ]
+
+
+CONFIGS = [
+    dict(momentum=0.9, weight_decay=5e-3),
+    dict(momentum=0.9, weight_decay=5e-3, nesterov=True, trust_clip=True),
+    dict(momentum=0.8, weight_decay=1e-2, dampening=0.3),
+    dict(momentum=0.9, weight_decay=0.0, trust_clip=True),
+    dict(momentum=0.0, weight_decay=1e-3),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_fused_path_equals_generic_path(cfg: dict) -> None:
+    """Six steps with fresh random gradients (of varied scale; one parameter without a
+    gradient in one step): weights and momentum of both paths agree to float32 rounding,
+    and the fused path leaves the gradients as they were (the generic one rescales them)."""
+    cfg = dict(cfg)
+    clip = cfg.pop("trust_clip", False)
+    runs = {}
+    for cls in (torch.optim.SGD, SubSGD):
+        model = net()
+        opt = cls(sgd_groups(model, cfg["weight_decay"]), lr=0.3, **cfg)
+        plugin = LARSMixedPrecision("32", "cpu", eta=0.02, trust_clip=clip)
+        plugin.classify(model)
+        gen = torch.Generator().manual_seed(1)
+        params = list(model.parameters())
+        untouched = []
+        for step in range(6):
+            for i, p in enumerate(params):
+                p.grad = torch.randn(p.shape, generator=gen) * 10.0 ** -(i % 4)
+            if step == 3:
+                params[0].grad = None
+            before = [p.grad.clone() for p in params if p.grad is not None]
+            plugin.lars_step(opt)
+            untouched.append(all(torch.equal(p.grad, b) for p, b in zip([p for p in params if p.grad is not None], before)))
+        momentum = [opt.state[p].get("momentum_buffer") for p in params]
+        runs[cls] = ([p.detach().clone() for p in params], momentum, untouched)
+    (w_fused, m_fused, untouched_fused), (w_generic, m_generic, untouched_generic) = runs.values()
+    assert all(untouched_fused) and not any(untouched_generic)
+    start = [p.detach() for p in net().parameters()]
+    for a, b, s in zip(w_fused, w_generic, start):
+        assert not torch.equal(a, s)
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+    for a, b in zip(m_fused, m_generic):
+        assert (a is None) == (b is None) == (cfg["momentum"] == 0)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+
+
+def test_pre_hook_changing_gradients_is_honoured() -> None:
+    """A step pre-hook runs before the fused update, as before ``SGD.step``'s arithmetic: the
+    ratio must use the gradients as the hook left them, not the norms measured before."""
+    results = []
+    for halve_in_hook in (True, False):
+        model = net()
+        opt = torch.optim.SGD(sgd_groups(model, 1e-3), lr=0.3, momentum=0.9, weight_decay=1e-3)
+        plugin = LARSMixedPrecision("32", "cpu", eta=0.02)
+        plugin.classify(model)
+        gen = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen) * (1.0 if halve_in_hook else 0.5)
+        if halve_in_hook:
+
+            def halve(o, args, kwargs, model=model) -> None:
+                for p in model.parameters():
+                    p.grad.mul_(0.5)
+
+            opt.register_step_pre_hook(halve)
+        plugin.lars_step(opt)
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+class StepHooks(Callback):
+    """Registers step pre/post hooks on the optimizer and records what they were given."""
+
+    def __init__(self) -> None:
+        self.pre, self.post, self.applied, self.lrs = [], [], [], []
+
+    def on_fit_start(self, trainer, pl_module):
+        opt = trainer.optimizers[0]
+        opt.register_step_pre_hook(lambda o, args, kwargs: self.pre.append((o is opt, len(args), dict(kwargs))))
+        opt.register_step_post_hook(lambda o, args, kwargs: self.post.append((o is opt, len(args), dict(kwargs))))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.applied.append(not trainer.precision_plugin.last_step_skipped)
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+@pytest.mark.parametrize("sgd", [torch.optim.SGD, SubSGD])
+def test_step_hooks_and_warmup_see_every_step(tmp_path, fused_calls, sgd) -> None:
+    """6 steps, the third with an inf gradient: the step hooks fire exactly for the 5 applied
+    steps, with the arguments ``SGD.step()`` gives them, on both paths; ``WarmupDecayLR``
+    counts 5 applied and 1 skipped step."""
+
+    class Module(Tiny):
+        def configure_optimizers(self):
+            return sgd(self.parameters(), lr=self.lr, momentum=0.9)
+
+    hooks, warmup = StepHooks(), WarmupDecayLR(warmup_epochs=2, decay="none")
+    plugin = LARSMixedPrecision("16-mixed", "cpu", scaler=small_scaler())
+    tr = trainer(plugin, tmp_path, max_epochs=1, callbacks=[hooks, warmup])
+    tr.fit(Module(make_net(), inject={2: math.inf}), data())
+    assert len(fused_calls) == (5 if sgd is torch.optim.SGD else 0)
+    assert tr.global_step == 6  # Lightning's own count: every optimizer_step call, as on the generic path
+    assert hooks.applied == [True, True, False, True, True, True]
+    assert hooks.pre == hooks.post == [(True, 1, {})] * 5
+    assert warmup._skipped_steps == 1
+    assert warmup.progress == pytest.approx(5 / 6)
+    # the LR only moves after applied steps: warmup from 0 by (peak / 12) per applied step
+    assert hooks.lrs[2] == hooks.lrs[3] and hooks.lrs[3] < hooks.lrs[4]
+
+
+def test_lr_scheduler_sees_the_fused_step(tmp_path, fused_calls) -> None:
+    """A torch LR scheduler stepped by Lightning after each optimizer step: no "scheduler
+    before optimizer step" warning, and the schedule moves."""
+
+    class Scheduled(Tiny):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    module = Scheduled(make_net())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tr = trainer(LARSMixedPrecision("32", "cpu"), tmp_path, max_steps=3)
+        tr.fit(module, data())
+    assert len(fused_calls) == 3
+    messages = [str(w.message) for w in caught if "optimizer.step()" in str(w.message)]
+    assert messages == []
+    assert tr.optimizers[0].param_groups[0]["lr"] == pytest.approx(module.lr * 0.5**3)
+
+
+def test_checkpoint_moves_between_paths(tmp_path, fused_calls) -> None:
+    """3 steps on the generic path, checkpoint, 3 more on the fused path: equals 6 fused
+    steps (momentum is where SGD keeps it on both paths)."""
+
+    class Generic(Tiny):
+        def configure_optimizers(self):
+            adapted, excluded = split_parameters(self.net)
+            return SubSGD(
+                [{"params": [p for _, p in adapted]}, {"params": [p for _, p in excluded], "weight_decay": 0.0}],
+                lr=self.lr, momentum=self.momentum, weight_decay=self.wd,
+            )
+
+    def run(module, max_steps, ckpt_path=None, callbacks=()):
+        plugin = LARSMixedPrecision("32", "cpu", eta=0.02, trust_clip=True)
+        tr = trainer(plugin, tmp_path, max_steps=max_steps, callbacks=list(callbacks), enable_checkpointing=True)
+        tr.fit(module, data(n=12), ckpt_path=ckpt_path)
+        return tr
+
+    full = Tiny(make_net())
+    full_tr = run(full, 6)
+    assert len(fused_calls) == 6
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1, filename="{step}")
+    run(Generic(make_net()), 3, callbacks=[ckpt])
+    assert len(fused_calls) == 6
+    resumed = Tiny(make_net())
+    tr = run(resumed, 6, ckpt_path=str(tmp_path / "ckpt" / "step=3.ckpt"))
+    assert len(fused_calls) == 9
+    for a, b in zip(resumed.parameters(), full.parameters()):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+        torch.testing.assert_close(
+            tr.optimizers[0].state[a]["momentum_buffer"], full_tr.optimizers[0].state[b]["momentum_buffer"],
+            rtol=2e-6, atol=1e-7,
+        )
