@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_fastscale.emulation.collectives import measure_allreduce  # noqa: E402
 
 DEFAULT_ALGORITHMS = [
-    "flat", "ring", "hier", "torus2d", "hier@16", "torus2d@16", "hier:fp16@16", "torus2d:fp16@16",
-    "pipe_hier@16", "pipe_hier:fp16@16", "pipe_torus2d:fp16@16", "hier_topk@16",
+    "flat", "hier@1", "torus2d@1", "hier@4mb", "torus2d@4mb", "hier:fp16@4mb", "torus2d:fp16@4mb",
+    "hier_topk@4mb",
 ]
 
 
@@ -52,8 +52,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="per-node link caps in Mbit/s (each direction)")
     parser.add_argument("--numel", type=int, default=25_600_000, help="elements (fp32) to all-reduce")
     parser.add_argument("--algorithms", nargs="+", default=DEFAULT_ALGORITHMS,
-                        help="name[:fp32|fp16|bf16][@chunks]; names: flat ring hier torus2d hier_topk "
-                        "torus2d_topk pipe_hier pipe_torus2d (see lightning_fastscale.emulation.collectives)")
+                        help="name[:fp32|fp16|bf16][@chunks|@<MiB>mb]; names: flat ring hier torus2d hier_topk "
+                        "torus2d_topk (see lightning_fastscale.emulation.collectives); 4mb is the "
+                        "strategy's default pipeline_chunk_mb")
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--ranks-per-node", type=int, default=4)
     parser.add_argument("--reps", type=int, default=3)

@@ -15,9 +15,12 @@ def test_parse_algorithm_specs() -> None:
     assert parse_algorithm("flat") == ("flat", "fp32", 1)
     assert parse_algorithm("hier:fp16@8") == ("hier", "fp16", 8)
     assert parse_algorithm("torus2d@16") == ("torus2d", "fp32", 16)
+    assert parse_algorithm("hier:bf16@4mb") == ("hier", "bf16", 4.0)
     with pytest.raises(ValueError, match="unknown algorithm 'tree'"):
         parse_algorithm("tree")
     with pytest.raises(ValueError, match="unknown wire dtype 'int8'"):
         parse_algorithm("hier:int8")
     with pytest.raises(ValueError, match="positive integer"):
         parse_algorithm("hier@0")
+    with pytest.raises(ValueError, match="MiB"):
+        parse_algorithm("hier@0mb")

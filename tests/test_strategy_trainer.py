@@ -142,6 +142,17 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict | None:
                 "tail": sum(p.numel() for p in params[2:]), "head": sum(p.numel() for p in params[:2]),
             }
 
+    # One node (ranks_per_node from the launcher = 4): fp32 keeps DDP's own all-reduce, no hook;
+    # a wire dtype still needs the hook.
+    trainer, model = _fit(HierarchicalAllReduceStrategy())
+    one_fp16, _ = _fit(HierarchicalAllReduceStrategy(comm_dtype="fp16"))
+    out["one_node"] = {
+        "rel": _rel(_flat(model), reference), "hook_state": trainer.strategy.hook_state,
+        "native": trainer.strategy.uses_ddp_allreduce, "fp16_native": one_fp16.strategy.uses_ddp_allreduce,
+        "fp16_iterations": one_fp16.strategy.hook_state.iteration,
+        "summary": trainer.strategy.plan_summary()["strategy/algorithm"],
+    }
+
     # Gradient accumulation (no_sync micro-batches) with a precision plugin, against DDP doing the
     # same. (SyncBatchNorm cannot be checked here: torch's DDP refuses it for CPU modules.)
     features = {"accumulate_grad_batches": 2, "precision": "bf16-mixed"}
@@ -186,6 +197,13 @@ def test_same_weights_as_ddp(results: dict, algorithm: str, wire: str) -> None:
     assert r["rel"] <= TOLERANCE[wire], r["rel"]
     # The hook ran on every step (one or more buckets per step), not DDP's built-in all-reduce.
     assert r["iterations"] == STEPS and r["hook_calls"] >= STEPS
+
+
+def test_one_node_keeps_ddp_allreduce(results: dict) -> None:
+    r = results["one_node"]
+    assert r["native"] and r["hook_state"] is None and r["summary"].startswith("ddp_allreduce")
+    assert r["rel"] <= TOLERANCE["fp32"], r["rel"]
+    assert not r["fp16_native"] and r["fp16_iterations"] == STEPS
 
 
 @pytest.mark.parametrize("algorithm", ["hier", "torus2d", "ring"])

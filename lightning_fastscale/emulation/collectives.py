@@ -10,17 +10,15 @@ send over its link in any all-reduce of M bytes across N nodes (Patarasuk & Yuan
 for the hierarchical all-reduce of Jia et al. 2018 and the 2D torus of Mikami et al. 2018).
 
 Algorithm specs are ``name[:dtype][@chunks]``: ``dtype`` (``fp32``, ``fp16``, ``bf16``) is
-what goes over the wire, ``chunks`` splits the tensor into that many pieces pipelined through
-the stages (default: one piece). Names:
+what goes over the inter-node wire, ``chunks`` splits the tensor into that many pieces
+pipelined through the stages (default: one piece), or ``@<x>mb`` into pieces of x MiB (the
+strategy's ``pipeline_chunk_mb``). Names:
 
 - ``flat``: ``torch.distributed.all_reduce`` over all ranks (what plain DDP does; gloo ring).
 - ``ring``, ``hier``, ``torus2d``: the strategy's functions in
   :mod:`lightning_fastscale.strategies.allreduce`.
 - ``hier_topk``, ``torus2d_topk``: the same with top-k compression of the inter-node stage
   (``topk_ratio``, error feedback carried across repetitions).
-- ``pipe_hier``, ``pipe_torus2d``: the chunk-pipelined variants of
-  :mod:`lightning_fastscale.strategies.pipelined` (fp32 inside the node, ``dtype`` between
-  nodes only).
 """
 from __future__ import annotations
 
@@ -37,12 +35,13 @@ from pathlib import Path
 __all__ = ["measure_allreduce", "bandwidth_bound_s", "parse_algorithm", "WIRE_DTYPES"]
 
 WIRE_DTYPES = {"fp32": None, "fp16": "float16", "bf16": "bfloat16"}
-_ALGORITHMS = ("flat", "ring", "hier", "torus2d", "hier_topk", "torus2d_topk", "pipe_hier", "pipe_torus2d")
+_ALGORITHMS = ("flat", "ring", "hier", "torus2d", "hier_topk", "torus2d_topk")
 _MASTER_PORT = 29500  # free by construction: the emulated network namespaces are new
 
 
-def parse_algorithm(spec: str) -> tuple[str, str, int]:
-    """``"hier:fp16@8"`` -> ``("hier", "fp16", 8)``; defaults: ``fp32`` on the wire, 1 chunk."""
+def parse_algorithm(spec: str) -> tuple[str, str, int | float]:
+    """``"hier:fp16@8"`` -> ``("hier", "fp16", 8)`` (8 chunks); ``"hier@4mb"`` -> ``("hier", "fp32", 4.0)``
+    (4 MiB chunks, a float). Defaults: ``fp32`` on the wire, 1 chunk."""
     head, _, chunks = spec.partition("@")
     name, _, dtype = head.partition(":")
     dtype = dtype or "fp32"
@@ -50,8 +49,16 @@ def parse_algorithm(spec: str) -> tuple[str, str, int]:
         raise ValueError(f"unknown algorithm {name!r} in {spec!r}; choose from {', '.join(_ALGORITHMS)}")
     if dtype not in WIRE_DTYPES:
         raise ValueError(f"unknown wire dtype {dtype!r} in {spec!r}; choose from {', '.join(WIRE_DTYPES)}")
+    if chunks.lower().endswith("mb"):
+        try:
+            size_mb = float(chunks[:-2])
+        except ValueError:
+            size_mb = 0.0
+        if not size_mb > 0:
+            raise ValueError(f"chunk size in {spec!r} must be a positive number of MiB (e.g. hier@4mb)")
+        return name, dtype, size_mb
     if chunks and not (chunks.isdigit() and int(chunks) >= 1):
-        raise ValueError(f"chunk count in {spec!r} must be a positive integer (e.g. hier@8)")
+        raise ValueError(f"chunk count in {spec!r} must be a positive integer (e.g. hier@8) or MiB (hier@4mb)")
     return name, dtype, int(chunks or 1)
 
 
@@ -127,20 +134,19 @@ def _make_algorithm(spec: str, numel: int, groups, cfg: dict) -> Callable:
     import torch
     import torch.distributed as dist
 
+    from lightning_fastscale.strategies import allreduce
+    from lightning_fastscale.strategies.hierarchical import chunk_numel_for
+
     name, dtype, chunks = parse_algorithm(spec)
     wire = None if WIRE_DTYPES[dtype] is None else getattr(torch, WIRE_DTYPES[dtype])
     if name == "flat":
         if wire is not None or chunks != 1:
             raise ValueError(f"{spec}: flat is one plain fp32 all_reduce; use ring:fp16@k for casts/chunks")
         return lambda t: dist.all_reduce(t)
-    if name.startswith("pipe_"):
-        from lightning_fastscale.strategies import pipelined
-
-        fn = pipelined.pipelined_hierarchical_allreduce_ if name == "pipe_hier" else pipelined.pipelined_torus2d_allreduce_
-        return lambda t: fn(t, groups, comm_dtype=wire, num_chunks=chunks)
-    from lightning_fastscale.strategies import allreduce
-
-    chunk_numel = None if chunks == 1 else -(-numel // chunks)
+    if isinstance(chunks, float):
+        chunk_numel = chunk_numel_for(chunks)
+    else:
+        chunk_numel = None if chunks == 1 else -(-numel // chunks)
     if name.endswith("_topk"):
         fn = allreduce.ALGORITHMS[name.removesuffix("_topk")]
         topk = allreduce.TopKErrorFeedback(cfg["topk_ratio"])

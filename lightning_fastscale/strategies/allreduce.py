@@ -14,8 +14,12 @@ same values. They need only a :class:`~lightning_fastscale.strategies.topology.P
 
 Options shared by all three:
 
-- ``comm_dtype``: dtype on the wire (fp16/bf16 halve the bytes). The tensor is cast once,
-  reduced in that dtype, and copied back into the original dtype.
+- ``comm_dtype``: dtype on the inter-node wire (fp16/bf16 halve the bytes that cross the slow
+  links). Hierarchical and torus cast only what crosses nodes, chunk by chunk, and copy the
+  sum back: the in-node stages stay in the gradient's dtype, which is both more accurate and,
+  measured on the emulated cluster, faster (the in-node links are not the bottleneck, and
+  fp16 arithmetic in the in-node reductions is slow on CPU). The flat ring, and one node,
+  cast the whole tensor.
 - ``chunk_numel``: split the tensor into chunks and pipeline them through the stages with
   asynchronous collectives (chunk ``i`` crosses the nodes while chunk ``i+1`` is reduced in the
   node). ``None`` sends the tensor as one piece; DDP buckets already give some pipelining.
@@ -137,27 +141,46 @@ def _sparse_allreduce_(
     tensor.copy_(acc)
 
 
+class _Crossing:
+    """One piece's inter-node all-reduce in flight; ``wait`` also copies the wire copy back."""
+
+    def __init__(self, piece: Tensor, wire: Tensor, work: dist.Work | None) -> None:
+        self.piece, self.wire, self.work = piece, wire, work
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        if self.wire is not self.piece:
+            self.piece.copy_(self.wire)
+
+
 def _inter_stage(
-    pieces: list[Tensor], groups: ProcessGroups, topk: TopKErrorFeedback | None, key: Hashable,
-    acc_dtype: torch.dtype, after: list[dist.Work | None] | None = None,
-) -> list[dist.Work | None]:
-    """All-reduce each piece over ``groups.inter``; wait for ``after[i]`` before piece ``i``."""
-    works: list[dist.Work | None] = []
+    pieces: list[Tensor], groups: ProcessGroups, comm_dtype: torch.dtype | None,
+    topk: TopKErrorFeedback | None, key: Hashable, after: list[dist.Work | None] | None = None,
+) -> list[_Crossing | None]:
+    """All-reduce each piece over ``groups.inter`` in ``comm_dtype``; wait for ``after[i]`` first.
+
+    Only this stage is cast to the wire dtype: sums inside a node stay in the gradient's own
+    precision, and the cast of a chunk overlaps the transfer of the previous one.
+    """
+    crossings: list[_Crossing | None] = []
     for i, piece in enumerate(pieces):
         if after is not None and after[i] is not None:
             after[i].wait()
         if piece.numel() == 0:
-            works.append(None)
+            crossings.append(None)
         elif topk is not None:
-            _sparse_allreduce_(piece, groups.inter, groups, topk, (key, i), piece.dtype, acc_dtype)
-            works.append(None)
+            wire_dtype = comm_dtype or piece.dtype
+            _sparse_allreduce_(piece, groups.inter, groups, topk, (key, i), wire_dtype, piece.dtype)
+            crossings.append(None)
         else:
+            wire = _to_wire(piece, comm_dtype)
             groups.count("inter_allreduce")
-            works.append(dist.all_reduce(piece, group=groups.inter, async_op=True))
-    return works
+            crossings.append(_Crossing(piece, wire, dist.all_reduce(wire, group=groups.inter, async_op=True)))
+    return crossings
 
 
-def _wait(works: list[dist.Work | None]) -> None:
+def _wait(works: list[dist.Work | _Crossing | None]) -> None:
     for work in works:
         if work is not None:
             work.wait()
@@ -185,22 +208,23 @@ def hierarchical_allreduce_(
 
     Only the node leaders (local rank 0) touch the inter-node network, and each sends the
     gradient once instead of once per rank: 2(N-1)/N of the bytes per node link, with N nodes
-    instead of N*ranks_per_node in the latency term (Jia et al. 2018). With one node this is an
-    all-reduce in the node; with one rank per node, an all-reduce among nodes.
+    instead of N*ranks_per_node in the latency term (Jia et al. 2018). ``comm_dtype`` applies
+    to the leaders' all-reduce only. With one node this is an all-reduce in the node (in
+    ``comm_dtype``, its only link); with one rank per node, an all-reduce among nodes.
     """
     topo = groups.topology
-    wire = _to_wire(tensor, comm_dtype)
-    pieces = _chunks(wire, chunk_numel)
     if topo.num_nodes == 1:
+        wire = _to_wire(tensor, comm_dtype)
         works = []
-        for piece in pieces:
+        for piece in _chunks(wire, chunk_numel):
             groups.count("intra_allreduce")
             works.append(dist.all_reduce(piece, group=groups.intra, async_op=True))
         _wait(works)
         return _finish(tensor, wire)
+    pieces = _chunks(tensor, chunk_numel)
     if topo.ranks_per_node == 1:
-        _wait(_inter_stage(pieces, groups, topk, key, tensor.dtype))
-        return _finish(tensor, wire)
+        _wait(_inter_stage(pieces, groups, comm_dtype, topk, key))
+        return tensor
 
     leader = groups.intra_ranks[0]
     inbound = []
@@ -208,18 +232,19 @@ def hierarchical_allreduce_(
         groups.count("intra_reduce")
         inbound.append(dist.reduce(piece, dst=leader, group=groups.intra, async_op=True))
     if groups.is_leader:
-        crossed = _inter_stage(pieces, groups, topk, key, tensor.dtype, after=inbound)
+        crossed = _inter_stage(pieces, groups, comm_dtype, topk, key, after=inbound)
     else:
+        # gloo may use a non-root's buffer as scratch: receive into it only once the reduce is done
         _wait(inbound)
         crossed = [None] * len(pieces)
     outbound = []
-    for piece, work in zip(pieces, crossed):
-        if work is not None:
-            work.wait()
+    for piece, crossing in zip(pieces, crossed):
+        if crossing is not None:
+            crossing.wait()
         groups.count("intra_broadcast")
         outbound.append(dist.broadcast(piece, src=leader, group=groups.intra_out, async_op=True))
     _wait(outbound)
-    return _finish(tensor, wire)
+    return tensor
 
 
 def torus2d_allreduce_(
@@ -229,24 +254,24 @@ def torus2d_allreduce_(
     """Reduce-scatter in the node, all-reduce each shard across nodes, all-gather in the node.
 
     Every local rank owns one 1/ranks_per_node shard and all-reduces it over its own inter-node
-    group, so all ranks share the inter-node traffic (Mikami et al. 2018, 2D-torus all-reduce).
-    The in-node primitives depend on the backend (see the module docstring).
+    group (in ``comm_dtype``), so all ranks share the inter-node traffic (Mikami et al. 2018,
+    2D-torus all-reduce). The in-node primitives depend on the backend (see the module
+    docstring).
     """
     topo = groups.topology
     if topo.num_nodes == 1 or topo.ranks_per_node == 1:
         return hierarchical_allreduce_(tensor, groups, comm_dtype, topk, key, chunk_numel)
-    wire = _to_wire(tensor, comm_dtype)
-    pieces = _chunks(wire, chunk_numel)
+    pieces = _chunks(tensor, chunk_numel)
     if groups.backend in _NATIVE_SCATTER_GATHER_BACKENDS:
-        _torus_native(pieces, groups, topk, key, tensor.dtype)
+        _torus_native(pieces, groups, comm_dtype, topk, key)
     else:
-        _torus_per_shard(pieces, groups, topk, key, tensor.dtype)
-    return _finish(tensor, wire)
+        _torus_per_shard(pieces, groups, comm_dtype, topk, key)
+    return tensor
 
 
 def _torus_per_shard(
-    pieces: list[Tensor], groups: ProcessGroups, topk: TopKErrorFeedback | None, key: Hashable,
-    acc_dtype: torch.dtype,
+    pieces: list[Tensor], groups: ProcessGroups, comm_dtype: torch.dtype | None,
+    topk: TopKErrorFeedback | None, key: Hashable,
 ) -> None:
     parts = groups.topology.ranks_per_node
     me = groups.local_rank
@@ -263,13 +288,13 @@ def _torus_per_shard(
         inbound.append(works)
     # The inter stage of a piece starts as soon as this rank's own shard of it is reduced.
     crossed = _inter_stage(
-        [s[me] for s in shards], groups, topk, key, acc_dtype, after=[works[me] for works in inbound]
+        [s[me] for s in shards], groups, comm_dtype, topk, key, after=[works[me] for works in inbound]
     )
     outbound = []
-    for piece_shards, works, work in zip(shards, inbound, crossed):
+    for piece_shards, works, crossing in zip(shards, inbound, crossed):
         _wait(works)
-        if work is not None:
-            work.wait()
+        if crossing is not None:
+            crossing.wait()
         for owner, shard in enumerate(piece_shards):
             if shard.numel():
                 groups.count("intra_broadcast")
@@ -280,8 +305,8 @@ def _torus_per_shard(
 
 
 def _torus_native(
-    pieces: list[Tensor], groups: ProcessGroups, topk: TopKErrorFeedback | None, key: Hashable,
-    acc_dtype: torch.dtype,
+    pieces: list[Tensor], groups: ProcessGroups, comm_dtype: torch.dtype | None,
+    topk: TopKErrorFeedback | None, key: Hashable,
 ) -> None:
     parts = groups.topology.ranks_per_node
     for i, piece in enumerate(pieces):
@@ -290,7 +315,7 @@ def _torus_native(
         shard = buffer.new_empty(buffer.numel() // parts)
         groups.count("intra_reduce_scatter")
         _reduce_scatter(shard, buffer, group=groups.intra)
-        _wait(_inter_stage([shard], groups, topk, (key, i), acc_dtype))
+        _wait(_inter_stage([shard], groups, comm_dtype, topk, (key, i)))
         groups.count("intra_allgather")
         _all_gather(buffer, shard, group=groups.intra_out)
         if pad:

@@ -27,6 +27,19 @@ from lightning_fastscale.strategies.topology import Topology, build_process_grou
 
 COMM_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 _MB = 1024 * 1024
+DEFAULT_PIPELINE_CHUNK_MB = 4.0
+"""Default chunk size pipelined through the stages. On the emulated 2 x 4 cluster at 500 Mbit/s a
+102 MB all-reduce took 2.46 s unchunked, 2.21 s in 4 chunks and 1.95 s in 16 (6.4 MB) chunks;
+4 MB splits DDP's default 25 MB bucket into 7 pieces while keeping per-call latency negligible."""
+
+
+def chunk_numel_for(pipeline_chunk_mb: float | None, element_size: int = 4) -> int | None:
+    """Elements per pipeline chunk for a chunk size in MiB (``None``: buckets go in one piece)."""
+    if pipeline_chunk_mb is None:
+        return None
+    if not pipeline_chunk_mb > 0:
+        raise ValueError(f"pipeline_chunk_mb={pipeline_chunk_mb} must be > 0 (or None for unchunked buckets).")
+    return max(1, int(pipeline_chunk_mb * _MB) // element_size)
 
 AlgorithmSelector = Callable[[nn.Module, Topology], str]
 FusionPlanner = Callable[[nn.Module, Topology], Sequence[float]]
@@ -78,7 +91,9 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
         compression: ``None`` or ``"topk"``: top-k with error feedback on the inter-node stage.
         topk_ratio: fraction of each inter-node shard sent when ``compression="topk"``.
         topk_start_iter: iterations sent uncompressed first (DDP rebuilds buckets after one).
-        pipeline_chunk_mb: split each bucket into chunks of this size, pipelined through stages.
+        pipeline_chunk_mb: split each bucket into chunks of this many MiB, pipelined through
+            the stages (chunk i crosses the nodes while chunk i+1 is reduced in the node);
+            ``None`` sends each bucket in one piece.
         algorithm_selector: ``(module, topology) -> name`` used for ``algorithm="auto"``.
         planner: a :class:`~lightning_fastscale.planner.CostModelPlanner`; supplies both
             ``algorithm_selector`` and (unless fusion is set explicitly) ``fusion_plan`` from the
@@ -97,7 +112,7 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
         compression: str | None = None,
         topk_ratio: float = 0.01,
         topk_start_iter: int = 2,
-        pipeline_chunk_mb: float | None = None,
+        pipeline_chunk_mb: float | None = DEFAULT_PIPELINE_CHUNK_MB,
         algorithm_selector: AlgorithmSelector | None = None,
         planner: Any = None,
         **kwargs: Any,
@@ -132,8 +147,7 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
             raise ValueError(f"ranks_per_node={ranks_per_node} must be >= 1 (or None to detect it).")
         if sum(x is not None for x in (bucket_cap_mb, fusion_plan, two_segment_split)) > 1:
             raise ValueError("set only one of bucket_cap_mb, fusion_plan and two_segment_split.")
-        if pipeline_chunk_mb is not None and pipeline_chunk_mb <= 0:
-            raise ValueError(f"pipeline_chunk_mb={pipeline_chunk_mb} must be > 0 (or None).")
+        chunk_numel_for(pipeline_chunk_mb)  # validates it before any process starts
         for own in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"):
             if kwargs.get(own) is not None:
                 raise ValueError(
@@ -226,19 +240,29 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
         # Lightning registers hooks on CUDA only; torch's hooks work on every backend, gloo too.
         assert isinstance(self.model, DistributedDataParallel) and self.topology is not None
         assert self.resolved_algorithm is not None
+        if self.uses_ddp_allreduce:
+            self._log_plan()
+            return
         groups = build_process_groups(self.topology)
-        chunk = None
-        if self.pipeline_chunk_mb is not None:
-            chunk = max(1, int(self.pipeline_chunk_mb * _MB) // 4)
         self.hook_state = HierarchicalHookState(
             groups=groups,
             comm_dtype=COMM_DTYPES[self.comm_dtype],
             topk=TopKErrorFeedback(self.topk_ratio) if self.compression == "topk" else None,
             topk_start_iter=self.topk_start_iter,
-            chunk_numel=chunk,
+            chunk_numel=chunk_numel_for(self.pipeline_chunk_mb),
         )
         self.model.register_comm_hook(self.hook_state, HOOKS[self.resolved_algorithm])
         self._log_plan()
+
+    @property
+    def uses_ddp_allreduce(self) -> bool:
+        """True on one node in fp32 without compression: no hook, DDP's own all-reduce.
+
+        Every algorithm is then one all-reduce inside the node, which DDP's built-in C++ path
+        does without the Python hook and its thread, so one node costs what plain DDP does.
+        """
+        assert self.topology is not None
+        return self.topology.num_nodes == 1 and self.comm_dtype == "fp32" and self.compression is None
 
     def plan_summary(self) -> dict[str, Any]:
         """Topology, algorithm, wire dtype and bucket plan of this run (what rank 0 logs)."""
@@ -246,7 +270,7 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
         grads = sum(p.numel() * p.element_size() for p in self.lightning_module.parameters() if p.requires_grad)
         caps = self._ddp_kwargs.get("bucket_cap_mb_list") or [self._ddp_kwargs.get("bucket_cap_mb", 25)]
         return {
-            "strategy/algorithm": self.resolved_algorithm,
+            "strategy/algorithm": "ddp_allreduce (one node)" if self.uses_ddp_allreduce else self.resolved_algorithm,
             "strategy/num_nodes": self.topology.num_nodes,
             "strategy/ranks_per_node": self.topology.ranks_per_node,
             "strategy/world_size": self.topology.world_size,
