@@ -86,7 +86,15 @@ def setup(device: str) -> tuple[dict[str, Callable[[], None]], dict]:
         )
         plugin = LARSMixedPrecision("32", device.split(":")[0], eta=ETA)
         plugin.classify(net)
-        all_grads += [p.grad for p in net.parameters()]
+        grads_here = [p.grad for p in net.parameters()]
+        before = [g.clone() for g in grads_here]
+        plugin.lars_step(inner)
+        # the fused path leaves the gradients alone, the generic one rescales them in place
+        fused = all(torch.equal(x, y) for x, y in zip(grads_here, before))
+        if fused != (sgd_class is torch.optim.SGD):
+            raise RuntimeError(f"{name}: expected the {'fused' if not fused else 'generic'} path")
+        torch._foreach_copy_(grads_here, before)
+        all_grads += grads_here
         steps[name] = lambda plugin=plugin, inner=inner: plugin.lars_step(inner)
     saved = [g.clone() for g in all_grads]
 
