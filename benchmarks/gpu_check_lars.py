@@ -86,7 +86,8 @@ class Recorder(Callback):
 
 def fit(precision: str, device: str, steps: int, inject: dict | None = None):
     gen = torch.Generator().manual_seed(3)
-    ds = torch.utils.data.TensorDataset(torch.randn(8 * steps, 16, generator=gen), torch.randint(0, 4, (8 * steps,), generator=gen))
+    n = 8 * steps
+    ds = torch.utils.data.TensorDataset(torch.randn(n, 16, generator=gen), torch.randint(0, 4, (n,), generator=gen))
     scaler = torch.amp.GradScaler(device, init_scale=2.0**10) if precision == "16-mixed" else None
     plugin = LARSMixedPrecision(precision, device, eta=ETA, scaler=scaler)
     module, rec = Module(inject), Recorder()

@@ -41,7 +41,9 @@ def fused_calls(monkeypatch) -> list[int]:
 
 def net() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6), nn.ReLU(), nn.Flatten(), nn.Linear(96, 10), nn.Linear(10, 3))
+    return nn.Sequential(
+        nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6), nn.ReLU(), nn.Flatten(), nn.Linear(96, 10), nn.Linear(10, 3)
+    )
 
 
 def sgd_groups(model: nn.Module, wd: float) -> list[dict]:
@@ -87,9 +89,10 @@ def test_fused_path_equals_generic_path(cfg: dict) -> None:
                 p.grad = torch.randn(p.shape, generator=gen) * 10.0 ** -(i % 4)
             if step == 3:
                 params[0].grad = None
-            before = [p.grad.clone() for p in params if p.grad is not None]
+            stepped = [p for p in params if p.grad is not None]
+            before = [p.grad.clone() for p in stepped]
             plugin.lars_step(opt)
-            untouched.append(all(torch.equal(p.grad, b) for p, b in zip([p for p in params if p.grad is not None], before)))
+            untouched.append(all(torch.equal(p.grad, b) for p, b in zip(stepped, before)))
         momentum = [opt.state[p].get("momentum_buffer") for p in params]
         runs[cls] = ([p.detach().clone() for p in params], momentum, untouched)
     (w_fused, m_fused, untouched_fused), (w_generic, m_generic, untouched_generic) = runs.values()

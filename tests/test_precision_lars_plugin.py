@@ -221,10 +221,15 @@ def test_tiny_weights_fp16_master_update_is_not_lost(tmp_path) -> None:
     torch.testing.assert_close(delta, update, rtol=1e-2, atol=0)
 
 
-def test_resume_equals_uninterrupted(tmp_path) -> None:
+def test_resume_equals_uninterrupted(tmp_path, monkeypatch) -> None:
     """Weights, momentum, loss scale and the skip counter after save/resume/continue equal
     those of one run. The scaler grows every 2 steps and one step is skipped, so a lost
-    scaler state or counter shows."""
+    scaler state or counter shows. Torch SGD: every applied step takes the fused path."""
+    fused = []
+    original = LARSMixedPrecision._fused_sgd_step
+    monkeypatch.setattr(
+        LARSMixedPrecision, "_fused_sgd_step", lambda self, *a: fused.append(1) or original(self, *a)
+    )
 
     def run(max_steps, ckpt_path=None, callbacks=()):
         plugin = LARSMixedPrecision("16-mixed", "cpu", trust_clip=True, scaler=small_scaler(growth_interval=2))
@@ -243,6 +248,7 @@ def test_resume_equals_uninterrupted(tmp_path) -> None:
     assert state["skipped_steps"] == 1 and state["scaler"]["scale"] != 2.0**8
 
     resumed, plugin, tr = run(6, ckpt_path=str(mid))
+    assert len(fused) == 5 + 3  # 6 steps, one skipped; then steps 4-6 after resuming
     assert tr.global_step == full_tr.global_step == 6
     assert plugin.skipped_steps == full_plugin.skipped_steps == 1
     assert plugin.scaler.get_scale() == full_plugin.scaler.get_scale()
