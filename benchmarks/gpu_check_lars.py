@@ -184,6 +184,8 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         report("CUDA available", False)
         sys.exit(1)
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"torch {torch.__version__}, lightning {pl.__version__}, device {name}", flush=True)
     pl.seed_everything(0, verbose=False)
     for precision in ("16-mixed", "bf16-mixed"):
         check_formula(precision, args.device)
