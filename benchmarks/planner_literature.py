@@ -2,7 +2,10 @@
 
 The cluster descriptions are the shipped ones (``lightning_fastscale/planner/clusters``), whose
 figures are from the papers or marked as assumptions; nothing here is fitted to the published
-results. Run::
+results. Predictions are for buckets pipelined in the strategy's default chunks, and without
+chunking for comparison. The Horovod table adds what a per-flow bandwidth limit (one flow not
+filling the 10 GbE NIC; the shipped description has none, as no source gives it) would change:
+a sensitivity, not a fit. Run::
 
     .venv/bin/python benchmarks/planner_literature.py
 """
@@ -14,9 +17,15 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning_fastscale.planner.cluster import load_cluster  # noqa: E402
+from dataclasses import replace  # noqa: E402
+
 from lightning_fastscale.planner.cost_model import predict_allreduce  # noqa: E402
 from lightning_fastscale.planner.profile import profile_model  # noqa: E402
-from lightning_fastscale.planner.scaling import predict_step, topology_for  # noqa: E402
+from lightning_fastscale.planner.scaling import (  # noqa: E402
+    DEFAULT_PIPELINE_CHUNK_MB, chunk_numel_for, predict_step, topology_for,
+)
+
+CHUNK = DEFAULT_PIPELINE_CHUNK_MB
 
 
 def efficiency_rows(cluster_name: str, algorithm: str, settings: list[tuple[int, int, float]]) -> list[str]:
@@ -27,44 +36,54 @@ def efficiency_rows(cluster_name: str, algorithm: str, settings: list[tuple[int,
     for gpus, batch, published in settings:
         profile = profile_model(w.model, batch, w.input_size, cluster.device.sustained_tflops)
         cells = []
-        for fusion in ("auto", "two", "ddp25", "single"):
+        for fusion, chunk in (("auto", CHUNK), ("auto", None), ("two", CHUNK), ("ddp25", CHUNK), ("single", CHUNK)):
             step = predict_step(profile, gpus, cluster.ranks_per_node, cluster.comm_params(), algorithm,
-                                w.wire_dtype, w.topk_ratio, fusion)
+                                w.wire_dtype, w.topk_ratio, fusion, chunk)
             cells.append(f"{100 * step.efficiency:.2f}%")
         rows.append(f"| {cluster_name} | {w.model} | {gpus} | {batch} | {algorithm} | {100 * published:.2f}% | "
                     + " | ".join(cells) + " |")
     return rows
 
 
-def horovod_rows() -> list[str]:
-    """Torus vs flat ring on 32 nodes x 6 V100 with one 10 GbE NIC (BERT-Large)."""
+def horovod_rows(per_flow_gbit_s: tuple[float | None, ...] = (None, 7.5, 5.0, 2.5)) -> list[str]:
+    """Torus vs flat ring on 32 nodes x 6 V100 with one 10 GbE NIC (BERT-Large).
+
+    ``per_flow_gbit_s``: the shipped description (``None``: no per-flow limit), then the same
+    cluster with one flow capped at each given rate (sensitivity of the per-flow model).
+    """
     cluster = load_cluster("horovod_torus_10gbe")
     w = cluster.workload
     profile = profile_model(w.model, w.per_gpu_batch, w.input_size, cluster.device.sustained_tflops)
     gpus = cluster.nodes * cluster.ranks_per_node
-    params = cluster.comm_params()
-    one = predict_allreduce(profile.numel, topology_for(gpus, cluster.ranks_per_node), params, w.wire_dtype)
-    steps = {a: predict_step(profile, gpus, cluster.ranks_per_node, params, a, w.wire_dtype, None, "auto").step_s
-             for a in ("ring", "torus2d")}
-    return [
-        f"| horovod_torus_10gbe | bert_large | {gpus} | all-reduce of the whole gradient | 2.4x | "
-        f"{one['ring'] / one['torus2d']:.2f}x |",
-        f"| horovod_torus_10gbe | bert_large | {gpus} | training step (auto fusion) | 2.4x | "
-        f"{steps['ring'] / steps['torus2d']:.2f}x |",
-    ]
+    topology = topology_for(gpus, cluster.ranks_per_node)
+    rows = []
+    for limit in per_flow_gbit_s:
+        params = cluster.comm_params()
+        if limit is not None:
+            params = replace(params, beta_flow=8.0 / (limit * 1e9))
+        label = "none (shipped file)" if limit is None else f"{limit:g} Gbit/s (sensitivity)"
+        cells = []
+        for chunk in (CHUNK, None):
+            one = predict_allreduce(profile.numel, topology, params, w.wire_dtype, chunk_numel=chunk_numel_for(chunk))
+            steps = {a: predict_step(profile, gpus, cluster.ranks_per_node, params, a, w.wire_dtype, None, "auto",
+                                     chunk).step_s for a in ("ring", "torus2d")}
+            cells += [f"{one['ring'] / one['torus2d']:.2f}x", f"{steps['ring'] / steps['torus2d']:.2f}x"]
+        rows.append(f"| horovod_torus_10gbe | bert_large | {gpus} | {label} | 2.4x | " + " | ".join(cells) + " |")
+    return rows
 
 
 def main() -> None:
     """Print both tables."""
-    print("| cluster | model | GPUs | per-GPU batch | algorithm | published | predicted (auto fusion) "
-          "| two segments | DDP 25 MiB | one bucket |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| cluster | model | GPUs | per-GPU batch | algorithm | published | predicted (auto fusion, {CHUNK:g} MiB "
+          "chunks) | auto fusion, unchunked | two segments | DDP 25 MiB | one bucket |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in (efficiency_rows("tencent_p40_100g", "hier", [(1024, 64, 0.99), (2048, 32, 0.97)])
                 + efficiency_rows("sony_v100_abci", "torus2d", [(1088, 32, 0.9162)])):
         print(row)
     print()
-    print("| cluster | model | GPUs | what | published torus/ring | predicted torus/ring |")
-    print("|---|---|---|---|---|---|")
+    print(f"| cluster | model | GPUs | per-flow limit | published torus/ring | all-reduce ({CHUNK:g} MiB chunks) "
+          f"| step ({CHUNK:g} MiB chunks) | all-reduce (unchunked) | step (unchunked) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in horovod_rows():
         print(row)
 

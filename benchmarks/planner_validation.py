@@ -1,17 +1,26 @@
 """Planner validation: predicted vs measured all-reduce times on the emulated cluster.
 
 For each (nodes x ranks per node, link cap): build the emulated cluster, calibrate the
-alpha-beta-gamma parameters from primitive collectives only (all-gather and all-reduce inside
-a node and among node leaders: ``lightning_fastscale.planner.calibrate``), then, on a fresh
-emulated cluster with the same cap, time the flat ring (``dist.all_reduce``), ``hier`` and
-``torus2d`` of the strategy on several sizes (``lightning_fastscale.emulation.collectives``).
-The composite algorithms are never used for fitting: their times are predictions.
+alpha-beta-gamma parameters from primitive collectives only (all-gather, all-reduce, reduce,
+broadcast inside a node and among node leaders, and every rank's inter-node all-reduce at
+once for the torus's concurrent flows: ``lightning_fastscale.planner.calibrate``), then, on a
+fresh emulated cluster with the same cap, time the flat ring (``dist.all_reduce``), ``hier``
+and ``torus2d`` of the strategy on several sizes (``lightning_fastscale.emulation.collectives``),
+unchunked and pipelined in chunks (``ring@k``, ``hier@k``, ``torus2d@k``: the strategy's
+functions with ``chunk_numel``). The composite algorithms are never used for fitting: their
+times are predictions.
+
+Chunk counts: for every size, the count the strategy's default ``pipeline_chunk_mb`` gives
+(``--chunk-mb``); every count is measured on every size, so the other (size, count) pairs are
+extra checks of the pipelining formula at other chunk sizes. Predictions use the chunk size
+actually measured (``ceil(numel / k)`` elements).
 
 Prints a markdown table (measured, predicted, relative error) and whether the algorithm the
-planner picks is the measured fastest. Needs root (network namespaces). Example::
+planner picks is the measured fastest, per size and chunking. Needs root (network
+namespaces). Example::
 
     .venv/bin/python benchmarks/planner_validation.py --configs 2x4:500 2x4:200 4x2:500 \
-        --numels 1000000 4000000 16000000
+        --numels 1000000 4000000 16000000 --reps 3 --json results.json
 """
 from __future__ import annotations
 
@@ -22,12 +31,17 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning_fastscale.emulation.collectives import measure_allreduce  # noqa: E402
 from lightning_fastscale.emulation.netns_cluster import EmulatedCluster  # noqa: E402
-from lightning_fastscale.planner.calibrate import DEFAULT_SIZES  # noqa: E402
+from lightning_fastscale.planner.calibrate import (  # noqa: E402
+    DEFAULT_SIZES, INTER_PRIMITIVES, fit_calibration, intra_primitives,
+)
 from lightning_fastscale.planner.cost_model import CommParams, Topology, predict_allreduce  # noqa: E402
+from lightning_fastscale.planner.scaling import DEFAULT_PIPELINE_CHUNK_MB, chunk_numel_for  # noqa: E402
 
 # The measured name of each modelled algorithm: "flat" is plain dist.all_reduce (gloo's ring).
 MEASURED = {"ring": "flat", "hier": "hier", "torus2d": "torus2d"}
@@ -55,50 +69,129 @@ def calibrate_on_emulated(nodes: int, ranks_per_node: int, cap_mbit: float, size
         return json.loads(out.read_text())
 
 
-def validate(nodes: int, ranks_per_node: int, cap_mbit: float, numels: list[int], reps: int, calib_sizes: list[int]) -> list[dict]:
-    """Calibrate, measure and predict one configuration; one row per (size, algorithm)."""
+def chunk_counts(numels: list[int], chunk_mb: float | None) -> dict[int, int]:
+    """Chunks the strategy's ``pipeline_chunk_mb`` splits each size into (only sizes > 1 chunk)."""
+    if chunk_mb is None:
+        return {}
+    per_chunk = chunk_numel_for(chunk_mb)
+    return {n: -(-n // per_chunk) for n in numels if n > per_chunk}
+
+
+def validate(nodes: int, ranks_per_node: int, cap_mbit: float, numels: list[int], reps: int, calib_sizes: list[int],
+             chunk_mb: float | None = DEFAULT_PIPELINE_CHUNK_MB, wire_dtype: str = "fp32") -> list[dict]:
+    """Calibrate, measure and predict one configuration; one row per (size, chunks, algorithm).
+
+    ``wire_dtype`` other than fp32 measures the strategy's functions with that ``comm_dtype``
+    (the flat baseline is then the strategy's ``ring``, which casts).
+    """
     calib = calibrate_on_emulated(nodes, ranks_per_node, cap_mbit, calib_sizes, reps)
     params = CommParams(**calib["params"])
     print(f"[{nodes}x{ranks_per_node} @ {cap_mbit} Mbit/s] calibrated: {params}", flush=True)
-    measured = measure_allreduce(numels, list(MEASURED.values()), [cap_mbit], num_nodes=nodes,
+    default_chunks = chunk_counts(numels, chunk_mb)
+    counts = sorted(set(default_chunks.values()))
+    cast = "" if wire_dtype == "fp32" else f":{wire_dtype}"
+    specs = {(a, 1): f"{a}{cast}" if cast else MEASURED[a] for a in MEASURED}
+    specs.update({(a, k): f"{a}{cast}@{k}" for a in MEASURED for k in counts})
+    measured = measure_allreduce(numels, list(specs.values()), [cap_mbit], num_nodes=nodes,
                                  ranks_per_node=ranks_per_node, reps=reps)
     by_key = {(r["numel"], r["algorithm"]): r for r in measured["results"]}
-    topology = Topology(nodes, ranks_per_node)
     rows = []
     for numel in numels:
-        predicted = predict_allreduce(numel, topology, params)
-        times = {a: by_key[(numel, MEASURED[a])]["median_s"] for a in MEASURED}
+        for k in [1, *counts]:
+            for algorithm in MEASURED:
+                run = by_key[(numel, specs[(algorithm, k)])]
+                rows.append({
+                    "nodes": nodes, "ranks_per_node": ranks_per_node, "cap_mbit": cap_mbit, "numel": numel,
+                    "chunks": k, "chunk_numel": None if k == 1 else -(-numel // k), "wire_dtype": wire_dtype,
+                    "default_chunking": default_chunks.get(numel, 1) == k,
+                    "algorithm": algorithm, "measured_as": specs[(algorithm, k)],
+                    "measured_s": run["median_s"], "times_s": run["times_s"],
+                    "params": calib["params"], "fits": calib.get("fits"),
+                })
+    return predict_rows(rows)
+
+
+def refit_rows(rows: list[dict]) -> list[dict]:
+    """Refit each configuration's parameters from its stored calibration samples with the
+    current :func:`~lightning_fastscale.planner.calibrate.fit_calibration` and primitive
+    selection (gloo): the same measurements, the current fitting rules."""
+    keep = {"intra": intra_primitives("gloo"), "inter": INTER_PRIMITIVES, "shared": ("allreduce",)}
+    refitted: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["nodes"], r["ranks_per_node"], r["cap_mbit"], r.get("wire_dtype", "fp32"))
+        if key not in refitted:
+            fits = r["fits"] or {}
+            samples = {
+                level: {name: (fit["samples"][name]["sizes"], fit["samples"][name]["seconds"])
+                        for name in keep[level] if name in fit["samples"]}
+                for level, fit in fits.items() if fit
+            }
+            result = fit_calibration(r["ranks_per_node"], r["nodes"], samples.get("intra"), samples.get("inter"),
+                                     samples.get("shared"))
+            refitted[key] = result.params.as_dict()
+        r["params"] = refitted[key]
+    return rows
+
+
+def _case(row: dict) -> tuple:
+    return (row["nodes"], row["ranks_per_node"], row["cap_mbit"], row["numel"], row["chunks"],
+            row.get("wire_dtype", "fp32"))
+
+
+def predict_rows(rows: list[dict]) -> list[dict]:
+    """Fill in each row's prediction (from its calibrated ``params``) and the pick per case."""
+    cases: dict[tuple, list[dict]] = {}
+    for r in rows:
+        cases.setdefault(_case(r), []).append(r)
+    for (nodes, rpn, _, numel, _, wire), case in cases.items():
+        params = CommParams(**case[0]["params"])
+        predicted = predict_allreduce(numel, Topology(nodes, rpn), params, wire, chunk_numel=case[0]["chunk_numel"])
+        times = {r["algorithm"]: r["measured_s"] for r in case}
         picked = min(predicted, key=predicted.get)
         fastest = min(times, key=times.get)
-        for algorithm in MEASURED:
-            rows.append({
-                "nodes": nodes, "ranks_per_node": ranks_per_node, "cap_mbit": cap_mbit, "numel": numel,
-                "algorithm": algorithm, "measured_s": times[algorithm], "predicted_s": predicted[algorithm],
-                "rel_error": predicted[algorithm] / times[algorithm] - 1.0,
-                "picked": picked, "measured_fastest": fastest,
-                "picked_is_fastest": picked == fastest,
+        for r in case:
+            r.update(
+                predicted_s=predicted[r["algorithm"]],
+                rel_error=predicted[r["algorithm"]] / r["measured_s"] - 1.0,
+                picked=picked, measured_fastest=fastest, picked_is_fastest=picked == fastest,
                 # Within measurement noise the "fastest" is not meaningful: report the margin.
-                "picked_vs_fastest": times[picked] / times[fastest],
-                "params": calib["params"],
-            })
+                picked_vs_fastest=times[picked] / times[fastest],
+            )
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
-    """Markdown table of :func:`validate` rows."""
-    lines = ["| nodes x ranks | cap Mbit/s | numel | algorithm | measured s | predicted s | error | picked | measured fastest |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    """Markdown table of :func:`validate` rows, then the within-25% and pick counts.
+
+    Counts are given for all rows, for unchunked runs and for the strategy's default chunking
+    (one chunk where the size is below the chunk size: those runs are the unchunked ones).
+    """
+    lines = ["| nodes x ranks | cap Mbit/s | wire | numel | chunks | algorithm | measured s | predicted s | error "
+             "| picked | measured fastest |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        chunks = f"{r['chunks']}" + (" (default)" if r["default_chunking"] and r["chunks"] > 1 else "")
         lines.append(
-            f"| {r['nodes']}x{r['ranks_per_node']} | {r['cap_mbit']:g} | {r['numel']} | {r['algorithm']} "
+            f"| {r['nodes']}x{r['ranks_per_node']} | {r['cap_mbit']:g} | {r.get('wire_dtype', 'fp32')} | {r['numel']} "
+            f"| {chunks} | {r['algorithm']} "
             f"| {r['measured_s']:.3f} | {r['predicted_s']:.3f} | {100 * r['rel_error']:+.0f}% | {r['picked']} "
             f"| {r['measured_fastest']} ({r['picked_vs_fastest']:.2f}x of it) |"
         )
-    within = sum(abs(r["rel_error"]) <= 0.25 for r in rows)
-    cases = {(r["nodes"], r["ranks_per_node"], r["cap_mbit"], r["numel"]): r for r in rows}
-    right = sum(r["picked_is_fastest"] for r in cases.values())
     lines.append("")
-    lines.append(f"within 25%: {within}/{len(rows)} predictions; picked = measured fastest: {right}/{len(cases)} cases")
+    subsets = {
+        "all": rows,
+        "unchunked": [r for r in rows if r["chunks"] == 1],
+        "default chunking": [r for r in rows if r["default_chunking"]],
+    }
+    for name, subset in subsets.items():
+        within = sum(abs(r["rel_error"]) <= 0.25 for r in subset)
+        cases = {_case(r): r for r in subset}
+        right = sum(r["picked_is_fastest"] for r in cases.values())
+        close = sum(r["picked_vs_fastest"] <= 1.05 for r in cases.values())
+        median = 100 * float(np.median([abs(r["rel_error"]) for r in subset]))
+        lines.append(f"{name}: within 25%: {within}/{len(subset)} predictions (median |error| {median:.0f}%); "
+                     f"picked = measured fastest: {right}/{len(cases)} cases ({close}/{len(cases)} within 5% "
+                     "of the fastest)")
     return "\n".join(lines)
 
 
@@ -111,16 +204,36 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calib-sizes", type=int, nargs="+", default=list(DEFAULT_SIZES),
                         help="calibration message sizes in bytes")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--chunk-mb", type=float, default=DEFAULT_PIPELINE_CHUNK_MB,
+                        help="pipeline chunk in MiB whose chunk counts are measured (0: unchunked only)")
+    parser.add_argument("--wire-dtype", choices=["fp32", "fp16", "bf16"], default="fp32",
+                        help="comm_dtype of the measured algorithms (cast on the inter-node stage)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
+    parser.add_argument("--from-json", help="measure nothing: re-predict the rows of an earlier --json file "
+                        "with the current model (same calibrated parameters)")
+    parser.add_argument("--refit", action="store_true", help="with --from-json: refit the parameters from the "
+                        "stored calibration samples with the current fitting rules first")
     args = parser.parse_args(argv)
+    if args.from_json:
+        rows = json.loads(Path(args.from_json).read_text())
+        if args.refit:
+            rows = refit_rows(rows)
+            for key in sorted({(r["nodes"], r["ranks_per_node"], r["cap_mbit"]) for r in rows}):
+                print(f"{key[0]}x{key[1]} @ {key[2]:g} Mbit/s refitted:",
+                      next(r["params"] for r in rows if (r["nodes"], r["ranks_per_node"], r["cap_mbit"]) == key))
+        print(format_table(predict_rows(rows)))
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
+        return
     rows = []
     for spec in args.configs:
         shape, _, cap = spec.partition(":")
         nodes, _, rpn = shape.partition("x")
-        rows += validate(int(nodes), int(rpn), float(cap), args.numels, args.reps, args.calib_sizes)
+        rows += validate(int(nodes), int(rpn), float(cap), args.numels, args.reps, args.calib_sizes,
+                         args.chunk_mb or None, args.wire_dtype)
         print(format_table(rows), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        if args.json:  # after every configuration, so a later failure keeps the earlier ones
+            Path(args.json).write_text(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":

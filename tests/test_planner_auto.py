@@ -7,6 +7,7 @@ from lightning_fastscale.planner import (
     CommParams, CostModelPlanner, Topology, auto_plan, choose_algorithm, load_cluster, module_profile,
 )
 from lightning_fastscale.planner.fusion import MB
+from lightning_fastscale.planner.scaling import DEFAULT_PIPELINE_CHUNK_MB
 
 SLOW_NIC = CommParams(alpha_intra=5e-6, beta_intra=1e-11, alpha_inter=2e-5, beta_inter=8e-9, gamma=0.0)
 FLAT = CommParams(alpha_intra=1e-6, beta_intra=1e-9, alpha_inter=1e-6, beta_inter=1e-9, gamma=0.0)
@@ -54,11 +55,17 @@ class _StrategyTopology:
 
 def test_cost_model_planner_callables_agree_with_auto_plan():
     model = net()
-    planner = CostModelPlanner(SLOW_NIC, backward_time_s=0.01)
     topo = _StrategyTopology(32, 8)
-    expected = auto_plan(module_profile(model, backward_time_s=0.01), Topology(4, 8), SLOW_NIC)
-    assert planner.select_algorithm(model, topo) == expected.algorithm
-    assert planner.fusion_caps(model, topo) == expected.plan.ddp_bucket_cap_mb_list()
+    profile = module_profile(model, backward_time_s=0.01)
+    # the planner prices buckets as the strategy sends them: pipelined in its chunks, or whole
+    for chunk_mb in (DEFAULT_PIPELINE_CHUNK_MB, 0.25, None):
+        planner = CostModelPlanner(SLOW_NIC, backward_time_s=0.01, pipeline_chunk_mb=chunk_mb)
+        expected = auto_plan(profile, Topology(4, 8), SLOW_NIC, chunk_mb=chunk_mb)
+        assert planner.select_algorithm(model, topo) == expected.algorithm
+        assert planner.fusion_caps(model, topo) == expected.plan.ddp_bucket_cap_mb_list()
+    assert CostModelPlanner(SLOW_NIC, backward_time_s=0.01).pipeline_chunk_mb == DEFAULT_PIPELINE_CHUNK_MB
+    with pytest.raises(ValueError, match="chunk_mb"):
+        CostModelPlanner(SLOW_NIC, backward_time_s=0.01, pipeline_chunk_mb=0)
     # from a shipped cluster, with FLOP-based backward times from an example input
     planner = CostModelPlanner("tencent_cloud_25g_vpc", wire_dtype="fp16", example_input=torch.randn(4, 256))
     assert planner.select_algorithm(model, _StrategyTopology(16, 8)) in ("hier", "torus2d")
@@ -66,3 +73,19 @@ def test_cost_model_planner_callables_agree_with_auto_plan():
         CostModelPlanner(SLOW_NIC).plan(model, topo)
     with pytest.raises(ValueError, match="calibrate=True"):
         CostModelPlanner()
+
+
+def test_best_chunk_follows_latency():
+    from lightning_fastscale.planner import best_chunk_plan
+
+    prof = module_profile(nn.Sequential(nn.Linear(2048, 2048), nn.Linear(2048, 2048)), backward_time_s=1e-3)
+    topo = Topology(4, 8)
+    # no latency: smaller chunks only overlap the stages better, so the smallest candidate wins
+    free = CommParams(alpha_intra=0.0, beta_intra=1e-9, alpha_inter=0.0, beta_inter=8e-9, gamma=0.0)
+    chunk, plan, finish = best_chunk_plan(prof, topo, free, algorithms=("hier", "torus2d"))
+    assert chunk == 1.0 and plan.plan.finish_s == pytest.approx(min(finish.values()), rel=1e-9)
+    assert finish[1.0] < finish[None]
+    # large per-message latency: every chunk pays it, so one piece wins
+    slow = CommParams(alpha_intra=1e-2, beta_intra=1e-9, alpha_inter=1e-2, beta_inter=8e-9, gamma=0.0)
+    chunk, plan, finish = best_chunk_plan(prof, topo, slow, algorithms=("hier", "torus2d"))
+    assert chunk is None and plan.plan.finish_s == pytest.approx(min(finish.values()), rel=1e-9)

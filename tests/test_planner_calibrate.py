@@ -1,7 +1,10 @@
 """Calibration: the fit recovers known parameters; the collective call agrees on all ranks."""
 import pytest
 
-from lightning_fastscale.planner.calibrate import PRIMITIVES, calibrate_process_groups, fit_link
+from lightning_fastscale.planner.calibrate import (
+    PRIMITIVES, calibrate_process_groups, fit_calibration, fit_link, intra_primitives,
+)
+from lightning_fastscale.planner.cost_model import ring_allreduce_time
 from tests.distributed import run_distributed
 
 
@@ -22,6 +25,26 @@ def test_fit_with_shared_gamma_fits_alpha_and_beta_only():
     samples = {name: (sizes, [form(p, n, alpha, beta, gamma) for n in sizes]) for name, form in PRIMITIVES.items()}
     fit = fit_link(p, samples, gamma=gamma)
     assert (fit.alpha, fit.beta, fit.gamma) == pytest.approx((alpha, beta, gamma), rel=1e-6)
+
+
+def test_fit_calibration_recovers_all_levels_and_the_shared_link():
+    # 2 nodes x 4 ranks: in-node primitives, the leaders' all-reduce, and 4 concurrent flows
+    # per node each carrying a quarter of the bytes at 1.25x the fair share of the link.
+    rpn, nodes, gamma = 4, 2, 2e-9
+    a_in, b_in, a_x, b_x, b_shared = 3e-4, 1.5e-9, 1e-4, 1.6e-8, 2e-8
+    sizes = [float(1 << k) for k in (20, 22, 24, 26)]
+    intra = {name: (sizes, [PRIMITIVES[name](rpn, n, a_in, b_in, gamma) for n in sizes])
+             for name in intra_primitives("gloo")}
+    inter = {"allreduce": (sizes, [ring_allreduce_time(nodes, n, a_x, b_x, gamma) for n in sizes])}
+    flow = [n / rpn for n in sizes]
+    shared = {"allreduce": (flow, [ring_allreduce_time(nodes, m, a_x, rpn * b_shared, gamma) for m in flow])}
+    params = fit_calibration(rpn, nodes, intra, inter, shared).params
+    assert (params.alpha_intra, params.beta_intra, params.gamma) == pytest.approx((a_in, b_in, gamma), rel=1e-6)
+    assert (params.alpha_inter, params.beta_inter) == pytest.approx((a_x, b_x), rel=1e-6)
+    assert params.beta_inter_shared == pytest.approx(b_shared, rel=1e-6)
+    assert params.flow_beta(rpn) == pytest.approx(rpn * b_shared, rel=1e-6)
+    # without the concurrent measurement, the model assumes fair sharing
+    assert fit_calibration(rpn, nodes, intra, inter).params.beta_inter_shared is None
 
 
 def test_fit_never_returns_negative_parameters():
@@ -48,3 +71,5 @@ def test_calibration_on_real_groups_agrees_across_ranks():
     results = run_distributed(_calibrate_2x2, 4, timeout=300)
     assert all(r == results[0] for r in results)
     assert results[0]["beta_intra"] > 0 and results[0]["beta_inter"] > 0
+    # the torus's concurrent inter-node flows were measured and fitted too
+    assert results[0]["beta_inter_shared"] is not None and results[0]["beta_inter_shared"] > 0

@@ -5,7 +5,8 @@ import pytest
 import yaml
 
 from lightning_fastscale.planner.cli import main
-from lightning_fastscale.planner.cost_model import ALGORITHMS
+from lightning_fastscale.planner.cluster import load_cluster
+from lightning_fastscale.planner.cost_model import ALGORITHMS, Topology, predict_allreduce
 from lightning_fastscale.planner.profile import profile_model
 
 
@@ -37,6 +38,24 @@ def test_text_report(capsys):
     assert main(["resnet18", "emulated_local", "--max-gpus", "16"]) == 0
     out = capsys.readouterr().out
     assert "chosen algorithm" in out and "bucket_cap_mb_list" in out and "scaling efficiency" in out
+    assert "pipelined in 4 MiB chunks" in out
+
+
+def test_pipeline_chunk_option(capsys):
+    args = ["resnet18", "tencent_p40_100g", "--gpus", "64", "--max-gpus", "64", "--json"]
+    assert main([*args, "--pipeline-chunk-mb", "0"]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert main([*args, "--pipeline-chunk-mb", "1"]) == 0
+    chunked = json.loads(capsys.readouterr().out)
+    assert whole["workload"]["pipeline_chunk_mb"] is None and chunked["workload"]["pipeline_chunk_mb"] == 1
+    cluster = load_cluster("tencent_p40_100g")
+    numel, wire = chunked["workload"]["parameters"], cluster.workload.wire_dtype
+    for report, chunk in ((whole, None), (chunked, 1 << 18)):  # 1 MiB of fp32 = 2**18 elements
+        expected = predict_allreduce(numel, Topology(8, 8), cluster.comm_params(), wire, chunk_numel=chunk)
+        assert report["allreduce_s"] == pytest.approx(expected, rel=1e-12)
+    assert chunked["allreduce_s"] != whole["allreduce_s"]
+    assert main([*args, "--pipeline-chunk-mb", "-1"]) == 2
+    assert "chunk_mb" in capsys.readouterr().err
 
 
 def test_bad_cluster_errors_clearly(capsys, tmp_path):

@@ -55,12 +55,25 @@ def test_units():
         ({"workload": {"wire_dtype": "int3"}}, "workload.wire_dtype"),
         ({"workload": {"topk_ratio": 2}}, "workload.topk_ratio"),
         ({"bandwith": 3}, "<top level>"),
+        ({"inter": {"bandwidth_gbit_s": 10, "latency_us": 1, "per_flow_gbit_s": 0}}, "inter.per_flow_gbit_s"),
+        ({"inter": {"bandwidth_gbit_s": 10, "latency_us": 1, "shared_gbit_s": -1}}, "inter.shared_gbit_s"),
+        ({"intra": {"bandwidth_gbit_s": 10, "latency_us": 1, "per_flow_gbit_s": 5}}, "intra"),
     ],
 )
 def test_nonsense_is_named(tmp_path, changes, field):
     with pytest.raises(ClusterConfigError) as err:
         load_cluster(write(tmp_path, **changes))
     assert f"`{field}`" in str(err.value)
+
+
+def test_per_flow_and_shared_link_units(tmp_path):
+    inter = {"bandwidth_gbit_s": 10, "latency_us": 20, "per_flow_gbit_s": 4, "shared_gbit_s": 8}
+    params = load_cluster(write(tmp_path, inter=inter)).comm_params()
+    assert params.beta_flow == pytest.approx(8 / 4e9)
+    assert params.beta_inter_shared == pytest.approx(8 / 8e9)
+    # 4 ranks per node at 8 Gbit/s in total: 2 Gbit/s each; one flow alone: capped at 4 of the 10
+    assert params.flow_beta(4) == pytest.approx(4 * 8 / 8e9)
+    assert params.flow_beta(1) == pytest.approx(8 / 4e9)
 
 
 def test_ranks_that_do_not_divide_say_so(tmp_path):

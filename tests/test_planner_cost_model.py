@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from lightning_fastscale.planner.cost_model import (
+    ALGORITHMS,
     CommParams,
     Topology,
     allgather_time,
@@ -16,6 +17,7 @@ from lightning_fastscale.planner.cost_model import (
     reduce_scatter_time,
     reduce_time,
     ring_allreduce_time,
+    stage_times,
 )
 
 
@@ -77,13 +79,103 @@ def test_torus_latency_terms():
     assert t["ring"] == pytest.approx(2 * 31 * 1e-3, rel=1e-6)
 
 
-def test_wire_dtype_halves_bandwidth_term():
-    params = CommParams(0.0, 1e-10, 0.0, 1e-8, 1e-11)
-    topo = Topology(4, 4)
+def test_wire_dtype_applies_to_the_inter_node_stage_only():
+    params = CommParams(1e-5, 1e-10, 2e-5, 1e-8, 1e-11)
+    topo, n = Topology(4, 4), 1e6
+    for algorithm in ("hier", "torus2d"):
+        fp32 = stage_times(algorithm, n, topo, params, "fp32")
+        fp16 = stage_times(algorithm, n, topo, params, "bf16")
+        latency = stage_times(algorithm, 0.0, topo, params, "fp32")
+        # in-node stages unchanged (sums stay fp32); only the inter-node bytes halve
+        assert fp16[0] == pytest.approx(fp32[0]) and fp16[2] == pytest.approx(fp32[2])
+        assert fp16[1] - latency[1] == pytest.approx((fp32[1] - latency[1]) / 2, rel=1e-12)
+        assert allreduce_time(algorithm, n, topo, params, "fp16") == pytest.approx(sum(fp16))
+    # the flat ring crosses nodes with all of it, and one node casts its whole all-reduce
+    no_latency = CommParams(0.0, 1e-10, 0.0, 1e-8, 1e-11)
     for algorithm in ("ring", "hier", "torus2d"):
-        fp32 = allreduce_time(algorithm, 1e6, topo, params, "fp32")
-        fp16 = allreduce_time(algorithm, 1e6, topo, params, "fp16")
-        assert fp16 == pytest.approx(fp32 / 2, rel=1e-9)
+        one_node = Topology(1, 8)
+        assert allreduce_time(algorithm, n, one_node, no_latency, "fp16") == pytest.approx(
+            allreduce_time(algorithm, n, one_node, no_latency, "fp32") / 2, rel=1e-12)
+    assert allreduce_time("ring", n, topo, no_latency, "fp16") == pytest.approx(
+        allreduce_time("ring", n, topo, no_latency, "fp32") / 2, rel=1e-12)
+
+
+def test_one_chunk_equals_unchunked():
+    topo = Topology(2, 4)
+    for algorithm in ALGORITHMS:
+        for wire in ("fp32", "fp16"):
+            whole = allreduce_time(algorithm, 3e6, topo, PARAMS, wire)
+            assert allreduce_time(algorithm, 3e6, topo, PARAMS, wire, chunk_numel=3e6) == pytest.approx(whole, rel=1e-12)
+            assert allreduce_time(algorithm, 3e6, topo, PARAMS, wire, chunk_numel=1e9) == pytest.approx(whole, rel=1e-12)
+
+
+def test_pipelined_hier_closed_form():
+    # hier on 2 x 2, 8 chunks of 1e6 elements: every chunk pays every stage's latency; the
+    # inter-node stage (slowest) moves the whole message, the others one chunk each.
+    a_in, b_in, a_x, b_x = 1e-4, 1e-10, 3e-4, 1e-8
+    params = CommParams(a_in, b_in, a_x, b_x, 0.0)
+    n, c, k = 8e6, 1e6, 8
+    reduce_lat, bcast_lat = (1 + 1) * a_in, (1 + 1) * a_in  # p=2: (p-1) + log2 p messages
+    inter_lat = 2 * a_x  # ring all-reduce over 2 nodes
+    expected = (k * (reduce_lat + inter_lat + bcast_lat)
+                + 2 * 1 / 2 * (4 * n) * b_x  # inter-node bandwidth term, whole message
+                + 2 * (2 * 1 / 2 * (4 * c) * b_in))  # fill (reduce) + drain (broadcast) of one chunk
+    got = allreduce_time("hier", n, Topology(2, 2), params, chunk_numel=c)
+    assert got == pytest.approx(expected, rel=1e-12)
+
+
+def test_many_chunks_tend_to_the_slowest_stage():
+    # Without latency, pipelining can only help, never beats the slowest stage alone, and
+    # approaches it as chunks shrink.
+    params = CommParams(0.0, 1e-9, 0.0, 8e-9, 1e-10)
+    topo, n = Topology(4, 4), 1.6e7
+    for algorithm in ("hier", "torus2d"):
+        stages = stage_times(algorithm, n, topo, params)
+        unchunked, slowest = sum(stages), max(stages)
+        times = [allreduce_time(algorithm, n, topo, params, chunk_numel=n / k) for k in (1, 4, 64, 4096)]
+        assert times[0] == pytest.approx(unchunked)
+        assert all(later <= earlier + 1e-15 for earlier, later in zip(times, times[1:]))
+        assert all(t >= slowest * (1 - 1e-12) for t in times)
+        assert times[-1] == pytest.approx(slowest, rel=1e-3)
+
+
+def test_chunked_flat_ring_only_adds_latency():
+    topo, n, k = Topology(2, 4), 4e6, 5
+    whole = allreduce_time("ring", n, topo, PARAMS)
+    latency = allreduce_time("ring", 1e-300, topo, PARAMS)  # one message's latency terms
+    chunked = allreduce_time("ring", n, topo, PARAMS, chunk_numel=n / k)
+    assert chunked == pytest.approx(whole + (k - 1) * latency, rel=1e-9)
+
+
+def test_chunked_vectorised_equals_scalar_and_zero_is_free():
+    topo = Topology(2, 4)
+    sizes = np.array([0.0, 10.0, 5e5, 3e6, 1.7e7])
+    for algorithm in ALGORITHMS:
+        vec = allreduce_time(algorithm, sizes, topo, PARAMS, "fp16", chunk_numel=1 << 20)
+        assert vec[0] == 0.0
+        assert np.allclose(vec[1:], [allreduce_time(algorithm, s, topo, PARAMS, "fp16", chunk_numel=1 << 20)
+                                     for s in sizes[1:]], rtol=1e-12)
+    with pytest.raises(ValueError, match="chunk_numel"):
+        allreduce_time("hier", 1e6, topo, PARAMS, chunk_numel=0)
+
+
+def test_concurrent_flows_and_per_flow_limit():
+    topo, n = Topology(8, 4), 1e7
+    base = CommParams(0.0, 1e-18, 0.0, 1e-9, 0.0)
+    bound = bandwidth_bound(8, 4 * n, 1e-9)
+    assert base.flow_beta(1) == 1e-9 and base.flow_beta(4) == 4e-9  # fair sharing
+    # the torus's concurrent flows cost what the shared link gives them, the others are unaffected
+    contended = CommParams(0.0, 1e-18, 0.0, 1e-9, 0.0, beta_inter_shared=1.5e-9)
+    assert allreduce_time("torus2d", n, topo, contended) == pytest.approx(1.5 * bound, rel=1e-6)
+    assert allreduce_time("hier", n, topo, contended) == pytest.approx(bound, rel=1e-6)
+    # a per-flow limit of a quarter of the link: one-flow algorithms 4x slower, torus unaffected
+    limited = CommParams(0.0, 1e-18, 0.0, 1e-9, 0.0, beta_flow=4e-9)
+    t, t0 = predict_allreduce(n, topo, limited), predict_allreduce(n, topo, base)
+    assert t["torus2d"] == pytest.approx(t0["torus2d"], rel=1e-9)
+    assert t["hier"] == pytest.approx(4 * t0["hier"], rel=1e-6)
+    assert t["ring"] == pytest.approx(4 * t0["ring"], rel=1e-6)
+    with pytest.raises(ValueError, match="beta_inter_shared"):
+        CommParams(0.0, 1e-9, 0.0, 1e-9, beta_inter_shared=0.0)
 
 
 def test_topk_inter_stage_closed_form():

@@ -3,7 +3,7 @@
 Answers before a run which all-reduce algorithm (flat ring, hierarchical, 2D torus) and which
 gradient buckets to use on a cluster, and how training will scale (``fastscale-plan``).
 """
-from lightning_fastscale.planner.auto import AutoPlan, CostModelPlanner, auto_plan, module_profile
+from lightning_fastscale.planner.auto import AutoPlan, CostModelPlanner, auto_plan, best_chunk_plan, module_profile
 from lightning_fastscale.planner.cluster import Cluster, ClusterConfigError, available_clusters, load_cluster
 from lightning_fastscale.planner.cost_model import (
     ALGORITHMS,
@@ -13,13 +13,15 @@ from lightning_fastscale.planner.cost_model import (
     bandwidth_bound,
     choose_algorithm,
     predict_allreduce,
+    stage_times,
 )
 from lightning_fastscale.planner.fusion import FusionPlan, best_uniform_cap, ddp_buckets, plan_fusion, plan_two_segment
 from lightning_fastscale.planner.profile import GradientProfile, profile_model, profile_module
-from lightning_fastscale.planner.scaling import allreduce_cost, predict_step, scaling_curve
+from lightning_fastscale.planner.scaling import DEFAULT_PIPELINE_CHUNK_MB, allreduce_cost, predict_step, scaling_curve
 
 __all__ = [
     "ALGORITHMS",
+    "DEFAULT_PIPELINE_CHUNK_MB",
     "AutoPlan",
     "Cluster",
     "ClusterConfigError",
@@ -33,6 +35,7 @@ __all__ = [
     "auto_plan",
     "available_clusters",
     "bandwidth_bound",
+    "best_chunk_plan",
     "best_uniform_cap",
     "choose_algorithm",
     "ddp_buckets",
@@ -45,4 +48,5 @@ __all__ = [
     "profile_model",
     "profile_module",
     "scaling_curve",
+    "stage_times",
 ]

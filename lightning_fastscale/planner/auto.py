@@ -15,9 +15,12 @@ from torch import nn
 from lightning_fastscale.planner.cost_model import ALGORITHMS, CommParams, Topology
 from lightning_fastscale.planner.fusion import FusionPlan, plan_fusion
 from lightning_fastscale.planner.profile import GradientProfile, profile_module
-from lightning_fastscale.planner.scaling import allreduce_cost
+from lightning_fastscale.planner.scaling import DEFAULT_PIPELINE_CHUNK_MB, allreduce_cost, chunk_numel_for
 
-__all__ = ["AutoPlan", "CostModelPlanner", "auto_plan", "module_profile"]
+__all__ = ["CHUNK_CANDIDATES_MB", "AutoPlan", "CostModelPlanner", "auto_plan", "best_chunk_plan", "module_profile"]
+
+CHUNK_CANDIDATES_MB: tuple[float | None, ...] = (None, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+"""Pipeline chunk sizes (MiB; ``None`` = unchunked) :func:`best_chunk_plan` compares."""
 
 
 @dataclass(frozen=True)
@@ -73,21 +76,45 @@ def auto_plan(
     topk_ratio: float | None = None,
     algorithms: Sequence[str] = ALGORITHMS,
     max_buckets: int | None = None,
+    chunk_mb: float | None = None,
 ) -> AutoPlan:
     """Choose the algorithm and the buckets with the earliest predicted end of communication.
 
     Ties go to the earlier entry of ``algorithms`` (ring, hier, torus2d: the simpler one).
+    ``chunk_mb``: the strategy's ``pipeline_chunk_mb`` (buckets pipelined in chunks).
     """
     if topology.nodes == 1:
         algorithms = ("ring",)
     candidates = {
         a: plan_fusion(profile.grad_bytes, profile.backward_s,
-                       allreduce_cost(a, topology, params, wire_dtype, topk_ratio), max_buckets)
+                       allreduce_cost(a, topology, params, wire_dtype, topk_ratio, chunk_mb=chunk_mb), max_buckets)
         for a in algorithms
     }
     best = min(algorithms, key=lambda a: (round(candidates[a].finish_s, 12), algorithms.index(a)))
     plan = candidates[best]
     return AutoPlan(best, plan, plan.ddp_kwargs(), candidates)
+
+
+def best_chunk_plan(
+    profile: GradientProfile,
+    topology: Topology,
+    params: CommParams,
+    wire_dtype: str = "fp32",
+    topk_ratio: float | None = None,
+    algorithms: Sequence[str] = ALGORITHMS,
+    candidates_mb: Sequence[float | None] = CHUNK_CANDIDATES_MB,
+) -> tuple[float | None, AutoPlan, dict]:
+    """The pipeline chunk size whose :func:`auto_plan` ends communication earliest.
+
+    Small chunks overlap the stages better but every chunk pays every stage's latency, which
+    grows with the node count (``2(N-1)`` messages per ring all-reduce), so the best chunk
+    grows with the cluster. Returns ``(chunk_mb, plan, {chunk_mb: finish_s})``; ties go to the
+    earlier candidate (unchunked first).
+    """
+    plans = {c: auto_plan(profile, topology, params, wire_dtype, topk_ratio, algorithms, chunk_mb=c)
+             for c in candidates_mb}
+    best = min(candidates_mb, key=lambda c: (round(plans[c].plan.finish_s, 12), list(candidates_mb).index(c)))
+    return best, plans[best], {c: p.plan.finish_s for c, p in plans.items()}
 
 
 def _planner_topology(topology) -> Topology:
@@ -112,8 +139,9 @@ class CostModelPlanner:
     at setup on the real process groups (:mod:`~lightning_fastscale.planner.calibrate`).
     Backward time per gradient: from ``example_input`` (default: the module's
     ``example_input_array``) and ``sustained_tflops`` (default: the cluster's device), else
-    ``backward_time_s`` spread over the gradients by size. ``wire_dtype`` and ``topk_ratio``
-    must match the strategy's ``comm_dtype`` and top-k setting. The plan is computed once per
+    ``backward_time_s`` spread over the gradients by size. ``wire_dtype``, ``topk_ratio`` and
+    ``pipeline_chunk_mb`` must match the strategy's ``comm_dtype``, top-k setting and
+    ``pipeline_chunk_mb``. The plan is computed once per
     module and topology; every rank computes the same plan from the same inputs (calibrated
     parameters are broadcast from rank 0).
     """
@@ -130,6 +158,7 @@ class CostModelPlanner:
         sustained_tflops: float | None = None,
         example_input: torch.Tensor | None = None,
         algorithms: Sequence[str] = ALGORITHMS,
+        pipeline_chunk_mb: float | None = DEFAULT_PIPELINE_CHUNK_MB,
     ) -> None:
         from lightning_fastscale.planner.cluster import Cluster, load_cluster
 
@@ -149,6 +178,8 @@ class CostModelPlanner:
         self.sustained_tflops = sustained_tflops
         self.example_input = example_input
         self.algorithms = tuple(algorithms)
+        chunk_numel_for(pipeline_chunk_mb)  # validates it now, before any process starts
+        self.pipeline_chunk_mb = pipeline_chunk_mb
         self._plans: dict[tuple, AutoPlan] = {}
 
     def _params(self, topology: Topology, strategy_topology) -> CommParams:
@@ -179,7 +210,7 @@ class CostModelPlanner:
             profile = module_profile(module, self.backward_time_s, example, self.sustained_tflops)
             params = self._params(planner_topology, topology)
             self._plans[key] = auto_plan(profile, planner_topology, params, self.wire_dtype, self.topk_ratio,
-                                         self.algorithms)
+                                         self.algorithms, chunk_mb=self.pipeline_chunk_mb)
         return self._plans[key]
 
     def select_algorithm(self, module: nn.Module, topology) -> str:

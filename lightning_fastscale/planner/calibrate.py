@@ -1,13 +1,28 @@
 """Start-up calibration: time a few collectives on the real process groups, fit alpha/beta/gamma.
 
 Inside each node (every node at once, as in training) and among the node leaders, a few
-message sizes are all-gathered, all-reduced, reduced and broadcast: the primitives the
-algorithms are built from. Each measured time ``t`` is, in the model, linear in the link
+message sizes go through the primitives the algorithms are built from on that level: inside a
+node all-reduce (one node), reduce and broadcast (hier; the torus on gloo) and, except on
+gloo, where the torus does not use it, all-gather (the torus's reduce-scatter / all-gather on
+NCCL); between nodes all-reduce, the only primitive any algorithm runs there (top-k's
+all-gather is not calibrated). A primitive the strategy does not run on a level is not fitted
+on it: gloo's broadcast sends the whole message from the root to every peer, not the van de
+Geijn scatter + all-gather of the model, and its all-gather is several times slower than the
+model form (see ``strategies/allreduce.py``); fitting them would bend the link parameters
+towards primitives that never run there. Each measured time ``t`` is, in the model, linear in the link
 parameters: ``t = c_a alpha + c_b beta + c_g gamma`` with coefficients given by the closed
 forms of :mod:`~lightning_fastscale.planner.cost_model` (Thakur et al. 2005) for that
 primitive, ``p`` and size. One non-negative least-squares fit over all primitives and sizes
 (relative errors, so small messages count as much as large ones) gives the link's
 parameters. Gamma, which both levels share in the model, is taken from inside the node.
+
+The 2D torus drives the node link differently: every rank of a node all-reduces its own
+``1/ranks_per_node`` shard across nodes at the same time. How well concurrent flows share the
+link (fairly, or worse: CPU contention, per-flow effects) is measured on exactly that traffic,
+every rank at once on its inter-node group, and fitted as ``beta_inter_shared`` (seconds per
+byte of the link under that load), so the torus is priced from its own pattern rather than
+from the leaders' single flow.
+
 Every rank takes part; rank 0's fit is broadcast so all ranks plan identically.
 """
 from __future__ import annotations
@@ -29,7 +44,10 @@ from lightning_fastscale.planner.cost_model import (
     ring_allreduce_time,
 )
 
-__all__ = ["CalibrationResult", "LinkFit", "calibrate", "calibrate_process_groups", "fit_link"]
+__all__ = [
+    "CalibrationResult", "LinkFit", "calibrate", "calibrate_process_groups", "fit_calibration", "fit_link",
+    "intra_primitives",
+]
 
 # Gradient buckets are MBs to 100s of MBs; small sizes would mostly measure start-up effects.
 DEFAULT_SIZES = (1 << 20, 4 << 20, 16 << 20, 64 << 20)
@@ -41,6 +59,16 @@ PRIMITIVES: dict[str, Callable[..., float]] = {
     "reduce": reduce_time,
     "broadcast": lambda p, n, a, b, g: broadcast_time(p, n, a, b),
 }
+
+
+INTER_PRIMITIVES = ("allreduce",)
+
+
+def intra_primitives(backend: str) -> tuple[str, ...]:
+    """The in-node primitives the strategy runs on ``backend`` (see the module docstring)."""
+    if str(backend).lower() == "gloo":
+        return ("allreduce", "reduce", "broadcast")
+    return ("allreduce", "reduce", "broadcast", "allgather")
 
 
 @dataclass(frozen=True)
@@ -61,6 +89,7 @@ class CalibrationResult:
     params: CommParams
     intra: LinkFit | None
     inter: LinkFit | None
+    shared: LinkFit | None = None
 
 
 def _nonneg_lstsq(design: np.ndarray, target: np.ndarray) -> np.ndarray:
@@ -129,13 +158,15 @@ def _time(op, world_group, reps: int, active: bool) -> float:
     return float(np.median(times))
 
 
-def _measure(group, p: int, sizes: Sequence[int], reps: int, active: bool, root: int) -> dict:
-    """``{primitive: (bytes, seconds)}``; sizes rounded to a multiple of ``p`` elements.
+def _measure(
+    group, p: int, sizes: Sequence[int], reps: int, active: bool, root: int, primitives: Sequence[str]
+) -> dict:
+    """``{primitive: (bytes, seconds)}`` for ``primitives``; sizes rounded to a multiple of ``p`` elements.
 
     ``root`` is the global rank of the group's first member (target of reduce/broadcast).
     """
     used = [4 * max(p, nbytes // 4 // p * p) for nbytes in sizes]
-    samples = {name: (used, []) for name in PRIMITIVES}
+    samples = {name: (used, []) for name in primitives}
     for nbytes in used:
         full = torch.ones(nbytes // 4)
         part = torch.ones(nbytes // 4 // p)
@@ -145,9 +176,55 @@ def _measure(group, p: int, sizes: Sequence[int], reps: int, active: bool, root:
             "reduce": lambda: dist.reduce(full, dst=root, group=group),
             "broadcast": lambda: dist.broadcast(full, src=root, group=group),
         }
-        for name, op in ops.items():
-            samples[name][1].append(_time(op, None, reps, active))
+        for name in primitives:
+            samples[name][1].append(_time(ops[name], None, reps, active))
     return samples
+
+
+def _measure_shared(flow_group, nodes: int, ranks_per_node: int, sizes: Sequence[int], reps: int) -> dict:
+    """Every rank all-reduces ``size / ranks_per_node`` bytes over its inter-node group at once.
+
+    This is the torus's inter-node stage: per node, ``ranks_per_node`` concurrent flows that
+    together carry ``size`` bytes. Returns ``{"allreduce": (bytes per flow, seconds)}``.
+    """
+    used = [4 * max(nodes, nbytes // 4 // ranks_per_node // nodes * nodes) for nbytes in sizes]
+    times = []
+    for nbytes in used:
+        shard = torch.ones(nbytes // 4)
+        times.append(_time(lambda: dist.all_reduce(shard, group=flow_group), None, reps, True))
+    return {"allreduce": (used, times)}
+
+
+def fit_calibration(
+    ranks_per_node: int,
+    nodes: int,
+    intra_samples: dict | None,
+    inter_samples: dict | None,
+    shared_samples: dict | None = None,
+) -> CalibrationResult:
+    """The :class:`CalibrationResult` of measured samples (``{primitive: (bytes, seconds)}``).
+
+    ``intra_samples``: inside a node (``ranks_per_node`` ranks), ``inter_samples``: among the
+    node leaders, ``shared_samples``: every rank's inter-node all-reduce at once (bytes per
+    flow). Pure function: :func:`calibrate` measures and calls it, and a benchmark can refit
+    stored samples with it.
+    """
+    intra = inter = shared = None
+    if ranks_per_node > 1 and intra_samples:
+        intra = fit_link(ranks_per_node, intra_samples)
+    gamma = None if intra is None else intra.gamma
+    if nodes > 1 and inter_samples:
+        inter = fit_link(nodes, inter_samples, gamma=gamma)
+    if nodes > 1 and ranks_per_node > 1 and shared_samples:
+        shared = fit_link(nodes, shared_samples, gamma=gamma)
+    if intra is None and inter is None:
+        raise ValueError("calibration needs at least 2 ranks (ranks_per_node > 1 or nodes > 1)")
+    near, far = intra or inter, inter or intra
+    # The fit gives seconds per byte of each of the ranks_per_node flows; the link's is 1/ranks_per_node of it.
+    beta_shared = None if shared is None else shared.beta / ranks_per_node
+    params = CommParams(near.alpha, near.beta, far.alpha, far.beta, (intra or inter).gamma,
+                        beta_inter_shared=beta_shared)
+    return CalibrationResult(params, intra, inter, shared)
 
 
 def calibrate(
@@ -159,6 +236,7 @@ def calibrate(
     sizes: Sequence[int] = DEFAULT_SIZES,
     reps: int = 3,
     intra_root: int = 0,
+    flow_group: dist.ProcessGroup | None = None,
 ) -> CalibrationResult:
     """Measure and fit the link parameters on the running process groups (collective call).
 
@@ -167,36 +245,37 @@ def calibrate(
     measured (and gets the inter-node values: it is never used); with one node, the inter
     level gets the intra values. Timing uses 4-byte elements; ``sizes`` are in bytes.
     ``intra_root`` is the global rank of this node's first rank (reduce/broadcast root); the
-    leader group's first member is global rank 0.
+    leader group's first member is global rank 0. ``flow_group`` (this rank's group of the
+    ranks with its local rank, one per node), when given with several nodes and several ranks
+    per node, measures the torus's concurrent flows (``beta_inter_shared``).
     """
-    intra = inter = None
+    intra = inter = shared = None
     if ranks_per_node > 1:
-        intra = fit_link(ranks_per_node, _measure(intra_group, ranks_per_node, sizes, reps, True, intra_root))
+        intra = _measure(intra_group, ranks_per_node, sizes, reps, True, intra_root,
+                         intra_primitives(dist.get_backend()))
     if nodes > 1:
-        inter = fit_link(nodes, _measure(leader_group, nodes, sizes, reps, is_leader, 0),
-                         gamma=None if intra is None else intra.gamma)
-    fits = [intra, inter]
+        inter = _measure(leader_group, nodes, sizes, reps, is_leader, 0, INTER_PRIMITIVES)
+    if nodes > 1 and ranks_per_node > 1 and flow_group is not None:
+        shared = _measure_shared(flow_group, nodes, ranks_per_node, sizes, reps)
+    # Each time is already the slowest rank's; rank 0's samples are broadcast so that every
+    # rank fits exactly the same numbers (non-leaders do not hold the leaders' sizes).
+    samples = [intra, inter, shared]
     if dist.get_world_size() > 1:
-        dist.broadcast_object_list(fits, src=0)
-    intra, inter = fits
-    if intra is None and inter is None:
-        raise ValueError("calibration needs at least 2 ranks (ranks_per_node > 1 or nodes > 1)")
-    near, far = intra or inter, inter or intra
-    gamma = (intra or inter).gamma
-    params = CommParams(near.alpha, near.beta, far.alpha, far.beta, gamma)
-    return CalibrationResult(params, intra, inter)
+        dist.broadcast_object_list(samples, src=0)
+    return fit_calibration(ranks_per_node, nodes, *samples)
 
 
 def calibrate_process_groups(groups, sizes: Sequence[int] = DEFAULT_SIZES, reps: int = 3) -> CalibrationResult:
     """:func:`calibrate` on the strategy's ``ProcessGroups`` (``strategies/topology.py``).
 
-    Uses ``groups.intra`` and, on local rank 0, ``groups.inter`` (the group of the ranks with
-    the same local rank, i.e. the node leaders for local rank 0).
+    Uses ``groups.intra``, on local rank 0 ``groups.inter`` (the group of the ranks with the
+    same local rank, i.e. the node leaders for local rank 0), and every rank's ``groups.inter``
+    at once for the torus's concurrent flows.
     """
     topo = groups.topology
     leader = groups.local_rank == 0
     return calibrate(groups.intra, groups.inter if leader else None, topo.ranks_per_node,
-                     topo.num_nodes, leader, sizes, reps, groups.intra_ranks[0])
+                     topo.num_nodes, leader, sizes, reps, groups.intra_ranks[0], flow_group=groups.inter)
 
 
 def _main(argv: Sequence[str] | None = None) -> None:
@@ -226,7 +305,7 @@ def _main(argv: Sequence[str] | None = None) -> None:
     if dist.get_rank() == 0:
         fits = {name: None if fit is None else {"alpha": fit.alpha, "beta": fit.beta, "gamma": fit.gamma,
                                                 "max_rel_residual": fit.max_rel_residual, "samples": fit.samples}
-                for name, fit in (("intra", result.intra), ("inter", result.inter))}
+                for name, fit in (("intra", result.intra), ("inter", result.inter), ("shared", result.shared))}
         with open(args.output, "w") as fh:
             json.dump({"params": result.params.as_dict(), "fits": fits,
                        "nodes": groups.topology.num_nodes, "ranks_per_node": args.ranks_per_node}, fh, indent=2)

@@ -14,14 +14,16 @@ import json
 import sys
 from collections.abc import Sequence
 
-from lightning_fastscale.planner.auto import auto_plan
+from lightning_fastscale.planner.auto import auto_plan, best_chunk_plan
 from lightning_fastscale.planner.cluster import Cluster, ClusterConfigError, available_clusters, load_cluster
 from lightning_fastscale.planner.cost_model import (
     ALGORITHMS, Topology, bandwidth_bound, predict_allreduce, wire_bytes_per_element,
 )
 from lightning_fastscale.planner.fusion import MB, best_uniform_cap, plan_two_segment
 from lightning_fastscale.planner.profile import profile_model
-from lightning_fastscale.planner.scaling import allreduce_cost, default_gpu_counts, scaling_curve
+from lightning_fastscale.planner.scaling import (
+    DEFAULT_PIPELINE_CHUNK_MB, allreduce_cost, chunk_numel_for, default_gpu_counts, scaling_curve,
+)
 
 __all__ = ["build_report", "main"]
 
@@ -40,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--input-size", type=int, help="image side or sequence length (default: the workload's)")
     parser.add_argument("--wire-dtype", choices=["fp32", "fp16", "bf16"], help="dtype on the wire")
     parser.add_argument("--topk-ratio", type=float, help="top-k ratio for the inter-node stage (hier/torus2d)")
+    parser.add_argument("--pipeline-chunk-mb", type=float, default=DEFAULT_PIPELINE_CHUNK_MB,
+                        help="the strategy's pipeline_chunk_mb: buckets flow through the stages in chunks "
+                        f"of this many MiB (default {DEFAULT_PIPELINE_CHUNK_MB:g}; 0 = unchunked)")
     parser.add_argument("--fusion", choices=["auto", "two", "single", "ddp25"], default="auto",
                         help="bucket plan used for the scaling curve (default: auto)")
     parser.add_argument("--max-gpus", type=int, default=4096, help="largest GPU count of the scaling curve")
@@ -52,9 +57,12 @@ def _parser() -> argparse.ArgumentParser:
 def build_report(
     cluster: Cluster, model: str | None = None, gpus: int | None = None, per_gpu_batch: int | None = None,
     input_size: int | None = None, wire_dtype: str | None = None, topk_ratio: float | None = None,
-    fusion: str = "auto", max_gpus: int = 4096,
+    fusion: str = "auto", max_gpus: int = 4096, chunk_mb: float | None = DEFAULT_PIPELINE_CHUNK_MB,
 ) -> dict:
-    """Everything the CLI prints, as a dict (the ``--json`` document)."""
+    """Everything the CLI prints, as a dict (the ``--json`` document).
+
+    ``chunk_mb``: the strategy's ``pipeline_chunk_mb`` (``None``: buckets sent in one piece).
+    """
     work = cluster.workload
     model = model or work.model
     batch = per_gpu_batch or work.per_gpu_batch
@@ -67,15 +75,16 @@ def build_report(
     params = cluster.comm_params()
     profile = profile_model(model, batch, size, cluster.device.sustained_tflops)
     numel = profile.numel
-    allreduce = predict_allreduce(numel, topology, params, wire, topk)
-    auto = auto_plan(profile, topology, params, wire, topk)
-    cost = allreduce_cost(auto.algorithm, topology, params, wire, topk)
+    allreduce = predict_allreduce(numel, topology, params, wire, topk, chunk_numel=chunk_numel_for(chunk_mb))
+    auto = auto_plan(profile, topology, params, wire, topk, chunk_mb=chunk_mb)
+    cost = allreduce_cost(auto.algorithm, topology, params, wire, topk, chunk_mb=chunk_mb)
     two = plan_two_segment(profile.grad_bytes, profile.backward_s, cost)
     cap_mb, cap_plan = best_uniform_cap(profile.grad_bytes, profile.backward_s, cost)
     compute = profile.forward_s + profile.backward_total_s
     counts = sorted(set(default_gpu_counts(rpn, max_gpus)) | {gpus})
-    curve = scaling_curve(profile, counts, rpn, params, ALGORITHMS, wire, topk, fusion)
+    curve = scaling_curve(profile, counts, rpn, params, ALGORITHMS, wire, topk, fusion, chunk_mb)
     split = two.ends[0] if two.num_buckets == 2 else None
+    best_chunk, _, chunk_finish = best_chunk_plan(profile, topology, params, wire, topk)
     return {
         "cluster": {
             "name": cluster.name, "nodes": topology.nodes, "ranks_per_node": topology.ranks_per_node,
@@ -86,7 +95,7 @@ def build_report(
         "workload": {
             "model": model, "parameters": numel, "gradient_mb": sum(profile.grad_bytes) / MB,
             "gradients": len(profile.grad_bytes), "per_gpu_batch": batch, "input_size": size,
-            "wire_dtype": wire, "topk_ratio": topk,
+            "wire_dtype": wire, "topk_ratio": topk, "pipeline_chunk_mb": chunk_mb,
         },
         "allreduce_s": allreduce,
         "bandwidth_bound_s": bandwidth_bound(topology.nodes, numel * wire_bytes_per_element(wire), params.beta_inter),
@@ -98,6 +107,10 @@ def build_report(
                             "split_between": None if split is None else [profile.names[split - 1], profile.names[split]]},
             "best_bucket_cap_mb": {"bucket_cap_mb": cap_mb, **cap_plan.as_dict()},
             "per_algorithm_finish_s": {a: p.finish_s for a, p in auto.candidates.items()},
+        },
+        "pipeline_chunk": {
+            "used_mb": chunk_mb, "best_mb": best_chunk,
+            "finish_s_by_chunk_mb": {("none" if c is None else f"{c:g}"): t for c, t in chunk_finish.items()},
         },
         "step": {
             "compute_s": compute, "forward_s": profile.forward_s, "backward_s": profile.backward_total_s,
@@ -116,9 +129,10 @@ def _text(report: dict) -> str:
         f"{c['sustained_tflops']} TFLOP/s sustained per GPU)",
         f"model {w['model']}: {w['parameters'] / 1e6:.1f}M parameters in {w['gradients']} gradients "
         f"({w['gradient_mb']:.1f} MiB fp32), per-GPU batch {w['per_gpu_batch']}, input {w['input_size']}, "
-        f"wire {w['wire_dtype']}" + (f", top-k {w['topk_ratio']}" if w["topk_ratio"] else ""),
+        f"wire {w['wire_dtype']} between nodes" + (f", top-k {w['topk_ratio']}" if w["topk_ratio"] else "")
+        + (f", buckets pipelined in {w['pipeline_chunk_mb']:g} MiB chunks" if w["pipeline_chunk_mb"] else ", unchunked"),
         "",
-        "predicted all-reduce of the whole gradient in one message:",
+        "predicted all-reduce of the whole gradient in one bucket:",
     ]
     lines += [f"  {a:8s} {t * 1e3:10.2f} ms" for a, t in report["allreduce_s"].items()]
     lines += [f"  (bandwidth bound across nodes: {report['bandwidth_bound_s'] * 1e3:.2f} ms)", ""]
@@ -131,6 +145,9 @@ def _text(report: dict) -> str:
         f"  best single bucket_cap_mb={cap['bucket_cap_mb']:.2f} ({cap['num_buckets']} buckets, exposed "
         f"{cap['exposed_s'] * 1e3:.2f} ms)",
         f"  two-segment plan: split between {two['split_between']} (exposed {two['exposed_s'] * 1e3:.2f} ms)",
+        "pipeline chunk (MiB) -> predicted end of communication (best algorithm and buckets each): "
+        + ", ".join(f"{c} {t * 1e3:.2f} ms" for c, t in report["pipeline_chunk"]["finish_s_by_chunk_mb"].items())
+        + f"; best: {report['pipeline_chunk']['best_mb'] or 'unchunked'}",
         "",
         f"step: compute {s['compute_s'] * 1e3:.2f} ms + exposed comm {s['exposed_comm_s'] * 1e3:.2f} ms = "
         f"{s['step_s'] * 1e3:.2f} ms; scaling efficiency {s['efficiency'] * 100:.2f}%, {s['images_per_s']:.0f} samples/s",
@@ -180,7 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cluster = load_cluster(args.cluster)
         report = build_report(cluster, args.model, args.gpus, args.per_gpu_batch, args.input_size,
-                              args.wire_dtype, args.topk_ratio, args.fusion, args.max_gpus)
+                              args.wire_dtype, args.topk_ratio, args.fusion, args.max_gpus,
+                              args.pipeline_chunk_mb or None)
     except (ClusterConfigError, ValueError) as err:
         print(f"fastscale-plan: error: {err}", file=sys.stderr)
         return 2

@@ -33,11 +33,31 @@ all-reduce across ``N`` nodes: :func:`bandwidth_bound`. ``hier`` and ``torus2d``
 byte count; the flat ring sends ``2(P-1)/P * n``, i.e. ``(P-1)N / ((N-1)P)`` times more
 (1.75x for 2 nodes x 4 ranks).
 
-The wire dtype scales the bytes (fp16/bf16 halve them). Optional top-k compression (Tencent
+The wire dtype applies where the strategy casts: only the inter-node stage of ``hier`` /
+``torus2d`` (sums inside a node stay in the gradients' fp32), the whole flat ring once there
+are several nodes (all of it crosses nodes), and the whole all-reduce on a single node.
+Optional top-k compression (Tencent
 Cloud 2020; Lin et al. 2018, "Deep Gradient Compression") replaces the inter-node stage of
 ``hier`` / ``torus2d`` by an all-gather of ``ratio * numel`` (value, int32 index) pairs per
 node: sparse vectors from different nodes do not add up in place, so a ring all-reduce of
 them is not possible. The flat ring has no separate inter-node stage and is not compressed.
+
+Flows on the node link (:meth:`CommParams.flow_beta`): ``beta_inter`` is what one flow per
+node gets (the flat ring's and the leaders' ring). The torus drives ``ranks_per_node`` flows
+per node at once; ideally they share the link fairly (each at ``ranks_per_node * beta_inter``),
+but concurrency can cost more (``beta_inter_shared``: measured on exactly that traffic by
+:mod:`~lightning_fastscale.planner.calibrate`), and one flow may be unable to fill the link
+(``beta_flow``: a per-flow bandwidth limit, e.g. one TCP connection on a fast NIC), which
+penalises the one-flow algorithms instead.
+
+Chunk pipelining (``chunk_numel``): the strategy can split a bucket into chunks that flow
+through the stages (in-node reduce, inter-node all-reduce, in-node broadcast) at once. With
+``k`` chunks, each stage ``s`` costing ``lat_s + bw_s(bytes)``, the model charges every chunk
+every stage's latency (``k * sum lat_s``: issuing and per-message overhead do not overlap), the
+slowest stage's bandwidth term for the whole message, and the other stages' bandwidth terms
+for one chunk each (pipeline fill and drain). One chunk gives the unchunked sum of the
+stages; many chunks tend to the slowest stage alone plus the latencies. The flat ring is one
+stage: chunking it only adds latencies.
 
 :func:`allreduce_time` accepts a numpy array of sizes as well as a number, so the fusion
 planner can price every candidate bucket at once.
@@ -60,6 +80,7 @@ __all__ = [
     "broadcast_time",
     "choose_algorithm",
     "predict_allreduce",
+    "stage_times",
     "reduce_scatter_time",
     "reduce_time",
     "ring_allreduce_time",
@@ -73,6 +94,7 @@ WIRE_BYTES: dict[str, int] = {
 }
 
 _INDEX_BYTES = 4  # top-k sends an int32 index with every value
+_GRAD_BYTES = 4  # gradients (and the sums inside a node) are fp32
 
 
 def wire_bytes_per_element(wire_dtype: str) -> int:
@@ -89,9 +111,12 @@ def wire_bytes_per_element(wire_dtype: str) -> int:
 class CommParams:
     """Link parameters in SI units: seconds per message (alpha), seconds per byte (beta).
 
-    ``beta_inter`` is the seconds per byte of one node's whole inter-node link (1 / NIC
-    bandwidth); flows leaving a node share it. ``gamma`` is seconds per byte reduced (the
-    addition in reduce-scatter / all-reduce).
+    ``beta_inter`` is the seconds per byte of one node's inter-node link (1 / NIC bandwidth)
+    as one flow per node sees it. ``beta_inter_shared`` (optional) is the same link's seconds
+    per byte when each of the node's ranks drives its own flow at once (the torus stage);
+    ``None`` means fair sharing at ``beta_inter``. ``beta_flow`` (optional, 0 = none) is the
+    least seconds per byte one flow can reach (a per-flow bandwidth limit). ``gamma`` is
+    seconds per byte reduced (the addition in reduce-scatter / all-reduce).
     """
 
     alpha_intra: float
@@ -99,9 +124,11 @@ class CommParams:
     alpha_inter: float
     beta_inter: float
     gamma: float = 0.0
+    beta_inter_shared: float | None = None
+    beta_flow: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("alpha_intra", "beta_intra", "alpha_inter", "beta_inter", "gamma"):
+        for name in ("alpha_intra", "beta_intra", "alpha_inter", "beta_inter", "gamma", "beta_flow"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"CommParams.{name}={value!r} must be a finite number >= 0")
@@ -110,6 +137,20 @@ class CommParams:
                 raise ValueError(
                     f"CommParams.{name}=0 means infinite bandwidth; give the link's real bandwidth"
                 )
+        shared = self.beta_inter_shared
+        if shared is not None and not (isinstance(shared, (int, float)) and math.isfinite(shared) and shared > 0):
+            raise ValueError(
+                f"CommParams.beta_inter_shared={shared!r} must be a finite number > 0, or None for fair sharing"
+            )
+
+    def flow_beta(self, flows: int) -> float:
+        """Seconds per byte of each of ``flows`` concurrent flows leaving one node.
+
+        One flow gets the link (``beta_inter``); several share it (``beta_inter_shared``, by
+        default ``beta_inter``) equally; no flow is faster than the per-flow limit ``beta_flow``.
+        """
+        share = self.beta_inter if flows <= 1 or self.beta_inter_shared is None else self.beta_inter_shared
+        return max(flows * share, self.beta_flow)
 
     def as_dict(self) -> dict[str, float]:
         """The parameters as a plain dict (for JSON output and logging)."""
@@ -193,20 +234,70 @@ def bandwidth_bound(nodes: int, nbytes: float, beta_inter: float) -> float:
 
 
 def _inter_stage(
-    nodes: int, nbytes: float, flows: int, params: CommParams, wire: int, topk_ratio: float | None
-) -> float:
-    """Inter-node stage: ``flows`` parallel rings per node, each over ``nbytes`` (shares the NIC)."""
+    nodes: int, nbytes, flows: int, params: CommParams, wire: int, topk_ratio: float | None
+):
+    """Inter-node stage: ``flows`` parallel rings per node, each over ``nbytes`` (they share the link)."""
     if nodes <= 1:
-        return 0.0
+        return 0.0 * nbytes
+    beta = params.flow_beta(flows)
     if topk_ratio is None:
-        # Parallel rings advance in lock-step; per step the NIC carries every flow's chunk.
-        per_ring = ring_allreduce_time(nodes, nbytes, params.alpha_inter, params.beta_inter * flows, params.gamma)
-        return per_ring
+        # Parallel rings advance in lock-step; each flow gets its share of the link.
+        return ring_allreduce_time(nodes, nbytes, params.alpha_inter, beta, params.gamma)
     # Sparse all-gather: every node receives (N-1) * k (value, index) pairs per flow.
-    elements = nbytes / wire
-    sparse = topk_ratio * elements * (wire + _INDEX_BYTES)
-    gather = (nodes - 1) * params.alpha_inter + (nodes - 1) * sparse * params.beta_inter * flows
+    sparse = topk_ratio * (nbytes / wire) * (wire + _INDEX_BYTES)
+    gather = (nodes - 1) * params.alpha_inter + (nodes - 1) * sparse * beta
     return gather + (nodes - 1) * sparse * params.gamma
+
+
+def stage_times(
+    algorithm: str,
+    numel,
+    topology: Topology,
+    params: CommParams,
+    wire_dtype: str = "fp32",
+    topk_ratio: float | None = None,
+) -> list:
+    """Seconds of each stage of ``algorithm`` on ``numel`` elements, in the order they run.
+
+    ``hier``: [reduce in node, leaders' all-reduce, broadcast in node]; ``torus2d``:
+    [reduce-scatter in node, per-shard all-reduce across nodes, all-gather in node]; the flat
+    ring and any single-level case are one stage. Stages inside a node move fp32 (4 bytes per
+    element); the inter-node stage (and a single-level all-reduce) moves ``wire_dtype``.
+    ``numel`` may be a numpy array; zero elements give each stage's pure latency.
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm={algorithm!r} is not one of {ALGORITHMS}")
+    if topk_ratio is not None and not 0 < topk_ratio <= 1:
+        raise ValueError(f"topk_ratio={topk_ratio!r} must be in (0, 1]")
+    wire = wire_bytes_per_element(wire_dtype)
+    p1, nodes, world = topology.ranks_per_node, topology.nodes, topology.world_size
+    elements = np.asarray(numel, dtype=float) if np.ndim(numel) else float(numel)
+    if world <= 1:
+        return [0.0 * elements]
+    on_wire, in_node = elements * wire, elements * _GRAD_BYTES
+    ai, bi, g = params.alpha_intra, params.beta_intra, params.gamma
+    if nodes == 1:  # one all-reduce inside the node, all of it in the wire dtype
+        return [ring_allreduce_time(p1, on_wire, ai, bi, g)]
+    if algorithm == "ring":
+        # Every step moves n/P bytes on every edge at once: the slowest edge sets its length.
+        alpha = max(ai, params.alpha_inter) if p1 > 1 else params.alpha_inter
+        step_bytes = on_wire / world
+        inter = alpha + step_bytes * params.flow_beta(1)
+        step = np.maximum(inter, ai + step_bytes * bi) if p1 > 1 else inter
+        return [2 * (world - 1) * step + (world - 1) / world * on_wire * g]
+    if p1 == 1:  # one rank per node: only the inter-node all-reduce
+        return [_inter_stage(nodes, on_wire, 1, params, wire, topk_ratio)]
+    if algorithm == "hier":
+        return [
+            reduce_time(p1, in_node, ai, bi, g),
+            _inter_stage(nodes, on_wire, 1, params, wire, topk_ratio),
+            broadcast_time(p1, in_node, ai, bi),
+        ]
+    return [  # torus2d
+        reduce_scatter_time(p1, in_node, ai, bi, g),
+        _inter_stage(nodes, on_wire / p1, p1, params, wire, topk_ratio),
+        allgather_time(p1, in_node, ai, bi),
+    ]
 
 
 def allreduce_time(
@@ -216,44 +307,35 @@ def allreduce_time(
     params: CommParams,
     wire_dtype: str = "fp32",
     topk_ratio: float | None = None,
+    chunk_numel: float | None = None,
 ) -> float:
     """Predicted seconds to all-reduce ``numel`` gradient elements with ``algorithm``.
 
     ``algorithm`` is ``"ring"``, ``"hier"`` or ``"torus2d"`` (see the module docstring for the
     closed forms and their sources). ``topk_ratio`` (0 < ratio <= 1) compresses the inter-node
-    stage of ``hier`` / ``torus2d`` only.
+    stage of ``hier`` / ``torus2d`` only. ``chunk_numel`` pipelines the stages in chunks of
+    that many elements (``None``: one piece); see the module docstring for the formula.
     """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm={algorithm!r} is not one of {ALGORITHMS}")
-    if topk_ratio is not None and not 0 < topk_ratio <= 1:
-        raise ValueError(f"topk_ratio={topk_ratio!r} must be in (0, 1]")
-    wire = wire_bytes_per_element(wire_dtype)
-    p1, nodes, world = topology.ranks_per_node, topology.nodes, topology.world_size
-    if np.ndim(numel) == 0 and (world <= 1 or numel <= 0):
+    stages = stage_times(algorithm, numel, topology, params, wire_dtype, topk_ratio)
+    if np.ndim(numel) == 0 and (topology.world_size <= 1 or numel <= 0):
         return 0.0
-    if world <= 1:
-        return np.zeros_like(np.asarray(numel, dtype=float))
-    n = np.asarray(numel, dtype=float) * wire if np.ndim(numel) else float(numel) * wire
-    ai, bi, g = params.alpha_intra, params.beta_intra, params.gamma
-    if algorithm == "ring":
-        if nodes == 1:
-            return ring_allreduce_time(p1, n, ai, bi, g)
-        alpha = max(ai, params.alpha_inter) if p1 > 1 else params.alpha_inter
-        step_bytes = n / world
-        step = np.maximum(alpha + step_bytes * params.beta_inter, (ai + step_bytes * bi) if p1 > 1 else 0.0)
-        return _scalar(2 * (world - 1) * step + (world - 1) / world * n * g)
-    if algorithm == "hier":
-        return _scalar(
-            reduce_time(p1, n, ai, bi, g)
-            + _inter_stage(nodes, n, 1, params, wire, topk_ratio)
-            + broadcast_time(p1, n, ai, bi)
-        )
-    # torus2d
-    return _scalar(
-        reduce_scatter_time(p1, n, ai, bi, g)
-        + _inter_stage(nodes, n / p1, p1, params, wire, topk_ratio)
-        + allgather_time(p1, n, ai, bi)
-    )
+    total = sum(stages)
+    if chunk_numel is None:
+        return _scalar(np.where(np.asarray(numel) > 0, total, 0.0))
+    if not chunk_numel >= 1:
+        raise ValueError(f"chunk_numel={chunk_numel!r} must be >= 1 (or None for no chunking)")
+    elements = np.asarray(numel, dtype=float)
+    chunks = np.maximum(1.0, np.ceil(elements / chunk_numel))
+    chunk = np.minimum(elements, float(chunk_numel))
+    latency = stage_times(algorithm, 0.0, topology, params, wire_dtype, topk_ratio)
+    whole = np.stack([np.broadcast_to(t - lat, elements.shape) for t, lat in zip(stages, latency)])
+    one = np.stack([np.broadcast_to(t - lat, elements.shape) for t, lat in
+                    zip(stage_times(algorithm, chunk, topology, params, wire_dtype, topk_ratio), latency)])
+    slowest = np.argmax(whole, axis=0)
+    fill_drain = one.sum(axis=0) - np.take_along_axis(one, slowest[None], axis=0)[0]
+    pipelined = chunks * sum(latency) + whole.max(axis=0) + fill_drain
+    pipelined = np.where(elements > 0, pipelined, 0.0)
+    return _scalar(pipelined)
 
 
 def _scalar(value):
@@ -268,9 +350,10 @@ def predict_allreduce(
     wire_dtype: str = "fp32",
     topk_ratio: float | None = None,
     algorithms: tuple[str, ...] = ALGORITHMS,
+    chunk_numel: float | None = None,
 ) -> dict[str, float]:
     """Predicted all-reduce seconds of ``numel`` elements for each algorithm."""
-    return {a: allreduce_time(a, numel, topology, params, wire_dtype, topk_ratio) for a in algorithms}
+    return {a: allreduce_time(a, numel, topology, params, wire_dtype, topk_ratio, chunk_numel) for a in algorithms}
 
 
 def choose_algorithm(
@@ -280,6 +363,7 @@ def choose_algorithm(
     wire_dtype: str = "fp32",
     topk_ratio: float | None = None,
     algorithms: tuple[str, ...] = ALGORITHMS,
+    chunk_numel: float | None = None,
 ) -> str:
     """The algorithm with the smallest predicted all-reduce time for ``message_bytes``.
 
@@ -287,8 +371,8 @@ def choose_algorithm(
     :class:`~lightning_fastscale.planner.cluster.Cluster` (its own topology and parameters
     are used unless ``topology`` is given). ``message_bytes`` counts fp32 gradient bytes as
     held by the model (4 per element); the wire dtype is applied on top. Ties go to the
-    simpler algorithm in the order ring, hier, torus2d. On a single node all three coincide
-    up to the intra-node forms and ``ring`` is returned.
+    simpler algorithm in the order ring, hier, torus2d. On a single node all three are the
+    same in-node all-reduce and ``ring`` is returned. ``chunk_numel``: as in :func:`allreduce_time`.
     """
     if not isinstance(params, CommParams):
         cluster = params
@@ -298,5 +382,5 @@ def choose_algorithm(
         raise ValueError("choose_algorithm needs `topology` when given bare CommParams")
     if topology.nodes == 1:
         return "ring"
-    times = predict_allreduce(message_bytes / 4, topology, params, wire_dtype, topk_ratio, algorithms)
+    times = predict_allreduce(message_bytes / 4, topology, params, wire_dtype, topk_ratio, algorithms, chunk_numel)
     return min(algorithms, key=lambda a: (times[a], algorithms.index(a)))

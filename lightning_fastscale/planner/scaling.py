@@ -19,18 +19,36 @@ from lightning_fastscale.planner.fusion import FusionPlan, ddp_buckets, plan_fus
 from lightning_fastscale.planner.profile import GradientProfile
 
 __all__ = [
-    "StepPrediction", "allreduce_cost", "default_gpu_counts", "predict_step", "scaling_curve", "topology_for",
+    "DEFAULT_PIPELINE_CHUNK_MB", "StepPrediction", "allreduce_cost", "chunk_numel_for", "default_gpu_counts",
+    "predict_step", "scaling_curve", "topology_for",
 ]
+
+DEFAULT_PIPELINE_CHUNK_MB = 4.0
+"""Chunk size (MiB of fp32 gradient) the strategy pipelines each bucket in by default."""
+
+
+def chunk_numel_for(chunk_mb: float | None, grad_element_bytes: int = 4) -> int | None:
+    """Elements per pipeline chunk for a chunk size in MiB, as the strategy splits a bucket."""
+    if chunk_mb is None:
+        return None
+    if not chunk_mb > 0:
+        raise ValueError(f"pipeline chunk_mb={chunk_mb!r} must be > 0 (or None for no chunking)")
+    return max(1, int(chunk_mb * 1024 * 1024) // grad_element_bytes)
 
 
 def allreduce_cost(
     algorithm: str, topology: Topology, params: CommParams, wire_dtype: str = "fp32",
-    topk_ratio: float | None = None, grad_element_bytes: int = 4,
+    topk_ratio: float | None = None, grad_element_bytes: int = 4, chunk_mb: float | None = None,
 ):
-    """A vectorised cost function for the fusion planner: bucket bytes (as held) -> seconds."""
+    """A vectorised cost function for the fusion planner: bucket bytes (as held) -> seconds.
+
+    ``chunk_mb``: each bucket is pipelined in chunks of that many MiB (``None``: one piece).
+    """
+    chunk_numel = chunk_numel_for(chunk_mb, grad_element_bytes)
+
     def cost(nbytes: np.ndarray) -> np.ndarray:
         return allreduce_time(algorithm, np.asarray(nbytes, dtype=float) / grad_element_bytes,
-                              topology, params, wire_dtype, topk_ratio)
+                              topology, params, wire_dtype, topk_ratio, chunk_numel)
     return cost
 
 
@@ -71,14 +89,16 @@ def topology_for(gpus: int, ranks_per_node: int) -> Topology:
 def predict_step(
     profile: GradientProfile, gpus: int, ranks_per_node: int, params: CommParams, algorithm: str,
     wire_dtype: str = "fp32", topk_ratio: float | None = None, fusion: str = "auto",
+    chunk_mb: float | None = None,
 ) -> StepPrediction:
     """Predicted step on ``gpus`` ranks (``ranks_per_node`` to a node) with ``algorithm``.
 
     ``fusion``: ``"auto"`` (optimal buckets), ``"two"`` (two segments), ``"single"`` (one
     bucket after backward, no overlap) or ``"ddp25"`` (DDP's default 25 MiB cap).
+    ``chunk_mb``: buckets pipelined in chunks of that many MiB (``None``: unchunked).
     """
     topology = topology_for(gpus, ranks_per_node)
-    cost = allreduce_cost(algorithm, topology, params, wire_dtype, topk_ratio)
+    cost = allreduce_cost(algorithm, topology, params, wire_dtype, topk_ratio, chunk_mb=chunk_mb)
     grad, back = profile.grad_bytes, profile.backward_s
     if fusion == "auto":
         plan = plan_fusion(grad, back, cost)
@@ -107,9 +127,9 @@ def default_gpu_counts(ranks_per_node: int, up_to: int = 4096) -> list[int]:
 def scaling_curve(
     profile: GradientProfile, gpu_counts: Sequence[int], ranks_per_node: int, params: CommParams,
     algorithms: Sequence[str] = ALGORITHMS, wire_dtype: str = "fp32", topk_ratio: float | None = None,
-    fusion: str = "auto",
+    fusion: str = "auto", chunk_mb: float | None = None,
 ) -> list[StepPrediction]:
     """:func:`predict_step` for every GPU count and algorithm."""
     predict = partial(predict_step, profile, ranks_per_node=ranks_per_node, params=params,
-                      wire_dtype=wire_dtype, topk_ratio=topk_ratio, fusion=fusion)
+                      wire_dtype=wire_dtype, topk_ratio=topk_ratio, fusion=fusion, chunk_mb=chunk_mb)
     return [predict(gpus=g, algorithm=a) for g in gpu_counts for a in algorithms]
