@@ -103,13 +103,17 @@ def setup(device: str) -> tuple[dict[str, Callable[[], None]], dict]:
 
     steps["_restore_plugin_grads"] = restore
 
-    for name, foreach in (("timm_lars", None), ("timm_lars_foreach", True)):
+    for name, foreach in (("timm_lars", {}), ("timm_lars_foreach", {"foreach": True})):
         _, a, e = clone()
         # timm adapts every parameter of a group with weight decay != 0 (or always_adapt)
-        opt = timm.optim.Lars(
-            [{"params": a, "always_adapt": True}, {"params": e, "weight_decay": 0.0}],
-            lr=LR, momentum=MOMENTUM, weight_decay=WD, trust_coeff=ETA, foreach=foreach,
-        )
+        try:
+            opt = timm.optim.Lars(
+                [{"params": a, "always_adapt": True}, {"params": e, "weight_decay": 0.0}],
+                lr=LR, momentum=MOMENTUM, weight_decay=WD, trust_coeff=ETA, **foreach,
+            )
+        except TypeError:  # timm releases before its foreach option
+            print(f"{name}: skipped, timm {timm.__version__} has no Lars(foreach=...)")
+            continue
         steps[name] = opt.step
     return steps, info
 
