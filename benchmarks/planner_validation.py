@@ -182,8 +182,13 @@ def format_table(rows: list[dict]) -> str:
         "all": rows,
         "unchunked": [r for r in rows if r["chunks"] == 1],
         "default chunking": [r for r in rows if r["default_chunking"]],
+        "unchunked or default chunking": [r for r in rows if r["chunks"] == 1 or r["default_chunking"]],
+        "other chunk sizes (smaller chunks than the default)": [
+            r for r in rows if not (r["chunks"] == 1 or r["default_chunking"])],
     }
     for name, subset in subsets.items():
+        if not subset:
+            continue
         within = sum(abs(r["rel_error"]) <= 0.25 for r in subset)
         cases = {_case(r): r for r in subset}
         right = sum(r["picked_is_fastest"] for r in cases.values())
@@ -192,6 +197,28 @@ def format_table(rows: list[dict]) -> str:
         lines.append(f"{name}: within 25%: {within}/{len(subset)} predictions (median |error| {median:.0f}%); "
                      f"picked = measured fastest: {right}/{len(cases)} cases ({close}/{len(cases)} within 5% "
                      "of the fastest)")
+    return "\n".join(lines)
+
+
+def format_compact(rows: list[dict], default_only: bool = True) -> str:
+    """One line per case: measured / predicted seconds (error) per algorithm, pick and fastest.
+
+    ``default_only``: only unchunked runs and the strategy's default chunking.
+    """
+    cases: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        if default_only and not (r["chunks"] == 1 or r["default_chunking"]):
+            continue
+        cases.setdefault(_case(r), {})[r["algorithm"]] = r
+    lines = ["| nodes x ranks | Mbit/s | wire | numel | chunks | " + " | ".join(f"{a} meas / pred" for a in MEASURED)
+             + " | picked | measured fastest |", "|---|---|---|---|---|" + "---|" * len(MEASURED) + "---|---|"]
+    for (nodes, rpn, cap, numel, chunks, wire), by_alg in cases.items():
+        first = next(iter(by_alg.values()))
+        cells = [f"{by_alg[a]['measured_s']:.3f} / {by_alg[a]['predicted_s']:.3f} ({100 * by_alg[a]['rel_error']:+.0f}%)"
+                 for a in MEASURED]
+        margin = "" if first["picked_is_fastest"] else f" ({first['picked_vs_fastest']:.2f}x faster)"
+        lines.append(f"| {nodes}x{rpn} | {cap:g} | {wire} | {numel / 1e6:g}M | {chunks} | " + " | ".join(cells)
+                     + f" | {first['picked']} | {first['measured_fastest']}{margin} |")
     return "\n".join(lines)
 
 
@@ -213,6 +240,8 @@ def main(argv: list[str] | None = None) -> None:
                         "with the current model (same calibrated parameters)")
     parser.add_argument("--refit", action="store_true", help="with --from-json: refit the parameters from the "
                         "stored calibration samples with the current fitting rules first")
+    parser.add_argument("--compact", action="store_true", help="with --from-json: one line per case, unchunked "
+                        "and default chunking only, then the counts")
     args = parser.parse_args(argv)
     if args.from_json:
         rows = json.loads(Path(args.from_json).read_text())
@@ -221,7 +250,11 @@ def main(argv: list[str] | None = None) -> None:
             for key in sorted({(r["nodes"], r["ranks_per_node"], r["cap_mbit"]) for r in rows}):
                 print(f"{key[0]}x{key[1]} @ {key[2]:g} Mbit/s refitted:",
                       next(r["params"] for r in rows if (r["nodes"], r["ranks_per_node"], r["cap_mbit"]) == key))
-        print(format_table(predict_rows(rows)))
+        rows = predict_rows(rows)
+        table = format_table(rows)
+        if args.compact:
+            table = format_compact(rows) + "\n" + table[table.index("\n\n"):]
+        print(table)
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2))
         return

@@ -58,6 +58,7 @@ def test_units():
         ({"inter": {"bandwidth_gbit_s": 10, "latency_us": 1, "per_flow_gbit_s": 0}}, "inter.per_flow_gbit_s"),
         ({"inter": {"bandwidth_gbit_s": 10, "latency_us": 1, "shared_gbit_s": -1}}, "inter.shared_gbit_s"),
         ({"intra": {"bandwidth_gbit_s": 10, "latency_us": 1, "per_flow_gbit_s": 5}}, "intra"),
+        ({"inter": {"bandwidth_gbit_s": 10, "latency_us": 1, "reduction_hidden": "yes"}}, "inter.reduction_hidden"),
     ],
 )
 def test_nonsense_is_named(tmp_path, changes, field):
@@ -67,8 +68,10 @@ def test_nonsense_is_named(tmp_path, changes, field):
 
 
 def test_per_flow_and_shared_link_units(tmp_path):
-    inter = {"bandwidth_gbit_s": 10, "latency_us": 20, "per_flow_gbit_s": 4, "shared_gbit_s": 8}
-    params = load_cluster(write(tmp_path, inter=inter)).comm_params()
+    inter = {"bandwidth_gbit_s": 10, "latency_us": 20, "per_flow_gbit_s": 4, "shared_gbit_s": 8,
+             "reduction_hidden": True}
+    params = load_cluster(write(tmp_path, inter=inter, reduce_gbyte_s=100)).comm_params()
+    assert params.gamma == pytest.approx(1e-11) and params.gamma_inter == 0.0 and params.inter_gamma == 0.0
     assert params.beta_flow == pytest.approx(8 / 4e9)
     assert params.beta_inter_shared == pytest.approx(8 / 8e9)
     # 4 ranks per node at 8 Gbit/s in total: 2 Gbit/s each; one flow alone: capped at 4 of the 10

@@ -100,6 +100,24 @@ def test_wire_dtype_applies_to_the_inter_node_stage_only():
         allreduce_time("ring", n, topo, no_latency, "fp32") / 2, rel=1e-12)
 
 
+def test_gamma_inter_prices_the_reduction_between_nodes():
+    # gamma_inter replaces gamma in the all-reduces between nodes (flat ring, inter stage) only
+    base = CommParams(0.0, 1e-10, 0.0, 1e-8, 2e-9)
+    hidden = CommParams(0.0, 1e-10, 0.0, 1e-8, 2e-9, gamma_inter=0.0)
+    topo, n = Topology(4, 2), 1e6
+    for algorithm in ("hier", "torus2d"):
+        full, free = stage_times(algorithm, n, topo, base), stage_times(algorithm, n, topo, hidden)
+        flows = 2 if algorithm == "torus2d" else 1
+        assert full[1] - free[1] == pytest.approx(3 / 4 * 4 * n / flows * 2e-9, rel=1e-12)
+        assert (full[0], full[2]) == pytest.approx((free[0], free[2]), rel=1e-12)
+    ring_gain = allreduce_time("ring", n, topo, base) - allreduce_time("ring", n, topo, hidden)
+    assert ring_gain == pytest.approx(7 / 8 * 4 * n * 2e-9, rel=1e-12)
+    # one node: the in-node gamma applies whatever gamma_inter says
+    assert allreduce_time("ring", n, Topology(1, 8), hidden) == pytest.approx(allreduce_time("ring", n, Topology(1, 8), base))
+    with pytest.raises(ValueError, match="gamma_inter"):
+        CommParams(0.0, 1e-9, 0.0, 1e-9, gamma_inter=-1.0)
+
+
 def test_one_chunk_equals_unchunked():
     topo = Topology(2, 4)
     for algorithm in ALGORITHMS:

@@ -4,12 +4,16 @@ Inside each node (every node at once, as in training) and among the node leaders
 message sizes go through the primitives the algorithms are built from on that level: inside a
 node all-reduce (one node), reduce and broadcast (hier; the torus on gloo) and, except on
 gloo, where the torus does not use it, all-gather (the torus's reduce-scatter / all-gather on
-NCCL); between nodes all-reduce, the only primitive any algorithm runs there (top-k's
-all-gather is not calibrated). A primitive the strategy does not run on a level is not fitted
+NCCL); between nodes all-reduce, which every algorithm runs there (top-k's sparse all-gather
+is not calibrated). Between nodes the all-reduce's additions overlap the transfer (and, on a
+fast link, can be slower than it: then a fixed in-node gamma would claim more time than the
+all-reduce took), so the inter-node fit has no reduction term: ``gamma_inter = 0`` and
+``beta_inter`` is the all-reduce's effective seconds per byte, the quantity the flat ring and
+the inter-node stages need. A primitive the strategy does not run on a level is not fitted
 on it: gloo's broadcast sends the whole message from the root to every peer, not the van de
-Geijn scatter + all-gather of the model, and its all-gather is several times slower than the
-model form (see ``strategies/allreduce.py``); fitting them would bend the link parameters
-towards primitives that never run there. Each measured time ``t`` is, in the model, linear in the link
+Geijn scatter + all-gather of the model, and its in-node all-gather is several times slower
+than the model form (see ``strategies/allreduce.py``); fitting them would bend the link
+parameters towards primitives that never run there. Each measured time ``t`` is, in the model, linear in the link
 parameters: ``t = c_a alpha + c_b beta + c_g gamma`` with coefficients given by the closed
 forms of :mod:`~lightning_fastscale.planner.cost_model` (Thakur et al. 2005) for that
 primitive, ``p`` and size. One non-negative least-squares fit over all primitives and sizes
@@ -212,18 +216,17 @@ def fit_calibration(
     intra = inter = shared = None
     if ranks_per_node > 1 and intra_samples:
         intra = fit_link(ranks_per_node, intra_samples)
-    gamma = None if intra is None else intra.gamma
     if nodes > 1 and inter_samples:
-        inter = fit_link(nodes, inter_samples, gamma=gamma)
+        inter = fit_link(nodes, inter_samples, gamma=0.0)
     if nodes > 1 and ranks_per_node > 1 and shared_samples:
-        shared = fit_link(nodes, shared_samples, gamma=gamma)
+        shared = fit_link(nodes, shared_samples, gamma=0.0)
     if intra is None and inter is None:
         raise ValueError("calibration needs at least 2 ranks (ranks_per_node > 1 or nodes > 1)")
     near, far = intra or inter, inter or intra
     # The fit gives seconds per byte of each of the ranks_per_node flows; the link's is 1/ranks_per_node of it.
     beta_shared = None if shared is None else shared.beta / ranks_per_node
     params = CommParams(near.alpha, near.beta, far.alpha, far.beta, (intra or inter).gamma,
-                        beta_inter_shared=beta_shared)
+                        beta_inter_shared=beta_shared, gamma_inter=None if inter is None else 0.0)
     return CalibrationResult(params, intra, inter, shared)
 
 

@@ -8,8 +8,10 @@ its sources and the figures that are assumptions)::
     ranks_per_node: 8
     intra: {bandwidth_gbit_s: 100, latency_us: 5}    # per rank, inside a node
     inter: {bandwidth_gbit_s: 25, latency_us: 30}    # per node (its NIC), shared by its ranks
-    # optional in `inter`: per_flow_gbit_s (most one flow/connection reaches) and
+    # optional in `inter`: per_flow_gbit_s (most one flow/connection reaches),
     # shared_gbit_s (the link's total when every rank of the node sends its own flow at once)
+    # and reduction_hidden: true (all-reduces between nodes hide their additions behind the
+    # transfer; bandwidth_gbit_s is then the all-reduce's effective rate, as calibrated)
     reduce_gbyte_s: 100       # optional: speed of the reduction arithmetic (gamma)
     device: {name: V100, sustained_tflops: 30}       # training FLOP/s one rank sustains
     workload: {model: resnet50, per_gpu_batch: 64, input_size: 224, wire_dtype: fp16}
@@ -52,14 +54,16 @@ class Link:
     """One link level: bandwidth in Gbit/s (1e9 bit/s) and per-message latency in microseconds.
 
     Inter-node links may add ``per_flow_gbit_s`` (the most one flow reaches, e.g. one TCP
-    connection on a fast NIC) and ``shared_gbit_s`` (the link's total bandwidth when every rank
-    of the node drives its own flow at once, as measured by the planner's calibration).
+    connection on a fast NIC), ``shared_gbit_s`` (the link's total bandwidth when every rank
+    of the node drives its own flow at once, as measured by the planner's calibration) and
+    ``reduction_hidden`` (all-reduces between nodes pay no separate reduction time).
     """
 
     bandwidth_gbit_s: float
     latency_us: float
     per_flow_gbit_s: float | None = None
     shared_gbit_s: float | None = None
+    reduction_hidden: bool = False
 
     @property
     def alpha(self) -> float:
@@ -119,7 +123,8 @@ class Cluster:
         flow = 0.0 if self.inter.per_flow_gbit_s is None else 8.0 / (self.inter.per_flow_gbit_s * 1e9)
         shared = None if self.inter.shared_gbit_s is None else 8.0 / (self.inter.shared_gbit_s * 1e9)
         return CommParams(self.intra.alpha, self.intra.beta, self.inter.alpha, self.inter.beta, gamma,
-                          beta_inter_shared=shared, beta_flow=flow)
+                          beta_inter_shared=shared, beta_flow=flow,
+                          gamma_inter=0.0 if self.inter.reduction_hidden else None)
 
     @classmethod
     def from_dict(cls, raw: Any, origin: str = "<dict>") -> "Cluster":
@@ -132,7 +137,7 @@ _TOP_KEYS = {
     "device", "workload", "sources", "assumptions", "published",
 }
 _LINK_KEYS = {"bandwidth_gbit_s", "latency_us"}
-_INTER_KEYS = _LINK_KEYS | {"per_flow_gbit_s", "shared_gbit_s"}
+_INTER_KEYS = _LINK_KEYS | {"per_flow_gbit_s", "shared_gbit_s", "reduction_hidden"}
 _DEVICE_KEYS = {"name", "sustained_tflops"}
 _WORKLOAD_KEYS = {"model", "per_gpu_batch", "input_size", "wire_dtype", "topk_ratio"}
 
@@ -177,6 +182,10 @@ def _link(raw: Any, origin: str, key: str) -> Link:
                            ("shared_gbit_s", "the link's total under one flow per rank, in Gbit/s"))
         if raw.get(name) is not None
     }
+    if "reduction_hidden" in raw:
+        if not isinstance(raw["reduction_hidden"], bool):
+            raise _fail(origin, f"{key}.reduction_hidden", f"={raw['reduction_hidden']!r} must be true or false")
+        optional["reduction_hidden"] = raw["reduction_hidden"]
     return Link(
         _positive(raw, "bandwidth_gbit_s", origin, f"{key}.", "the link bandwidth in Gbit/s"),
         _positive(raw, "latency_us", origin, f"{key}.", "the per-message latency in microseconds", allow_zero=True),

@@ -116,7 +116,10 @@ class CommParams:
     per byte when each of the node's ranks drives its own flow at once (the torus stage);
     ``None`` means fair sharing at ``beta_inter``. ``beta_flow`` (optional, 0 = none) is the
     least seconds per byte one flow can reach (a per-flow bandwidth limit). ``gamma`` is
-    seconds per byte reduced (the addition in reduce-scatter / all-reduce).
+    seconds per byte reduced (the addition in reduce-scatter / all-reduce); ``gamma_inter``
+    (optional, default ``gamma``) is the reduction cost still visible in an all-reduce between
+    nodes, 0 where it overlaps the transfer (then ``beta_inter`` is the all-reduce's effective
+    seconds per byte, as :mod:`~lightning_fastscale.planner.calibrate` fits it).
     """
 
     alpha_intra: float
@@ -126,6 +129,7 @@ class CommParams:
     gamma: float = 0.0
     beta_inter_shared: float | None = None
     beta_flow: float = 0.0
+    gamma_inter: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("alpha_intra", "beta_intra", "alpha_inter", "beta_inter", "gamma", "beta_flow"):
@@ -137,11 +141,20 @@ class CommParams:
                 raise ValueError(
                     f"CommParams.{name}=0 means infinite bandwidth; give the link's real bandwidth"
                 )
+        if self.gamma_inter is not None and not (
+            isinstance(self.gamma_inter, (int, float)) and math.isfinite(self.gamma_inter) and self.gamma_inter >= 0
+        ):
+            raise ValueError(f"CommParams.gamma_inter={self.gamma_inter!r} must be a finite number >= 0, or None")
         shared = self.beta_inter_shared
         if shared is not None and not (isinstance(shared, (int, float)) and math.isfinite(shared) and shared > 0):
             raise ValueError(
                 f"CommParams.beta_inter_shared={shared!r} must be a finite number > 0, or None for fair sharing"
             )
+
+    @property
+    def inter_gamma(self) -> float:
+        """Seconds per byte reduced that an all-reduce between nodes pays (``gamma_inter`` or ``gamma``)."""
+        return self.gamma if self.gamma_inter is None else self.gamma_inter
 
     def flow_beta(self, flows: int) -> float:
         """Seconds per byte of each of ``flows`` concurrent flows leaving one node.
@@ -239,11 +252,11 @@ def _inter_stage(
     """Inter-node stage: ``flows`` parallel rings per node, each over ``nbytes`` (they share the link)."""
     if nodes <= 1:
         return 0.0 * nbytes
-    beta = params.flow_beta(flows)
+    beta, gamma = params.flow_beta(flows), params.inter_gamma
     if topk_ratio is None:
         # Parallel rings advance in lock-step; each flow gets its share of the link.
-        return ring_allreduce_time(nodes, nbytes, params.alpha_inter, beta, params.gamma)
-    # Sparse all-gather: every node receives (N-1) * k (value, index) pairs per flow.
+        return ring_allreduce_time(nodes, nbytes, params.alpha_inter, beta, gamma)
+    # Sparse all-gather: every node receives (N-1) * k (value, index) pairs per flow, then adds them.
     sparse = topk_ratio * (nbytes / wire) * (wire + _INDEX_BYTES)
     gather = (nodes - 1) * params.alpha_inter + (nodes - 1) * sparse * beta
     return gather + (nodes - 1) * sparse * params.gamma
@@ -284,7 +297,7 @@ def stage_times(
         step_bytes = on_wire / world
         inter = alpha + step_bytes * params.flow_beta(1)
         step = np.maximum(inter, ai + step_bytes * bi) if p1 > 1 else inter
-        return [2 * (world - 1) * step + (world - 1) / world * on_wire * g]
+        return [2 * (world - 1) * step + (world - 1) / world * on_wire * params.inter_gamma]
     if p1 == 1:  # one rank per node: only the inter-node all-reduce
         return [_inter_stage(nodes, on_wire, 1, params, wire, topk_ratio)]
     if algorithm == "hier":
