@@ -62,7 +62,7 @@ class _CommWorker:
 class HierarchicalHookState:
     """Everything the hooks need, created once at setup.
 
-    ``comm_dtype``: wire dtype (``None`` keeps the gradient dtype). ``topk``: top-k compression
+    ``comm_dtype``: inter-node wire dtype (``None`` keeps the gradient dtype). ``topk``: top-k compression
     of the inter-node stage with its per-bucket residuals, used from hook iteration
     ``topk_start_iter`` on (DDP rebuilds buckets after iteration 0; starting later keeps the
     residuals on the final layout, the PowerSGD practice). ``chunk_numel``: pipeline chunk
