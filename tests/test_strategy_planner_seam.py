@@ -33,3 +33,5 @@ def test_planner_settings_must_match_the_wire():
     planner = CostModelPlanner("emulated_local", backward_time_s=0.01, wire_dtype="fp32")
     with pytest.raises(ValueError, match="wire_dtype"):
         HierarchicalAllReduceStrategy(algorithm="auto", comm_dtype="fp16", planner=planner)
+    with pytest.raises(ValueError, match="pipeline_chunk_mb"):
+        HierarchicalAllReduceStrategy(algorithm="auto", pipeline_chunk_mb=None, planner=planner)

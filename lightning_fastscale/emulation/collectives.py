@@ -135,7 +135,6 @@ def _make_algorithm(spec: str, numel: int, groups, cfg: dict) -> Callable:
     import torch.distributed as dist
 
     from lightning_fastscale.strategies import allreduce
-    from lightning_fastscale.strategies.hierarchical import chunk_numel_for
 
     name, dtype, chunks = parse_algorithm(spec)
     wire = None if WIRE_DTYPES[dtype] is None else getattr(torch, WIRE_DTYPES[dtype])
@@ -144,7 +143,7 @@ def _make_algorithm(spec: str, numel: int, groups, cfg: dict) -> Callable:
             raise ValueError(f"{spec}: flat is one plain fp32 all_reduce; use ring:fp16@k for casts/chunks")
         return lambda t: dist.all_reduce(t)
     if isinstance(chunks, float):
-        chunk_numel = chunk_numel_for(chunks)
+        chunk_numel = allreduce.chunk_numel_for(chunks)
     else:
         chunk_numel = None if chunks == 1 else -(-numel // chunks)
     if name.endswith("_topk"):

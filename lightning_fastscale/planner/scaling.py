@@ -17,23 +17,12 @@ import numpy as np
 from lightning_fastscale.planner.cost_model import ALGORITHMS, CommParams, Topology, allreduce_time
 from lightning_fastscale.planner.fusion import FusionPlan, ddp_buckets, plan_fusion, simulate
 from lightning_fastscale.planner.profile import GradientProfile
+from lightning_fastscale.strategies.allreduce import DEFAULT_PIPELINE_CHUNK_MB, chunk_numel_for
 
 __all__ = [
     "DEFAULT_PIPELINE_CHUNK_MB", "StepPrediction", "allreduce_cost", "chunk_numel_for", "default_gpu_counts",
     "predict_step", "scaling_curve", "topology_for",
 ]
-
-DEFAULT_PIPELINE_CHUNK_MB = 4.0
-"""Chunk size (MiB of fp32 gradient) the strategy pipelines each bucket in by default."""
-
-
-def chunk_numel_for(chunk_mb: float | None, grad_element_bytes: int = 4) -> int | None:
-    """Elements per pipeline chunk for a chunk size in MiB, as the strategy splits a bucket."""
-    if chunk_mb is None:
-        return None
-    if not chunk_mb > 0:
-        raise ValueError(f"pipeline chunk_mb={chunk_mb!r} must be > 0 (or None for no chunking)")
-    return max(1, int(chunk_mb * 1024 * 1024) // grad_element_bytes)
 
 
 def allreduce_cost(

@@ -20,28 +20,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_fastscale.strategies.allreduce import TopKErrorFeedback
+from lightning_fastscale.strategies.allreduce import DEFAULT_PIPELINE_CHUNK_MB, TopKErrorFeedback, chunk_numel_for
 from lightning_fastscale.strategies.comm_hooks import HOOKS, HierarchicalHookState
 from lightning_fastscale.strategies.topology import Topology, build_process_groups, detect_ranks_per_node
 
 
 COMM_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 _MB = 1024 * 1024
-DEFAULT_PIPELINE_CHUNK_MB = 4.0
-"""Default chunk size pipelined through the stages. On the emulated 2 x 4 cluster at 500 Mbit/s a
-102 MB hierarchical all-reduce took 2.42 s unchunked, 1.85 s in 4 MiB and 1.79 s in 2 MiB chunks
-(README); 4 MiB splits DDP's default 25 MB bucket into 7 pieces, few enough that per-call latency
-stays negligible on fast networks."""
-
-
-def chunk_numel_for(pipeline_chunk_mb: float | None, element_size: int = 4) -> int | None:
-    """Elements per pipeline chunk for a chunk size in MiB (``None``: buckets go in one piece)."""
-    if pipeline_chunk_mb is None:
-        return None
-    if not pipeline_chunk_mb > 0:
-        raise ValueError(f"pipeline_chunk_mb={pipeline_chunk_mb} must be > 0 (or None for unchunked buckets).")
-    return max(1, int(pipeline_chunk_mb * _MB) // element_size)
-
 AlgorithmSelector = Callable[[nn.Module, Topology], str]
 FusionPlanner = Callable[[nn.Module, Topology], Sequence[float]]
 
@@ -126,6 +111,11 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
                     f"planner plans for wire_dtype={planner.wire_dtype!r}, topk_ratio={planner.topk_ratio} "
                     f"but the strategy sends comm_dtype={comm_dtype!r}, topk_ratio={wanted_topk}: "
                     "give the planner the same settings"
+                )
+            if planner.pipeline_chunk_mb != pipeline_chunk_mb:
+                raise ValueError(
+                    f"planner plans for pipeline_chunk_mb={planner.pipeline_chunk_mb} but the strategy "
+                    f"pipelines pipeline_chunk_mb={pipeline_chunk_mb}: give both the same value"
                 )
             algorithm_selector = algorithm_selector or planner.select_algorithm
             if bucket_cap_mb is None and fusion_plan is None and two_segment_split is None:
