@@ -15,6 +15,9 @@ rerun on its own with ``fastscale-train experiment=convergence_<arm>``:
 5. ``convergence_recipe``: + label smoothing, no weight decay on bias/BN, zero-init residual BN;
 6. ``convergence_full``: + batch-size ramp 128 -> 256 -> 512 (same final batch).
 
+All arms train 16 epochs; warmup and ramp are placed at fixed fractions of the run (warmup
+over the first quarter, ramp steps at a quarter and a half).
+
 With 8192 training images the large batch takes 16 optimizer steps per epoch, the regime of
 batch 64K on ImageNet (about 20). The sweep runs first; the large-batch arms then scale the
 winning LR. Every sample of the procedural dataset is a pure function of (seed, split,
@@ -24,9 +27,11 @@ arms: identical data to ``fastscale-train``, without re-rendering every epoch.
 Output (``--output-dir``, default ``benchmarks/results/convergence/``): ``results.csv``,
 ``results.json`` (rows, per-epoch curves, the sweep, machine load) and ``convergence.png``
 (validation top-1 vs epoch per arm). ``--quick`` runs every arm for 2 tiny epochs (a smoke
-test, seconds; tests/test_convergence_quick.py). Full study, 2 CPU cores:
+test, seconds; tests/test_convergence_quick.py). Full study, 2 CPU cores (the LR sweep of four
+baseline runs, then five arms), and the six arms alone at a fixed baseline LR and seed:
 
     .venv/bin/python benchmarks/convergence.py --jobs 2
+    .venv/bin/python benchmarks/convergence.py --jobs 2 --baseline-lrs 0.2 seed=1
 """
 from __future__ import annotations
 
@@ -57,7 +62,7 @@ ARMS: list[tuple[str, str, str]] = [
     ("5_recipe", "convergence_recipe", "+ label smoothing, no WD bias/BN, zero-init BN"),
     ("6_full", "convergence_full", "+ batch-size ramp (full recipe)"),
 ]
-DEFAULT_BASELINE_LRS = (0.025, 0.05, 0.1, 0.2)
+DEFAULT_BASELINE_LRS = (0.05, 0.1, 0.2, 0.4)
 
 
 class PrerenderedSplit(Dataset):
