@@ -64,7 +64,7 @@ def horovod_rows(per_flow_gbit_s: tuple[float | None, ...] = (None, 7.5, 5.0, 2.
         label = "none (shipped file)" if limit is None else f"{limit:g} Gbit/s (sensitivity)"
         cells = []
         for chunk in (CHUNK, None):
-            one = predict_allreduce(profile.numel, topology, params, w.wire_dtype, chunk_numel=chunk_numel_for(chunk))
+            one = predict_allreduce(profile.numel, topology, params, w.wire_dtype, chunk_numel=chunk_numel_for(chunk, topology.nodes))
             steps = {a: predict_step(profile, gpus, cluster.ranks_per_node, params, a, w.wire_dtype, None, "auto",
                                      chunk).step_s for a in ("ring", "torus2d")}
             cells += [f"{one['ring'] / one['torus2d']:.2f}x", f"{steps['ring'] / steps['torus2d']:.2f}x"]
@@ -74,15 +74,15 @@ def horovod_rows(per_flow_gbit_s: tuple[float | None, ...] = (None, 7.5, 5.0, 2.
 
 def main() -> None:
     """Print both tables."""
-    print(f"| cluster | model | GPUs | per-GPU batch | algorithm | published | predicted (auto fusion, {CHUNK:g} MiB "
-          "chunks) | auto fusion, unchunked | two segments | DDP 25 MiB | one bucket |")
+    print(f"| cluster | model | GPUs | per-GPU batch | algorithm | published | predicted (auto fusion, {CHUNK} "
+          "chunks: 2 MiB x nodes) | auto fusion, unchunked | two segments | DDP 25 MiB | one bucket |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in (efficiency_rows("tencent_p40_100g", "hier", [(1024, 64, 0.99), (2048, 32, 0.97)])
                 + efficiency_rows("sony_v100_abci", "torus2d", [(1088, 32, 0.9162)])):
         print(row)
     print()
-    print(f"| cluster | model | GPUs | per-flow limit | published torus/ring | all-reduce ({CHUNK:g} MiB chunks) "
-          f"| step ({CHUNK:g} MiB chunks) | all-reduce (unchunked) | step (unchunked) |")
+    print(f"| cluster | model | GPUs | per-flow limit | published torus/ring | all-reduce ({CHUNK} chunks) "
+          f"| step ({CHUNK} chunks) | all-reduce (unchunked) | step (unchunked) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for row in horovod_rows():
         print(row)

@@ -41,7 +41,9 @@ from lightning_fastscale.planner.calibrate import (  # noqa: E402
     DEFAULT_SIZES, INTER_PRIMITIVES, fit_calibration, intra_primitives,
 )
 from lightning_fastscale.planner.cost_model import CommParams, Topology, predict_allreduce  # noqa: E402
-from lightning_fastscale.planner.scaling import DEFAULT_PIPELINE_CHUNK_MB, chunk_numel_for  # noqa: E402
+from lightning_fastscale.planner.scaling import chunk_numel_for  # noqa: E402
+
+CHUNK_MB = 4.0  # the strategy's "auto" chunk on 2 nodes; kept fixed across configs so runs compare
 
 # The measured name of each modelled algorithm: "flat" is plain dist.all_reduce (gloo's ring).
 MEASURED = {"ring": "flat", "hier": "hier", "torus2d": "torus2d"}
@@ -78,7 +80,7 @@ def chunk_counts(numels: list[int], chunk_mb: float | None) -> dict[int, int]:
 
 
 def validate(nodes: int, ranks_per_node: int, cap_mbit: float, numels: list[int], reps: int, calib_sizes: list[int],
-             chunk_mb: float | None = DEFAULT_PIPELINE_CHUNK_MB, wire_dtype: str = "fp32") -> list[dict]:
+             chunk_mb: float | None = CHUNK_MB, wire_dtype: str = "fp32") -> list[dict]:
     """Calibrate, measure and predict one configuration; one row per (size, chunks, algorithm).
 
     ``wire_dtype`` other than fp32 measures the strategy's functions with that ``comm_dtype``
@@ -231,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calib-sizes", type=int, nargs="+", default=list(DEFAULT_SIZES),
                         help="calibration message sizes in bytes")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--chunk-mb", type=float, default=DEFAULT_PIPELINE_CHUNK_MB,
+    parser.add_argument("--chunk-mb", type=float, default=CHUNK_MB,
                         help="pipeline chunk in MiB whose chunk counts are measured (0: unchunked only)")
     parser.add_argument("--wire-dtype", choices=["fp32", "fp16", "bf16"], default="fp32",
                         help="comm_dtype of the measured algorithms (cast on the inter-node stage)")

@@ -76,7 +76,7 @@ def auto_plan(
     topk_ratio: float | None = None,
     algorithms: Sequence[str] = ALGORITHMS,
     max_buckets: int | None = None,
-    chunk_mb: float | None = None,
+    chunk_mb: float | str | None = None,
 ) -> AutoPlan:
     """Choose the algorithm and the buckets with the earliest predicted end of communication.
 
@@ -158,7 +158,7 @@ class CostModelPlanner:
         sustained_tflops: float | None = None,
         example_input: torch.Tensor | None = None,
         algorithms: Sequence[str] = ALGORITHMS,
-        pipeline_chunk_mb: float | None = DEFAULT_PIPELINE_CHUNK_MB,
+        pipeline_chunk_mb: float | str | None = DEFAULT_PIPELINE_CHUNK_MB,
     ) -> None:
         from lightning_fastscale.planner.cluster import Cluster, load_cluster
 

@@ -21,11 +21,17 @@ from lightning_fastscale.planner.cost_model import (
 )
 from lightning_fastscale.planner.fusion import MB, best_uniform_cap, plan_two_segment
 from lightning_fastscale.planner.profile import profile_model
+from lightning_fastscale.strategies.allreduce import AUTO_CHUNK_MB_PER_NODE, resolve_chunk_mb
 from lightning_fastscale.planner.scaling import (
     DEFAULT_PIPELINE_CHUNK_MB, allreduce_cost, chunk_numel_for, default_gpu_counts, scaling_curve,
 )
 
 __all__ = ["build_report", "main"]
+
+
+def _chunk_mb(text: str) -> float | str:
+    """``--pipeline-chunk-mb`` value: ``auto`` or a number of MiB (0: unchunked)."""
+    return text if text == "auto" else float(text)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,9 +48,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--input-size", type=int, help="image side or sequence length (default: the workload's)")
     parser.add_argument("--wire-dtype", choices=["fp32", "fp16", "bf16"], help="dtype on the wire")
     parser.add_argument("--topk-ratio", type=float, help="top-k ratio for the inter-node stage (hier/torus2d)")
-    parser.add_argument("--pipeline-chunk-mb", type=float, default=DEFAULT_PIPELINE_CHUNK_MB,
+    parser.add_argument("--pipeline-chunk-mb", type=_chunk_mb, default=DEFAULT_PIPELINE_CHUNK_MB,
                         help="the strategy's pipeline_chunk_mb: buckets flow through the stages in chunks "
-                        f"of this many MiB (default {DEFAULT_PIPELINE_CHUNK_MB:g}; 0 = unchunked)")
+                        f"of this many MiB ('auto', the default: {AUTO_CHUNK_MB_PER_NODE:g} MiB per node; "
+                        "0 = unchunked)")
     parser.add_argument("--fusion", choices=["auto", "two", "single", "ddp25"], default="auto",
                         help="bucket plan used for the scaling curve (default: auto)")
     parser.add_argument("--max-gpus", type=int, default=4096, help="largest GPU count of the scaling curve")
@@ -57,11 +64,12 @@ def _parser() -> argparse.ArgumentParser:
 def build_report(
     cluster: Cluster, model: str | None = None, gpus: int | None = None, per_gpu_batch: int | None = None,
     input_size: int | None = None, wire_dtype: str | None = None, topk_ratio: float | None = None,
-    fusion: str = "auto", max_gpus: int = 4096, chunk_mb: float | None = DEFAULT_PIPELINE_CHUNK_MB,
+    fusion: str = "auto", max_gpus: int = 4096, chunk_mb: float | str | None = DEFAULT_PIPELINE_CHUNK_MB,
 ) -> dict:
     """Everything the CLI prints, as a dict (the ``--json`` document).
 
-    ``chunk_mb``: the strategy's ``pipeline_chunk_mb`` (``None``: buckets sent in one piece).
+    ``chunk_mb``: the strategy's ``pipeline_chunk_mb`` (MiB, ``"auto"`` or ``None``: buckets sent
+    in one piece).
     """
     work = cluster.workload
     model = model or work.model
@@ -75,7 +83,7 @@ def build_report(
     params = cluster.comm_params()
     profile = profile_model(model, batch, size, cluster.device.sustained_tflops)
     numel = profile.numel
-    allreduce = predict_allreduce(numel, topology, params, wire, topk, chunk_numel=chunk_numel_for(chunk_mb))
+    allreduce = predict_allreduce(numel, topology, params, wire, topk, chunk_numel=chunk_numel_for(chunk_mb, topology.nodes))
     auto = auto_plan(profile, topology, params, wire, topk, chunk_mb=chunk_mb)
     cost = allreduce_cost(auto.algorithm, topology, params, wire, topk, chunk_mb=chunk_mb)
     two = plan_two_segment(profile.grad_bytes, profile.backward_s, cost)
@@ -95,7 +103,8 @@ def build_report(
         "workload": {
             "model": model, "parameters": numel, "gradient_mb": sum(profile.grad_bytes) / MB,
             "gradients": len(profile.grad_bytes), "per_gpu_batch": batch, "input_size": size,
-            "wire_dtype": wire, "topk_ratio": topk, "pipeline_chunk_mb": chunk_mb,
+            "wire_dtype": wire, "topk_ratio": topk,
+            "pipeline_chunk_mb": resolve_chunk_mb(chunk_mb, topology.nodes), "pipeline_chunk_setting": chunk_mb,
         },
         "allreduce_s": allreduce,
         "bandwidth_bound_s": bandwidth_bound(topology.nodes, numel * wire_bytes_per_element(wire), params.beta_inter),
@@ -109,7 +118,7 @@ def build_report(
             "per_algorithm_finish_s": {a: p.finish_s for a, p in auto.candidates.items()},
         },
         "pipeline_chunk": {
-            "used_mb": chunk_mb, "best_mb": best_chunk,
+            "used_mb": resolve_chunk_mb(chunk_mb, topology.nodes), "best_mb": best_chunk,
             "finish_s_by_chunk_mb": {("none" if c is None else f"{c:g}"): t for c, t in chunk_finish.items()},
         },
         "step": {
@@ -198,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cluster = load_cluster(args.cluster)
         report = build_report(cluster, args.model, args.gpus, args.per_gpu_batch, args.input_size,
                               args.wire_dtype, args.topk_ratio, args.fusion, args.max_gpus,
-                              args.pipeline_chunk_mb or None)
+                              args.pipeline_chunk_mb if args.pipeline_chunk_mb != 0 else None)
     except (ClusterConfigError, ValueError) as err:
         print(f"fastscale-plan: error: {err}", file=sys.stderr)
         return 2

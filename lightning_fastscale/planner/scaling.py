@@ -27,13 +27,13 @@ __all__ = [
 
 def allreduce_cost(
     algorithm: str, topology: Topology, params: CommParams, wire_dtype: str = "fp32",
-    topk_ratio: float | None = None, grad_element_bytes: int = 4, chunk_mb: float | None = None,
+    topk_ratio: float | None = None, grad_element_bytes: int = 4, chunk_mb: float | str | None = None,
 ):
     """A vectorised cost function for the fusion planner: bucket bytes (as held) -> seconds.
 
     ``chunk_mb``: each bucket is pipelined in chunks of that many MiB (``None``: one piece).
     """
-    chunk_numel = chunk_numel_for(chunk_mb, grad_element_bytes)
+    chunk_numel = chunk_numel_for(chunk_mb, topology.nodes, grad_element_bytes)
 
     def cost(nbytes: np.ndarray) -> np.ndarray:
         return allreduce_time(algorithm, np.asarray(nbytes, dtype=float) / grad_element_bytes,
@@ -78,7 +78,7 @@ def topology_for(gpus: int, ranks_per_node: int) -> Topology:
 def predict_step(
     profile: GradientProfile, gpus: int, ranks_per_node: int, params: CommParams, algorithm: str,
     wire_dtype: str = "fp32", topk_ratio: float | None = None, fusion: str = "auto",
-    chunk_mb: float | None = None,
+    chunk_mb: float | str | None = None,
 ) -> StepPrediction:
     """Predicted step on ``gpus`` ranks (``ranks_per_node`` to a node) with ``algorithm``.
 
@@ -116,7 +116,7 @@ def default_gpu_counts(ranks_per_node: int, up_to: int = 4096) -> list[int]:
 def scaling_curve(
     profile: GradientProfile, gpu_counts: Sequence[int], ranks_per_node: int, params: CommParams,
     algorithms: Sequence[str] = ALGORITHMS, wire_dtype: str = "fp32", topk_ratio: float | None = None,
-    fusion: str = "auto", chunk_mb: float | None = None,
+    fusion: str = "auto", chunk_mb: float | str | None = None,
 ) -> list[StepPrediction]:
     """:func:`predict_step` for every GPU count and algorithm."""
     predict = partial(predict_step, profile, ranks_per_node=ranks_per_node, params=params,

@@ -20,7 +20,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_fastscale.strategies.allreduce import DEFAULT_PIPELINE_CHUNK_MB, TopKErrorFeedback, chunk_numel_for
+from lightning_fastscale.strategies.allreduce import (
+    DEFAULT_PIPELINE_CHUNK_MB,
+    TopKErrorFeedback,
+    chunk_numel_for,
+    resolve_chunk_mb,
+)
 from lightning_fastscale.strategies.comm_hooks import HOOKS, HierarchicalHookState
 from lightning_fastscale.strategies.topology import Topology, build_process_groups, detect_ranks_per_node
 
@@ -80,6 +85,7 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
         topk_start_iter: iterations sent uncompressed first (DDP rebuilds buckets after one).
         pipeline_chunk_mb: split each bucket into chunks of this many MiB, pipelined through
             the stages (chunk i crosses the nodes while chunk i+1 is reduced in the node);
+            ``"auto"`` (default): 2 MiB per node, so chunks grow with the latency each one pays;
             ``None`` sends each bucket in one piece.
         algorithm_selector: ``(module, topology) -> name`` used for ``algorithm="auto"``.
         planner: a :class:`~lightning_fastscale.planner.CostModelPlanner`; supplies both
@@ -99,7 +105,7 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
         compression: str | None = None,
         topk_ratio: float = 0.01,
         topk_start_iter: int = 2,
-        pipeline_chunk_mb: float | None = DEFAULT_PIPELINE_CHUNK_MB,
+        pipeline_chunk_mb: float | str | None = DEFAULT_PIPELINE_CHUNK_MB,
         algorithm_selector: AlgorithmSelector | None = None,
         planner: Any = None,
         **kwargs: Any,
@@ -241,7 +247,7 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
             comm_dtype=COMM_DTYPES[self.comm_dtype],
             topk=TopKErrorFeedback(self.topk_ratio) if self.compression == "topk" else None,
             topk_start_iter=self.topk_start_iter,
-            chunk_numel=chunk_numel_for(self.pipeline_chunk_mb),
+            chunk_numel=chunk_numel_for(self.pipeline_chunk_mb, self.topology.num_nodes),
         )
         self.model.register_comm_hook(self.hook_state, HOOKS[self.resolved_algorithm])
         self._log_plan()
@@ -271,7 +277,7 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
             "strategy/compression": f"topk:{self.topk_ratio}" if self.compression else "none",
             "strategy/gradient_mb": round(grads / _MB, 3),
             "strategy/bucket_caps_mb": [round(float(c), 3) for c in caps],
-            "strategy/pipeline_chunk_mb": self.pipeline_chunk_mb,
+            "strategy/pipeline_chunk_mb": resolve_chunk_mb(self.pipeline_chunk_mb, self.topology.num_nodes),
         }
 
     def _log_plan(self) -> None:
