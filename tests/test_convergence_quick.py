@@ -41,7 +41,7 @@ def test_quick_study_writes_one_row_per_arm(study):
 
 @pytest.mark.timeout(300)
 def test_quick_study_numbers_follow_the_presets(study):
-    _, _, result = study
+    module, _, result = study
     rows = {r["arm"]: r for r in result["rows"]}
     base_lr = rows["1_baseline"]["base_lr"]
     # --quick: 512 training images, 2 epochs, B0 = 16, large batch 512, ramp 256 -> 512
@@ -57,7 +57,8 @@ def test_quick_study_numbers_follow_the_presets(study):
         r = rows[arm]
         assert r["error"] is None, (arm, r["error"])
         assert (r["global_batch"], r["steps"], r["epochs"]) == (batch, steps, 2), arm
-        assert r["base_lr"] == base_lr
+        # arms 4-6 (LARS) start from LARS_LR_FACTOR x the baseline's LR, the others from it
+        assert r["base_lr"] == pytest.approx(module.arm_lr(arm, base_lr)), arm
         for value in (r["final_top1"], r["best_top1"]):
             assert 0.0 <= value <= 1.0 and not math.isnan(value), arm
         assert r["best_top1"] >= r["final_top1"]
@@ -68,8 +69,11 @@ def test_quick_study_numbers_follow_the_presets(study):
     # warmup (Goyal et al.) starts from the unscaled LR, factor 16 / 512 of the scaled peak;
     # after the 1-epoch warmup (--quick: 1 step per epoch) the second step runs at the peak
     for arm in ("3_warmup", "4_lars", "5_recipe"):
-        assert rows[arm]["first_lr"] == pytest.approx(base_lr), arm
-        assert rows[arm]["peak_lr"] == pytest.approx(32 * base_lr), arm
+        lr = module.arm_lr(arm, base_lr)
+        assert rows[arm]["first_lr"] == pytest.approx(lr), arm
+        assert rows[arm]["peak_lr"] == pytest.approx(32 * lr), arm
+    assert rows["4_lars"]["base_lr"] == pytest.approx(2 * base_lr)
     # the ramp starts at 256 = 16 x B0: the same warmup factor of a 16 x scaled peak
-    assert rows["6_full"]["first_lr"] == pytest.approx(16 * base_lr * 16 / 512)
-    assert rows["6_full"]["peak_lr"] == pytest.approx(32 * base_lr)
+    lr = module.arm_lr("6_full", base_lr)
+    assert rows["6_full"]["first_lr"] == pytest.approx(16 * lr * 16 / 512)
+    assert rows["6_full"]["peak_lr"] == pytest.approx(32 * lr)
