@@ -11,12 +11,13 @@ rerun on its own with ``fastscale-train experiment=convergence_<arm>``:
 1. ``convergence_baseline``: batch B0 = 16, SGD, LR picked by a small sweep (``--baseline-lrs``);
 2. ``convergence_linear_scaling``: batch 32 x B0 = 512, LR x 32, no warmup;
 3. ``convergence_warmup``: + gradual warmup;
-4. ``convergence_lars``: + LARS through ``LARSMixedPrecision`` (bf16 autocast on CPU);
+4. ``convergence_lars``: + LARS through ``LARSMixedPrecision`` (bf16 autocast on CPU), at
+   ``LARS_LR_FACTOR`` = 2 x the baseline's LR (LARS's trust ratio bounds each layer's step);
 5. ``convergence_recipe``: + label smoothing, no weight decay on bias/BN, zero-init residual BN;
 6. ``convergence_full``: + batch-size ramp 128 -> 256 -> 512 (same final batch).
 
-All arms train 16 epochs; warmup and ramp are placed at fixed fractions of the run (warmup
-over the first quarter, ramp steps at a quarter and a half).
+All arms train 16 epochs; warmup lasts 5 epochs, the ramp steps at epochs 6 and 10 (chosen by the
+search the README records).
 
 With 8192 training images the large batch takes 16 optimizer steps per epoch, the regime of
 batch 64K on ImageNet (about 20). The sweep runs first; the large-batch arms then scale the
@@ -31,7 +32,7 @@ test, seconds; tests/test_convergence_quick.py). Full study, 2 CPU cores (the LR
 baseline runs, then five arms), and the six arms alone at a fixed baseline LR and seed:
 
     .venv/bin/python benchmarks/convergence.py --jobs 2
-    .venv/bin/python benchmarks/convergence.py --jobs 2 --baseline-lrs 0.2 seed=1
+    .venv/bin/python benchmarks/convergence.py seed=1 --jobs 2 --baseline-lrs 0.2   # overrides before --baseline-lrs
 """
 from __future__ import annotations
 
