@@ -240,3 +240,42 @@ def test_bad_parameters_are_named():
     with pytest.raises(ValueError, match="wire_dtype"):
         allreduce_time("ring", 1, Topology(2, 2), PARAMS, "int8")
     assert math.isclose(allreduce_time("ring", 1e6, Topology(1, 1), PARAMS), 0.0)
+
+
+def test_torus_in_node_stages_per_shard_closed_form():
+    # gloo's torus: per-shard concurrent reduces / broadcasts, each stage with its own fit, in
+    # the form (p-1) a + (p-1)/p n b with n the fp32 bytes of the whole tensor.
+    topo, numel = Topology(2, 4), 1e6
+    a_r, b_r, a_b, b_b = 1e-3, 3e-9, 4e-4, 2e-9
+    per_shard = CommParams(1e-4, 1e-9, 0.0, 1e-8, 5e-10, alpha_shard_reduce=a_r, beta_shard_reduce=b_r,
+                           alpha_shard_broadcast=a_b, beta_shard_broadcast=b_b)
+    native = CommParams(1e-4, 1e-9, 0.0, 1e-8, 5e-10)
+    n = 4 * numel
+    scatter, inter, gather = stage_times("torus2d", numel, topo, per_shard)
+    assert scatter == pytest.approx(3 * a_r + 3 / 4 * n * b_r, rel=1e-12)
+    assert gather == pytest.approx(3 * a_b + 3 / 4 * n * b_b, rel=1e-12)
+    assert inter == pytest.approx(stage_times("torus2d", numel, topo, native)[1], rel=1e-12)
+    # the other algorithms do not use these stages
+    for algorithm in ("ring", "hier"):
+        assert allreduce_time(algorithm, numel, topo, per_shard) == allreduce_time(algorithm, numel, topo, native)
+    # fits equal to the intra link's (gamma folded into the reduce's beta) give the native forms
+    same = CommParams(1e-4, 1e-9, 0.0, 1e-8, 5e-10, alpha_shard_reduce=1e-4, beta_shard_reduce=1.5e-9,
+                      alpha_shard_broadcast=1e-4, beta_shard_broadcast=1e-9)
+    assert allreduce_time("torus2d", numel, topo, same) == pytest.approx(
+        allreduce_time("torus2d", numel, topo, native), rel=1e-12)
+    # chunked: every chunk pays both fitted in-node latencies
+    zero = stage_times("torus2d", 0.0, topo, per_shard)
+    assert zero[0] == pytest.approx(3 * a_r) and zero[2] == pytest.approx(3 * a_b)
+    k = 8
+    chunked = allreduce_time("torus2d", numel, topo, per_shard, chunk_numel=numel / k)
+    one = [t - z for t, z in zip(stage_times("torus2d", numel / k, topo, per_shard), zero)]
+    whole = [t - z for t, z in zip((scatter, inter, gather), zero)]
+    slow = int(np.argmax(whole))
+    assert chunked == pytest.approx(k * sum(zero) + whole[slow] + sum(one) - one[slow], rel=1e-12)
+
+
+def test_torus_shard_fits_come_in_pairs():
+    with pytest.raises(ValueError, match="beta_shard_reduce"):
+        CommParams(0.0, 1e-9, 0.0, 1e-9, alpha_shard_reduce=1e-4)
+    with pytest.raises(ValueError, match="shard_broadcast"):
+        CommParams(0.0, 1e-9, 0.0, 1e-9, alpha_shard_broadcast=0.0, beta_shard_broadcast=0.0)
