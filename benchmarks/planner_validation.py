@@ -1,10 +1,9 @@
 """Planner validation: predicted vs measured all-reduce times on the emulated cluster.
 
 For each (nodes x ranks per node, link cap): build the emulated cluster, calibrate the
-alpha-beta-gamma parameters from primitive collectives only (all-reduce, reduce, broadcast
-inside a node, and the torus's per-shard concurrent reduces and broadcasts there; all-reduce
-among node leaders; every rank's inter-node all-reduce at once for the torus's concurrent
-flows: ``lightning_fastscale.planner.calibrate``), then, on a
+alpha-beta-gamma parameters from primitive collectives only (all-gather, all-reduce, reduce,
+broadcast inside a node and among node leaders, and every rank's inter-node all-reduce at
+once for the torus's concurrent flows: ``lightning_fastscale.planner.calibrate``), then, on a
 fresh emulated cluster with the same cap, time the flat ring (``dist.all_reduce``), ``hier``
 and ``torus2d`` of the strategy on several sizes (``lightning_fastscale.emulation.collectives``),
 unchunked and pipelined in chunks (``ring@k``, ``hier@k``, ``torus2d@k``: the strategy's
@@ -41,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_fastscale.emulation.collectives import measure_allreduce  # noqa: E402
 from lightning_fastscale.emulation.netns_cluster import EmulatedCluster  # noqa: E402
 from lightning_fastscale.planner.calibrate import (  # noqa: E402
-    DEFAULT_SIZES, INTER_PRIMITIVES, fit_calibration, intra_primitives, shard_stages,
+    DEFAULT_SIZES, INTER_PRIMITIVES, fit_calibration, intra_primitives,
 )
 from lightning_fastscale.planner.cost_model import CommParams, Topology, predict_allreduce  # noqa: E402
 from lightning_fastscale.planner.scaling import chunk_numel_for  # noqa: E402
@@ -119,10 +118,8 @@ def validate(nodes: int, ranks_per_node: int, cap_mbit: float, numels: list[int]
 def refit_rows(rows: list[dict]) -> list[dict]:
     """Refit each configuration's parameters from its stored calibration samples with the
     current :func:`~lightning_fastscale.planner.calibrate.fit_calibration` and primitive
-    selection (gloo): the same measurements, the current fitting rules. Files from before the
-    torus's per-shard stages were calibrated refit without them (native forms)."""
-    keep = {"intra": intra_primitives("gloo"), "inter": INTER_PRIMITIVES, "shared": ("allreduce",),
-            **{stage: (stage,) for stage in shard_stages("gloo")}}
+    selection (gloo): the same measurements, the current fitting rules."""
+    keep = {"intra": intra_primitives("gloo"), "inter": INTER_PRIMITIVES, "shared": ("allreduce",)}
     refitted: dict[tuple, dict] = {}
     for r in rows:
         key = (r["nodes"], r["ranks_per_node"], r["cap_mbit"], r.get("wire_dtype", "fp32"))
@@ -133,10 +130,7 @@ def refit_rows(rows: list[dict]) -> list[dict]:
                         for name in keep[level] if name in fit["samples"]}
                 for level, fit in fits.items() if fit
             }
-            intra = dict(samples.get("intra") or {})
-            for stage in shard_stages("gloo"):
-                intra.update(samples.get(stage) or {})
-            result = fit_calibration(r["ranks_per_node"], r["nodes"], intra or None, samples.get("inter"),
+            result = fit_calibration(r["ranks_per_node"], r["nodes"], samples.get("intra"), samples.get("inter"),
                                      samples.get("shared"))
             refitted[key] = result.params.as_dict()
         r["params"] = refitted[key]

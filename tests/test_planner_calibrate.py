@@ -2,7 +2,7 @@
 import pytest
 
 from lightning_fastscale.planner.calibrate import (
-    PRIMITIVES, calibrate_process_groups, fit_calibration, fit_link, intra_primitives, shard_stages,
+    PRIMITIVES, calibrate_process_groups, fit_calibration, fit_link, intra_primitives,
 )
 from lightning_fastscale.planner.cost_model import ring_allreduce_time
 from tests.distributed import run_distributed
@@ -48,29 +48,6 @@ def test_fit_calibration_recovers_all_levels_and_the_shared_link():
     assert fit_calibration(rpn, nodes, intra, inter).params.beta_inter_shared is None
 
 
-def test_fit_calibration_fits_the_torus_per_shard_stages_apart_from_the_link():
-    # gloo: the torus's per-shard reduces / broadcasts are timed with the in-node primitives;
-    # each stage gets its own (alpha, beta) and the intra link's fit is what it was without them.
-    rpn, nodes = 4, 2
-    a_in, b_in, gamma, a_x, b_x = 3e-4, 1.5e-9, 2e-9, 1e-4, 1.6e-8
-    a_r, b_r, a_b, b_b = 2e-3, 4e-9, 9e-4, 2.5e-9
-    sizes = [float(1 << k) for k in (20, 22, 24, 26)]
-    link = {name: (sizes, [PRIMITIVES[name](rpn, n, a_in, b_in, gamma) for n in sizes])
-            for name in intra_primitives("gloo")}
-    stages = {"shard_reduce": (sizes, [3 * a_r + 0.75 * n * b_r for n in sizes]),
-              "shard_broadcast": (sizes, [3 * a_b + 0.75 * n * b_b for n in sizes])}
-    assert tuple(stages) == shard_stages("gloo") and shard_stages("nccl") == ()
-    inter = {"allreduce": (sizes, [ring_allreduce_time(nodes, n, a_x, b_x, 0.0) for n in sizes])}
-    result = fit_calibration(rpn, nodes, {**link, **stages}, inter)
-    params = result.params
-    assert (params.alpha_shard_reduce, params.beta_shard_reduce) == pytest.approx((a_r, b_r), rel=1e-6)
-    assert (params.alpha_shard_broadcast, params.beta_shard_broadcast) == pytest.approx((a_b, b_b), rel=1e-6)
-    assert (params.alpha_intra, params.beta_intra, params.gamma) == pytest.approx((a_in, b_in, gamma), rel=1e-6)
-    assert result.shard_reduce.max_rel_residual < 1e-9 and result.shard_broadcast.max_rel_residual < 1e-9
-    # without them (NCCL, cluster files): native reduce-scatter / all-gather forms
-    assert fit_calibration(rpn, nodes, link, inter).params.beta_shard_reduce is None
-
-
 def test_fit_never_returns_negative_parameters():
     # Timings that a negative latency would fit best: alpha is clamped to 0, beta stays > 0.
     sizes = [1e5, 1e6, 1e7]
@@ -99,5 +76,3 @@ def test_calibration_on_real_groups_agrees_across_ranks():
     assert results[0]["beta_intra"] > 0 and results[0]["beta_inter"] > 0
     # the torus's concurrent inter-node flows were measured and fitted too
     assert results[0]["beta_inter_shared"] is not None and results[0]["beta_inter_shared"] > 0
-    # and, on gloo, the torus's per-shard in-node stages
-    assert results[0]["beta_shard_reduce"] > 0 and results[0]["beta_shard_broadcast"] > 0

@@ -2,8 +2,9 @@
 
 Inside each node (every node at once, as in training) and among the node leaders, a few
 message sizes go through the primitives the algorithms are built from on that level: inside a
-node all-reduce (one node), reduce and broadcast (hier) and, except on gloo, where the torus
-does not use it, all-gather (the torus's reduce-scatter / all-gather on NCCL); between nodes all-reduce, which every algorithm runs there (top-k's sparse all-gather
+node all-reduce (one node), reduce and broadcast (hier; the torus on gloo) and, except on
+gloo, where the torus does not use it, all-gather (the torus's reduce-scatter / all-gather on
+NCCL); between nodes all-reduce, which every algorithm runs there (top-k's sparse all-gather
 is not calibrated). Between nodes the all-reduce's additions overlap the transfer (and, on a
 fast link, can be slower than it: then a fixed in-node gamma would claim more time than the
 all-reduce took), so the inter-node fit has no reduction term: ``gamma_inter = 0`` and
@@ -18,15 +19,6 @@ forms of :mod:`~lightning_fastscale.planner.cost_model` (Thakur et al. 2005) for
 primitive, ``p`` and size. One non-negative least-squares fit over all primitives and sizes
 (relative errors, so small messages count as much as large ones) gives the link's
 parameters. Gamma, which both levels share in the model, is taken from inside the node.
-
-On gloo the torus's in-node stages are not the intra link's primitives: the strategy runs
-them as ``ranks_per_node`` concurrent asynchronous reduces of one ``1/ranks_per_node`` shard
-each to its owner, and as many concurrent broadcasts of one shard each from its owner. Both
-patterns are timed exactly so (every node at once) and each is fitted on its own, in the
-closed form of the stage it replaces (``(p-1) alpha + (p-1)/p n beta``, ``n`` the bytes of the
-whole tensor): ``alpha_shard_reduce`` / ``beta_shard_reduce`` and ``alpha_shard_broadcast`` /
-``beta_shard_broadcast``. They are kept out of the intra link's fit. On NCCL the torus uses
-the native reduce-scatter / all-gather and these are not measured.
 
 The 2D torus drives the node link differently: every rank of a node all-reduces its own
 ``1/ranks_per_node`` shard across nodes at the same time. How well concurrent flows share the
@@ -52,14 +44,13 @@ from lightning_fastscale.planner.cost_model import (
     CommParams,
     allgather_time,
     broadcast_time,
-    reduce_scatter_time,
     reduce_time,
     ring_allreduce_time,
 )
 
 __all__ = [
     "CalibrationResult", "LinkFit", "calibrate", "calibrate_process_groups", "fit_calibration", "fit_link",
-    "intra_primitives", "shard_stages",
+    "intra_primitives",
 ]
 
 # Gradient buckets are MBs to 100s of MBs; small sizes would mostly measure start-up effects.
@@ -74,13 +65,6 @@ PRIMITIVES: dict[str, Callable[..., float]] = {
 }
 
 
-# The torus's in-node stages as run per shard on gloo (closed form of the stage each replaces;
-# the reduction cost is folded into beta): fitted one by one, never into the link.
-SHARD_STAGES: dict[str, Callable[..., float]] = {
-    "shard_reduce": lambda p, n, a, b, g: reduce_scatter_time(p, n, a, b),
-    "shard_broadcast": lambda p, n, a, b, g: allgather_time(p, n, a, b),
-}
-
 INTER_PRIMITIVES = ("allreduce",)
 
 
@@ -89,11 +73,6 @@ def intra_primitives(backend: str) -> tuple[str, ...]:
     if str(backend).lower() == "gloo":
         return ("allreduce", "reduce", "broadcast")
     return ("allreduce", "reduce", "broadcast", "allgather")
-
-
-def shard_stages(backend: str) -> tuple[str, ...]:
-    """The torus's per-shard in-node stages the strategy runs on ``backend`` (none on NCCL)."""
-    return tuple(SHARD_STAGES) if str(backend).lower() == "gloo" else ()
 
 
 @dataclass(frozen=True)
@@ -115,8 +94,6 @@ class CalibrationResult:
     intra: LinkFit | None
     inter: LinkFit | None
     shared: LinkFit | None = None
-    shard_reduce: LinkFit | None = None
-    shard_broadcast: LinkFit | None = None
 
 
 def _nonneg_lstsq(design: np.ndarray, target: np.ndarray) -> np.ndarray:
@@ -141,7 +118,7 @@ def fit_link(
     """Alpha, beta, gamma of a link from ``{primitive: (sizes_bytes, seconds)}`` over ``p`` ranks.
 
     Primitives: ``allgather``, ``allreduce``, ``reduce``, ``broadcast`` (their closed forms are
-    those the cost model uses), and the torus's ``shard_reduce`` / ``shard_broadcast`` stages. With ``gamma`` given, only alpha and beta are fitted (the
+    those the cost model uses). With ``gamma`` given, only alpha and beta are fitted (the
     model shares one gamma between the link levels; on a slow link the reduction cost cannot
     be told apart from the transfer). Raises if beta comes out zero: the timings then do not
     grow with the size and cannot describe a link (use larger sizes).
@@ -150,7 +127,7 @@ def fit_link(
         raise ValueError(f"a link fit needs at least 2 ranks, got p={p}")
     rows, target = [], []
     for name, (sizes, times) in samples.items():
-        form = PRIMITIVES.get(name) or SHARD_STAGES[name]
+        form = PRIMITIVES[name]
         for n, t in zip(sizes, times):
             coeffs = [form(p, n, 1.0, 0.0, 0.0), form(p, n, 0.0, 1.0, 0.0), form(p, n, 0.0, 0.0, 1.0)]
             known = 0.0 if gamma is None else coeffs[2] * gamma
@@ -191,29 +168,17 @@ def _measure(
     """``{primitive: (bytes, seconds)}`` for ``primitives``; sizes rounded to a multiple of ``p`` elements.
 
     ``root`` is the global rank of the group's first member (target of reduce/broadcast).
-    ``shard_reduce`` / ``shard_broadcast`` run as the gloo torus does: one asynchronous reduce
-    (broadcast) per ``1/p`` shard to (from) its owner, all in flight at once.
     """
     used = [4 * max(p, nbytes // 4 // p * p) for nbytes in sizes]
     samples = {name: (used, []) for name in primitives}
-    owners = [root + i for i in range(p)]  # ranks are numbered node by node (strategies/topology.py)
-
-    def per_shard(collective, shards):
-        works = [collective(shard, owner, group=group, async_op=True) for owner, shard in zip(owners, shards)]
-        for work in works:
-            work.wait()
-
     for nbytes in used:
         full = torch.ones(nbytes // 4)
         part = torch.ones(nbytes // 4 // p)
-        shards = full.split(nbytes // 4 // p)
         ops = {
             "allgather": lambda: dist.all_gather_into_tensor(full, part, group=group),
             "allreduce": lambda: dist.all_reduce(full, group=group),
             "reduce": lambda: dist.reduce(full, dst=root, group=group),
             "broadcast": lambda: dist.broadcast(full, src=root, group=group),
-            "shard_reduce": lambda: per_shard(dist.reduce, shards),
-            "shard_broadcast": lambda: per_shard(dist.broadcast, shards),
         }
         for name in primitives:
             samples[name][1].append(_time(ops[name], None, reps, active))
@@ -243,19 +208,14 @@ def fit_calibration(
 ) -> CalibrationResult:
     """The :class:`CalibrationResult` of measured samples (``{primitive: (bytes, seconds)}``).
 
-    ``intra_samples``: inside a node (``ranks_per_node`` ranks; the torus's per-shard stages,
-    where present, are fitted each on its own), ``inter_samples``: among the node leaders,
-    ``shared_samples``: every rank's inter-node all-reduce at once (bytes per flow). Pure
-    function: :func:`calibrate` measures and calls it, and a benchmark can refit stored
-    samples with it.
+    ``intra_samples``: inside a node (``ranks_per_node`` ranks), ``inter_samples``: among the
+    node leaders, ``shared_samples``: every rank's inter-node all-reduce at once (bytes per
+    flow). Pure function: :func:`calibrate` measures and calls it, and a benchmark can refit
+    stored samples with it.
     """
     intra = inter = shared = None
-    stages: dict[str, LinkFit] = {}
     if ranks_per_node > 1 and intra_samples:
-        link = {name: s for name, s in intra_samples.items() if name not in SHARD_STAGES}
-        intra = fit_link(ranks_per_node, link) if link else None
-        stages = {name: fit_link(ranks_per_node, {name: s}, gamma=0.0)
-                  for name, s in intra_samples.items() if name in SHARD_STAGES}
+        intra = fit_link(ranks_per_node, intra_samples)
     if nodes > 1 and inter_samples:
         inter = fit_link(nodes, inter_samples, gamma=0.0)
     if nodes > 1 and ranks_per_node > 1 and shared_samples:
@@ -265,10 +225,9 @@ def fit_calibration(
     near, far = intra or inter, inter or intra
     # The fit gives seconds per byte of each of the ranks_per_node flows; the link's is 1/ranks_per_node of it.
     beta_shared = None if shared is None else shared.beta / ranks_per_node
-    shard = {f"{ab}_{name}": getattr(fit, ab) for name, fit in stages.items() for ab in ("alpha", "beta")}
     params = CommParams(near.alpha, near.beta, far.alpha, far.beta, (intra or inter).gamma,
-                        beta_inter_shared=beta_shared, gamma_inter=None if inter is None else 0.0, **shard)
-    return CalibrationResult(params, intra, inter, shared, stages.get("shard_reduce"), stages.get("shard_broadcast"))
+                        beta_inter_shared=beta_shared, gamma_inter=None if inter is None else 0.0)
+    return CalibrationResult(params, intra, inter, shared)
 
 
 def calibrate(
@@ -288,17 +247,15 @@ def calibrate(
     (only meaningful where ``is_leader``). With one rank per node the intra level is not
     measured (and gets the inter-node values: it is never used); with one node, the inter
     level gets the intra values. Timing uses 4-byte elements; ``sizes`` are in bytes.
-    ``intra_root`` is the global rank of this node's first rank (reduce/broadcast root; the
-    per-shard owners are the node's ranks from there on); the
+    ``intra_root`` is the global rank of this node's first rank (reduce/broadcast root); the
     leader group's first member is global rank 0. ``flow_group`` (this rank's group of the
     ranks with its local rank, one per node), when given with several nodes and several ranks
     per node, measures the torus's concurrent flows (``beta_inter_shared``).
     """
     intra = inter = shared = None
     if ranks_per_node > 1:
-        backend = dist.get_backend()
         intra = _measure(intra_group, ranks_per_node, sizes, reps, True, intra_root,
-                         intra_primitives(backend) + shard_stages(backend))
+                         intra_primitives(dist.get_backend()))
     if nodes > 1:
         inter = _measure(leader_group, nodes, sizes, reps, is_leader, 0, INTER_PRIMITIVES)
     if nodes > 1 and ranks_per_node > 1 and flow_group is not None:
@@ -351,8 +308,7 @@ def _main(argv: Sequence[str] | None = None) -> None:
     if dist.get_rank() == 0:
         fits = {name: None if fit is None else {"alpha": fit.alpha, "beta": fit.beta, "gamma": fit.gamma,
                                                 "max_rel_residual": fit.max_rel_residual, "samples": fit.samples}
-                for name, fit in (("intra", result.intra), ("inter", result.inter), ("shared", result.shared),
-                                  ("shard_reduce", result.shard_reduce), ("shard_broadcast", result.shard_broadcast))}
+                for name, fit in (("intra", result.intra), ("inter", result.inter), ("shared", result.shared))}
         with open(args.output, "w") as fh:
             json.dump({"params": result.params.as_dict(), "fits": fits,
                        "nodes": groups.topology.num_nodes, "ranks_per_node": args.ranks_per_node}, fh, indent=2)

@@ -28,15 +28,13 @@ On top of the primitives, the three algorithms of the strategy:
   shard across nodes (``ranks_per_node`` rings in parallel sharing the NIC), all-gather
   inside the node.
 
-The torus's in-node stages are priced as what the strategy runs on the backend in use. With a
-native reduce-scatter / all-gather (NCCL, cluster descriptions) they are the ring forms above
-on the intra link. On gloo the strategy runs them as ``ranks_per_node`` concurrent reduces of
-one shard each to its owner, and as many concurrent broadcasts of one shard each from its
-owner: neither is a primitive of the intra link's model, so each stage gets its own fitted
-parameters (``alpha_shard_reduce`` / ``beta_shard_reduce``, ``alpha_shard_broadcast`` /
-``beta_shard_broadcast``, measured on exactly that pattern by
-:mod:`~lightning_fastscale.planner.calibrate`) in the same closed form as the stage it
-replaces, ``(p-1) alpha + (p-1)/p n beta`` (reduction cost folded into beta).
+On gloo the strategy runs the torus's in-node stages as concurrent per-shard reduces and
+broadcasts, not as a reduce-scatter / all-gather. Timed alone on the emulated cluster, those
+patterns cost more than the ring forms (broadcasts 2.1-2.6x the all-gather form; reduces
+1.0-1.5x the reduce-scatter form from 16 MB, 2-4x at 1 MB), but pricing the stages with their
+own fits made the algorithm picks worse on the same measurements (4 of 15 against 13 of 15,
+README): inside the torus they overlap with the inter-node stage (a rank's own shard crosses
+as soon as it is reduced), which a sum of stages does not capture. The ring forms are kept.
 
 Each node must send (and receive) at least ``2(N-1)/N * n`` bytes over its link for any
 all-reduce across ``N`` nodes: :func:`bandwidth_bound`. ``hier`` and ``torus2d`` reach that
@@ -130,10 +128,6 @@ class CommParams:
     (optional, default ``gamma``) is the reduction cost still visible in an all-reduce between
     nodes, 0 where it overlaps the transfer (then ``beta_inter`` is the all-reduce's effective
     seconds per byte, as :mod:`~lightning_fastscale.planner.calibrate` fits it).
-    ``alpha_shard_reduce`` / ``beta_shard_reduce`` and ``alpha_shard_broadcast`` /
-    ``beta_shard_broadcast`` (optional, each pair given together) price the torus's in-node
-    stages when the backend runs them per shard (gloo; see the module docstring); ``None``: the
-    native reduce-scatter / all-gather on the intra link.
     """
 
     alpha_intra: float
@@ -144,10 +138,6 @@ class CommParams:
     beta_inter_shared: float | None = None
     beta_flow: float = 0.0
     gamma_inter: float | None = None
-    alpha_shard_reduce: float | None = None
-    beta_shard_reduce: float | None = None
-    alpha_shard_broadcast: float | None = None
-    beta_shard_broadcast: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("alpha_intra", "beta_intra", "alpha_inter", "beta_inter", "gamma", "beta_flow"):
@@ -168,16 +158,6 @@ class CommParams:
             raise ValueError(
                 f"CommParams.beta_inter_shared={shared!r} must be a finite number > 0, or None for fair sharing"
             )
-        for stage in ("shard_reduce", "shard_broadcast"):
-            alpha, beta = getattr(self, f"alpha_{stage}"), getattr(self, f"beta_{stage}")
-            if alpha is None and beta is None:
-                continue
-            if not (isinstance(alpha, (int, float)) and math.isfinite(alpha) and alpha >= 0
-                    and isinstance(beta, (int, float)) and math.isfinite(beta) and beta > 0):
-                raise ValueError(
-                    f"CommParams.alpha_{stage}={alpha!r}, beta_{stage}={beta!r}: give both (alpha >= 0, "
-                    "beta > 0, finite), or neither for the native reduce-scatter / all-gather"
-                )
 
     @property
     def inter_gamma(self) -> float:
@@ -301,8 +281,7 @@ def stage_times(
     """Seconds of each stage of ``algorithm`` on ``numel`` elements, in the order they run.
 
     ``hier``: [reduce in node, leaders' all-reduce, broadcast in node]; ``torus2d``:
-    [reduce-scatter in node, per-shard all-reduce across nodes, all-gather in node] (the
-    in-node ones per shard where ``params`` has their fits); the flat
+    [reduce-scatter in node, per-shard all-reduce across nodes, all-gather in node]; the flat
     ring and any single-level case are one stage. Stages inside a node move fp32 (4 bytes per
     element); the inter-node stage (and a single-level all-reduce) moves ``wire_dtype``.
     ``numel`` may be a numpy array; zero elements give each stage's pure latency.
@@ -335,16 +314,11 @@ def stage_times(
             _inter_stage(nodes, on_wire, 1, params, wire, topk_ratio),
             broadcast_time(p1, in_node, ai, bi),
         ]
-    # torus2d: the in-node stages as fitted per shard (gloo), else the native ring forms
-    if params.beta_shard_reduce is None:
-        scatter = reduce_scatter_time(p1, in_node, ai, bi, g)
-    else:
-        scatter = reduce_scatter_time(p1, in_node, params.alpha_shard_reduce, params.beta_shard_reduce)
-    if params.beta_shard_broadcast is None:
-        gather = allgather_time(p1, in_node, ai, bi)
-    else:
-        gather = allgather_time(p1, in_node, params.alpha_shard_broadcast, params.beta_shard_broadcast)
-    return [scatter, _inter_stage(nodes, on_wire / p1, p1, params, wire, topk_ratio), gather]
+    return [  # torus2d
+        reduce_scatter_time(p1, in_node, ai, bi, g),
+        _inter_stage(nodes, on_wire / p1, p1, params, wire, topk_ratio),
+        allgather_time(p1, in_node, ai, bi),
+    ]
 
 
 def allreduce_time(
