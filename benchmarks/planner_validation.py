@@ -52,8 +52,10 @@ MEASURED = {"ring": "flat", "hier": "hier", "torus2d": "torus2d"}
 _PORT = 29511
 
 
-def calibrate_on_emulated(nodes: int, ranks_per_node: int, cap_mbit: float, sizes: list[int], reps: int) -> dict:
-    """Run ``lightning_fastscale.planner.calibrate`` under torchrun on a fresh emulated cluster."""
+def calibrate_on_emulated(nodes: int, ranks_per_node: int, cap_mbit: float, sizes: list[int], reps: int,
+                          wire_dtype: str = "fp32") -> dict:
+    """Run ``lightning_fastscale.planner.calibrate`` under torchrun on a fresh emulated cluster
+    (inter-node level timed in ``wire_dtype``, as the planner calibrates for that dtype)."""
     with tempfile.TemporaryDirectory(prefix="fastscale-calib-") as tmp:
         out = Path(tmp) / "calib.json"
         with EmulatedCluster(nodes, bandwidth_mbit=cap_mbit) as cluster:
@@ -62,6 +64,7 @@ def calibrate_on_emulated(nodes: int, ranks_per_node: int, cap_mbit: float, size
                  "--nproc_per_node", str(ranks_per_node), "--master_addr", cluster.nodes[0].address,
                  "--master_port", str(_PORT), "-m", "lightning_fastscale.planner.calibrate",
                  "--ranks-per-node", str(ranks_per_node), "--reps", str(reps), "--output", str(out),
+                 "--wire-dtype", wire_dtype,
                  "--sizes", *map(str, sizes)]
                 for i in range(nodes)
             ]
@@ -88,7 +91,7 @@ def validate(nodes: int, ranks_per_node: int, cap_mbit: float, numels: list[int]
     ``wire_dtype`` other than fp32 measures the strategy's functions with that ``comm_dtype``
     (the flat baseline is then the strategy's ``ring``, which casts).
     """
-    calib = calibrate_on_emulated(nodes, ranks_per_node, cap_mbit, calib_sizes, reps)
+    calib = calibrate_on_emulated(nodes, ranks_per_node, cap_mbit, calib_sizes, reps, wire_dtype)
     params = CommParams(**calib["params"])
     print(f"[{nodes}x{ranks_per_node} @ {cap_mbit} Mbit/s] calibrated: {params}", flush=True)
     default_chunks = chunk_counts(numels, chunk_mb)

@@ -67,12 +67,17 @@ def _calibrate_2x2(rank, world_size):
     # sizes 32x apart and a median of 3: on a loaded machine, 8x apart with one
     # repetition once timed the larger shared flow faster than the smaller one (CI, stop 9)
     result = calibrate_process_groups(groups, sizes=[1 << 20, 32 << 20], reps=3)
-    return result.params.as_dict()
+    # the inter-node level in the wire dtype: fp16 tensors, sizes still in bytes on the wire
+    half = calibrate_process_groups(groups, sizes=[1 << 20, 32 << 20], reps=1, wire_dtype="fp16")
+    return result.params.as_dict(), half.params.as_dict(), half.inter.samples["allreduce"]["sizes"]
 
 
 def test_calibration_on_real_groups_agrees_across_ranks():
     results = run_distributed(_calibrate_2x2, 4, timeout=300)
     assert all(r == results[0] for r in results)
-    assert results[0]["beta_intra"] > 0 and results[0]["beta_inter"] > 0
+    params, half, half_sizes = results[0]
+    assert params["beta_intra"] > 0 and params["beta_inter"] > 0
     # the torus's concurrent inter-node flows were measured and fitted too
-    assert results[0]["beta_inter_shared"] is not None and results[0]["beta_inter_shared"] > 0
+    assert params["beta_inter_shared"] is not None and params["beta_inter_shared"] > 0
+    assert half["beta_inter"] > 0 and half["beta_inter_shared"] > 0
+    assert half_sizes == [float(1 << 20), float(32 << 20)]  # bytes of fp16 elements, not fp32

@@ -188,7 +188,8 @@ class CostModelPlanner:
             from lightning_fastscale.strategies.topology import build_process_groups
 
             groups = build_process_groups(strategy_topology)
-            self.params = calibrate_process_groups(groups, self.calibration_sizes or DEFAULT_SIZES).params
+            self.params = calibrate_process_groups(groups, self.calibration_sizes or DEFAULT_SIZES,
+                                                   wire_dtype=self.wire_dtype).params
             self.calibrate = False
         return self.params
 

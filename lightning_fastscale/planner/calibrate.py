@@ -27,6 +27,11 @@ every rank at once on its inter-node group, and fitted as ``beta_inter_shared`` 
 byte of the link under that load), so the torus is priced from its own pattern rather than
 from the leaders' single flow.
 
+The inter-node level is timed in the wire dtype the strategy will send (``wire_dtype``; sizes
+and ``beta`` count bytes on the wire): on gloo a 16-bit all-reduce is not half the time of the
+fp32 one of the same elements (its additions are slower), so fp16 parameters are measured in
+fp16. The in-node stages stay in fp32, as the strategy runs them.
+
 Every rank takes part; rank 0's fit is broadcast so all ranks plan identically.
 """
 from __future__ import annotations
@@ -42,6 +47,7 @@ import torch.distributed as dist
 
 from lightning_fastscale.planner.cost_model import (
     CommParams,
+    wire_bytes_per_element,
     allgather_time,
     broadcast_time,
     reduce_time,
@@ -162,18 +168,24 @@ def _time(op, world_group, reps: int, active: bool) -> float:
     return float(np.median(times))
 
 
+_TORCH_DTYPES = {2: torch.float16, 4: torch.float32}
+
+
 def _measure(
-    group, p: int, sizes: Sequence[int], reps: int, active: bool, root: int, primitives: Sequence[str]
+    group, p: int, sizes: Sequence[int], reps: int, active: bool, root: int, primitives: Sequence[str],
+    element_size: int = 4,
 ) -> dict:
     """``{primitive: (bytes, seconds)}`` for ``primitives``; sizes rounded to a multiple of ``p`` elements.
 
     ``root`` is the global rank of the group's first member (target of reduce/broadcast).
+    ``element_size``: 4 (fp32) or 2 (fp16, a 16-bit wire dtype).
     """
-    used = [4 * max(p, nbytes // 4 // p * p) for nbytes in sizes]
+    e, dtype = element_size, _TORCH_DTYPES[element_size]
+    used = [e * max(p, nbytes // e // p * p) for nbytes in sizes]
     samples = {name: (used, []) for name in primitives}
     for nbytes in used:
-        full = torch.ones(nbytes // 4)
-        part = torch.ones(nbytes // 4 // p)
+        full = torch.ones(nbytes // e, dtype=dtype)
+        part = torch.ones(nbytes // e // p, dtype=dtype)
         ops = {
             "allgather": lambda: dist.all_gather_into_tensor(full, part, group=group),
             "allreduce": lambda: dist.all_reduce(full, group=group),
@@ -185,16 +197,19 @@ def _measure(
     return samples
 
 
-def _measure_shared(flow_group, nodes: int, ranks_per_node: int, sizes: Sequence[int], reps: int) -> dict:
+def _measure_shared(
+    flow_group, nodes: int, ranks_per_node: int, sizes: Sequence[int], reps: int, element_size: int = 4
+) -> dict:
     """Every rank all-reduces ``size / ranks_per_node`` bytes over its inter-node group at once.
 
     This is the torus's inter-node stage: per node, ``ranks_per_node`` concurrent flows that
     together carry ``size`` bytes. Returns ``{"allreduce": (bytes per flow, seconds)}``.
     """
-    used = [4 * max(nodes, nbytes // 4 // ranks_per_node // nodes * nodes) for nbytes in sizes]
+    e = element_size
+    used = [e * max(nodes, nbytes // e // ranks_per_node // nodes * nodes) for nbytes in sizes]
     times = []
     for nbytes in used:
-        shard = torch.ones(nbytes // 4)
+        shard = torch.ones(nbytes // e, dtype=_TORCH_DTYPES[e])
         times.append(_time(lambda: dist.all_reduce(shard, group=flow_group), None, reps, True))
     return {"allreduce": (used, times)}
 
@@ -240,6 +255,7 @@ def calibrate(
     reps: int = 3,
     intra_root: int = 0,
     flow_group: dist.ProcessGroup | None = None,
+    wire_dtype: str = "fp32",
 ) -> CalibrationResult:
     """Measure and fit the link parameters on the running process groups (collective call).
 
@@ -250,16 +266,18 @@ def calibrate(
     ``intra_root`` is the global rank of this node's first rank (reduce/broadcast root); the
     leader group's first member is global rank 0. ``flow_group`` (this rank's group of the
     ranks with its local rank, one per node), when given with several nodes and several ranks
-    per node, measures the torus's concurrent flows (``beta_inter_shared``).
+    per node, measures the torus's concurrent flows (``beta_inter_shared``). ``wire_dtype``:
+    the dtype of the inter-node measurements (fp32 or a 16-bit one, timed as fp16).
     """
+    wire = wire_bytes_per_element(wire_dtype)
     intra = inter = shared = None
     if ranks_per_node > 1:
         intra = _measure(intra_group, ranks_per_node, sizes, reps, True, intra_root,
                          intra_primitives(dist.get_backend()))
     if nodes > 1:
-        inter = _measure(leader_group, nodes, sizes, reps, is_leader, 0, INTER_PRIMITIVES)
+        inter = _measure(leader_group, nodes, sizes, reps, is_leader, 0, INTER_PRIMITIVES, wire)
     if nodes > 1 and ranks_per_node > 1 and flow_group is not None:
-        shared = _measure_shared(flow_group, nodes, ranks_per_node, sizes, reps)
+        shared = _measure_shared(flow_group, nodes, ranks_per_node, sizes, reps, wire)
     # Each time is already the slowest rank's; rank 0's samples are broadcast so that every
     # rank fits exactly the same numbers (non-leaders do not hold the leaders' sizes).
     samples = [intra, inter, shared]
@@ -268,17 +286,20 @@ def calibrate(
     return fit_calibration(ranks_per_node, nodes, *samples)
 
 
-def calibrate_process_groups(groups, sizes: Sequence[int] = DEFAULT_SIZES, reps: int = 3) -> CalibrationResult:
+def calibrate_process_groups(
+    groups, sizes: Sequence[int] = DEFAULT_SIZES, reps: int = 3, wire_dtype: str = "fp32"
+) -> CalibrationResult:
     """:func:`calibrate` on the strategy's ``ProcessGroups`` (``strategies/topology.py``).
 
     Uses ``groups.intra``, on local rank 0 ``groups.inter`` (the group of the ranks with the
     same local rank, i.e. the node leaders for local rank 0), and every rank's ``groups.inter``
-    at once for the torus's concurrent flows.
+    at once for the torus's concurrent flows; the inter-node level in ``wire_dtype``.
     """
     topo = groups.topology
     leader = groups.local_rank == 0
     return calibrate(groups.intra, groups.inter if leader else None, topo.ranks_per_node,
-                     topo.num_nodes, leader, sizes, reps, groups.intra_ranks[0], flow_group=groups.inter)
+                     topo.num_nodes, leader, sizes, reps, groups.intra_ranks[0], flow_group=groups.inter,
+                     wire_dtype=wire_dtype)
 
 
 def _main(argv: Sequence[str] | None = None) -> None:
@@ -297,6 +318,7 @@ def _main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--ranks-per-node", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     parser.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES), help="message sizes in bytes")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--wire-dtype", default="fp32", help="dtype of the inter-node measurements (fp32, fp16, bf16)")
     parser.add_argument("--output", required=True, help="JSON file written by rank 0")
     args = parser.parse_args(argv)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -304,13 +326,13 @@ def _main(argv: Sequence[str] | None = None) -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     groups = build_process_groups(RankTopology(dist.get_world_size(), args.ranks_per_node))
-    result = calibrate_process_groups(groups, args.sizes, args.reps)
+    result = calibrate_process_groups(groups, args.sizes, args.reps, args.wire_dtype)
     if dist.get_rank() == 0:
         fits = {name: None if fit is None else {"alpha": fit.alpha, "beta": fit.beta, "gamma": fit.gamma,
                                                 "max_rel_residual": fit.max_rel_residual, "samples": fit.samples}
                 for name, fit in (("intra", result.intra), ("inter", result.inter), ("shared", result.shared))}
         with open(args.output, "w") as fh:
-            json.dump({"params": result.params.as_dict(), "fits": fits,
+            json.dump({"params": result.params.as_dict(), "fits": fits, "wire_dtype": args.wire_dtype,
                        "nodes": groups.topology.num_nodes, "ranks_per_node": args.ranks_per_node}, fh, indent=2)
     dist.barrier()
     dist.destroy_process_group()
