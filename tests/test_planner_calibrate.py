@@ -68,7 +68,7 @@ def _calibrate_2x2(rank, world_size):
     # repetition once timed the larger shared flow faster than the smaller one (CI, stop 9)
     result = calibrate_process_groups(groups, sizes=[1 << 20, 32 << 20], reps=3)
     # the inter-node level in the wire dtype: fp16 tensors, sizes still in bytes on the wire
-    half = calibrate_process_groups(groups, sizes=[1 << 20, 32 << 20], reps=1, wire_dtype="fp16")
+    half = calibrate_process_groups(groups, sizes=[1 << 20, 32 << 20], reps=3, wire_dtype="fp16")
     return result.params.as_dict(), half.params.as_dict(), half.inter.samples["allreduce"]["sizes"]
 
 
