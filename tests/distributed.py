@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -27,6 +28,19 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
         queue.put((rank, fn(rank, world_size, *args)))
     finally:
         dist.destroy_process_group()
+
+
+class ReleaseProcessGroup(pl.Callback):
+    """Destroy the process group when a ``ddp_spawn`` Trainer ends, in each worker.
+
+    Lightning leaves it alive and the worker then exits with gloo's threads still running;
+    once in a full-suite run (2026-11-30) a worker aborted there ("terminate called without an
+    active exception", SIGABRT). ``teardown`` is the Trainer's last hook, after the strategy's.
+    """
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120) -> list:

@@ -10,6 +10,7 @@ import torch
 from lightning_fastscale.callbacks import LabelSmoothing, NoWeightDecayOnBiasNorm, ZeroInitResidualBN
 from lightning_fastscale.models import create_model
 from tests.callbacks_recipe_utils import TinyClassifier, tensor_loader
+from tests.distributed import ReleaseProcessGroup
 
 
 class _RankProbe(pl.Callback):
@@ -45,7 +46,8 @@ def test_recipe_callbacks_act_identically_on_every_rank(tmp_path) -> None:
         accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
         num_sanity_val_steps=0, default_root_dir=tmp_path,
-        callbacks=[NoWeightDecayOnBiasNorm(), LabelSmoothing(0.2), ZeroInitResidualBN(), _RankProbe(str(tmp_path))],
+        callbacks=[NoWeightDecayOnBiasNorm(), LabelSmoothing(0.2), ZeroInitResidualBN(), _RankProbe(str(tmp_path)),
+                   ReleaseProcessGroup()],
     )
     trainer.fit(module, tensor_loader())
     ranks = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_fastscale.callbacks import BatchSizeRamp, ProgressiveResizing, WarmupDecayLR
 from lightning_fastscale.callbacks.lr_schedule import lr_at
 from lightning_fastscale.data.protocol import check_positive
+from tests.distributed import ReleaseProcessGroup
 
 TRAIN_SIZE = 64
 
@@ -148,7 +149,7 @@ def test_ramp_trains_with_scheduled_global_batch_on_two_processes(tmp_path):
         accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=3, logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
         limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=tmp_path,
-        callbacks=[BatchSizeRamp(schedule, max_per_device_batch=8)],
+        callbacks=[BatchSizeRamp(schedule, max_per_device_batch=8), ReleaseProcessGroup()],
     )
     t.fit(TinyNet(record_dir=str(tmp_path)), ControllableDM(batch_size=99))
     ranks = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]

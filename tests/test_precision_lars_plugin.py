@@ -14,6 +14,7 @@ from torch.nn import functional as F
 
 from lightning_fastscale.param_groups import split_parameters
 from lightning_fastscale.precision import LARS, LARSMixedPrecision
+from tests.distributed import ReleaseProcessGroup
 
 
 def textbook(w, g, *, lr, wd, eta, eps, clip):
@@ -340,7 +341,8 @@ def test_ddp_two_processes_equals_single_process(tmp_path) -> None:
     for devices, strategy in ((1, "auto"), (2, "ddp_spawn")):
         module = RankInjected(make_net(bn=False), wd=1e-3, inject={1: math.inf})
         plugin = LARSMixedPrecision("32", "cpu", eta=0.01)
-        tr = trainer(plugin, tmp_path, max_steps=3, devices=devices, strategy=strategy, use_distributed_sampler=False)
+        tr = trainer(plugin, tmp_path, max_steps=3, devices=devices, strategy=strategy, use_distributed_sampler=False,
+                     callbacks=[ReleaseProcessGroup()])
         tr.fit(module)
         results.append([p.detach().clone() for p in module.parameters()])
     start = [p.detach() for p in make_net(bn=False).parameters()]
