@@ -16,7 +16,7 @@ from lightning_fastscale.planner.cost_model import (
     stage_times,
 )
 from lightning_fastscale.planner.fusion import FusionPlan, best_uniform_cap, ddp_buckets, plan_fusion, plan_two_segment
-from lightning_fastscale.planner.profile import GradientProfile, profile_model, profile_module
+from lightning_fastscale.planner.profile import GradientProfile, measure_backward_profile, profile_model, profile_module
 from lightning_fastscale.planner.scaling import DEFAULT_PIPELINE_CHUNK_MB, allreduce_cost, predict_step, scaling_curve
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "choose_algorithm",
     "ddp_buckets",
     "load_cluster",
+    "measure_backward_profile",
     "module_profile",
     "plan_fusion",
     "plan_two_segment",

@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_fastscale.planner.cost_model import ALGORITHMS, CommParams, Topology
 from lightning_fastscale.planner.fusion import FusionPlan, plan_fusion
-from lightning_fastscale.planner.profile import GradientProfile, profile_module
+from lightning_fastscale.planner.profile import GradientProfile, measure_backward_profile, profile_module
 from lightning_fastscale.planner.scaling import DEFAULT_PIPELINE_CHUNK_MB, allreduce_cost, chunk_numel_for
 
 __all__ = ["CHUNK_CANDIDATES_MB", "AutoPlan", "CostModelPlanner", "auto_plan", "best_chunk_plan", "module_profile"]
@@ -66,6 +66,20 @@ def module_profile(
     total = float(sum(sizes))
     times = [backward_time_s * s / total for s in sizes]
     return GradientProfile(tuple(n for n, _ in params), tuple(sizes), tuple(times), backward_time_s / 2)
+
+
+def _measured_on_rank0(module: nn.Module, example_input: torch.Tensor) -> GradientProfile:
+    """:func:`measure_backward_profile` on every rank, rank 0's result kept by all.
+
+    Every rank runs the passes, so layers that communicate in forward (SyncBatchNorm) stay
+    matched; only rank 0's timings are used, because DDP needs the same buckets everywhere.
+    """
+    profile = measure_backward_profile(module, example_input)
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        shared = [profile]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        profile = shared[0]
+    return profile
 
 
 def auto_plan(
@@ -137,9 +151,11 @@ class CostModelPlanner:
     ``params``: a :class:`CommParams`, a :class:`~lightning_fastscale.planner.cluster.Cluster`
     or the name/path of a cluster description; ``None`` with ``calibrate=True`` measures them
     at setup on the real process groups (:mod:`~lightning_fastscale.planner.calibrate`).
-    Backward time per gradient: from ``example_input`` (default: the module's
-    ``example_input_array``) and ``sustained_tflops`` (default: the cluster's device), else
-    ``backward_time_s`` spread over the gradients by size. ``wire_dtype``, ``topk_ratio`` and
+    Backward time per gradient: with ``measure_backward=True``, timed on the module's device
+    at setup (:func:`~lightning_fastscale.planner.profile.measure_backward_profile` on
+    ``example_input``, rank 0's profile broadcast to every rank); else from ``example_input``
+    (default: the module's ``example_input_array``) and ``sustained_tflops`` (default: the
+    cluster's device), else ``backward_time_s`` spread over the gradients by size. ``wire_dtype``, ``topk_ratio`` and
     ``pipeline_chunk_mb`` must match the strategy's ``comm_dtype``, top-k setting and
     ``pipeline_chunk_mb``. The plan is computed once per
     module and topology; every rank computes the same plan from the same inputs (calibrated
@@ -157,6 +173,7 @@ class CostModelPlanner:
         backward_time_s: float | None = None,
         sustained_tflops: float | None = None,
         example_input: torch.Tensor | None = None,
+        measure_backward: bool = False,
         algorithms: Sequence[str] = ALGORITHMS,
         pipeline_chunk_mb: float | str | None = DEFAULT_PIPELINE_CHUNK_MB,
     ) -> None:
@@ -177,6 +194,7 @@ class CostModelPlanner:
         self.backward_time_s = backward_time_s
         self.sustained_tflops = sustained_tflops
         self.example_input = example_input
+        self.measure_backward = measure_backward
         self.algorithms = tuple(algorithms)
         chunk_numel_for(pipeline_chunk_mb)  # validates it now, before any process starts
         self.pipeline_chunk_mb = pipeline_chunk_mb
@@ -201,14 +219,22 @@ class CostModelPlanner:
             example = self.example_input
             if example is None:
                 example = getattr(module, "example_input_array", None)
-            if not isinstance(example, torch.Tensor) or self.sustained_tflops is None:
+            if not isinstance(example, torch.Tensor):
                 example = None
-            if example is None and self.backward_time_s is None:
+            if self.measure_backward:
+                if example is None:
+                    raise ValueError("CostModelPlanner(measure_backward=True) needs example_input=... "
+                                     "(or a module example_input_array tensor) to time backward on")
+                profile = _measured_on_rank0(module, example)
+            elif (example is None or self.sustained_tflops is None) and self.backward_time_s is None:
                 raise ValueError(
                     "CostModelPlanner cannot estimate backward time: give backward_time_s=..., or "
-                    "sustained_tflops=... with example_input=... (or a module example_input_array)"
+                    "sustained_tflops=... with example_input=... (or a module example_input_array), "
+                    "or measure_backward=True"
                 )
-            profile = module_profile(module, self.backward_time_s, example, self.sustained_tflops)
+            else:
+                flops_input = example if self.sustained_tflops is not None else None
+                profile = module_profile(module, self.backward_time_s, flops_input, self.sustained_tflops)
             params = self._params(planner_topology, topology)
             self._plans[key] = auto_plan(profile, planner_topology, params, self.wire_dtype, self.topk_ratio,
                                          self.algorithms, chunk_mb=self.pipeline_chunk_mb)

@@ -7,21 +7,25 @@ a model built on the ``meta`` device (no memory, no compute), backward is taken 
 forward (Kaplan et al. 2020's usual 1:2 forward:backward ratio for matmul/conv), and the
 device's sustained FLOP/s turns FLOPs into seconds. Memory-bound layers (batch norm,
 activations) count zero FLOPs, so pass measured per-layer times where they matter
-(:func:`profile_from_times`).
+(:func:`profile_from_times`), or let :func:`measure_backward_profile` time every gradient
+on the real device.
 
 Backward order is the reverse of ``model.parameters()``, which is also the order DDP assumes
 before its first rebuild; for sequential models it is the order gradients become ready.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import statistics
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["GradientProfile", "build_model", "profile_from_times", "profile_model", "profile_module"]
+__all__ = ["GradientProfile", "build_model", "measure_backward_profile", "profile_from_times", "profile_model",
+           "profile_module"]
 
 
 @dataclass(frozen=True)
@@ -151,11 +155,14 @@ def profile_model(name: str, batch: int, input_size: int, sustained_tflops: floa
 def profile_module(module: nn.Module, example_input: torch.Tensor, sustained_tflops: float) -> GradientProfile:
     """Gradient profile of ``module`` from one forward pass on ``example_input``.
 
-    The module may live on the meta device (nothing is computed) or on CPU (one real
-    forward pass, without autograd).
+    The module may live on the meta device (nothing is computed) or on a real one (one
+    forward pass, without autograd; ``example_input`` is moved to the module's device).
     """
     if sustained_tflops <= 0:
         raise ValueError(f"sustained_tflops={sustained_tflops} must be > 0")
+    first = next(module.parameters(), None)
+    if first is not None:  # a strategy's module may already sit on its GPU
+        example_input = example_input.to(first.device)
     counter = FlopCounterMode(display=False)
     with counter, torch.no_grad():
         module(example_input)
@@ -176,6 +183,78 @@ def profile_module(module: nn.Module, example_input: torch.Tensor, sustained_tfl
         pending = 0.0
     forward_s = sum(own.values()) / flops_per_s
     return GradientProfile(tuple(names), tuple(sizes), tuple(times), forward_s)
+
+
+def measure_backward_profile(
+    module: nn.Module,
+    example_input: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    reps: int = 3,
+) -> GradientProfile:
+    """Gradient profile of ``module`` timed on its own device: when each gradient is ready.
+
+    One warm-up and ``reps`` timed forward + backward passes on ``example_input`` (on the
+    module's device); a hook after each parameter's gradient accumulation
+    (``register_post_accumulate_grad_hook``) stamps the time, and each gradient's
+    ``backward_s`` is the median over the passes of the time since the previous one became
+    ready (the first: since backward started). The order is the order the gradients really
+    became ready, which for models whose ``forward`` does not follow the registration order
+    differs from the reverse of ``parameters()`` that :func:`profile_module` assumes. This is
+    the measured input of the Jia et al. 2018 fusion model; on CUDA each hook synchronises,
+    which serialises the kernels it times (compute only, no overlap: what the planner adds
+    communication to). ``loss_fn`` maps the output to a scalar (default: its sum). Nothing of
+    the module changes: gradients and buffers (batch-norm statistics) are put back.
+    """
+    if reps < 1:
+        raise ValueError(f"reps={reps} must be >= 1")
+    params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("measure_backward_profile: the module has no trainable parameters")
+    device = params[0][1].device
+    example_input = example_input.to(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    saved_grads = [p.grad for _, p in params]
+    saved_buffers = [b.detach().clone() for b in module.buffers()]
+    stamps: list[tuple[str, float]] = []
+
+    def stamper(name: str) -> Callable[[torch.Tensor], None]:
+        def stamp(_: torch.Tensor) -> None:
+            sync()
+            stamps.append((name, time.perf_counter()))
+        return stamp
+
+    handles = [p.register_post_accumulate_grad_hook(stamper(n)) for n, p in params]
+    runs: list[tuple[float, list[tuple[str, float]]]] = []
+    try:
+        for _ in range(reps + 1):
+            for _, p in params:
+                p.grad = None
+            stamps.clear()
+            sync()
+            start = time.perf_counter()
+            output = module(example_input)
+            loss = loss_fn(output) if loss_fn is not None else output.float().sum()
+            sync()
+            begin = time.perf_counter()
+            loss.backward()
+            runs.append((begin - start, [(name, t - prev) for (name, t), prev
+                                         in zip(stamps, [begin] + [t for _, t in stamps[:-1]])]))
+    finally:
+        for handle in handles:
+            handle.remove()
+        for (_, p), grad in zip(params, saved_grads):
+            p.grad = grad
+        with torch.no_grad():
+            for buffer, value in zip(module.buffers(), saved_buffers):
+                buffer.copy_(value)
+    timed = runs[1:]
+    order = [name for name, _ in timed[0][1]]
+    if any([name for name, _ in run] != order for _, run in timed):
+        raise RuntimeError("measure_backward_profile: gradients became ready in a different order between passes")
+    sizes = {n: p.numel() * p.element_size() for n, p in params}
+    backward = [statistics.median(run[i][1] for _, run in timed) for i in range(len(order))]
+    forward_s = statistics.median(f for f, _ in timed)
+    return GradientProfile(tuple(order), tuple(sizes[n] for n in order), tuple(backward), forward_s)
 
 
 def profile_from_times(grad_bytes: Sequence[int], backward_s: Sequence[float], forward_s: float = 0.0) -> GradientProfile:
