@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+import torch
 import lightning.pytorch as pl
 from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.callbacks import LearningRateMonitor, ThroughputMonitor
@@ -119,6 +120,10 @@ def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.
         scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
         model_kwargs=OmegaConf.to_container(model_cfg.kwargs, resolve=True) if model_cfg.get("kwargs") else {},
     )
+    if hasattr(datamodule, "train_batch_size") and hasattr(datamodule, "train_resolution"):
+        # one per-device training batch: what the planner profiles backward on (FLOPs or timing)
+        side = datamodule.train_resolution
+        module.example_input_array = torch.zeros(datamodule.train_batch_size, 3, side, side)
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
     logger = build_logger(cfg)
     if not logger:  # these only report to a logger, and Lightning refuses them without one
