@@ -155,9 +155,9 @@ class CostModelPlanner:
     at setup (:func:`~lightning_fastscale.planner.profile.measure_backward_profile` on
     ``example_input``, rank 0's profile broadcast to every rank); else from ``example_input``
     (default: the module's ``example_input_array``) and ``sustained_tflops`` (default: the
-    cluster's device), else ``backward_time_s`` spread over the gradients by size. ``wire_dtype``, ``topk_ratio`` and
-    ``pipeline_chunk_mb`` must match the strategy's ``comm_dtype``, top-k setting and
-    ``pipeline_chunk_mb``. The plan is computed once per
+    cluster's device), else ``backward_time_s`` spread over the gradients by size.
+    ``wire_dtype``, ``topk_ratio`` and ``pipeline_chunk_mb`` must match the strategy's
+    ``comm_dtype``, top-k setting and ``pipeline_chunk_mb``. The plan is computed once per
     module and topology; every rank computes the same plan from the same inputs (calibrated
     parameters are broadcast from rank 0).
     """
