@@ -16,13 +16,23 @@ extra checks of the pipelining formula at other chunk sizes. Predictions use the
 actually measured (``ceil(numel / k)`` elements).
 
 Prints a markdown table (measured median and range of the repetitions, predicted, relative
-error) and whether the algorithm the planner picks is the measured fastest, per size and
-chunking; a miss counts as beyond the spread of the repetitions when the picked algorithm's
-fastest repetition is slower than the fastest algorithm's slowest one. Needs root (network
-namespaces). Example::
+error) and whether the algorithm the planner picks is the measured fastest (by median), per
+size and chunking. Two rules say whether a miss is more than noise:
+
+- beyond the spread of the repetitions: the picked algorithm's fastest repetition is slower
+  than the fastest algorithm's slowest one;
+- beyond noise, paired: the algorithms are timed interleaved (every round runs each once, see
+  :mod:`lightning_fastscale.emulation.collectives`), so round ``i`` of each was taken under
+  nearly the same load. A miss is beyond noise when the measured fastest beat the picked
+  algorithm in every round: a sign test, which two equally fast algorithms pass with
+  probability ``0.5**rounds`` (3 % at 5 rounds; it cannot reject anything below 5 rounds at
+  the 5 % level).
+
+Per case it also reports the round wins of each algorithm and the median over rounds of the
+picked algorithm's time over the round's fastest. Needs root (network namespaces). Example::
 
     .venv/bin/python benchmarks/planner_validation.py --configs 2x4:500 2x4:200 4x2:500 \
-        --numels 1000000 4000000 16000000 --reps 3 --json results.json
+        --numels 1000000 4000000 16000000 --reps 5 --json results.json
 """
 from __future__ import annotations
 
@@ -113,6 +123,7 @@ def validate(nodes: int, ranks_per_node: int, cap_mbit: float, numels: list[int]
                     "default_chunking": default_chunks.get(numel, 1) == k,
                     "algorithm": algorithm, "measured_as": specs[(algorithm, k)],
                     "measured_s": run["median_s"], "times_s": run["times_s"],
+                    "interleaved": measured["config"].get("schedule") == "interleaved",
                     "params": calib["params"], "fits": calib.get("fits"),
                 })
     return predict_rows(rows)
@@ -160,6 +171,7 @@ def predict_rows(rows: list[dict]) -> list[dict]:
         # A miss is clear only if the repetitions do not overlap: the picked algorithm's
         # fastest repetition is slower than the fastest algorithm's slowest one.
         clear_miss = picked != fastest and min(reps[picked]) > max(reps[fastest])
+        paired = paired_stats(reps, picked, fastest) if all(r.get("interleaved") for r in case) else {}
         for r in case:
             r.update(
                 predicted_s=predicted[r["algorithm"]],
@@ -168,8 +180,27 @@ def predict_rows(rows: list[dict]) -> list[dict]:
                 # Within measurement noise the "fastest" is not meaningful: report the margin.
                 picked_vs_fastest=times[picked] / times[fastest],
                 miss_beyond_spread=clear_miss,
+                **paired,
             )
     return rows
+
+
+def paired_stats(reps: dict[str, list[float]], picked: str, fastest: str) -> dict:
+    """Round-by-round comparison of interleaved repetitions (``reps[a][i]``: round ``i``).
+
+    ``round_wins``: rounds each algorithm was the fastest in; ``picked_vs_round_best``: median
+    over rounds of the picked algorithm's time over that round's fastest; ``miss_beyond_noise``:
+    the picked algorithm is not the measured fastest and lost to it in every round (sign test).
+    """
+    rounds = list(zip(*reps.values()))
+    names = list(reps)
+    wins = dict.fromkeys(names, 0)
+    for times in rounds:
+        wins[names[int(np.argmin(times))]] += 1
+    ratios = [t[names.index(picked)] / min(t) for t in rounds]
+    lost_every_round = all(p > f for p, f in zip(reps[picked], reps[fastest]))
+    return dict(rounds=len(rounds), round_wins=wins, picked_vs_round_best=float(np.median(ratios)),
+                miss_beyond_noise=picked != fastest and lost_every_round)
 
 
 def format_table(rows: list[dict]) -> str:
@@ -179,17 +210,19 @@ def format_table(rows: list[dict]) -> str:
     (one chunk where the size is below the chunk size: those runs are the unchunked ones).
     """
     lines = ["| nodes x ranks | cap Mbit/s | wire | numel | chunks | algorithm | measured s (rep range) | predicted s "
-             "| error | picked | measured fastest |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| error | picked | measured fastest | round wins | picked / round's best |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         chunks = f"{r['chunks']}" + (" (default)" if r["default_chunking"] and r["chunks"] > 1 else "")
         spread = ", beyond rep spread" if r["miss_beyond_spread"] else ""
+        spread += ", beyond noise (paired)" if r.get("miss_beyond_noise") else ""
         lines.append(
             f"| {r['nodes']}x{r['ranks_per_node']} | {r['cap_mbit']:g} | {r.get('wire_dtype', 'fp32')} | {r['numel']} "
             f"| {chunks} | {r['algorithm']} "
             f"| {r['measured_s']:.3f} ({min(r['times_s']):.3f}-{max(r['times_s']):.3f}) | {r['predicted_s']:.3f} "
             f"| {100 * r['rel_error']:+.0f}% | {r['picked']} "
-            f"| {r['measured_fastest']} ({r['picked_vs_fastest']:.2f}x of it{spread}) |"
+            f"| {r['measured_fastest']} ({r['picked_vs_fastest']:.2f}x of it{spread}) "
+            f"| {_wins(r)} | {_round_ratio(r)} |"
         )
     lines.append("")
     subsets = {
@@ -212,7 +245,26 @@ def format_table(rows: list[dict]) -> str:
         lines.append(f"{name}: within 25%: {within}/{len(subset)} predictions (median |error| {median:.0f}%); "
                      f"picked = measured fastest: {right}/{len(cases)} cases ({close}/{len(cases)} within 5% "
                      f"of the fastest; {clear} misses beyond the spread of the repetitions)")
+        if all("rounds" in r for r in cases.values()):
+            rounds = sorted({r["rounds"] for r in cases.values()})
+            noisy = sum(r["miss_beyond_noise"] for r in cases.values())
+            most = sum(r["round_wins"][r["picked"]] == max(r["round_wins"].values()) for r in cases.values())
+            paired_close = sum(r["picked_vs_round_best"] <= 1.05 for r in cases.values())
+            lines.append(f"  paired ({'/'.join(map(str, rounds))} interleaved rounds): {len(cases) - right} misses, "
+                         f"{len(cases) - right - noisy} within noise, {noisy} beyond noise (the fastest beat the "
+                         f"pick in every round: p = {0.5 ** min(rounds):.0%} for two equally fast); picked won the most rounds (ties count): {most}/{len(cases)}; "
+                         f"median picked / round's best <= 1.05: {paired_close}/{len(cases)}")
     return "\n".join(lines)
+
+
+def _wins(row: dict) -> str:
+    if "round_wins" not in row:
+        return "n/a (not interleaved)"
+    return " ".join(f"{a} {n}" for a, n in row["round_wins"].items()) + f" of {row['rounds']}"
+
+
+def _round_ratio(row: dict) -> str:
+    return f"{row['picked_vs_round_best']:.3f}x" if "picked_vs_round_best" in row else "n/a"
 
 
 def format_compact(rows: list[dict], default_only: bool = True) -> str:
@@ -226,15 +278,19 @@ def format_compact(rows: list[dict], default_only: bool = True) -> str:
             continue
         cases.setdefault(_case(r), {})[r["algorithm"]] = r
     lines = ["| nodes x ranks | Mbit/s | wire | numel | chunks | " + " | ".join(f"{a} meas / pred" for a in MEASURED)
-             + " | picked | measured fastest |", "|---|---|---|---|---|" + "---|" * len(MEASURED) + "---|---|"]
+             + " | picked | measured fastest | round wins | picked / round's best |",
+             "|---|---|---|---|---|" + "---|" * len(MEASURED) + "---|---|---|---|"]
     for (nodes, rpn, cap, numel, chunks, wire), by_alg in cases.items():
         first = next(iter(by_alg.values()))
         cells = [f"{by_alg[a]['measured_s']:.3f} / {by_alg[a]['predicted_s']:.3f} ({100 * by_alg[a]['rel_error']:+.0f}%)"
                  for a in MEASURED]
         spread = "beyond rep spread" if first["miss_beyond_spread"] else "within rep spread"
+        if "miss_beyond_noise" in first:
+            spread += ", beyond noise" if first["miss_beyond_noise"] else ", within noise"
         margin = "" if first["picked_is_fastest"] else f" ({first['picked_vs_fastest']:.2f}x faster, {spread})"
         lines.append(f"| {nodes}x{rpn} | {cap:g} | {wire} | {numel / 1e6:g}M | {chunks} | " + " | ".join(cells)
-                     + f" | {first['picked']} | {first['measured_fastest']}{margin} |")
+                     + f" | {first['picked']} | {first['measured_fastest']}{margin} | {_wins(first)} "
+                     f"| {_round_ratio(first)} |")
     return "\n".join(lines)
 
 
@@ -246,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--numels", type=int, nargs="+", default=[1_000_000, 4_000_000, 16_000_000])
     parser.add_argument("--calib-sizes", type=int, nargs="+", default=list(DEFAULT_SIZES),
                         help="calibration message sizes in bytes")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5, help="interleaved rounds (5: the paired sign test's 3 %%)")
     parser.add_argument("--chunk-mb", type=float, default=CHUNK_MB,
                         help="pipeline chunk in MiB whose chunk counts are measured (0: unchunked only)")
     parser.add_argument("--wire-dtype", choices=["fp32", "fp16", "bf16"], default="fp32",

@@ -9,6 +9,14 @@ Times are compared against the bandwidth bound 2(N-1)/N * M / B: the bytes each 
 send over its link in any all-reduce of M bytes across N nodes (Patarasuk & Yuan 2009; used
 for the hierarchical all-reduce of Jia et al. 2018 and the 2D torus of Mikami et al. 2018).
 
+The algorithms are timed interleaved: per size, each runs once to warm up, then every round
+runs each of them once, the order rotated by one per round. On a shared machine the load
+drifts over a measurement; timed back to back (all repetitions of one algorithm, then the
+next) that drift lands on the algorithms unequally and can decide which looks fastest when
+they are close. Interleaved, each round's times are taken under nearly the same load, so
+algorithms can be compared round by round (paired), and rotating the order keeps any
+first-in-round or follows-that-one effect from always landing on the same algorithm.
+
 Algorithm specs are ``name[:dtype][@chunks]``: ``dtype`` (``fp32``, ``fp16``, ``bf16``) is
 what goes over the inter-node wire, ``chunks`` splits the tensor into that many pieces
 pipelined through the stages (default: one piece), or ``@<x>mb`` into pieces of x MiB (the
@@ -18,7 +26,7 @@ strategy's ``pipeline_chunk_mb``). Names:
 - ``ring``, ``hier``, ``torus2d``: the strategy's functions in
   :mod:`lightning_fastscale.strategies.allreduce`.
 - ``hier_topk``, ``torus2d_topk``: the same with top-k compression of the inter-node stage
-  (``topk_ratio``, error feedback carried across repetitions).
+  (``topk_ratio``, error feedback carried across rounds).
 """
 from __future__ import annotations
 
@@ -32,7 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-__all__ = ["measure_allreduce", "bandwidth_bound_s", "parse_algorithm", "WIRE_DTYPES"]
+__all__ = ["measure_allreduce", "bandwidth_bound_s", "parse_algorithm", "rotated", "WIRE_DTYPES"]
 
 WIRE_DTYPES = {"fp32": None, "fp16": "float16", "bf16": "bfloat16"}
 _ALGORITHMS = ("flat", "ring", "hier", "torus2d", "hier_topk", "torus2d_topk")
@@ -81,21 +89,23 @@ def measure_allreduce(
     """Time all-reduce ``algorithms`` of fp32 tensors of ``numels`` elements on emulated clusters.
 
     One emulated cluster of ``num_nodes`` x ``ranks_per_node`` CPU ranks (gloo) is built per
-    entry of ``caps_mbit`` (Mbit/s per node link and direction; ``None`` = uncapped). Every
-    (size, algorithm) is run ``reps`` times after one warm-up; a repetition's time is the
-    slowest rank's. Needs root (network namespaces); raises
+    entry of ``caps_mbit`` (Mbit/s per node link and direction; ``None`` = uncapped). Per
+    size, every algorithm runs once to warm up, then ``reps`` rounds each run every algorithm
+    once, in an order rotated by one each round (see the module docstring); a repetition's
+    time is the slowest rank's. ``times_s[i]`` of every algorithm of one size come from the
+    same round ``i``, so they can be compared in pairs. Needs root (network namespaces); raises
     :class:`~lightning_fastscale.emulation.NamespaceUnavailable` otherwise.
 
     Returns ``{"config": {...}, "results": [{"cap_mbit", "numel", "algorithm", "times_s",
     "median_s", "rel_error", "bound_s", "bound_fraction", "ratio_vs_flat"}, ...]}`` where
-    ``bound_s`` is for the fp32 payload and ``ratio_vs_flat`` is flat's median over this
+    ``rel_error`` is the largest over the rounds, ``bound_s`` is for the fp32 payload and ``ratio_vs_flat`` is flat's median over this
     one's, measured in the same cluster (``None`` when ``flat`` was not requested).
     """
     from lightning_fastscale.emulation.netns_cluster import EmulatedCluster
 
     for spec in algorithms:
         parse_algorithm(spec)
-    config = dict(numels=list(numels), algorithms=list(algorithms), reps=reps,
+    config = dict(numels=list(numels), algorithms=list(algorithms), reps=reps, schedule="interleaved",
                   topk_ratio=topk_ratio, ranks_per_node=ranks_per_node)
     results = []
     for cap in caps_mbit:
@@ -154,6 +164,42 @@ def _make_algorithm(spec: str, numel: int, groups, cfg: dict) -> Callable:
     return lambda t: fn(t, groups, comm_dtype=wire, chunk_numel=chunk_numel)
 
 
+def rotated(items: Sequence[str], shift: int) -> list[str]:
+    """``items`` rotated left by ``shift`` (round ``r`` of the timing starts with item ``r mod n``)."""
+    k = shift % len(items) if items else 0
+    return [*items[k:], *items[:k]]
+
+
+def _time_interleaved(runs: dict[str, Callable], base, reps: int) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Time every run of ``runs`` once per round, ``reps`` rounds after one warm-up round.
+
+    Round ``r`` runs them in the order :func:`rotated` by ``r``, so no algorithm always goes
+    first or follows the same one. Rank ``r`` reduces ``(r + 1) * base``, whose exact sum is
+    known without gathering. Returns the times (slowest rank's, one per round, in round order)
+    and the largest relative error of the result over all rounds, per name.
+    """
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    expected = base * (world * (world + 1) / 2)
+    work = torch.empty_like(base)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    errors = dict.fromkeys(runs, 0.0)
+    for round_ in range(reps + 1):  # round 0 warms up connections and the allocator
+        for name in rotated(list(runs), round_):
+            torch.mul(base, rank + 1, out=work)
+            dist.barrier()
+            start = time.perf_counter()
+            runs[name](work)
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            errors[name] = max(errors[name], ((work - expected).norm() / expected.norm()).item())
+            if round_ > 0:
+                times[name].append(elapsed.item())
+    return times, errors
+
+
 def _worker(cfg: dict) -> None:
     import torch
     import torch.distributed as dist
@@ -166,27 +212,14 @@ def _worker(cfg: dict) -> None:
     rows = []
     for numel in cfg["numels"]:
         base = torch.randn(numel, generator=torch.Generator().manual_seed(0))
-        # Rank r contributes (r + 1) * base, so the exact sum is known without gathering.
-        expected = base * (world * (world + 1) / 2)
-        work = torch.empty_like(base)
-        for spec in cfg["algorithms"]:
-            run = _make_algorithm(spec, numel, groups, cfg)
-            times = []
-            for rep in range(cfg["reps"] + 1):
-                torch.mul(base, rank + 1, out=work)
-                dist.barrier()
-                start = time.perf_counter()
-                run(work)
-                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                if rep > 0:  # rep 0 warms up connections and allocator
-                    times.append(elapsed.item())
-            rel_error = ((work - expected).norm() / expected.norm()).item()
-            rows.append(dict(numel=numel, algorithm=spec, times_s=times,
-                             median_s=statistics.median(times), rel_error=rel_error))
+        runs = {spec: _make_algorithm(spec, numel, groups, cfg) for spec in cfg["algorithms"]}
+        times, errors = _time_interleaved(runs, base, cfg["reps"])
+        for spec in runs:
+            rows.append(dict(numel=numel, algorithm=spec, times_s=times[spec],
+                             median_s=statistics.median(times[spec]), rel_error=errors[spec]))
             if rank == 0:
                 print(f"[allreduce] {spec:18s} numel={numel} median={rows[-1]['median_s']:.3f}s "
-                      f"rel_error={rel_error:.2e}", flush=True)
+                      f"rel_error={errors[spec]:.2e}", flush=True)
     if rank == 0:
         Path(cfg["output"]).write_text(json.dumps(rows))
     dist.barrier()
