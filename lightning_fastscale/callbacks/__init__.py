@@ -1,5 +1,11 @@
 """Large-batch recipe callbacks, one technique per module (see each module for its paper)."""
 from lightning_fastscale.callbacks.batch_size_ramp import BatchSizeRamp
+from lightning_fastscale.callbacks.ghost_batch_norm import (
+    GhostBatchNorm,
+    GhostBatchNormLayer,
+    apply_ghost_batch_norm,
+    ghost_batch_norm,
+)
 from lightning_fastscale.callbacks.lr_schedule import WarmupDecayLR
 from lightning_fastscale.callbacks.progressive_resizing import ProgressiveResizing
 from lightning_fastscale.callbacks.label_smoothing import LabelSmoothing, smooth_targets, smoothing_at_epoch
@@ -12,12 +18,16 @@ from lightning_fastscale.callbacks.zero_init_residual_bn import ZeroInitResidual
 
 __all__ = [
     "BatchSizeRamp",
+    "GhostBatchNorm",
+    "GhostBatchNormLayer",
     "LabelSmoothing",
     "NoWeightDecayOnBiasNorm",
     "ProgressiveResizing",
     "SkipWeightDecay",
     "WarmupDecayLR",
     "ZeroInitResidualBN",
+    "apply_ghost_batch_norm",
+    "ghost_batch_norm",
     "param_groups_without_decay",
     "smooth_targets",
     "smoothing_at_epoch",

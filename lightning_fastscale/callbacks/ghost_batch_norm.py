@@ -1,0 +1,205 @@
+"""Batch norm over fixed-size groups of the batch ("ghost" batch norm).
+
+Goyal et al. 2017 ("Accurate, Large Minibatch SGD", section 2.3) treat the number of samples
+BN normalises over, n, as a hyperparameter of its own: each of their k workers normalises over
+its own n = 32 images, and that n stays fixed while the global batch kn grows to 8K. Hoffer et
+al. 2017 ("Train longer, generalize better") call the same thing ghost batch normalisation and
+show it recovers part of the large-batch generalisation gap; Ying et al. 2018 (TPU ImageNet
+in minutes) likewise pick the BN group independently of the per-replica batch.
+
+So when one device holds what would be many workers' batches (a CPU study of batch 512, or a
+large per-GPU batch), plain BN normalises over far more samples than the published recipes did.
+This module splits each device's batch into consecutive groups of ``ghost_batch_size`` samples
+and normalises every group with its own mean and variance, as that many workers would. The
+running statistics used at evaluation are updated once per step with the mean over the full
+groups of their means and (unbiased) variances. A batch that is not a multiple of the group size
+normalises its remainder as one smaller group; a batch no larger than one group is plain BN.
+
+Functional core: :func:`ghost_batch_norm`, :func:`apply_ghost_batch_norm`. Module:
+:class:`GhostBatchNormLayer`. Lightning adapter: :class:`GhostBatchNorm`.
+"""
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+_PLAIN_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+def _check_ghost_batch_size(ghost_batch_size: int) -> None:
+    if isinstance(ghost_batch_size, bool) or not isinstance(ghost_batch_size, int) or ghost_batch_size < 2:
+        raise ValueError(
+            f"ghost_batch_size={ghost_batch_size!r} must be an integer >= 2 (the number of samples each "
+            "BN group normalises over, e.g. the per-worker batch of the run being reproduced)"
+        )
+
+
+def ghost_batch_norm(
+    x: torch.Tensor,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    ghost_batch_size: int,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """Training-mode batch norm of ``x`` (N, C, ...) over consecutive groups of ``ghost_batch_size``.
+
+    Equal to calling ``F.batch_norm(group, training=True)`` on each group of the batch and
+    concatenating the results; the running statistics (when given) move by ``momentum`` toward
+    the mean over full groups of the group means and unbiased group variances.
+    """
+    _check_ghost_batch_size(ghost_batch_size)
+    n, channels = x.shape[0], x.shape[1]
+    groups = n // ghost_batch_size
+    if groups <= 1:
+        return F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)
+    full = groups * ghost_batch_size
+    # Fold the group index into the channel axis, so one native batch-norm call normalises
+    # every (group, channel) pair on its own: (G*g, C, ...) -> (g, G*C, ...).
+    spatial = x.shape[2:]
+    folded = (
+        x[:full].reshape(groups, ghost_batch_size, channels, -1)
+        .transpose(0, 1).reshape(ghost_batch_size, groups * channels, -1)
+    )
+    group_mean = group_var = None
+    if running_mean is not None and running_var is not None:
+        group_mean = running_mean.repeat(groups)
+        group_var = running_var.repeat(groups)
+    out = F.batch_norm(
+        folded, group_mean, group_var,
+        None if weight is None else weight.repeat(groups),
+        None if bias is None else bias.repeat(groups),
+        True, momentum, eps,
+    )
+    out = out.reshape(ghost_batch_size, groups, channels, -1).transpose(0, 1).reshape(full, channels, *spatial)
+    if group_mean is not None:
+        # Each group's copy moved from the same start by the same momentum, so their mean is
+        # the update with the mean of the group statistics.
+        with torch.no_grad():
+            running_mean.copy_(group_mean.view(groups, channels).mean(0))
+            running_var.copy_(group_var.view(groups, channels).mean(0))
+    if full == n:
+        return out
+    rest = F.batch_norm(x[full:], None, None, weight, bias, True, 0.0, eps)
+    return torch.cat([out, rest])
+
+
+class GhostBatchNormLayer(_BatchNorm):
+    """A BatchNorm layer that normalises training batches in groups of ``ghost_batch_size``.
+
+    Same parameters, buffers and state-dict keys as ``nn.BatchNorm1d/2d/3d`` (so checkpoints
+    load either way); evaluation uses the running statistics as plain BN does.
+    """
+
+    def __init__(self, num_features: int, ghost_batch_size: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True, device=None, dtype=None) -> None:
+        _check_ghost_batch_size(ghost_batch_size)
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        self.ghost_batch_size = ghost_batch_size
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"GhostBatchNormLayer expects input of shape (N, C, ...), got {tuple(input.shape)}")
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, ghost_batch_size={self.ghost_batch_size}"
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return super().forward(input)
+        self._check_input_dim(input)
+        momentum = 0.0 if self.momentum is None else self.momentum
+        if self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:  # cumulative moving average, as nn.BatchNorm
+                momentum = 1.0 / float(self.num_batches_tracked)
+        return ghost_batch_norm(
+            input, self.running_mean, self.running_var, self.weight, self.bias,
+            self.ghost_batch_size, momentum, self.eps,
+        )
+
+
+def _to_ghost(bn: _BatchNorm, ghost_batch_size: int) -> GhostBatchNormLayer:
+    ghost = GhostBatchNormLayer(bn.num_features, ghost_batch_size, bn.eps, bn.momentum, bn.affine,
+                                bn.track_running_stats, device="meta")
+    # Share the very parameter and buffer objects, so an optimizer built before keeps working.
+    for name, param in bn.named_parameters(recurse=False):
+        setattr(ghost, name, param)
+    for name, buffer in bn.named_buffers(recurse=False):
+        setattr(ghost, name, buffer)
+    ghost.train(bn.training)
+    return ghost
+
+
+def apply_ghost_batch_norm(model: nn.Module, ghost_batch_size: int) -> list[str]:
+    """Replace every ``nn.BatchNorm1d/2d/3d`` in ``model`` by a :class:`GhostBatchNormLayer`, in place.
+
+    The new layers share the old ones' parameters and buffers. Layers that are already ghost
+    layers get the new group size. Returns the qualified names of the layers converted.
+
+    Raises:
+        ValueError: for a bad ``ghost_batch_size``, or when ``model`` has no plain BatchNorm
+        layer to convert (subclasses such as SyncBatchNorm or timm's BatchNormAct2d are not
+        converted: their forward does more than normalise).
+    """
+    _check_ghost_batch_size(ghost_batch_size)
+    converted: list[str] = []
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            qualified = f"{parent_name}.{child_name}" if parent_name else child_name
+            if isinstance(child, GhostBatchNormLayer):
+                child.ghost_batch_size = ghost_batch_size
+                converted.append(qualified)
+            elif type(child) in _PLAIN_BATCH_NORMS:
+                setattr(parent, child_name, _to_ghost(child, ghost_batch_size))
+                converted.append(qualified)
+    if not converted:
+        others = sorted({type(m).__name__ for m in model.modules() if isinstance(m, _BatchNorm)})
+        found = f"; it has {', '.join(others)}, which are not converted" if others else ""
+        raise ValueError(
+            f"GhostBatchNorm: {type(model).__name__} has no nn.BatchNorm1d/2d/3d layer{found}; "
+            "remove the callback, or build the model with plain BatchNorm layers"
+        )
+    return converted
+
+
+class GhostBatchNorm(pl.Callback):
+    """Normalise each device's training batch in groups of ``ghost_batch_size`` samples.
+
+    Applies :func:`apply_ghost_batch_norm` in ``setup("fit")``, before the strategy wraps the
+    model and before the optimizers are built. Warns once if a training batch holds no more
+    than one group (the layer is then plain BN).
+
+    Args:
+        ghost_batch_size: samples per BN group, e.g. the per-worker batch of the published run
+            (Goyal et al. 2017: 32).
+    """
+
+    def __init__(self, ghost_batch_size: int) -> None:
+        _check_ghost_batch_size(ghost_batch_size)
+        self.ghost_batch_size = ghost_batch_size
+        self._warned = False
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        layers = apply_ghost_batch_norm(pl_module, self.ghost_batch_size)
+        rank_zero_info(f"GhostBatchNorm: {len(layers)} BatchNorm layers normalise groups of {self.ghost_batch_size}")
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
+        if self._warned:
+            return
+        inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
+        size = getattr(inputs, "shape", (None,))[0]
+        if size is not None and size <= self.ghost_batch_size:
+            rank_zero_warn(
+                f"GhostBatchNorm: the per-device training batch ({size}) is not larger than "
+                f"ghost_batch_size={self.ghost_batch_size}, so BN is plain batch norm here"
+            )
+            self._warned = True
