@@ -14,7 +14,9 @@ rerun on its own with ``fastscale-train experiment=convergence_<arm>``:
 4. ``convergence_lars``: + LARS through ``LARSMixedPrecision`` (bf16 autocast on CPU), at
    ``LARS_LR_FACTOR`` = 2 x the baseline's LR (LARS's trust ratio bounds each layer's step);
 5. ``convergence_recipe``: + label smoothing, no weight decay on bias/BN, zero-init residual BN;
-6. ``convergence_full``: + batch-size ramp 128 -> 256 -> 512 (same final batch).
+6. ``convergence_full``: + batch-size ramp 128 -> 256 -> 512 (same final batch);
+7. ``convergence_ghost_bn``: + BN statistics over groups of B0 = 16 samples (ghost batch norm),
+   as the 32 workers of batch 16 that batch 512 stands for would compute them.
 
 All arms train 16 epochs; warmup lasts 5 epochs, the ramp steps at epochs 6 and 10 (chosen by the
 search the README records).
@@ -29,7 +31,7 @@ Output (``--output-dir``, default ``benchmarks/results/convergence/``): ``result
 ``results.json`` (rows, per-epoch curves, the sweep, machine load) and ``convergence.png``
 (validation top-1 vs epoch per arm). ``--quick`` runs every arm for 2 tiny epochs (a smoke
 test, seconds; tests/test_convergence_quick.py). Full study, 2 CPU cores (the LR sweep of four
-baseline runs, then five arms), and the six arms alone at a fixed baseline LR and seed:
+baseline runs, then six arms), and the seven arms alone at a fixed baseline LR and seed:
 
     .venv/bin/python benchmarks/convergence.py --jobs 2
     .venv/bin/python benchmarks/convergence.py seed=1 --jobs 2 --baseline-lrs 0.2   # overrides before --baseline-lrs
@@ -61,14 +63,15 @@ ARMS: list[tuple[str, str, str]] = [
     ("3_warmup", "convergence_warmup", "+ gradual warmup"),
     ("4_lars", "convergence_lars", "+ LARS (bf16 LARSMixedPrecision) at 2x the LR"),
     ("5_recipe", "convergence_recipe", "+ label smoothing, no WD bias/BN, zero-init BN"),
-    ("6_full", "convergence_full", "+ batch-size ramp (full recipe)"),
+    ("6_full", "convergence_full", "+ batch-size ramp"),
+    ("7_ghost_bn", "convergence_ghost_bn", "+ per-worker BN over 16 (ghost BN; full recipe)"),
 ]
 DEFAULT_BASELINE_LRS = (0.05, 0.1, 0.2, 0.4)
 # LARS bounds each layer's step by its trust ratio, which is what lets it take a larger global
-# LR than plain SGD (You et al. 2017 scale LARS's LR beyond the linear rule). Arms 4-6 run at
+# LR than plain SGD (You et al. 2017 scale LARS's LR beyond the linear rule). Arms 4-7 run at
 # this multiple of the baseline's LR; picked by the search recorded in the README.
 LARS_LR_FACTOR = 2.0
-LARS_ARMS = ("4_lars", "5_recipe", "6_full")
+LARS_ARMS = ("4_lars", "5_recipe", "6_full", "7_ghost_bn")
 
 
 def arm_lr(arm: str, base_lr: float) -> float:
@@ -321,7 +324,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--baseline-lrs", type=float, nargs="+", default=None,
                    help=f"arm-1 LR sweep at batch B0 (default {list(DEFAULT_BASELINE_LRS)}; --quick: the preset's LR); "
                         "the best final top-1 becomes arm 1 and the base of the scaled arms; with a single "
-                        "value all six arms run at once")
+                        "value all seven arms run at once")
     p.add_argument("--sweep-only", action="store_true", help="run only the arm-1 LR sweep")
     p.add_argument("--collect", action="store_true",
                    help="train nothing: tabulate the runs/*/result.json already in --output-dir "
@@ -376,7 +379,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "loadavg_end": os.getloadavg(),
         "total_wall_s": time.perf_counter() - started,
         "train_size": 512 if args.quick else _preset_value("data.train_size", extra),
-        "warning": f"arms 2-6 ran at base LR {mismatched}, not from the sweep's best {best['base_lr']}" if mismatched else None,
+        "warning": f"arms 2-7 ran at base LR {mismatched}, not from the sweep's best {best['base_lr']}" if mismatched else None,
         "torch": torch.__version__,
         "platform": platform.platform(),
     }
@@ -389,7 +392,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def collect(output_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """``(baseline sweep rows, rows of arms 2-6)`` from the result files under ``output_dir``."""
+    """``(baseline sweep rows, rows of arms 2-7)`` from the result files under ``output_dir``."""
     def load(path: Path, arm: str, preset: str, adds: str) -> dict[str, Any]:
         if not path.is_file():
             return _empty_row({"name": arm, "preset": preset, "adds": adds}) | {"error": "not run"}

@@ -52,12 +52,13 @@ def test_quick_study_numbers_follow_the_presets(study):
         "4_lars": (512, 2),
         "5_recipe": (512, 2),
         "6_full": (512, 512 // 256 + 1),
+        "7_ghost_bn": (512, 512 // 256 + 1),
     }
     for arm, (batch, steps) in expected.items():
         r = rows[arm]
         assert r["error"] is None, (arm, r["error"])
         assert (r["global_batch"], r["steps"], r["epochs"]) == (batch, steps, 2), arm
-        # arms 4-6 (LARS) start from LARS_LR_FACTOR x the baseline's LR, the others from it
+        # arms 4-7 (LARS) start from LARS_LR_FACTOR x the baseline's LR, the others from it
         assert r["base_lr"] == pytest.approx(module.arm_lr(arm, base_lr)), arm
         for value in (r["final_top1"], r["best_top1"]):
             assert 0.0 <= value <= 1.0 and not math.isnan(value), arm
@@ -74,6 +75,17 @@ def test_quick_study_numbers_follow_the_presets(study):
         assert rows[arm]["peak_lr"] == pytest.approx(32 * lr), arm
     assert rows["4_lars"]["base_lr"] == pytest.approx(2 * base_lr)
     # the ramp starts at 256 = 16 x B0: the same warmup factor of a 16 x scaled peak
-    lr = module.arm_lr("6_full", base_lr)
-    assert rows["6_full"]["first_lr"] == pytest.approx(16 * lr * 16 / 512)
-    assert rows["6_full"]["peak_lr"] == pytest.approx(32 * lr)
+    for arm in ("6_full", "7_ghost_bn"):
+        lr = module.arm_lr(arm, base_lr)
+        assert rows[arm]["first_lr"] == pytest.approx(16 * lr * 16 / 512), arm
+        assert rows[arm]["peak_lr"] == pytest.approx(32 * lr), arm
+
+
+def test_each_arm_adds_its_callbacks_to_the_previous_one(study, tmp_path):
+    module, _, _ = study
+    callbacks = [set(module.compose_arm(preset, [], tmp_path).callbacks) for _, preset, _ in module.ARMS]
+    added = [sorted(after - before) for before, after in zip(callbacks, callbacks[1:])]
+    assert all(before <= after for before, after in zip(callbacks, callbacks[1:]))  # cumulative
+    assert added[-2:] == [["batch_size_ramp"], ["ghost_batch_norm"]]
+    ghost = module.compose_arm("convergence_ghost_bn", [], tmp_path).callbacks.ghost_batch_norm
+    assert ghost.ghost_batch_size == 16
