@@ -183,6 +183,7 @@ def _time_interleaved(runs: dict[str, Callable], base, reps: int) -> tuple[dict[
 
     rank, world = dist.get_rank(), dist.get_world_size()
     expected = base * (world * (world + 1) / 2)
+    expected_norm = expected.norm()
     work = torch.empty_like(base)
     times: dict[str, list[float]] = {name: [] for name in runs}
     errors = dict.fromkeys(runs, 0.0)
@@ -194,7 +195,7 @@ def _time_interleaved(runs: dict[str, Callable], base, reps: int) -> tuple[dict[
             runs[name](work)
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            errors[name] = max(errors[name], ((work - expected).norm() / expected.norm()).item())
+            errors[name] = max(errors[name], ((work - expected).norm() / expected_norm).item())
             if round_ > 0:
                 times[name].append(elapsed.item())
     return times, errors
