@@ -240,3 +240,17 @@ def test_bad_parameters_are_named():
     with pytest.raises(ValueError, match="wire_dtype"):
         allreduce_time("ring", 1, Topology(2, 2), PARAMS, "int8")
     assert math.isclose(allreduce_time("ring", 1e6, Topology(1, 1), PARAMS), 0.0)
+
+
+def test_flat_ring_step_is_the_slowest_edge_with_its_own_latency():
+    # 2 x 4 ring: 14 steps of n/8 bytes; each step lasts as long as its slowest edge, that
+    # edge's latency plus its transfer (not the other edge's latency added on top).
+    topo, n = Topology(2, 4), 8e6  # 32 MB in fp32, 4 MB per step
+    step_bytes = 4 * n / 8
+    slow_node_link = CommParams(alpha_intra=1e-3, beta_intra=1e-10, alpha_inter=1e-4, beta_inter=1e-8)
+    assert allreduce_time("ring", n, topo, slow_node_link) == pytest.approx(14 * (1e-4 + step_bytes * 1e-8))
+    slow_in_node = CommParams(alpha_intra=1e-3, beta_intra=1e-8, alpha_inter=1e-4, beta_inter=1e-9)
+    assert allreduce_time("ring", n, topo, slow_in_node) == pytest.approx(14 * (1e-3 + step_bytes * 1e-8))
+    # no bytes: the larger latency sets each step
+    assert allreduce_time("ring", 0.0, topo, slow_node_link) == 0.0
+    assert stage_times("ring", 0.0, topo, slow_node_link)[0] == pytest.approx(14 * 1e-3)

@@ -19,7 +19,8 @@ On top of the primitives, the three algorithms of the strategy:
 
 * ``ring``: one flat ring over all ``P = nodes * ranks_per_node`` ranks, ordered node by
   node. Every step moves ``n/P`` bytes on every edge at once, so a step lasts as long as the
-  slowest edge (the inter-node one once there are two nodes).
+  slowest edge: ``max(alpha_inter + n/P beta_inter, alpha_intra + n/P beta_intra)`` (usually
+  the inter-node one once there are two nodes).
 * ``hier`` (Jia et al. 2018, "Highly Scalable Deep Learning Training System with
   Mixed-Precision"): reduce inside the node, ring all-reduce among the node leaders,
   broadcast inside the node.
@@ -300,11 +301,13 @@ def stage_times(
     if nodes == 1:  # one all-reduce inside the node, all of it in the wire dtype
         return [ring_allreduce_time(p1, on_wire, ai, bi, g)]
     if algorithm == "ring":
-        # Every step moves n/P bytes on every edge at once: the slowest edge sets its length.
-        alpha = max(ai, params.alpha_inter) if p1 > 1 else params.alpha_inter
+        # Every step moves n/P bytes on every edge at once: the slowest edge, its own latency
+        # plus its own transfer, sets the step's length. (Adding the in-node latency to the
+        # node-link edge as well over-priced the ring whenever the node link was the slow edge.)
         step_bytes = on_wire / world
-        inter = alpha + step_bytes * params.flow_beta(1)
-        step = np.maximum(inter, ai + step_bytes * bi) if p1 > 1 else inter
+        step = params.alpha_inter + step_bytes * params.flow_beta(1)
+        if p1 > 1:
+            step = np.maximum(step, ai + step_bytes * bi)
         return [2 * (world - 1) * step + (world - 1) / world * on_wire * params.inter_gamma]
     if p1 == 1:  # one rank per node: only the inter-node all-reduce
         return [_inter_stage(nodes, on_wire, 1, params, wire, topk_ratio)]
