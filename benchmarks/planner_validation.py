@@ -41,6 +41,7 @@ import json
 import os
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -294,6 +295,29 @@ def format_compact(rows: list[dict], default_only: bool = True) -> str:
     return "\n".join(lines)
 
 
+def format_across(runs: list[list[dict]]) -> str:
+    """Across several runs of one grid: per case, how often each algorithm was the measured
+    fastest and was picked; then in how many cases the fastest changed between runs, and how
+    many (case, run) pairs the best fixed choice per case (the algorithm most often fastest,
+    known only after all the runs) and the planner got right. Unchunked and default chunking."""
+    fastest: dict[tuple, Counter] = {}
+    picked: dict[tuple, Counter] = {}
+    planner = pairs = 0
+    for rows in runs:
+        for key, r in {_case(r): r for r in predict_rows(rows) if r["chunks"] == 1 or r["default_chunking"]}.items():
+            fastest.setdefault(key, Counter())[r["measured_fastest"]] += 1
+            picked.setdefault(key, Counter())[r["picked"]] += 1
+            planner += r["picked_is_fastest"]
+            pairs += 1
+    lines = [f"{n}x{rpn} {cap:g} Mbit/s {wire} {numel / 1e6:g}M chunks {chunks}: fastest {dict(fastest[key])}, "
+             f"picked {dict(picked[key])}" for key in fastest for n, rpn, cap, numel, chunks, wire in [key]]
+    changed = sum(len(c) > 1 for c in fastest.values())
+    best_fixed = sum(c.most_common(1)[0][1] for c in fastest.values())
+    lines.append(f"{len(runs)} runs, {len(fastest)} cases: the measured fastest changed between runs in {changed}; "
+                 f"(case, run) pairs right: best fixed choice per case {best_fixed}/{pairs}, planner {planner}/{pairs}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse ``NODESxRANKS:CAP`` configurations, run them, print the table (and JSON)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -312,9 +336,14 @@ def main(argv: list[str] | None = None) -> None:
                         "with the current model (same calibrated parameters)")
     parser.add_argument("--refit", action="store_true", help="with --from-json: refit the parameters from the "
                         "stored calibration samples with the current fitting rules first")
+    parser.add_argument("--across", nargs="+", metavar="JSON", help="measure nothing: compare several earlier "
+                        "--json runs of one grid case by case (how often the measured fastest changed)")
     parser.add_argument("--compact", action="store_true", help="with --from-json: one line per case, unchunked "
                         "and default chunking only, then the counts")
     args = parser.parse_args(argv)
+    if args.across:
+        print(format_across([json.loads(Path(f).read_text()) for f in args.across]))
+        return
     if args.from_json:
         rows = json.loads(Path(args.from_json).read_text())
         if args.refit:

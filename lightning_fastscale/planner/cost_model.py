@@ -19,8 +19,8 @@ On top of the primitives, the three algorithms of the strategy:
 
 * ``ring``: one flat ring over all ``P = nodes * ranks_per_node`` ranks, ordered node by
   node. Every step moves ``n/P`` bytes on every edge at once, so a step lasts as long as the
-  slowest edge: ``max(alpha_inter + n/P beta_inter, alpha_intra + n/P beta_intra)`` (usually
-  the inter-node one once there are two nodes).
+  slowest edge, each with its own latency: ``max(alpha_inter + n/P beta_inter, alpha_intra +
+  n/P beta_intra)``, with one flow's ``beta_inter`` (:meth:`CommParams.flow_beta`).
 * ``hier`` (Jia et al. 2018, "Highly Scalable Deep Learning Training System with
   Mixed-Precision"): reduce inside the node, ring all-reduce among the node leaders,
   broadcast inside the node.
@@ -302,8 +302,7 @@ def stage_times(
         return [ring_allreduce_time(p1, on_wire, ai, bi, g)]
     if algorithm == "ring":
         # Every step moves n/P bytes on every edge at once: the slowest edge, its own latency
-        # plus its own transfer, sets the step's length. (Adding the in-node latency to the
-        # node-link edge as well over-priced the ring whenever the node link was the slow edge.)
+        # plus its own transfer, sets the step's length.
         step_bytes = on_wire / world
         step = params.alpha_inter + step_bytes * params.flow_beta(1)
         if p1 > 1:
