@@ -54,7 +54,7 @@ import torch
 from torch.utils.data import Dataset
 
 REPO = Path(__file__).resolve().parents[1]
-CONF = REPO / "conf"
+CONF = REPO / "lightning_fastscale" / "conf"
 
 # (arm, experiment preset, what it adds), in the order of the ablation.
 ARMS: list[tuple[str, str, str]] = [

@@ -1,6 +1,7 @@
 """``fastscale-train``: the Hydra entry point.
 
-Composes ``conf/train.yaml`` with its groups (model, data, optimizer, scheduler, trainer,
+Composes ``lightning_fastscale/conf/train.yaml`` (shipped inside the package, found through
+Hydra's package search path) with its groups (model, data, optimizer, scheduler, trainer,
 strategy, precision, callbacks, logger, experiment, hparams_search), instantiates them with
 ``hydra.utils.instantiate`` and fits an :class:`~lightning_fastscale.module.ImageClassifier`.
 Returns the monitored metric, so sweepers (Optuna) can optimise it.
@@ -26,16 +27,6 @@ import lightning_fastscale  # noqa: F401  (registers strategies and models)
 from .module import ImageClassifier
 
 log = logging.getLogger(__name__)
-
-
-def _config_dir() -> str:
-    # Installed wheels carry the configs inside the package; a source checkout keeps them at
-    # the repository root, as DESIGN.md lays out.
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "conf", here.parent / "conf"):
-        if (candidate / "train.yaml").is_file():
-            return str(candidate)
-    raise FileNotFoundError(f"cannot find the Hydra configs (train.yaml) in {here / 'conf'} or {here.parent / 'conf'}")
 
 
 def _is_multirun() -> bool:
@@ -173,7 +164,7 @@ def _finish_wandb(trainer: pl.Trainer) -> None:
         wandb.finish()
 
 
-@hydra.main(version_base="1.3", config_path=_config_dir(), config_name="train")
+@hydra.main(version_base="1.3", config_path="pkg://lightning_fastscale.conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
     """Console entry point: ``fastscale-train [group=option ...] [key=value ...] [-m]``."""
     return train(cfg)

@@ -18,7 +18,7 @@ from lightning_fastscale.callbacks import (
 )
 from lightning_fastscale.precision import LARSMixedPrecision
 
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
+CONF = str(Path(__file__).resolve().parents[1] / "lightning_fastscale" / "conf")
 RECIPE = {
     "batch_size_ramp": BatchSizeRamp,
     "warmup_decay_lr": WarmupDecayLR,

@@ -9,7 +9,7 @@ from omegaconf import open_dict
 from lightning_fastscale import train as train_module
 from tests.test_data_imagefolder import _write_tree
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[1] / "lightning_fastscale" / "conf"
 GROUP_OPTIONS = sorted(
     (group.name, option.stem)
     for group in CONF.iterdir() if group.is_dir()

@@ -112,7 +112,7 @@ def test_strategy_configs_instantiate(name: str, algorithm: str) -> None:
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    node = OmegaConf.load(Path(__file__).parents[1] / "conf" / "strategy" / f"{name}.yaml")
+    node = OmegaConf.load(Path(__file__).parents[1] / "lightning_fastscale" / "conf" / "strategy" / f"{name}.yaml")
     strategy = instantiate(node, start_method="spawn")  # what fastscale-train does inside a multirun
     assert isinstance(strategy, HierarchicalAllReduceStrategy)
     assert (strategy.algorithm, strategy.comm_dtype, strategy._start_method) == (algorithm, "fp32", "spawn")
