@@ -17,6 +17,7 @@ from lightning_fastscale.strategies.allreduce import (
 )
 from lightning_fastscale.strategies.comm_hooks import (
     HOOKS,
+    CommHookError,
     HierarchicalHookState,
     flat_hook,
     hierarchical_hook,
@@ -66,6 +67,7 @@ __all__ = [
     "STAGES",
     "WIRE_DTYPES",
     "CollectiveStageError",
+    "CommHookError",
     "HierarchicalAllReduceStrategy",
     "HierarchicalHookState",
     "ProcessGroups",
