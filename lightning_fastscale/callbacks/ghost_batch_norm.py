@@ -148,8 +148,8 @@ def apply_ghost_batch_norm(model: nn.Module, ghost_batch_size: int) -> list[str]
 
     Raises:
         ValueError: for a bad ``ghost_batch_size``, or when ``model`` has no plain BatchNorm
-        layer to convert (subclasses such as SyncBatchNorm or timm's BatchNormAct2d are not
-        converted: their forward does more than normalise).
+            layer to convert (subclasses such as SyncBatchNorm or timm's BatchNormAct2d are not
+            converted: their forward does more than normalise).
     """
     _check_ghost_batch_size(ghost_batch_size)
     converted: list[str] = []
