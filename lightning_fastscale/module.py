@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import inspect
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
 from .models import create_model
 
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -48,8 +47,9 @@ class ImageClassifier(pl.LightningModule):
         model: a model name for :func:`lightning_fastscale.models.create_model` (this
             package's models, timm, torchvision) or an ``nn.Module``.
         num_classes: number of classes.
-        optimizer: a factory ``params -> Optimizer`` (a Hydra ``_partial_``); SGD with
-            Nesterov momentum when omitted.
+        optimizer: a factory ``params -> Optimizer`` (a Hydra ``_partial_``, or a class path
+            in LightningCLI: both factories use Lightning's own callable types so that
+            jsonargparse can build them); SGD with Nesterov momentum when omitted.
         scheduler: a factory ``optimizer -> LRScheduler`` or None. It may also accept a
             ``total_steps`` keyword, which receives the Trainer's estimated optimizer steps.
         scheduler_interval: ``"step"`` or ``"epoch"``: when the scheduler steps.
@@ -63,8 +63,8 @@ class ImageClassifier(pl.LightningModule):
         self,
         model: str | nn.Module = "resnet_small",
         num_classes: int = 10,
-        optimizer: OptimizerFactory | None = None,
-        scheduler: SchedulerFactory | None = None,
+        optimizer: OptimizerCallable | None = None,
+        scheduler: LRSchedulerCallable | None = None,
         scheduler_interval: str = "step",
         model_kwargs: dict[str, Any] | None = None,
     ) -> None:
