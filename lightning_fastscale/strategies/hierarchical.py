@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,9 @@ from lightning_fastscale.strategies.options import (
     resolve_chunk_mb,
 )
 from lightning_fastscale.strategies.topology import Topology, build_process_groups, detect_ranks_per_node
+
+if TYPE_CHECKING:  # the planner imports this package; the annotation only names its class
+    from lightning_fastscale.planner.auto import CostModelPlanner
 
 _MB = 1024 * 1024
 AlgorithmSelector = Callable[[nn.Module, Topology], str]
@@ -137,7 +140,7 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
         topk_start_iter: int = 2,
         pipeline_chunk_mb: float | str | None = DEFAULT_PIPELINE_CHUNK_MB,
         algorithm_selector: AlgorithmSelector | None = None,
-        planner: Any = None,
+        planner: CostModelPlanner | None = None,
         comm_dtype: str | None = None,
         **kwargs: Any,
     ) -> None:
