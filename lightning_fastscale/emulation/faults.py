@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["FAULTS", "STRATEGIES", "FaultOutcome", "run_fault_scenario"]
+__all__ = ["FAULTS", "STRATEGIES", "FaultOutcome", "format_outcomes", "run_fault_scenario"]
 
 FAULTS = ("kill", "hang", "none")
 STRATEGIES = ("ddp", "hier_ring", "hier_torus")
@@ -270,10 +270,30 @@ def _worker(cfg: dict) -> None:
     (out / f"rank{rank}.done").write_text("ok")
 
 
+def format_outcomes(outcomes: list[FaultOutcome]) -> str:
+    """Markdown table: each scenario, what happened, seconds to exit (and per rank)."""
+    lines = ["| strategy | fault | time-out s | every other rank ended | s to exit (per rank) | what happened |",
+             "|---|---|---|---|---|---|"]
+    for o in outcomes:
+        per_rank = ", ".join(f"{r}: {t:.1f}" for r, t in o.exit_seconds.items())
+        seconds = "-" if o.seconds_to_exit is None else f"{o.seconds_to_exit:.1f} ({per_rank})"
+        lines.append(f"| {o.strategy} | {o.fault} (rank {o.fault_rank}) | {o.timeout_s:g} | {'yes' if o.exited else 'no'} "
+                     f"| {seconds} | {o.what_happened.replace('|', '/')} |")
+    return "\n".join(lines)
+
+
 def _main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", required=True, help="JSON config (internal: used by run_fault_scenario)")
-    _worker(json.loads(parser.parse_args(argv).worker))
+    parser.add_argument("--worker", help="JSON config (internal: one rank of run_fault_scenario)")
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    parser.add_argument("--faults", nargs="+", default=["kill", "hang"], choices=FAULTS)
+    parser.add_argument("--timeout", type=float, default=5.0, help="the strategy's time-out in seconds")
+    args = parser.parse_args(argv)
+    if args.worker:
+        _worker(json.loads(args.worker))
+        return
+    outcomes = [run_fault_scenario(s, f, timeout_s=args.timeout) for s in args.strategies for f in args.faults]
+    print(format_outcomes(outcomes))
 
 
 if __name__ == "__main__":

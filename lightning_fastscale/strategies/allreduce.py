@@ -28,8 +28,8 @@ Options shared by all three:
 In-node primitives of the torus per backend: NCCL's native reduce-scatter / all-gather are its
 fast path; gloo's are slower than one asynchronous ``reduce`` / ``broadcast`` per shard, so on
 gloo the torus uses those (shards may then be uneven: no padding). The timings behind this
-choice are in ``benchmarks/README.md`` (section "Communication core"). ``native_scatter_gather``
-forces either path.
+choice are in ``benchmarks/README.md`` (section "All-reduce algorithms on the emulated
+cluster"). ``native_scatter_gather`` forces either path.
 
 A collective that fails raises :class:`CollectiveStageError` naming the stage
 (:data:`STAGES`) and the original error as its cause.

@@ -209,6 +209,7 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
         except ValueError as error:
             raise ValueError(f"HierarchicalAllReduceStrategy(ranks_per_node=...): {error}") from None
 
+    @override
     def setup_environment(self) -> None:
         """Validate the topology before the process group starts, then build the node groups."""
         self.set_world_ranks()
@@ -279,6 +280,7 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
             algorithm = canonical_algorithm(self.algorithm_selector(model, topology), "algorithm_selector result")
         return algorithm, None if caps is None else list(caps)
 
+    @override
     def _setup_model(self, model: nn.Module) -> DistributedDataParallel:
         assert self.topology is not None
         self.resolved_algorithm, caps = self.resolve_comm_plan(model, self.topology)
@@ -286,6 +288,7 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
             self._ddp_kwargs["bucket_cap_mb_list"] = caps
         return super()._setup_model(model)
 
+    @override
     def _register_ddp_hooks(self) -> None:
         # Lightning registers hooks on CUDA only; torch's hooks work on every backend, gloo too.
         assert isinstance(self.model, DistributedDataParallel) and self.topology is not None
@@ -443,6 +446,7 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
                 self.hook_state.groups.destroy()
         super().teardown()
 
+    @override
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register ``hier_ring``/``hier_torus`` (subprocess launch) and their ``_spawn`` variants."""
