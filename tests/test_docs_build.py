@@ -3,8 +3,8 @@ reference (a renamed class, a malformed docstring) fails the suite."""
 from __future__ import annotations
 
 import importlib.util
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
