@@ -12,6 +12,8 @@ from typing import Any
 
 from torch import nn
 
+from lightning_fastscale._validation import positive_int
+
 _OWN_MODELS: dict[str, Callable[..., nn.Module]] = {}
 
 
@@ -39,8 +41,7 @@ def create_model(name: str, num_classes: int, **kwargs: Any) -> nn.Module:
     (``torchvision.models.get_model``; a ``torchvision.`` prefix forces it). An unknown name
     raises ``ValueError`` listing where it was looked for.
     """
-    if num_classes < 1:
-        raise ValueError(f"model.num_classes must be >= 1, got {num_classes}")
+    positive_int("model.num_classes", num_classes)
     if name in _OWN_MODELS:
         return _OWN_MODELS[name](num_classes=num_classes, **kwargs)
     if name.startswith("torchvision."):
