@@ -49,7 +49,7 @@ def test_channels_last_off_keeps_contiguous_inputs(tmp_path):
     module = ImageClassifier("resnet_small", num_classes=4, model_kwargs={"widths": [8, 8, 8]})
     seen = []
     module.model.register_forward_pre_hook(lambda _, args: seen.append(args[0]))
-    _trainer(tmp_path, max_steps=1, limit_val_batches=0).fit(module, _loader())
+    _trainer(tmp_path, max_steps=1).fit(module, _loader(), _loader())
     assert seen and all(x.is_contiguous() for x in seen)
 
 
@@ -65,7 +65,7 @@ def test_compile_wraps_the_network_in_place_with_the_mode(tmp_path, monkeypatch)
                              model_kwargs={"widths": [8, 8, 8]})
     names_before = set(module.state_dict())
     assert calls == []  # nothing happens before the Trainer configures the model
-    _trainer(tmp_path, max_steps=1, limit_val_batches=0).fit(module, _loader())
+    _trainer(tmp_path, max_steps=1).fit(module, _loader(), _loader())
     assert calls == [{"mode": "max-autotune"}]
     assert module.model._compiled_call_impl is not None
     assert set(module.state_dict()) == names_before  # checkpoints keep the parameter names
