@@ -76,11 +76,15 @@ class ImageClassifier(pl.LightningModule):
     ``ThroughputMonitor``.
 
     Examples:
-        >>> import lightning.pytorch as pl
-        >>> from lightning_fastscale import ImageClassifier, ProceduralDataModule
+        >>> import torch
+        >>> from lightning_fastscale import ImageClassifier
         >>> module = ImageClassifier("resnet_small", num_classes=10, channels_last=True)
-        >>> trainer = pl.Trainer(max_epochs=1, accelerator="cpu")  # doctest: +SKIP
-        >>> trainer.fit(module, datamodule=ProceduralDataModule())  # doctest: +SKIP
+        >>> module(torch.zeros(2, 3, 32, 32)).shape
+        torch.Size([2, 10])
+
+        Trained as any LightningModule, e.g. ``pl.Trainer(max_epochs=1).fit(module,
+        datamodule=ProceduralDataModule())``; ``fastscale-train`` builds it from the ``model``
+        config group.
     """
 
     def __init__(
