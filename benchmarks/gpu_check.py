@@ -172,12 +172,16 @@ def check_paths(device: str) -> None:
     report(f"fused path == generic path over 5 steps ({device})", close, f"max abs diff {worst:.1e}")
 
 
-def check_benchmark(device: str, repeats: int) -> None:
+def check_benchmark(device: str, repeats: int, timeout_s: float = 150.0) -> None:
     out = Path(tempfile.mkdtemp()) / "lars_step.json"
     cmd = [sys.executable, str(Path(__file__).with_name("lars_step.py")), "--device", device, "--clock", "wall",
            "--repeats", str(repeats), "--json", str(out)]
     print("$", " ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, timeout=150)
+    try:
+        proc = subprocess.run(cmd, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        report("lars_step.py ran", False, f"still running after {timeout_s} s")
+        return
     if proc.returncode != 0:
         report("lars_step.py ran", False, f"exit {proc.returncode}")
         return
