@@ -284,9 +284,9 @@ def check_resnet(device: str, model_name: str, batch_size: int, steps: int, warm
     lightning = steps * batch_size / (clock.t1 - clock.t0)
     ratio = lightning / plain
     report(f"{model_name} bf16 ImageClassifier+Trainer within 5 % of the plain loop ({device})", ratio >= 0.95,
-           f"{lightning:.0f} vs {plain:.0f} images/s ({ratio:.3f}x), batch {batch_size}, {steps} timed steps")
-    table.append((f"{model_name} bf16 images/s, plain loop", f"{plain:.0f}", ""))
-    table.append((f"{model_name} bf16 images/s, ImageClassifier + Trainer", f"{lightning:.0f}", f"{ratio:.3f}x, >= 0.95x"))
+           f"{lightning:.4g} vs {plain:.4g} images/s ({ratio:.3f}x), batch {batch_size}, {steps} timed steps")
+    table.append((f"{model_name} bf16 images/s, plain loop", f"{plain:.4g}", ""))
+    table.append((f"{model_name} bf16 images/s, ImageClassifier + Trainer", f"{lightning:.4g}", f"{ratio:.3f}x, >= 0.95x"))
 
 
 def check_decode() -> None:
