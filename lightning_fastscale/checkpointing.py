@@ -100,8 +100,9 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     if not path.is_file() or path.stat().st_size == 0:
         raise unreadable(path, FileNotFoundError(str(path)))
     try:
-        # mmap: tensors stay on disk until used, so reading a large checkpoint to check it is cheap
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        # mmap: tensors stay on disk until used, so reading a large checkpoint to check it is
+        # cheap; weights_only as Lightning itself loads with torch >= 2.6
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # zip, pickle and EOF errors all mean the same thing here
         raise unreadable(path, err) from err
     check_is_lightning_checkpoint(path, checkpoint)
