@@ -93,6 +93,23 @@ class DecodedStreamingDataset(StreamingDataset):
         return self.decode(item)
 
 
+class EpochAwareStreamingDataLoader(StreamingDataLoader):
+    """litdata's loader, made to start a fresh epoch after a resumed one is used up.
+
+    After ``load_state_dict`` litdata keeps replaying the saved position until one iteration
+    runs into ``StopIteration``. Lightning's fetcher stops asking once it has the epoch's
+    ``len(loader)`` batches, so that never happens and the next epoch would replay the
+    (empty) rest of the old one: no batches at all. When every batch of the resumed epoch
+    has been handed out, the next iteration is a new epoch.
+    """
+
+    @override
+    def __iter__(self) -> Any:
+        if self.restore and self._num_samples_yielded_streaming >= len(self) * self.batch_size:
+            self.restore = False
+        yield from super().__iter__()
+
+
 class StreamingDataModule(_ResizableDataModule):
     """Converted ImageNet-style data streamed with litdata; uint8 in workers, float on device.
 
@@ -114,10 +131,15 @@ class StreamingDataModule(_ResizableDataModule):
         max_workers: upper bound of the ``auto`` probe (default: cores / ranks on this machine).
         num_workers_cache: JSON file of ``auto`` picks (default: user cache dir).
 
+    ``dataset_class`` is the litdata dataset type both splits use; a subclass may override its
+    ``decode`` to return something else per stored sample.
+
     Examples:
         >>> dm = StreamingDataModule("/data/imagenet-512", resolution=176, batch_size=256)  # doctest: +SKIP
         >>> trainer.fit(model, datamodule=dm)  # doctest: +SKIP
     """
+
+    dataset_class: type[DecodedStreamingDataset] = DecodedStreamingDataset
 
     def __init__(
         self,
@@ -203,13 +225,13 @@ class StreamingDataModule(_ResizableDataModule):
         extra: dict[str, Any] = {}
         if _is_remote(self.root):
             extra = {"cache_dir": self.cache_dir, "max_cache_size": self.max_cache_size}
-        return DecodedStreamingDataset(
+        return self.dataset_class(
             input_dir, train=train, resolution=res, crop_ratio=self.crop_ratio, seed=self.seed,
             drop_last=True if train else None, **extra,
         )
 
     def _streaming_loader(self, dataset: StreamingDataset, batch_size: int, num_workers: int) -> StreamingDataLoader:
-        loader = StreamingDataLoader(
+        loader = EpochAwareStreamingDataLoader(
             dataset, batch_size=batch_size, num_workers=num_workers, pin_memory=self.pin_memory,
             prefetch_factor=self.prefetch_factor if num_workers > 0 else None,
         )
