@@ -4,14 +4,14 @@ The thin Lightning adapter over :mod:`~lightning_fastscale.strategies.allreduce`
 and :mod:`~lightning_fastscale.strategies.comm_hooks` (the DDP wiring): DDP still buckets the
 gradients and overlaps communication with backward; each bucket is all-reduced by the
 hierarchical algorithm of Jia et al. 2018 (Tencent, arXiv:1807.11205), the 2D torus of Mikami
-et al. 2018 (Sony, arXiv:1811.05233) or a flat ring, optionally with a half-precision wire and
+et al. 2018 (Sony, arXiv:1811.05233) or one flat all-reduce, optionally with a half-precision wire and
 top-k compression of the inter-node stage (Tencent Cloud 2020). Registered in Lightning as
 ``"hier_ring"`` and ``"hier_torus"`` (plus ``*_spawn``) by :func:`register_strategies`.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -20,17 +20,21 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_fastscale.strategies.allreduce import (
+from lightning_fastscale.strategies.allreduce import TopKErrorFeedback
+from lightning_fastscale.strategies.comm_hooks import HOOKS, HierarchicalHookState
+from lightning_fastscale.strategies.options import (
     DEFAULT_PIPELINE_CHUNK_MB,
-    TopKErrorFeedback,
+    WIRE_DTYPES,
+    canonical_algorithm,
     chunk_numel_for,
+    renamed_option,
     resolve_chunk_mb,
 )
-from lightning_fastscale.strategies.comm_hooks import HOOKS, HierarchicalHookState
 from lightning_fastscale.strategies.topology import Topology, build_process_groups, detect_ranks_per_node
 
+if TYPE_CHECKING:  # the planner imports this package; the annotation only names its class
+    from lightning_fastscale.planner.auto import CostModelPlanner
 
-COMM_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 _MB = 1024 * 1024
 AlgorithmSelector = Callable[[nn.Module, Topology], str]
 FusionPlanner = Callable[[nn.Module, Topology], Sequence[float]]
@@ -38,7 +42,7 @@ FusionPlanner = Callable[[nn.Module, Topology], Sequence[float]]
 
 def default_algorithm_selector(module: nn.Module, topology: Topology) -> str:
     """``algorithm="auto"`` without a planner: hierarchical across nodes, flat inside one node."""
-    return "hier" if topology.num_nodes > 1 else "ring"
+    return "hier" if topology.num_nodes > 1 else "flat"
 
 
 def two_segment_caps_mb(module: nn.Module, split: int) -> list[float]:
@@ -64,16 +68,22 @@ def two_segment_caps_mb(module: nn.Module, split: int) -> list[float]:
 class HierarchicalAllReduceStrategy(DDPStrategy):
     """DDP whose gradient buckets are all-reduced hierarchically, as a 2D torus, or flat.
 
+    Each DDP bucket goes through a communication hook running the algorithm of Jia et al. 2018
+    (``hier``) or Mikami et al. 2018 (``torus2d``); on one node in fp32 DDP's own all-reduce is
+    kept (see :attr:`uses_ddp_allreduce`).
+
     Args:
         algorithm: ``"hier"`` (reduce in node, all-reduce among leaders, broadcast in node),
             ``"torus2d"`` (reduce-scatter in node, shard all-reduce across nodes, all-gather),
-            ``"ring"`` (flat all-reduce over all ranks) or ``"auto"`` (``algorithm_selector``).
+            ``"flat"`` (one all-reduce over all ranks) or ``"auto"`` (the planner or
+            ``algorithm_selector`` chooses). ``"ring"`` is the deprecated name of ``"flat"``.
         ranks_per_node: ranks forming one node. Default: the launcher's devices per node
             (``Trainer(devices=...)``, torchrun ``LOCAL_WORLD_SIZE``, SLURM tasks per node). A
             smaller value groups ranks by NVLink island or emulates several nodes on one machine.
-        comm_dtype: ``"fp32"``, ``"fp16"`` or ``"bf16"`` on the inter-node wire (gradients are
+        wire_dtype: ``"fp32"``, ``"fp16"`` or ``"bf16"`` on the inter-node wire (gradients are
             averaged before the cast and copied back into their own dtype; sums inside a node
             stay in the gradient's dtype; with one node the whole all-reduce uses it).
+            ``comm_dtype`` is its deprecated name.
         bucket_cap_mb: DDP's uniform bucket cap (default 25 MB).
         fusion_plan: explicit DDP bucket caps in MB in gradient-ready order
             (``bucket_cap_mb_list``), or a callable ``(module, topology) -> caps`` such as the
@@ -87,18 +97,39 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
             the stages (chunk i crosses the nodes while chunk i+1 is reduced in the node);
             ``"auto"`` (default): 2 MiB per node, so chunks grow with the latency each one pays;
             ``None`` sends each bucket in one piece.
-        algorithm_selector: ``(module, topology) -> name`` used for ``algorithm="auto"``.
-        planner: a :class:`~lightning_fastscale.planner.CostModelPlanner`; supplies both
-            ``algorithm_selector`` and (unless fusion is set explicitly) ``fusion_plan`` from the
-            communication cost model. Its wire dtype and top-k ratio must match this strategy's.
+        algorithm_selector: ``(module, topology) -> name`` used for ``algorithm="auto"``
+            without a planner.
+        planner: a :class:`~lightning_fastscale.planner.CostModelPlanner`. At setup the
+            strategy asks it for a plan under its own ``wire_dtype``, top-k ratio and
+            ``pipeline_chunk_mb``; the plan gives the algorithm (for ``"auto"``) and, unless
+            fusion is set explicitly, the DDP bucket caps.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (and DDP).
+
+    Examples:
+        Two emulated nodes of two ranks each on one CPU machine::
+
+            import lightning.pytorch as pl
+            from lightning_fastscale.strategies import HierarchicalAllReduceStrategy
+
+            strategy = HierarchicalAllReduceStrategy(algorithm="hier", ranks_per_node=2, wire_dtype="fp16")
+            trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=4, max_epochs=1)
+
+        The planner choosing algorithm and buckets for a described cluster::
+
+            from lightning_fastscale.planner import CostModelPlanner
+
+            planner = CostModelPlanner("tencent_cloud_25g_vpc", backward_time_s=0.15)
+            strategy = HierarchicalAllReduceStrategy(algorithm="auto", planner=planner, wire_dtype="fp16")
+
+        On a cluster, ``Trainer(strategy="hier_ring", num_nodes=N, devices=G)`` under
+        torchrun or SLURM detects the ranks per node from the launcher.
     """
 
     def __init__(
         self,
         algorithm: str = "hier",
         ranks_per_node: int | None = None,
-        comm_dtype: str = "fp32",
+        wire_dtype: str = "fp32",
         bucket_cap_mb: float | None = None,
         fusion_plan: Sequence[float] | FusionPlanner | None = None,
         two_segment_split: int | None = None,
@@ -107,34 +138,20 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
         topk_start_iter: int = 2,
         pipeline_chunk_mb: float | str | None = DEFAULT_PIPELINE_CHUNK_MB,
         algorithm_selector: AlgorithmSelector | None = None,
-        planner: Any = None,
+        planner: CostModelPlanner | None = None,
+        comm_dtype: str | None = None,
         **kwargs: Any,
     ) -> None:
-        if planner is not None:
-            wanted_topk = topk_ratio if compression == "topk" else None
-            if (planner.wire_dtype, planner.topk_ratio) != (comm_dtype, wanted_topk):
-                raise ValueError(
-                    f"planner plans for wire_dtype={planner.wire_dtype!r}, topk_ratio={planner.topk_ratio} "
-                    f"but the strategy sends comm_dtype={comm_dtype!r}, topk_ratio={wanted_topk}: "
-                    "give the planner the same settings"
-                )
-            if planner.pipeline_chunk_mb != pipeline_chunk_mb:
-                raise ValueError(
-                    f"planner plans for pipeline_chunk_mb={planner.pipeline_chunk_mb} but the strategy "
-                    f"pipelines pipeline_chunk_mb={pipeline_chunk_mb}: give both the same value"
-                )
-            algorithm_selector = algorithm_selector or planner.select_algorithm
-            if bucket_cap_mb is None and fusion_plan is None and two_segment_split is None:
-                fusion_plan = planner.fusion_caps
-        if algorithm not in (*HOOKS, "auto"):
-            raise ValueError(f"algorithm={algorithm!r}: choose one of {[*HOOKS, 'auto']}.")
-        if comm_dtype not in COMM_DTYPES:
-            raise ValueError(f"comm_dtype={comm_dtype!r}: choose one of {list(COMM_DTYPES)}.")
+        if comm_dtype is not None:
+            wire_dtype = renamed_option(type(self).__name__, "comm_dtype", comm_dtype, "wire_dtype", wire_dtype, "fp32")
+        algorithm = canonical_algorithm(algorithm, extra=("auto",))
+        if wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire_dtype={wire_dtype!r}: choose one of {list(WIRE_DTYPES)}.")
         if compression not in (None, "topk"):
             raise ValueError(f"compression={compression!r}: choose None or 'topk'.")
-        if compression == "topk" and algorithm == "ring":
+        if compression == "topk" and algorithm == "flat":
             raise ValueError(
-                "compression='topk' compresses the inter-node stage, which algorithm='ring' does not "
+                "compression='topk' compresses the inter-node stage, which algorithm='flat' does not "
                 "have: use algorithm='hier' or 'torus2d'."
             )
         if compression == "topk":
@@ -157,13 +174,14 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
         super().__init__(**kwargs)
         self.algorithm = algorithm
         self.ranks_per_node = ranks_per_node
-        self.comm_dtype = comm_dtype
+        self.wire_dtype = wire_dtype
         self.fusion_plan = fusion_plan
         self.two_segment_split = two_segment_split
         self.compression = compression
         self.topk_ratio = topk_ratio
         self.topk_start_iter = topk_start_iter
         self.pipeline_chunk_mb = pipeline_chunk_mb
+        self.planner = planner
         self.algorithm_selector = algorithm_selector or default_algorithm_selector
         self.topology: Topology | None = None
         self.hook_state: HierarchicalHookState | None = None
@@ -184,7 +202,7 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
                 f"but the launcher's world size is {env_world}: make num_nodes * devices match it."
             )
         try:
-            return Topology(world_size, self.ranks_per_node or self.num_processes)
+            return Topology.from_world(world_size, self.ranks_per_node or self.num_processes)
         except ValueError as error:
             raise ValueError(f"HierarchicalAllReduceStrategy(ranks_per_node=...): {error}") from None
 
@@ -214,24 +232,55 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
                 "consecutive ranks per node (torchrun and Lightning do) or pass ranks_per_node explicitly."
             )
 
-    def _setup_model(self, model: nn.Module) -> DistributedDataParallel:
-        assert self.topology is not None
+    @property
+    def comm_dtype(self) -> str:
+        """Deprecated name of :attr:`wire_dtype`."""
+        return self.wire_dtype
+
+    def planner_settings(self) -> dict[str, Any]:
+        """The settings the planner must price: this strategy's wire dtype, top-k ratio and chunk size."""
+        return {
+            "wire_dtype": self.wire_dtype,
+            "topk_ratio": self.topk_ratio if self.compression == "topk" else None,
+            "pipeline_chunk_mb": self.pipeline_chunk_mb,
+        }
+
+    def resolve_comm_plan(self, model: nn.Module, topology: Topology) -> tuple[str, list[float] | None]:
+        """The algorithm and the DDP bucket caps (MB, ``None``: DDP's uniform cap) for ``model`` on ``topology``.
+
+        Explicit settings win: a fixed ``algorithm``; ``two_segment_split``, ``fusion_plan`` or
+        ``bucket_cap_mb`` for the buckets. Otherwise the planner, asked with this strategy's
+        :meth:`planner_settings`, or ``algorithm_selector`` decides.
+        """
+        plan = None
+        if self.planner is not None:
+            algorithms = None if self.algorithm == "auto" else (self.algorithm,)
+            plan = self.planner.plan(model, topology, algorithms=algorithms, timeout=self._timeout,
+                                     **self.planner_settings())
         caps: Sequence[float] | None = None
         if self.two_segment_split is not None:
             caps = two_segment_caps_mb(model, self.two_segment_split)
         elif callable(self.fusion_plan):
-            caps = list(self.fusion_plan(model, self.topology))
+            caps = list(self.fusion_plan(model, topology))
         elif self.fusion_plan is not None:
             caps = list(self.fusion_plan)
+        elif plan is not None and self._ddp_kwargs.get("bucket_cap_mb") is None:
+            caps = plan.plan.ddp_bucket_cap_mb_list()
+        if caps is not None and (not caps or min(caps) <= 0):
+            raise ValueError(f"fusion plan {caps}: bucket caps must be a non-empty list of positive MB.")
+        if self.algorithm != "auto":
+            algorithm = self.algorithm
+        elif plan is not None:
+            algorithm = plan.algorithm
+        else:
+            algorithm = canonical_algorithm(self.algorithm_selector(model, topology), "algorithm_selector result")
+        return algorithm, None if caps is None else list(caps)
+
+    def _setup_model(self, model: nn.Module) -> DistributedDataParallel:
+        assert self.topology is not None
+        self.resolved_algorithm, caps = self.resolve_comm_plan(model, self.topology)
         if caps is not None:
-            if not caps or min(caps) <= 0:
-                raise ValueError(f"fusion plan {caps}: bucket caps must be a non-empty list of positive MB.")
-            self._ddp_kwargs["bucket_cap_mb_list"] = list(caps)
-        self.resolved_algorithm = (
-            self.algorithm_selector(model, self.topology) if self.algorithm == "auto" else self.algorithm
-        )
-        if self.resolved_algorithm not in HOOKS:
-            raise ValueError(f"algorithm_selector returned {self.resolved_algorithm!r}, not one of {list(HOOKS)}.")
+            self._ddp_kwargs["bucket_cap_mb_list"] = caps
         return super()._setup_model(model)
 
     def _register_ddp_hooks(self) -> None:
@@ -241,10 +290,10 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
         if self.uses_ddp_allreduce:
             self._log_plan()
             return
-        groups = build_process_groups(self.topology)
+        groups = build_process_groups(self.topology, timeout=self._timeout)
         self.hook_state = HierarchicalHookState(
             groups=groups,
-            comm_dtype=COMM_DTYPES[self.comm_dtype],
+            wire_dtype=None if self.wire_dtype == "fp32" else WIRE_DTYPES[self.wire_dtype],
             topk=TopKErrorFeedback(self.topk_ratio) if self.compression == "topk" else None,
             topk_start_iter=self.topk_start_iter,
             chunk_numel=chunk_numel_for(self.pipeline_chunk_mb, self.topology.num_nodes),
@@ -260,7 +309,7 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
         does without the Python hook and its thread, so one node costs what plain DDP does.
         """
         assert self.topology is not None
-        return self.topology.num_nodes == 1 and self.comm_dtype == "fp32" and self.compression is None
+        return self.topology.num_nodes == 1 and self.wire_dtype == "fp32" and self.compression is None
 
     def plan_summary(self) -> dict[str, Any]:
         """Topology, algorithm, wire dtype and bucket plan of this run (what rank 0 logs)."""
@@ -273,7 +322,7 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
             "strategy/ranks_per_node": self.topology.ranks_per_node,
             "strategy/world_size": self.topology.world_size,
             "strategy/backend": self.hook_state.groups.backend if self.hook_state else None,
-            "strategy/comm_dtype": self.comm_dtype,
+            "strategy/wire_dtype": self.wire_dtype,
             "strategy/compression": f"topk:{self.topk_ratio}" if self.compression else "none",
             "strategy/gradient_mb": round(grads / _MB, 3),
             "strategy/bucket_caps_mb": [round(float(c), 3) for c in caps],
