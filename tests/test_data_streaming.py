@@ -220,3 +220,12 @@ def test_remote_source_reads_through_a_size_limited_local_cache(stream, tmp_path
     cached = [p for p in cache.rglob("chunk-*.bin")]
     assert cached, "the remote chunks were not cached locally"
     assert dm.dataset("train").max_cache_size == "1GB"
+
+
+@pytest.mark.parametrize("name", ["fast_decode", "device_prefetch", "worker_autotune"])
+def test_docstring_examples_pass(name):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(f"lightning_fastscale.data.{name}"))
+    assert result.attempted > 0 and result.failed == 0

@@ -145,9 +145,10 @@ def normalize_on_device(
 ) -> torch.Tensor:
     """uint8 ``(N, C, H, W)`` on any device -> normalised float ``(x / 255 - mean) / std``.
 
-    Computed as one fused multiply-add per element, ``x * (1 / (255 std)) - mean / std``, on
-    whatever device ``images`` lives on; ``channels_last`` returns NHWC memory layout, which
-    convolutions on tensor cores prefer.
+    Computed in place on the converted copy, ``(x - 255 mean) * (1 / (255 std))``, on whatever
+    device ``images`` lives on (no further temporaries: on the CPU the allocation of each new
+    batch-sized tensor costs as much as the arithmetic); ``channels_last`` returns NHWC memory
+    layout, which convolutions on tensor cores prefer.
     """
     if images.dtype != torch.uint8:
         raise TypeError(f"normalize_on_device expects a uint8 batch, got {images.dtype}")
@@ -155,7 +156,7 @@ def normalize_on_device(
     s = torch.tensor(std, dtype=dtype, device=images.device).view(1, -1, 1, 1)
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
     out = images.to(dtype=dtype, memory_format=memory_format)
-    return torch.addcmul(-m / s, out, 1.0 / (255.0 * s))
+    return out.sub_(m * 255.0).mul_(1.0 / (255.0 * s))
 
 
 def decode_jpeg_batch_on_device(
