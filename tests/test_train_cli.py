@@ -49,6 +49,7 @@ def test_single_run_wandb_offline_then_resume(tmp_path):
     out = fastscale_train([*TINY, f"hydra.run.dir={run_dir}"], tmp_path)
     assert "final val/top1:" in out
     assert "(offline)" in out  # no API key: W&B ran offline and said where
+    assert "anonymous setting" not in out  # Lightning's anonymous=None is not handed to wandb.init
 
     wandb_run = _only((run_dir / "wandb").glob("offline-run-*"))
     logged = wandb_logged_values(wandb_run, "val/top1")
