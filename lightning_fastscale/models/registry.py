@@ -15,6 +15,8 @@ from typing import Any
 
 from torch import nn
 
+from lightning_fastscale._validation import positive_int
+
 from .pretrained import load_pretrained_weights
 
 _OWN_MODELS: dict[str, Callable[..., nn.Module]] = {}
@@ -49,8 +51,7 @@ def create_model(name: str, num_classes: int, pretrained: bool | str | Path = Fa
     torchvision's need its own class count), or a path to a local ``state_dict`` / Lightning
     checkpoint (:func:`~lightning_fastscale.models.pretrained.load_pretrained_weights`).
     """
-    if num_classes < 1:
-        raise ValueError(f"model.num_classes must be >= 1, got {num_classes}")
+    positive_int("model.num_classes", num_classes)
     if isinstance(pretrained, (str, Path)) and str(pretrained).lower() in ("true", "false"):
         pretrained = str(pretrained).lower() == "true"
     from_file = not isinstance(pretrained, bool)
