@@ -36,16 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
-RUN = [
-    "data.train_size=256", "data.val_size=32", "data.batch_size=32", "data.resolution=16",
-    "model.kwargs.widths=[8,8,8]", "trainer.max_epochs=2", "trainer.enable_progress_bar=false",
-    "trainer.enable_model_summary=false", "trainer.log_every_n_steps=1", "callbacks=large_batch",
-    "callbacks.throughput=null", "callbacks.model_checkpoint.save_top_k=-1",
-    "callbacks.batch_size_ramp.lr_milestones=[1]",
-    "callbacks.progressive_resizing.size_increment=2", "trainer.devices=2",
-    "trainer.accelerator=cpu", "strategy=ddp", "logger=csv",
-]
+from tests.faults_helpers import RECIPE_RUN  # noqa: E402  (the job the fault tests run)
+
+
+RUN = RECIPE_RUN
 SIGNAL_STEP = 9  # epoch 1 (after the ramp doubled the batch), its second of four steps
 TOTAL_STEPS = 12
 
@@ -110,9 +106,9 @@ def same_weights(a: Path, b: Path) -> bool:
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-def preempt(root: Path, name: str, reference: Path, *, torchrun: bool, with_callback: bool) -> Row:
-    run_dir = root / name
-    stamp = root / f"{name}.signal"
+def preempt(root: Path, name: str, folder: str, reference: Path, *, torchrun: bool, with_callback: bool) -> Row:
+    run_dir = root / folder
+    stamp = root / f"{folder}.signal"
     sender = [
         "+callbacks.preempt_test._target_=tests.faults_helpers.SignalAtStep",
         f"+callbacks.preempt_test.step={SIGNAL_STEP}", f"+callbacks.preempt_test.stamp={stamp}",
@@ -177,11 +173,11 @@ def main() -> None:
         raise SystemExit(f"the uninterrupted run failed (exit {code}):\n{out[-3000:]}")
     reference = root / "uninterrupted" / "checkpoints" / "last.ckpt"
     rows = [
-        preempt(root, "SIGTERM to rank 1 (PreemptionCheckpoint)", reference, torchrun=False, with_callback=True),
-        preempt(root, "SIGTERM to torchrun (PreemptionCheckpoint)", reference, torchrun=True, with_callback=True),
-        preempt(root, "SIGTERM to rank 1, Lightning alone", reference, torchrun=False, with_callback=False),
+        preempt(root, "SIGTERM to rank 1 (PreemptionCheckpoint)", "rank1", reference, torchrun=False, with_callback=True),
+        preempt(root, "SIGTERM to torchrun (PreemptionCheckpoint)", "torchrun", reference, torchrun=True, with_callback=True),
+        preempt(root, "SIGTERM to rank 1, Lightning alone", "lightning", reference, torchrun=False, with_callback=False),
     ]
-    rows.append(truncated(root, root / "SIGTERM to rank 1 (PreemptionCheckpoint)"))
+    rows.append(truncated(root, root / "rank1"))
     try:
         import lightning_fastscale.emulation.faults  # noqa: F401
         rows.append(not_run("rank killed / rank hung", "lightning_fastscale.emulation.faults exists but is not wired into this table yet"))
