@@ -92,8 +92,20 @@ def build_logger(cfg: DictConfig) -> Any:
         online = os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") == "online"
         if not online:
             os.environ["WANDB_MODE"] = "offline"
-            return instantiate(node, offline=True)
+        return without_unset_anonymous(instantiate(node, offline=True) if not online else instantiate(node))
     return instantiate(node)
+
+
+def without_unset_anonymous(logger: Any) -> Any:
+    """Drop the ``anonymous=None`` that Lightning's ``WandbLogger`` always hands to ``wandb.init``.
+
+    wandb >= 0.19 deprecated the setting and warns on every run whenever it is passed at all,
+    even as None; left out it keeps wandb's default, which is what None meant.
+    """
+    init_kwargs = getattr(logger, "_wandb_init", None)
+    if isinstance(init_kwargs, dict) and init_kwargs.get("anonymous", False) is None:
+        del init_kwargs["anonymous"]
+    return logger
 
 
 def _check_output_dir_is_fresh(cfg: DictConfig) -> None:
@@ -167,6 +179,10 @@ def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.
         optimizer=instantiate(cfg.optimizer) if cfg.get("optimizer") else None,
         scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
         model_kwargs=OmegaConf.to_container(model_cfg.kwargs, resolve=True) if model_cfg.get("kwargs") else {},
+        pretrained=model_cfg.get("pretrained", False),
+        channels_last=bool(model_cfg.get("channels_last", False)),
+        compile=bool(model_cfg.get("compile", False)),
+        compile_mode=model_cfg.get("compile_mode"),
     )
     if hasattr(datamodule, "train_batch_size") and hasattr(datamodule, "train_resolution"):
         # one per-device training batch: what the planner profiles backward on (FLOPs or timing)

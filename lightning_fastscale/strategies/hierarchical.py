@@ -10,6 +10,7 @@ top-k compression of the inter-node stage (Tencent Cloud 2020). Registered in Li
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
 from lightning_fastscale.strategies.allreduce import TopKErrorFeedback
 from lightning_fastscale.strategies.comm_hooks import HOOKS, HierarchicalHookState
@@ -186,6 +188,7 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
         self.topology: Topology | None = None
         self.hook_state: HierarchicalHookState | None = None
         self.resolved_algorithm: str | None = None
+        self._saved_residuals: tuple[str, dict | None] | None = None
 
     def _resolve_topology(self) -> Topology:
         world_size = self.num_nodes * self.num_processes
@@ -206,6 +209,7 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
         except ValueError as error:
             raise ValueError(f"HierarchicalAllReduceStrategy(ranks_per_node=...): {error}") from None
 
+    @override
     def setup_environment(self) -> None:
         """Validate the topology before the process group starts, then build the node groups."""
         self.set_world_ranks()
@@ -276,6 +280,7 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
             algorithm = canonical_algorithm(self.algorithm_selector(model, topology), "algorithm_selector result")
         return algorithm, None if caps is None else list(caps)
 
+    @override
     def _setup_model(self, model: nn.Module) -> DistributedDataParallel:
         assert self.topology is not None
         self.resolved_algorithm, caps = self.resolve_comm_plan(model, self.topology)
@@ -283,6 +288,7 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
             self._ddp_kwargs["bucket_cap_mb_list"] = caps
         return super()._setup_model(model)
 
+    @override
     def _register_ddp_hooks(self) -> None:
         # Lightning registers hooks on CUDA only; torch's hooks work on every backend, gloo too.
         assert isinstance(self.model, DistributedDataParallel) and self.topology is not None
@@ -297,7 +303,9 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
             topk=TopKErrorFeedback(self.topk_ratio) if self.compression == "topk" else None,
             topk_start_iter=self.topk_start_iter,
             chunk_numel=chunk_numel_for(self.pipeline_chunk_mb, self.topology.num_nodes),
+            algorithm=self.resolved_algorithm,
         )
+        self._restore_residuals()
         self.model.register_comm_hook(self.hook_state, HOOKS[self.resolved_algorithm])
         self._log_plan()
 
@@ -341,14 +349,104 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
             for logger in trainer.loggers:
                 logger.log_hyperparams(summary)
 
+    def _residual_path(self, filepath: Any) -> str:
+        return f"{filepath}.topk-residuals-rank{self.global_rank}"
+
+    def _comm_layout(self) -> dict[str, Any]:
+        assert self.topology is not None and self.hook_state is not None
+        return {
+            "world_size": self.topology.world_size, "ranks_per_node": self.topology.ranks_per_node,
+            "algorithm": self.resolved_algorithm, "topk_ratio": self.topk_ratio,
+            "chunk_numel": self.hook_state.chunk_numel, "rank": self.global_rank,
+        }
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Save the checkpoint (rank 0); with top-k, every rank also saves its error-feedback residuals.
+
+        The residuals differ per rank (each keeps what it did not send), so each rank writes
+        ``<checkpoint>.topk-residuals-rank<R>`` beside the checkpoint, with the layout they belong
+        to (world size, ranks per node, algorithm, ratio, chunking, hook iteration).
+        """
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        state = self.hook_state
+        if state is not None and state.topk is not None:
+            residuals = {"layout": self._comm_layout(), "iteration": state.iteration,
+                         "errors": {key: t.detach().cpu() for key, t in state.topk.errors.items()}}
+            self.checkpoint_io.save_checkpoint(residuals, self._residual_path(filepath))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load the checkpoint; with top-k, also this rank's residuals (restored once the hook exists)."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if self.compression == "topk":
+            path = self._residual_path(checkpoint_path)
+            try:
+                self._saved_residuals = (path, self.checkpoint_io.load_checkpoint(path))
+            except FileNotFoundError:
+                self._saved_residuals = (path, None)
+        return checkpoint
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Remove the checkpoint and this rank's top-k residuals beside it."""
+        super().remove_checkpoint(filepath)
+        if self.compression == "topk":
+            try:
+                self.checkpoint_io.remove_checkpoint(self._residual_path(filepath))
+            except FileNotFoundError:
+                pass
+
+    def _restore_residuals(self) -> None:
+        saved = self._saved_residuals
+        if saved is None or self.hook_state is None or self.hook_state.topk is None:
+            return
+        self._saved_residuals = None
+        path, state = saved
+        if state is None:
+            warnings.warn(f"no top-k residuals for rank {self.global_rank} at {path}: error feedback restarts "
+                          "from zero, so this run will not equal an uninterrupted one.", stacklevel=2)
+            return
+        now, then = self._comm_layout(), state.get("layout", {})
+        differ = {k: (then.get(k), v) for k, v in now.items() if then.get(k) != v}
+        if differ:
+            what = ", ".join(f"{k} {a!r} in the checkpoint vs {b!r} now" for k, (a, b) in differ.items())
+            warnings.warn(f"top-k residuals at {path} belong to another layout ({what}): error feedback restarts "
+                          "from zero.", stacklevel=2)
+            return
+        # gloo works on host copies of the buckets (CUDA ones too), so the residuals live there
+        device = torch.device("cpu") if self.hook_state.groups.backend == "gloo" else self.root_device
+        self.hook_state.topk.errors = {key: t.to(device) for key, t in state["errors"].items()}
+        self.hook_state.topk.restored = set(state["errors"])
+        self.hook_state.iteration = int(state["iteration"])
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """DDP's backward; a failed bucket all-reduce is raised as the hook's :class:`CommHookError`.
+
+        DDP reports an exception from a hook's future only as a value it cannot cast to a
+        tensor; the hook state keeps the real error (algorithm, stage, bucket, cause).
+        """
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        except RuntimeError:
+            if self.hook_state is not None:
+                self.hook_state.raise_if_failed()
+            raise
+
+    @override
     def teardown(self) -> None:
         """Stop the communication thread and release the node groups, then let DDP unwrap the model."""
         if self.hook_state is not None:
+            failed = self.hook_state.error is not None
             self.hook_state.close()
-            if dist.is_initialized():
+            if dist.is_initialized() and not failed:
+                # After a failure the groups' peers may be gone: destroying them could block on
+                # the dead connections, and the process is about to exit anyway.
                 self.hook_state.groups.destroy()
         super().teardown()
 
+    @override
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register ``hier_ring``/``hier_torus`` (subprocess launch) and their ``_spawn`` variants."""
