@@ -158,6 +158,24 @@ def truncated(root: Path, source: Path) -> Row:
                f"{steps_run(run_dir)} steps run; the file is left as it was ({newest.stat().st_size} bytes)")
 
 
+def comm_rows(root: Path) -> list[Row]:
+    """A rank killed / hung mid-backward under hier_ring (4 ranks as 2x2), via the strategy's scenarios."""
+    try:
+        from lightning_fastscale.emulation.faults import run_fault_scenario
+    except ImportError:
+        return [not_run("rank killed / rank hung", "lightning_fastscale.emulation.faults is not on this branch")]
+    rows = []
+    for fault in ("kill", "hang"):
+        outcome = run_fault_scenario(strategy="hier_ring", fault=fault, timeout_s=5.0, workdir=root / f"comm-{fault}")
+        causes = {text.splitlines()[0][:90] for text in outcome.rank_errors.values() if text}
+        happened = (f"all ranks exited, codes {sorted(outcome.exit_codes.values())}" if outcome.exited
+                    else "NOT all ranks exited within the bound") + (f"; error: {sorted(causes)[0]}" if causes else "")
+        seconds = f"{outcome.seconds_to_exit:.1f}" if outcome.seconds_to_exit is not None else "-"
+        rows.append(Row(f"rank {outcome.fault_rank} {fault}ed mid-backward, hier_ring 2x2, time-out 5 s", happened,
+                        seconds, "no checkpoint is written; resume from the last one"))
+    return rows
+
+
 def not_run(fault: str, why: str) -> Row:
     return Row(fault, f"not run: {why}", "-", "-")
 
@@ -165,9 +183,13 @@ def not_run(fault: str, why: str) -> Row:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temporary folder)")
+    parser.add_argument("--only-comm", action="store_true", help="only the rank killed / hung rows")
     args = parser.parse_args()
     root = args.out or Path(tempfile.mkdtemp(prefix="faults-"))
     started = time.time()
+    if args.only_comm:
+        print_table(comm_rows(root), started, root)
+        return
     code, out, _ = wait(launch(root / "uninterrupted"), timeout=300)
     if code != 0:
         raise SystemExit(f"the uninterrupted run failed (exit {code}):\n{out[-3000:]}")
@@ -178,12 +200,12 @@ def main() -> None:
         preempt(root, "SIGTERM to rank 1, Lightning alone", "lightning", reference, torchrun=False, with_callback=False),
     ]
     rows.append(truncated(root, root / "rank1"))
-    try:
-        import lightning_fastscale.emulation.faults  # noqa: F401
-        rows.append(not_run("rank killed / rank hung", "lightning_fastscale.emulation.faults exists but is not wired into this table yet"))
-    except ImportError:
-        rows.append(not_run("rank killed / rank hung", "lightning_fastscale.emulation.faults is not on this branch"))
+    rows += comm_rows(root)
     rows.append(not_run("overflow storm", "no non-finite-step guard on this branch"))
+    print_table(rows, started, root)
+
+
+def print_table(rows: list[Row], started: float, root: Path) -> None:
     print("| fault | what happened | seconds to exit | lost |")
     print("|---|---|---|---|")
     for row in rows:
