@@ -166,6 +166,7 @@ def comm_rows(root: Path) -> list[Row]:
         return [not_run("rank killed / rank hung", "lightning_fastscale.emulation.faults is not on this branch")]
     rows = []
     for fault in ("kill", "hang"):
+        (root / f"comm-{fault}").mkdir(parents=True, exist_ok=True)
         outcome = run_fault_scenario(strategy="hier_ring", fault=fault, timeout_s=5.0, workdir=root / f"comm-{fault}")
         causes = {text.splitlines()[0][:90] for text in outcome.rank_errors.values() if text}
         happened = (f"all ranks exited, codes {sorted(outcome.exit_codes.values())}" if outcome.exited
