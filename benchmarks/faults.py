@@ -172,7 +172,7 @@ def comm_rows(root: Path) -> list[Row]:
         happened = (f"all ranks exited, codes {sorted(outcome.exit_codes.values())}" if outcome.exited
                     else "NOT all ranks exited within the bound") + (f"; error: {sorted(causes)[0]}" if causes else "")
         seconds = f"{outcome.seconds_to_exit:.1f}" if outcome.seconds_to_exit is not None else "-"
-        rows.append(Row(f"rank {outcome.fault_rank} {fault}ed mid-backward, hier_ring 2x2, time-out 5 s", happened,
+        rows.append(Row(f"rank {outcome.fault_rank} {'killed' if fault == 'kill' else 'hung'} mid-backward, hier_ring 2x2, time-out 5 s", happened,
                         seconds, "no checkpoint is written; resume from the last one"))
     return rows
 
