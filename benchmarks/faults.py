@@ -36,16 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
-RUN = [
-    "data.train_size=256", "data.val_size=32", "data.batch_size=32", "data.resolution=16",
-    "model.kwargs.widths=[8,8,8]", "trainer.max_epochs=2", "trainer.enable_progress_bar=false",
-    "trainer.enable_model_summary=false", "trainer.log_every_n_steps=1", "callbacks=large_batch",
-    "callbacks.throughput=null", "callbacks.model_checkpoint.save_top_k=-1",
-    "callbacks.batch_size_ramp.lr_milestones=[1]",
-    "callbacks.progressive_resizing.size_increment=2", "trainer.devices=2",
-    "trainer.accelerator=cpu", "strategy=ddp", "logger=csv",
-]
+from tests.faults_helpers import RECIPE_RUN  # noqa: E402  (the job the fault tests run)
+
+
+RUN = RECIPE_RUN
 SIGNAL_STEP = 9  # epoch 1 (after the ramp doubled the batch), its second of four steps
 TOTAL_STEPS = 12
 
@@ -110,9 +106,9 @@ def same_weights(a: Path, b: Path) -> bool:
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-def preempt(root: Path, name: str, reference: Path, *, torchrun: bool, with_callback: bool) -> Row:
-    run_dir = root / name
-    stamp = root / f"{name}.signal"
+def preempt(root: Path, name: str, folder: str, reference: Path, *, torchrun: bool, with_callback: bool) -> Row:
+    run_dir = root / folder
+    stamp = root / f"{folder}.signal"
     sender = [
         "+callbacks.preempt_test._target_=tests.faults_helpers.SignalAtStep",
         f"+callbacks.preempt_test.step={SIGNAL_STEP}", f"+callbacks.preempt_test.stamp={stamp}",
@@ -162,6 +158,25 @@ def truncated(root: Path, source: Path) -> Row:
                f"{steps_run(run_dir)} steps run; the file is left as it was ({newest.stat().st_size} bytes)")
 
 
+def comm_rows(root: Path) -> list[Row]:
+    """A rank killed / hung mid-backward under hier_ring (4 ranks as 2x2), via the strategy's scenarios."""
+    try:
+        from lightning_fastscale.emulation.faults import run_fault_scenario
+    except ImportError:
+        return [not_run("rank killed / rank hung", "lightning_fastscale.emulation.faults is not on this branch")]
+    rows = []
+    for fault in ("kill", "hang"):
+        (root / f"comm-{fault}").mkdir(parents=True, exist_ok=True)
+        outcome = run_fault_scenario(strategy="hier_ring", fault=fault, timeout_s=5.0, workdir=root / f"comm-{fault}")
+        causes = {text.splitlines()[0][:90] for text in outcome.rank_errors.values() if text}
+        happened = (f"all ranks exited, codes {sorted(outcome.exit_codes.values())}" if outcome.exited
+                    else "NOT all ranks exited within the bound") + (f"; error: {sorted(causes)[0]}" if causes else "")
+        seconds = f"{outcome.seconds_to_exit:.1f}" if outcome.seconds_to_exit is not None else "-"
+        rows.append(Row(f"rank {outcome.fault_rank} {'killed' if fault == 'kill' else 'hung'} mid-backward, hier_ring 2x2, time-out 5 s", happened,
+                        seconds, "no checkpoint is written; resume from the last one"))
+    return rows
+
+
 def not_run(fault: str, why: str) -> Row:
     return Row(fault, f"not run: {why}", "-", "-")
 
@@ -169,25 +184,29 @@ def not_run(fault: str, why: str) -> Row:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temporary folder)")
+    parser.add_argument("--only-comm", action="store_true", help="only the rank killed / hung rows")
     args = parser.parse_args()
     root = args.out or Path(tempfile.mkdtemp(prefix="faults-"))
     started = time.time()
+    if args.only_comm:
+        print_table(comm_rows(root), started, root)
+        return
     code, out, _ = wait(launch(root / "uninterrupted"), timeout=300)
     if code != 0:
         raise SystemExit(f"the uninterrupted run failed (exit {code}):\n{out[-3000:]}")
     reference = root / "uninterrupted" / "checkpoints" / "last.ckpt"
     rows = [
-        preempt(root, "SIGTERM to rank 1 (PreemptionCheckpoint)", reference, torchrun=False, with_callback=True),
-        preempt(root, "SIGTERM to torchrun (PreemptionCheckpoint)", reference, torchrun=True, with_callback=True),
-        preempt(root, "SIGTERM to rank 1, Lightning alone", reference, torchrun=False, with_callback=False),
+        preempt(root, "SIGTERM to rank 1 (PreemptionCheckpoint)", "rank1", reference, torchrun=False, with_callback=True),
+        preempt(root, "SIGTERM to torchrun (PreemptionCheckpoint)", "torchrun", reference, torchrun=True, with_callback=True),
+        preempt(root, "SIGTERM to rank 1, Lightning alone", "lightning", reference, torchrun=False, with_callback=False),
     ]
-    rows.append(truncated(root, root / "SIGTERM to rank 1 (PreemptionCheckpoint)"))
-    try:
-        import lightning_fastscale.emulation.faults  # noqa: F401
-        rows.append(not_run("rank killed / rank hung", "lightning_fastscale.emulation.faults exists but is not wired into this table yet"))
-    except ImportError:
-        rows.append(not_run("rank killed / rank hung", "lightning_fastscale.emulation.faults is not on this branch"))
+    rows.append(truncated(root, root / "rank1"))
+    rows += comm_rows(root)
     rows.append(not_run("overflow storm", "no non-finite-step guard on this branch"))
+    print_table(rows, started, root)
+
+
+def print_table(rows: list[Row], started: float, root: Path) -> None:
     print("| fault | what happened | seconds to exit | lost |")
     print("|---|---|---|---|")
     for row in rows:

@@ -10,17 +10,10 @@ from pathlib import Path
 
 import torch
 
+from tests.faults_helpers import RECIPE_RUN as RUN
+
 REPO = Path(__file__).resolve().parents[1]
 
-RUN = [
-    "data.train_size=256", "data.val_size=32", "data.batch_size=32", "data.resolution=16",
-    "model.kwargs.widths=[8,8,8]", "trainer.max_epochs=2", "trainer.enable_progress_bar=false",
-    "trainer.enable_model_summary=false", "trainer.log_every_n_steps=1", "callbacks=large_batch",
-    "callbacks.throughput=null", "callbacks.model_checkpoint.save_top_k=-1",
-    "callbacks.batch_size_ramp.lr_milestones=[1]",
-    "callbacks.progressive_resizing.size_increment=2", "trainer.devices=2",
-    "trainer.accelerator=cpu", "strategy=ddp", "logger=csv",
-]
 # save_top_k=-1: last.ckpt follows every epoch (with a monitor, Lightning refreshes it only
 # when the metric improves). Epoch 0: global batch 32 (16 per rank), 8 steps; epoch 1: 64, 4 steps (steps 8..11).
 # SIGTERM reaches rank 1 only, as step 9 starts: every rank finishes step 9, then stops.

@@ -64,7 +64,8 @@ def test_single_run_wandb_offline_then_resume(tmp_path):
     first_state = torch.load(last, map_location="cpu", weights_only=False)
     assert first_state["epoch"] == 0 and first_state["global_step"] == 6  # 192 / 32 steps
 
-    # Resuming writes into a new folder and continues at epoch 1, step 6.
+    # Resuming writes into a new folder and continues at epoch 1, step 6. No LR schedule: two epochs
+    # would stretch a cosine schedule, which CheckpointCheck refuses as a mismatch.
     resumed_dir = tmp_path / "resumed"
     fastscale_train(
         [*TINY, "scheduler=none", "trainer.max_epochs=2", f"ckpt_path={last}", f"hydra.run.dir={resumed_dir}",
