@@ -12,6 +12,7 @@ from lightning_fastscale.callbacks.lr_schedule import WarmupDecayLR
 from lightning_fastscale.callbacks.preemption import PreemptionCheckpoint
 from lightning_fastscale.callbacks.progressive_resizing import ProgressiveResizing
 from lightning_fastscale.callbacks.label_smoothing import LabelSmoothing, smooth_targets, smoothing_at_epoch
+from lightning_fastscale.callbacks.non_finite_guard import NonFiniteGuard, NonFiniteStepsError
 from lightning_fastscale.callbacks.skip_weight_decay import (
     NoWeightDecayOnBiasNorm,
     SkipWeightDecay,
@@ -28,6 +29,8 @@ __all__ = [
     "LabelSmoothing",
     "NoWeightDecayOnBiasNorm",
     "PreemptionCheckpoint",
+    "NonFiniteGuard",
+    "NonFiniteStepsError",
     "ProgressiveResizing",
     "SkipWeightDecay",
     "WarmupDecayLR",

@@ -141,6 +141,26 @@ class LARSMixedPrecision(Precision):
     # ---- the LARS step's state, read through the plugin ---------------------------------
 
     @property
+    def eta(self) -> float:
+        """The trust coefficient."""
+        return self.lars.eta
+
+    @property
+    def eps(self) -> float:
+        """Added to the ratio's denominator."""
+        return self.lars.eps
+
+    @property
+    def trust_clip(self) -> bool:
+        """LARC clip mode."""
+        return self.lars.trust_clip
+
+    @property
+    def exclude(self) -> list[str]:
+        """Extra name globs that LARS leaves alone."""
+        return self.lars.exclude
+
+    @property
     def skipped_steps(self) -> int:
         """Steps skipped for non-finite gradients, in total."""
         return self.lars.skipped_steps

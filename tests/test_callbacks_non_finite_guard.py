@@ -1,0 +1,141 @@
+"""``NonFiniteGuard``: a storm of non-finite steps stops the run with a named error; isolated
+skips do not; every precision the package offers is covered (LARS plugin, Lightning's AMP
+with a scaler, bf16 and fp32 without one)."""
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch.nn import functional as F
+
+from lightning_fastscale.callbacks import NonFiniteGuard, NonFiniteStepsError
+from lightning_fastscale.precision import LARSMixedPrecision
+from tests.test_precision_lars_plugin import Tiny, data, make_net, small_scaler, trainer
+
+
+class Storm(Tiny):
+    """An inf in the first layer's gradient, or a NaN loss, at the listed optimizer steps."""
+
+    def __init__(self, bad_steps, where: str) -> None:
+        super().__init__(make_net())
+        self.bad_steps, self.where = set(bad_steps), where
+        self.steps_started: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        self.steps_started.append(self.trainer.global_step)
+        loss = F.cross_entropy(self.net(batch[0]).float(), batch[1])
+        if self.where == "loss" and self.trainer.global_step in self.bad_steps:
+            loss = loss * math.nan
+        return loss
+
+    def on_after_backward(self) -> None:
+        if self.where == "grad" and self.trainer.global_step in self.bad_steps:
+            self.net[0].weight.grad[0, 0] = math.inf
+
+
+def cases():
+    # (id, Trainer precision kwargs, where the fault goes, a loss scale is reported)
+    return [
+        ("lars_16", dict(plugins=[LARSMixedPrecision("16-mixed", "cpu", scaler=small_scaler())]), "grad", True),
+        ("lars_bf16", dict(plugins=[LARSMixedPrecision("bf16-mixed", "cpu")]), "grad", False),
+        ("lars_32_nan_loss", dict(plugins=[LARSMixedPrecision("32", "cpu")]), "loss", False),
+        # Lightning's own AMP plugin (Trainer(precision="16-mixed") means bf16 on a CPU)
+        ("lightning_16", dict(plugins=[MixedPrecision("16-mixed", "cpu", scaler=small_scaler())]), "grad", True),
+        ("lightning_bf16", dict(precision="bf16-mixed"), "loss", False),
+        ("lightning_32", dict(precision="32-true"), "loss", False),
+    ]
+
+
+def fit_trainer(tmp_path, kw: dict, **opts) -> pl.Trainer:
+    settings = dict(
+        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=str(tmp_path),
+    )
+    return pl.Trainer(**{**settings, **kw, **opts})
+
+
+@pytest.mark.parametrize("kw, where, scaled", [c[1:] for c in cases()], ids=[c[0] for c in cases()])
+def test_overflow_storm_stops_with_named_error(tmp_path, kw, where, scaled) -> None:
+    """Bad steps from step 2 on, max_consecutive=3: the 4th bad step in a row (step 5) raises,
+    no further step starts; the error names the step, the scale and the parameter."""
+    module = Storm(bad_steps=range(2, 100), where=where)
+    tr = fit_trainer(tmp_path, kw, max_steps=20, callbacks=[NonFiniteGuard(max_consecutive=3)])
+    with pytest.raises(NonFiniteStepsError) as err:
+        tr.fit(module, data(n=80))
+    message = str(err.value)
+    # 0-based steps 2..5 were bad: optimizer steps 3 to 6 counted from 1, as trainer.global_step
+    assert "4 consecutive optimizer steps" in message and "optimizer steps 3 to 6" in message
+    assert "max_consecutive=3" in message
+    assert module.steps_started[-1] == 5 and len(module.steps_started) == 6, (module.steps_started, message)
+    assert "net.0.weight" in message  # the inf (or the NaN loss's gradient) starts there
+    if scaled:
+        # a fresh scale of 2**8 halved at each of the 4 skipped steps
+        assert "loss scale 16" in message
+    else:
+        assert "no loss scaler" in message
+
+
+@pytest.mark.parametrize("kw", [dict(plugin="lars"), dict(plugin="lightning")], ids=["lars_16", "lightning_16"])
+def test_isolated_skips_do_not_stop(tmp_path, kw) -> None:
+    """Three bad steps, a good one, three bad: never more than 3 in a row, so the run ends normally."""
+    guard = NonFiniteGuard(max_consecutive=3)
+    module = Storm(bad_steps=[1, 2, 3, 5, 6, 7], where="grad")
+    common = dict(accelerator="cpu", devices=1, max_steps=9, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                  callbacks=[guard])
+    if kw.get("plugin") == "lars":
+        tr = pl.Trainer(plugins=[LARSMixedPrecision("16-mixed", "cpu", scaler=small_scaler())], **common)
+    else:
+        tr = pl.Trainer(plugins=[MixedPrecision("16-mixed", "cpu", scaler=small_scaler())], **common)
+    tr.fit(module, data(n=80))
+    assert tr.global_step == 9 and guard.consecutive == 0
+
+
+def test_bad_setting_is_refused() -> None:
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="max_consecutive"):
+            NonFiniteGuard(max_consecutive=bad)
+
+
+class RankOneStorm(Storm):
+    """NaN loss on the last rank only: the other rank's own loss stays finite."""
+
+    def training_step(self, batch, batch_idx):
+        loss = F.cross_entropy(self.net(batch[0]).float(), batch[1])
+        if self.global_rank == self.trainer.world_size - 1 and self.trainer.global_step in self.bad_steps:
+            loss = loss * math.nan
+        return loss
+
+
+class RecordingGuard(NonFiniteGuard):
+    """Writes each rank's stopping step to a file before raising."""
+
+    def __init__(self, folder, **kw) -> None:
+        super().__init__(**kw)
+        self.folder = folder
+
+    def _message(self, trainer, pl_module, scale):
+        (self.folder / f"rank{trainer.global_rank}").write_text(str(trainer.global_step))
+        return super()._message(trainer, pl_module, scale)
+
+
+def test_two_ranks_stop_together(tmp_path) -> None:
+    """fp32 without a scaler, 2 gloo ranks, a NaN loss on rank 1 only: both ranks decide
+    together and stop at the same step (a rank left running would wait in the next
+    all-reduce; the strategy's 30 s time-out bounds the test if that ever happened)."""
+    from datetime import timedelta
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    module = RankOneStorm(bad_steps=range(1, 100), where="loss")
+    tr = fit_trainer(
+        tmp_path, dict(precision="32-true"), max_steps=20, devices=2,
+        strategy=DDPStrategy(start_method="fork", timeout=timedelta(seconds=30)),
+        callbacks=[RecordingGuard(tmp_path, max_consecutive=2)],
+    )
+    with pytest.raises(Exception, match="3 consecutive optimizer steps had a non-finite loss: optimizer steps 2 to 4"):
+        tr.fit(module, data(n=160))
+    assert (tmp_path / "rank0").read_text() == (tmp_path / "rank1").read_text() == "4"
