@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import lightning_fastscale  # noqa: F401  (registers strategies and models)
 
+from . import checkpointing
 from .module import ImageClassifier
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,49 @@ def _check_output_dir_is_fresh(cfg: DictConfig) -> None:
         )
 
 
+RESUME_MODES = ("never", "auto")
+
+
+def _checkpoint_folders(cfg: DictConfig) -> list[Path]:
+    """The folders the configured checkpoint callbacks write into."""
+    callbacks = cfg.get("callbacks") or {}
+    folders = []
+    for name in ("model_checkpoint", "preemption"):
+        node = callbacks.get(name)
+        if node and node.get("dirpath"):
+            folders.append(Path(node.dirpath))
+    return list(dict.fromkeys(folders))
+
+
+def resolve_resume(cfg: DictConfig) -> str | None:
+    """The checkpoint this run starts from, following ``resume`` and ``ckpt_path``.
+
+    ``resume=never`` (the default): a fresh run, or ``ckpt_path``; a run folder that already
+    holds checkpoints is refused. ``resume=auto`` (requeued or restarted jobs, with a fixed
+    ``hydra.run.dir``): continue from the newest checkpoint in the run's checkpoint folder,
+    or start fresh when there is none yet; an unreadable newest file is an error naming it.
+    """
+    mode = cfg.get("resume", "never")
+    if mode not in RESUME_MODES:
+        raise ValueError(f"resume={mode!r} is not one of {RESUME_MODES}; use resume=auto to continue a run in its folder")
+    if mode == "never":
+        _check_output_dir_is_fresh(cfg)
+        return cfg.get("ckpt_path")
+    if cfg.get("ckpt_path"):
+        raise ValueError(
+            f"resume=auto and ckpt_path={cfg.ckpt_path} both given; resume=auto picks the newest "
+            "checkpoint of the run folder itself: drop one of them"
+        )
+    folders = _checkpoint_folders(cfg)
+    newest = checkpointing.newest_checkpoint(folders)
+    if newest is None:
+        log.info("resume=auto: no checkpoint in %s yet; starting a fresh run", ", ".join(map(str, folders)) or "-")
+        return None
+    checkpointing.read_checkpoint(newest)  # a truncated newest file stops here, by name
+    log.info("resume=auto: continuing from %s", newest)
+    return str(newest)
+
+
 def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.Trainer]:
     """Instantiate the datamodule, module and Trainer that ``cfg`` describes (no fitting)."""
     datamodule = instantiate(cfg.data)
@@ -164,12 +208,12 @@ def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.
 def train(cfg: DictConfig) -> float | None:
     """Fit the configured model; return the final value of ``cfg.monitor`` (or None)."""
     pl.seed_everything(cfg.seed, workers=True)
-    _check_output_dir_is_fresh(cfg)
+    ckpt_path = resolve_resume(cfg)
     datamodule, module, trainer = build(cfg)
     if trainer.logger:
         trainer.logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     finally:
         _finish_wandb(trainer)
     value = trainer.callback_metrics.get(cfg.monitor)

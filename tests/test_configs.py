@@ -22,6 +22,7 @@ from lightning_fastscale import train as train_module
 from lightning_fastscale.callbacks import BatchSizeRamp, LabelSmoothing, WarmupDecayLR
 from lightning_fastscale.precision import LARSMixedPrecision
 from lightning_fastscale.strategies import HierarchicalAllReduceStrategy
+from lightning_fastscale.data.convert import convert
 from tests.test_data_imagefolder import _write_tree
 
 CONF = Path(__file__).resolve().parents[1] / "lightning_fastscale" / "conf"
@@ -44,6 +45,9 @@ def build(overrides: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
         # objects are instantiated on this CPU-only machine at a toy size
         if "root" in cfg.data.keys():
             cfg.data.root = str(tmp_path / "imagenet")
+            if cfg.data._target_.endswith("StreamingDataModule"):  # reads a converted copy
+                cfg.data.root = str(tmp_path / "imagenet-stream")
+                convert(tmp_path / "imagenet", cfg.data.root, max_side=256, num_workers=1, verbose=False)
         cfg.data.num_workers = 0
         cfg.trainer.accelerator = "cpu"
         cfg.trainer.devices = 1

@@ -104,6 +104,8 @@ class HierarchicalHookState:
     size inside a bucket. ``iteration``: completed hook iterations (decides when top-k starts).
     ``inline``: run the algorithm in the hook instead of the worker thread (default: on NCCL).
     ``algorithm``: the name reported in errors. ``error``: the first failure, if any.
+    ``param_index``: ``id(parameter) -> index`` in the module; with it top-k residuals are kept
+    in parameter order, the same in every run whatever DDP's order inside a bucket.
     """
 
     groups: ProcessGroups
@@ -115,6 +117,7 @@ class HierarchicalHookState:
     inline: Optional[bool] = None
     algorithm: str = ""
     error: Optional[CommHookError] = None
+    param_index: dict = field(default_factory=dict)
     _worker: Optional[_CommWorker] = field(default=None, repr=False)
     _streams: dict = field(default_factory=dict, repr=False)
 
@@ -160,6 +163,32 @@ def _fail(state: HierarchicalHookState, index: int, error: BaseException) -> Com
     return state.error
 
 
+def _residual_coordinates(
+    state: HierarchicalHookState, bucket: dist.GradBucket, numel: int,
+) -> tuple[Any, Optional[list[tuple[int, int]]]]:
+    """Top-k residual key and layout of a bucket, independent of DDP's order inside the bucket.
+
+    DDP fills its first buckets in reverse parameter order and rebuilds them in gradient-ready
+    order after one iteration, so a resumed run starts on another order than the one its
+    residuals were saved in. With ``state.param_index`` the bucket is compressed in parameter
+    order (``segments``: ``(start, numel)`` of each parameter in the buffer, in that order) and
+    keyed by its parameters' indices, so residuals mean the same entries in every run.
+    """
+    if not state.param_index:
+        return bucket.index(), None
+    params = bucket.parameters()
+    ids = [state.param_index.get(id(p)) for p in params]
+    sizes = [p.numel() for p in params]
+    if None in ids or sum(sizes) != numel:
+        return bucket.index(), None
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    order = sorted(range(len(ids)), key=ids.__getitem__)
+    key = tuple(ids[i] for i in order)
+    if order == list(range(len(ids))):
+        return key, None
+    return key, [(starts[i], sizes[i]) for i in order]
+
+
 def _enqueue(state: HierarchicalHookState, bucket: dist.GradBucket, algorithm: Callable[..., Tensor],
              sparse: bool) -> torch.futures.Future:
     tensor = bucket.buffer()
@@ -168,12 +197,21 @@ def _enqueue(state: HierarchicalHookState, bucket: dist.GradBucket, algorithm: C
     if bucket.is_last():
         state.iteration += 1
     world_size = state.groups.topology.world_size
-    kwargs = {"topk": topk, "key": index} if sparse else {}
+    key, segments = _residual_coordinates(state, bucket, tensor.numel()) if topk is not None else (index, None)
+    kwargs = {"topk": topk, "key": key} if sparse else {}
 
     def reduce(buffer: Tensor) -> None:
         # Average before casting, like DDP's fp16 hook, so fp16 sums cannot overflow.
         buffer.div_(world_size)
-        algorithm(buffer, state.groups, wire_dtype=state.wire_dtype, chunk_numel=state.chunk_numel, **kwargs)
+        if segments is None:
+            algorithm(buffer, state.groups, wire_dtype=state.wire_dtype, chunk_numel=state.chunk_numel, **kwargs)
+            return
+        canonical = torch.cat([buffer[start:start + size] for start, size in segments])
+        algorithm(canonical, state.groups, wire_dtype=state.wire_dtype, chunk_numel=state.chunk_numel, **kwargs)
+        done = 0
+        for start, size in segments:
+            buffer[start:start + size].copy_(canonical[done:done + size])
+            done += size
 
     if state.inline:
         future: torch.futures.Future = torch.futures.Future(devices=[tensor.device]) if tensor.is_cuda \

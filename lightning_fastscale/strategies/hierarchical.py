@@ -304,6 +304,7 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
             topk_start_iter=self.topk_start_iter,
             chunk_numel=chunk_numel_for(self.pipeline_chunk_mb, self.topology.num_nodes),
             algorithm=self.resolved_algorithm,
+            param_index={id(p): i for i, p in enumerate(self.model.parameters())},
         )
         self._restore_residuals()
         self.model.register_comm_hook(self.hook_state, HOOKS[self.resolved_algorithm])

@@ -1,0 +1,218 @@
+"""Faults table: each fault, what happened, seconds to exit, and whether anything was lost.
+
+Every row is a real ``fastscale-train`` run on 2 CPU processes (gloo) with the large-batch
+recipe (batch-size ramp, warmup + poly LR, progressive resizing, label smoothing), started as
+a user would (Lightning's own launcher, or ``torchrun``), against an uninterrupted run of the
+same job measured in the same invocation:
+
+- SIGTERM to one rank (a spot notice reaching one node), with ``PreemptionCheckpoint``;
+- SIGTERM to ``torchrun`` (its shutdown forwards SIGTERM to every worker);
+- the same SIGTERM with Lightning alone (``callbacks.preemption=null``), the baseline;
+- a truncated checkpoint (the newest file cut in half) under ``resume=auto``;
+- a rank killed / hung and an overflow storm, when the fault scenarios of
+  ``lightning_fastscale.emulation.faults`` and a non-finite-step guard are present (otherwise
+  the row says it was not run).
+
+"Seconds to exit" runs from the signal (written by the test callback that sends it) to the
+exit of the launched process. "Steps redone" is counted from a per-step log: steps run by the
+interrupted and the resumed run together, minus the uninterrupted run's steps.
+
+    flock /tmp/cpu.lock nice -n 5 python benchmarks/faults.py [--out DIR]
+
+Results and the machine are in benchmarks/README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.faults_helpers import RECIPE_RUN  # noqa: E402  (the job the fault tests run)
+
+
+RUN = RECIPE_RUN
+SIGNAL_STEP = 9  # epoch 1 (after the ramp doubled the batch), its second of four steps
+TOTAL_STEPS = 12
+
+
+@dataclass
+class Row:
+    fault: str
+    happened: str
+    seconds_to_exit: str
+    lost: str
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1"}
+    env.pop("WANDB_API_KEY", None)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(run_dir: Path, *extra: str, torchrun: bool = False) -> subprocess.Popen:
+    steps = [f"+callbacks.step_log._target_=tests.faults_helpers.StepLog", f"+callbacks.step_log.folder={run_dir}/steps"]
+    train = ["-m", "lightning_fastscale.train", *RUN, f"hydra.run.dir={run_dir}", *steps, *extra]
+    if torchrun:
+        launcher = ["-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+                    "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}"]
+        cmd = [sys.executable, *launcher, *train]
+    else:
+        cmd = [sys.executable, *train]
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(cmd, cwd=run_dir.parent, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def wait(proc: subprocess.Popen, timeout: float) -> tuple[int | None, str, float]:
+    """(exit code or None if killed at the time-out, output, wall time of the exit)."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out, time.time()
+    except subprocess.TimeoutExpired:
+        ended = time.time()
+        os.killpg(proc.pid, signal.SIGKILL)  # this run's process group only
+        out, _ = proc.communicate()
+        return None, out, ended
+
+
+def steps_run(run_dir: Path) -> int:
+    log = run_dir / "steps" / "rank0.steps"
+    return len(log.read_text().split()) if log.is_file() else 0
+
+
+def same_weights(a: Path, b: Path) -> bool:
+    import torch
+
+    sa = torch.load(a, map_location="cpu", weights_only=True)["state_dict"]
+    sb = torch.load(b, map_location="cpu", weights_only=True)["state_dict"]
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def preempt(root: Path, name: str, folder: str, reference: Path, *, torchrun: bool, with_callback: bool) -> Row:
+    run_dir = root / folder
+    stamp = root / f"{folder}.signal"
+    sender = [
+        "+callbacks.preempt_test._target_=tests.faults_helpers.SignalAtStep",
+        f"+callbacks.preempt_test.step={SIGNAL_STEP}", f"+callbacks.preempt_test.stamp={stamp}",
+        # torchrun: rank 0 signals the agent; otherwise rank 1 signals itself (one node's notice)
+        f"+callbacks.preempt_test.rank={0 if torchrun else 1}",
+        f"+callbacks.preempt_test.target={'parent' if torchrun else 'self'}",
+    ]
+    extra = sender + ([] if with_callback else ["callbacks.preemption=null"])
+    code, out, ended = wait(launch(run_dir, *extra, torchrun=torchrun), timeout=300 if with_callback else 150)
+    seconds = f"{ended - float(stamp.read_text()):.1f}" if stamp.is_file() else "-"
+    if code is None:
+        return Row(name, "still running at the time-out; killed", seconds, "everything since the last checkpoint")
+    from lightning_fastscale import checkpointing
+
+    before = steps_run(run_dir)
+    newest = checkpointing.newest_checkpoint([run_dir / "checkpoints"])
+    try:
+        saved_step = checkpointing.read_checkpoint(newest)["global_step"] if newest else 0
+        intact = "intact"
+    except checkpointing.CheckpointError:
+        saved_step, intact = 0, "UNREADABLE"
+    happened = f"exit {code}, newest checkpoint {newest.name if newest else 'none'} ({intact}, step {saved_step})"
+    if not with_callback:
+        lost = f"{before - saved_step} steps done after the newest checkpoint would be redone"
+        return Row(name, happened, seconds, lost)
+    rcode, rout, _ = wait(launch(run_dir, "resume=auto"), timeout=300)
+    if rcode != 0:
+        return Row(name, happened + f"; resume=auto FAILED (exit {rcode})", seconds, rout[-300:])
+    redone = steps_run(run_dir) - TOTAL_STEPS
+    equal = same_weights(reference, run_dir / "checkpoints" / "last.ckpt")
+    lost = f"{redone} steps redone; final weights {'bitwise equal to' if equal else 'DIFFER from'} the uninterrupted run"
+    return Row(name, happened + "; resume=auto finished", seconds, lost)
+
+
+def truncated(root: Path, source: Path) -> Row:
+    run_dir = root / "truncated"
+    shutil.copytree(source / "checkpoints", run_dir / "checkpoints")
+    newest = max((run_dir / "checkpoints").glob("*.ckpt"), key=lambda p: p.stat().st_mtime_ns)
+    data = newest.read_bytes()
+    newest.write_bytes(data[: len(data) // 2])
+    start = time.time()
+    code, out, ended = wait(launch(run_dir, "resume=auto"), timeout=300)
+    named = str(newest) in out
+    happened = f"exit {code}, error {'names the file' if named else 'does NOT name the file'}" + (
+        " and says truncated" if "truncated" in out else "")
+    return Row("truncated newest checkpoint, resume=auto", happened, f"{ended - start:.1f} (from start)",
+               f"{steps_run(run_dir)} steps run; the file is left as it was ({newest.stat().st_size} bytes)")
+
+
+def comm_rows(root: Path) -> list[Row]:
+    """A rank killed / hung mid-backward under hier_ring (4 ranks as 2x2), via the strategy's scenarios."""
+    try:
+        from lightning_fastscale.emulation.faults import run_fault_scenario
+    except ImportError:
+        return [not_run("rank killed / rank hung", "lightning_fastscale.emulation.faults is not on this branch")]
+    rows = []
+    for fault in ("kill", "hang"):
+        (root / f"comm-{fault}").mkdir(parents=True, exist_ok=True)
+        outcome = run_fault_scenario(strategy="hier_ring", fault=fault, timeout_s=5.0, workdir=root / f"comm-{fault}")
+        causes = {text.splitlines()[0][:90] for text in outcome.rank_errors.values() if text}
+        happened = (f"all ranks exited, codes {sorted(outcome.exit_codes.values())}" if outcome.exited
+                    else "NOT all ranks exited within the bound") + (f"; error: {sorted(causes)[0]}" if causes else "")
+        seconds = f"{outcome.seconds_to_exit:.1f}" if outcome.seconds_to_exit is not None else "-"
+        rows.append(Row(f"rank {outcome.fault_rank} {'killed' if fault == 'kill' else 'hung'} mid-backward, hier_ring 2x2, time-out 5 s", happened,
+                        seconds, "no checkpoint is written; resume from the last one"))
+    return rows
+
+
+def not_run(fault: str, why: str) -> Row:
+    return Row(fault, f"not run: {why}", "-", "-")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temporary folder)")
+    parser.add_argument("--only-comm", action="store_true", help="only the rank killed / hung rows")
+    args = parser.parse_args()
+    root = args.out or Path(tempfile.mkdtemp(prefix="faults-"))
+    started = time.time()
+    if args.only_comm:
+        print_table(comm_rows(root), started, root)
+        return
+    code, out, _ = wait(launch(root / "uninterrupted"), timeout=300)
+    if code != 0:
+        raise SystemExit(f"the uninterrupted run failed (exit {code}):\n{out[-3000:]}")
+    reference = root / "uninterrupted" / "checkpoints" / "last.ckpt"
+    rows = [
+        preempt(root, "SIGTERM to rank 1 (PreemptionCheckpoint)", "rank1", reference, torchrun=False, with_callback=True),
+        preempt(root, "SIGTERM to torchrun (PreemptionCheckpoint)", "torchrun", reference, torchrun=True, with_callback=True),
+        preempt(root, "SIGTERM to rank 1, Lightning alone", "lightning", reference, torchrun=False, with_callback=False),
+    ]
+    rows.append(truncated(root, root / "rank1"))
+    rows += comm_rows(root)
+    rows.append(not_run("overflow storm", "no non-finite-step guard on this branch"))
+    print_table(rows, started, root)
+
+
+def print_table(rows: list[Row], started: float, root: Path) -> None:
+    print("| fault | what happened | seconds to exit | lost |")
+    print("|---|---|---|---|")
+    for row in rows:
+        print(f"| {row.fault} | {row.happened} | {row.seconds_to_exit} | {row.lost} |")
+    print(f"\n{len(rows)} rows in {time.time() - started:.0f} s; runs in {root}")
+
+
+if __name__ == "__main__":
+    main()
