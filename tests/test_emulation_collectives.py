@@ -60,7 +60,7 @@ def _interleaved_2x2(rank: int, world: int) -> tuple:
 def test_time_interleaved_rotates_rounds_and_checks_every_result() -> None:
     from tests.distributed import run_distributed
 
-    for calls, times, errors in run_distributed(_interleaved_2x2, 4, timeout=120):
+    for calls, times, errors in run_distributed(_interleaved_2x2, 4, timeout=300):  # slow only on a loaded machine
         warm_up, round1, round2 = calls[:4], calls[4:8], calls[8:]
         assert warm_up == ["flat", "hier", "torus2d@3", "noop"]
         assert round1 == ["hier", "torus2d@3", "noop", "flat"]
