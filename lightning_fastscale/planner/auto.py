@@ -162,7 +162,9 @@ class CostModelPlanner:
     the same inputs (calibrated parameters are broadcast from rank 0).
 
     ``wire_dtype``, ``topk_ratio`` and ``pipeline_chunk_mb`` given here are deprecated: they are
-    only defaults for calls of :meth:`plan` that do not give them (the strategy always does).
+    only defaults for calls of :meth:`plan` that do not give them (the strategy always does);
+    ``None`` keeps the built-in default (to plan unchunked, pass ``pipeline_chunk_mb=None`` to
+    :meth:`plan`). Every constructor default is a plain value, so LightningCLI can build it.
 
     Examples:
         >>> from torch import nn
@@ -190,7 +192,7 @@ class CostModelPlanner:
         algorithms: Sequence[str] = ALGORITHMS,
         wire_dtype: str | None = None,
         topk_ratio: float | None = None,
-        pipeline_chunk_mb: float | str | None = NOT_GIVEN,
+        pipeline_chunk_mb: float | str | None = None,
     ) -> None:
         from lightning_fastscale.planner.cluster import Cluster, load_cluster
 
@@ -212,15 +214,13 @@ class CostModelPlanner:
         self._defaults: dict = {"wire_dtype": "fp32", "topk_ratio": None, "pipeline_chunk_mb": DEFAULT_PIPELINE_CHUNK_MB}
         for name, value in (("wire_dtype", wire_dtype), ("topk_ratio", topk_ratio),
                             ("pipeline_chunk_mb", pipeline_chunk_mb)):
-            if value is not None and value is not NOT_GIVEN:
+            if value is not None:
                 warnings.warn(
                     f"CostModelPlanner({name}=...) is deprecated: pass it to plan(); with "
                     f"HierarchicalAllReduceStrategy(planner=...) the strategy hands the planner its own {name}.",
                     DeprecationWarning, stacklevel=2,
                 )
                 self._defaults[name] = value
-        if pipeline_chunk_mb is None:
-            self._defaults["pipeline_chunk_mb"] = None
         chunk_numel_for(self._defaults["pipeline_chunk_mb"])  # validates it now, before any process starts
         self._plans: dict[tuple, AutoPlan] = {}
 
