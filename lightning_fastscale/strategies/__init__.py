@@ -1,7 +1,7 @@
 """Hierarchical / 2D-torus gradient all-reduce for Lightning (Jia et al. 2018; Mikami et al. 2018).
 
 Importing this package registers ``"hier_ring"``, ``"hier_torus"`` and their ``_spawn``
-variants in Lightning's ``StrategyRegistry``.
+variants in Lightning's ``StrategyRegistry`` (for the Trainer) and in Fabric's strategy registry.
 """
 from lightning_fastscale.strategies.allreduce import (
     ALGORITHMS,
@@ -17,6 +17,7 @@ from lightning_fastscale.strategies.comm_hooks import (
     ring_hook,
     torus2d_hook,
 )
+from lightning_fastscale.strategies.fabric import FabricHierarchicalAllReduceStrategy, register_fabric_strategies
 from lightning_fastscale.strategies.hierarchical import (
     HierarchicalAllReduceStrategy,
     default_algorithm_selector,
@@ -31,9 +32,11 @@ from lightning_fastscale.strategies.topology import (
 )
 
 register_strategies()
+register_fabric_strategies()
 
 __all__ = [
     "ALGORITHMS",
+    "FabricHierarchicalAllReduceStrategy",
     "HOOKS",
     "HierarchicalAllReduceStrategy",
     "HierarchicalHookState",
@@ -45,6 +48,7 @@ __all__ = [
     "detect_ranks_per_node",
     "hierarchical_allreduce_",
     "hierarchical_hook",
+    "register_fabric_strategies",
     "register_strategies",
     "ring_allreduce_",
     "ring_hook",

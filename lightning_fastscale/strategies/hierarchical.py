@@ -10,58 +10,25 @@ top-k compression of the inter-node stage (Tencent Cloud 2020). Registered in Li
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
-from lightning_fastscale.strategies.allreduce import (
-    DEFAULT_PIPELINE_CHUNK_MB,
-    TopKErrorFeedback,
-    chunk_numel_for,
-    resolve_chunk_mb,
+from lightning_fastscale.strategies.ddp_setup import (  # noqa: F401  (public names kept here)
+    COMM_DTYPES,
+    AlgorithmSelector,
+    FusionPlanner,
+    HierarchicalDDPSetup,
+    default_algorithm_selector,
+    two_segment_caps_mb,
 )
-from lightning_fastscale.strategies.comm_hooks import HOOKS, HierarchicalHookState
-from lightning_fastscale.strategies.topology import Topology, build_process_groups, detect_ranks_per_node
 
 
-COMM_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
-_MB = 1024 * 1024
-AlgorithmSelector = Callable[[nn.Module, Topology], str]
-FusionPlanner = Callable[[nn.Module, Topology], Sequence[float]]
-
-
-def default_algorithm_selector(module: nn.Module, topology: Topology) -> str:
-    """``algorithm="auto"`` without a planner: hierarchical across nodes, flat inside one node."""
-    return "hier" if topology.num_nodes > 1 else "ring"
-
-
-def two_segment_caps_mb(module: nn.Module, split: int) -> list[float]:
-    """DDP bucket caps (MB, in gradient-ready order) giving two buckets split before parameter ``split``.
-
-    Jia et al. 2018 fuse all gradients into two segments (ResNet-50 split between tensors 76 and
-    77): the late layers, whose gradients are ready first, go out while backward continues, the
-    rest in one large message. ``split`` indexes ``module.parameters()`` that require grad.
-    """
-    params = [p for p in module.parameters() if p.requires_grad]
-    if not 0 < split < len(params):
-        raise ValueError(
-            f"two_segment_split={split} must lie between 1 and {len(params) - 1} (the model has "
-            f"{len(params)} trainable parameter tensors)."
-        )
-    tail = sum(p.numel() * p.element_size() for p in params[split:])
-    head = sum(p.numel() * p.element_size() for p in params[:split])
-    # DDP closes a bucket once it reaches its cap: the tail bucket ends exactly at the split,
-    # and a cap above the head size keeps the rest in one bucket.
-    return [tail / _MB, (head + tail) / _MB + 1.0]
-
-
-class HierarchicalAllReduceStrategy(DDPStrategy):
+class HierarchicalAllReduceStrategy(HierarchicalDDPSetup, DDPStrategy):
     """DDP whose gradient buckets are all-reduced hierarchically, as a 2D torus, or flat.
 
     Args:
@@ -91,228 +58,70 @@ class HierarchicalAllReduceStrategy(DDPStrategy):
         planner: a :class:`~lightning_fastscale.planner.CostModelPlanner`; supplies both
             ``algorithm_selector`` and (unless fusion is set explicitly) ``fusion_plan`` from the
             communication cost model. Its wire dtype and top-k ratio must match this strategy's.
+        ddp_comm_hook: a torch DDP communication hook (``fp16_compress_hook``, PowerSGD's
+            ``powerSGD_hook``, ...) run as the inter-node stage of ``algorithm="hier"``, or as
+            the whole all-reduce on one node; see :mod:`lightning_fastscale.strategies.user_hooks`
+            for what combines and why the rest is refused.
+        ddp_comm_state: the hook's state, with its process group left ``None``.
+        ddp_comm_wrapper: e.g. ``fp16_compress_wrapper``; wraps ``ddp_comm_hook``, or the
+            strategy's own hook when no ``ddp_comm_hook`` is given.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (and DDP).
+
+    Examples:
+        >>> import lightning.pytorch as pl
+        >>> trainer = pl.Trainer(strategy="hier_ring", accelerator="cpu", devices=2)  # doctest: +SKIP
+        >>> strategy = HierarchicalAllReduceStrategy(algorithm="torus2d", ranks_per_node=2, comm_dtype="fp16")
+        >>> strategy.algorithm, strategy.comm_dtype
+        ('torus2d', 'fp16')
     """
 
-    def __init__(
-        self,
-        algorithm: str = "hier",
-        ranks_per_node: int | None = None,
-        comm_dtype: str = "fp32",
-        bucket_cap_mb: float | None = None,
-        fusion_plan: Sequence[float] | FusionPlanner | None = None,
-        two_segment_split: int | None = None,
-        compression: str | None = None,
-        topk_ratio: float = 0.01,
-        topk_start_iter: int = 2,
-        pipeline_chunk_mb: float | str | None = DEFAULT_PIPELINE_CHUNK_MB,
-        algorithm_selector: AlgorithmSelector | None = None,
-        planner: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        if planner is not None:
-            wanted_topk = topk_ratio if compression == "topk" else None
-            if (planner.wire_dtype, planner.topk_ratio) != (comm_dtype, wanted_topk):
-                raise ValueError(
-                    f"planner plans for wire_dtype={planner.wire_dtype!r}, topk_ratio={planner.topk_ratio} "
-                    f"but the strategy sends comm_dtype={comm_dtype!r}, topk_ratio={wanted_topk}: "
-                    "give the planner the same settings"
-                )
-            if planner.pipeline_chunk_mb != pipeline_chunk_mb:
-                raise ValueError(
-                    f"planner plans for pipeline_chunk_mb={planner.pipeline_chunk_mb} but the strategy "
-                    f"pipelines pipeline_chunk_mb={pipeline_chunk_mb}: give both the same value"
-                )
-            algorithm_selector = algorithm_selector or planner.select_algorithm
-            if bucket_cap_mb is None and fusion_plan is None and two_segment_split is None:
-                fusion_plan = planner.fusion_caps
-        if algorithm not in (*HOOKS, "auto"):
-            raise ValueError(f"algorithm={algorithm!r}: choose one of {[*HOOKS, 'auto']}.")
-        if comm_dtype not in COMM_DTYPES:
-            raise ValueError(f"comm_dtype={comm_dtype!r}: choose one of {list(COMM_DTYPES)}.")
-        if compression not in (None, "topk"):
-            raise ValueError(f"compression={compression!r}: choose None or 'topk'.")
-        if compression == "topk" and algorithm == "ring":
-            raise ValueError(
-                "compression='topk' compresses the inter-node stage, which algorithm='ring' does not "
-                "have: use algorithm='hier' or 'torus2d'."
-            )
-        if compression == "topk":
-            TopKErrorFeedback(topk_ratio)  # validates the ratio now, before any process starts
-        if topk_start_iter < 1:
-            raise ValueError(f"topk_start_iter={topk_start_iter} must be >= 1 (DDP rebuilds buckets after iteration 0).")
-        if ranks_per_node is not None and ranks_per_node < 1:
-            raise ValueError(f"ranks_per_node={ranks_per_node} must be >= 1 (or None to detect it).")
-        if sum(x is not None for x in (bucket_cap_mb, fusion_plan, two_segment_split)) > 1:
-            raise ValueError("set only one of bucket_cap_mb, fusion_plan and two_segment_split.")
-        chunk_numel_for(pipeline_chunk_mb)  # validates it before any process starts
-        for own in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"):
-            if kwargs.get(own) is not None:
-                raise ValueError(
-                    f"{own}= is not supported by HierarchicalAllReduceStrategy, which installs its own "
-                    "communication hook; use lightning's DDPStrategy for a custom hook."
-                )
-        if bucket_cap_mb is not None:
-            kwargs["bucket_cap_mb"] = bucket_cap_mb
-        super().__init__(**kwargs)
-        self.algorithm = algorithm
-        self.ranks_per_node = ranks_per_node
-        self.comm_dtype = comm_dtype
-        self.fusion_plan = fusion_plan
-        self.two_segment_split = two_segment_split
-        self.compression = compression
-        self.topk_ratio = topk_ratio
-        self.topk_start_iter = topk_start_iter
-        self.pipeline_chunk_mb = pipeline_chunk_mb
-        self.algorithm_selector = algorithm_selector or default_algorithm_selector
-        self.topology: Topology | None = None
-        self.hook_state: HierarchicalHookState | None = None
-        self.resolved_algorithm: str | None = None
-
-    def _resolve_topology(self) -> Topology:
-        world_size = self.num_nodes * self.num_processes
-        launcher = detect_ranks_per_node(self.cluster_environment)
-        if launcher is not None and launcher != self.num_processes:
-            raise ValueError(
-                f"the launcher runs {launcher} ranks per node (LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE) "
-                f"but Trainer(devices={self.num_processes}): set devices={launcher}."
-            )
-        env_world = self.cluster_environment.world_size() if self.cluster_environment is not None else world_size
-        if env_world != world_size:
-            raise ValueError(
-                f"Trainer(num_nodes={self.num_nodes}, devices={self.num_processes}) gives {world_size} ranks "
-                f"but the launcher's world size is {env_world}: make num_nodes * devices match it."
-            )
-        try:
-            return Topology(world_size, self.ranks_per_node or self.num_processes)
-        except ValueError as error:
-            raise ValueError(f"HierarchicalAllReduceStrategy(ranks_per_node=...): {error}") from None
-
+    @override
     def setup_environment(self) -> None:
-        """Validate the topology before the process group starts, then build the node groups."""
+        """Validate the topology before the process group starts, then check the nodes agree."""
         self.set_world_ranks()
         self.topology = self._resolve_topology()
         super().setup_environment()
         self._check_nodes_uniform()
 
-    def _check_nodes_uniform(self) -> None:
-        # Every node must report the same local size, and ranks must be contiguous per node,
-        # else "intra" groups would span nodes without the user asking for it.
-        mine = (self.global_rank, self.node_rank, detect_ranks_per_node(self.cluster_environment))
-        everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, mine)
-        sizes = {size for _, _, size in everyone}
-        if len(sizes) > 1:
-            raise ValueError(
-                f"nodes report different numbers of ranks per node {sorted(map(str, sizes))}: every node "
-                "must run the same number of processes (torchrun --nproc_per_node / SLURM --ntasks-per-node)."
-            )
-        scattered = [(rank, node) for rank, node, _ in everyone if rank // self.num_processes != node]
-        if scattered:
-            raise ValueError(
-                f"global ranks are not contiguous per node (rank, node) = {scattered[:4]}: launch with "
-                "consecutive ranks per node (torchrun and Lightning do) or pass ranks_per_node explicitly."
-            )
-
+    @override
     def _setup_model(self, model: nn.Module) -> DistributedDataParallel:
-        assert self.topology is not None
-        caps: Sequence[float] | None = None
-        if self.two_segment_split is not None:
-            caps = two_segment_caps_mb(model, self.two_segment_split)
-        elif callable(self.fusion_plan):
-            caps = list(self.fusion_plan(model, self.topology))
-        elif self.fusion_plan is not None:
-            caps = list(self.fusion_plan)
-        if caps is not None:
-            if not caps or min(caps) <= 0:
-                raise ValueError(f"fusion plan {caps}: bucket caps must be a non-empty list of positive MB.")
-            self._ddp_kwargs["bucket_cap_mb_list"] = list(caps)
-        self.resolved_algorithm = (
-            self.algorithm_selector(model, self.topology) if self.algorithm == "auto" else self.algorithm
-        )
-        if self.resolved_algorithm not in HOOKS:
-            raise ValueError(f"algorithm_selector returned {self.resolved_algorithm!r}, not one of {list(HOOKS)}.")
+        self._plan_ddp(model)
         return super()._setup_model(model)
 
+    @override
     def _register_ddp_hooks(self) -> None:
         # Lightning registers hooks on CUDA only; torch's hooks work on every backend, gloo too.
-        assert isinstance(self.model, DistributedDataParallel) and self.topology is not None
-        assert self.resolved_algorithm is not None
-        if self.uses_ddp_allreduce:
-            self._log_plan()
-            return
-        groups = build_process_groups(self.topology)
-        self.hook_state = HierarchicalHookState(
-            groups=groups,
-            comm_dtype=COMM_DTYPES[self.comm_dtype],
-            topk=TopKErrorFeedback(self.topk_ratio) if self.compression == "topk" else None,
-            topk_start_iter=self.topk_start_iter,
-            chunk_numel=chunk_numel_for(self.pipeline_chunk_mb, self.topology.num_nodes),
-        )
-        self.model.register_comm_hook(self.hook_state, HOOKS[self.resolved_algorithm])
-        self._log_plan()
+        assert isinstance(self.model, DistributedDataParallel)
+        self._install_hook(self.model)
+        rank_zero_info(self.plan_message())
 
-    @property
-    def uses_ddp_allreduce(self) -> bool:
-        """True on one node in fp32 without compression: no hook, DDP's own all-reduce.
+    @override
+    def on_train_start(self) -> None:
+        """Write the plan to the loggers as hyper-parameters, after Lightning logged the module's.
 
-        Every algorithm is then one all-reduce inside the node, which DDP's built-in C++ path
-        does without the Python hook and its thread, so one node costs what plain DDP does.
+        Skipped when the module opted out with ``save_hyperparameters(logger=False)``; nothing is
+        written to loggers during setup.
         """
-        assert self.topology is not None
-        return self.topology.num_nodes == 1 and self.comm_dtype == "fp32" and self.compression is None
-
-    def plan_summary(self) -> dict[str, Any]:
-        """Topology, algorithm, wire dtype and bucket plan of this run (what rank 0 logs)."""
-        assert self.topology is not None
-        grads = sum(p.numel() * p.element_size() for p in self.lightning_module.parameters() if p.requires_grad)
-        caps = self._ddp_kwargs.get("bucket_cap_mb_list") or [self._ddp_kwargs.get("bucket_cap_mb", 25)]
-        return {
-            "strategy/algorithm": "ddp_allreduce (one node)" if self.uses_ddp_allreduce else self.resolved_algorithm,
-            "strategy/num_nodes": self.topology.num_nodes,
-            "strategy/ranks_per_node": self.topology.ranks_per_node,
-            "strategy/world_size": self.topology.world_size,
-            "strategy/backend": self.hook_state.groups.backend if self.hook_state else None,
-            "strategy/comm_dtype": self.comm_dtype,
-            "strategy/compression": f"topk:{self.topk_ratio}" if self.compression else "none",
-            "strategy/gradient_mb": round(grads / _MB, 3),
-            "strategy/bucket_caps_mb": [round(float(c), 3) for c in caps],
-            "strategy/pipeline_chunk_mb": resolve_chunk_mb(self.pipeline_chunk_mb, self.topology.num_nodes),
-        }
-
-    def _log_plan(self) -> None:
-        if self.global_rank != 0:
+        super().on_train_start()
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if trainer is None or self.topology is None or not module._log_hyperparams or self.global_rank != 0:
             return
         summary = self.plan_summary()
-        rank_zero_info(
-            "HierarchicalAllReduceStrategy: " + ", ".join(f"{k.split('/')[1]}={v}" for k, v in summary.items())
-        )
-        trainer = self.lightning_module._trainer
-        if trainer is not None:
-            for logger in trainer.loggers:
-                logger.log_hyperparams(summary)
+        for logger in trainer.loggers:
+            logger.log_hyperparams(summary)
 
+    @override
     def teardown(self) -> None:
         """Stop the communication thread and release the node groups, then let DDP unwrap the model."""
-        if self.hook_state is not None:
-            self.hook_state.close()
-            if dist.is_initialized():
-                self.hook_state.groups.destroy()
+        self._release_hook()
         super().teardown()
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register ``hier_ring``/``hier_torus`` (subprocess launch) and their ``_spawn`` variants."""
-        for name, algorithm in (("hier_ring", "hier"), ("hier_torus", "torus2d")):
-            for suffix, start_method in (("", "popen"), ("_spawn", "spawn")):
-                strategy_registry.register(
-                    name + suffix,
-                    cls,
-                    description=f"{cls.__name__} with algorithm={algorithm!r}, start_method={start_method!r}",
-                    override=True,
-                    algorithm=algorithm,
-                    start_method=start_method,
-                )
+        cls._register_names(strategy_registry, (("", "popen"), ("_spawn", "spawn")))
 
 
 def register_strategies() -> None:
