@@ -1,4 +1,5 @@
-# Two entry points: `make train` (the default job on the built-in dataset) and `make test`.
+# Two entry points: `make train` (the default job on the built-in dataset) and `make test`;
+# `make docs` builds the MkDocs site into site/.
 # Both create the virtual environment .venv when missing and install the package into it.
 PYTHON ?= python3
 VENV ?= .venv
@@ -6,7 +7,7 @@ BIN := $(VENV)/bin
 # torch/torchvision pinned to the builds the project is tested with (CUDA wheels run on CPU too)
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: train test setup clean
+.PHONY: train test docs setup clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,5 +25,8 @@ train: setup
 test: setup
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
+docs: setup
+	$(BIN)/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) outputs multirun
+	rm -rf $(VENV) outputs multirun site

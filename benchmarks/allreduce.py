@@ -1,9 +1,9 @@
-"""All-reduce of a ResNet-50-sized gradient on an emulated 2-node cluster: flat ring vs hier vs torus.
+"""All-reduce of a ResNet-50-sized gradient on an emulated 2-node cluster: flat vs hier vs torus.
 
 Builds 2 emulated nodes (network namespaces, each node's link capped with ``tbf``), launches
 ``torchrun --nnodes 2 --node_rank i --nproc_per_node 4`` on each, and times every algorithm on
 a 25.6M-element fp32 tensor (ResNet-50's gradient). Prints, per cap: median time, speed-up
-over the flat ring measured in the same run, and the fraction of the bandwidth bound
+over the flat all-reduce measured in the same run, and the fraction of the bandwidth bound
 2(N-1)/N * M / B reached (M = fp32 bytes, so fp16/top-k on the wire can exceed 100%).
 
 Needs root (network namespaces). Example::
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="per-node link caps in Mbit/s (each direction)")
     parser.add_argument("--numel", type=int, default=25_600_000, help="elements (fp32) to all-reduce")
     parser.add_argument("--algorithms", nargs="+", default=DEFAULT_ALGORITHMS,
-                        help="name[:fp32|fp16|bf16][@chunks|@<MiB>mb]; names: flat ring hier torus2d hier_topk "
+                        help="name[:fp32|fp16|bf16][@chunks|@<MiB>mb]; names: flat hier torus2d hier_topk "
                         "torus2d_topk (see lightning_fastscale.emulation.collectives); 4mb is the "
                         "strategy's default pipeline_chunk_mb")
     parser.add_argument("--nodes", type=int, default=2)

@@ -4,10 +4,10 @@ For each (nodes x ranks per node, link cap): build the emulated cluster, calibra
 alpha-beta-gamma parameters from primitive collectives only (all-gather, all-reduce, reduce,
 broadcast inside a node and among node leaders, and every rank's inter-node all-reduce at
 once for the torus's concurrent flows: ``lightning_fastscale.planner.calibrate``), then, on a
-fresh emulated cluster with the same cap, time the flat ring (``dist.all_reduce``), ``hier``
-and ``torus2d`` of the strategy on several sizes (``lightning_fastscale.emulation.collectives``),
-unchunked and pipelined in chunks (``ring@k``, ``hier@k``, ``torus2d@k``: the strategy's
-functions with ``chunk_numel``). The composite algorithms are never used for fitting: their
+fresh emulated cluster with the same cap, time ``flat``, ``hier`` and ``torus2d`` of the
+strategy on several sizes (``lightning_fastscale.emulation.collectives``), unchunked and
+pipelined in chunks (``flat@k``, ``hier@k``, ``torus2d@k``: the strategy's functions with
+``chunk_numel``). The composite algorithms are never used for fitting: their
 times are predictions.
 
 Chunk counts: for every size, the count the strategy's default ``pipeline_chunk_mb`` gives
@@ -41,7 +41,6 @@ import json
 import os
 import sys
 import tempfile
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -50,16 +49,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning_fastscale.emulation.collectives import measure_allreduce  # noqa: E402
 from lightning_fastscale.emulation.netns_cluster import EmulatedCluster  # noqa: E402
-from lightning_fastscale.planner.calibrate import (  # noqa: E402
-    DEFAULT_SIZES, INTER_PRIMITIVES, fit_calibration, intra_primitives,
+from lightning_fastscale.planner.calibrate import DEFAULT_SIZES  # noqa: E402
+from lightning_fastscale.planner.cost_model import CommParams  # noqa: E402
+from lightning_fastscale.planner.validation import (  # noqa: E402, F401  (format_across: --across)
+    case_key, format_across, predict_rows, refit_rows,
 )
-from lightning_fastscale.planner.cost_model import CommParams, Topology, predict_allreduce  # noqa: E402
-from lightning_fastscale.planner.scaling import chunk_numel_for  # noqa: E402
+from lightning_fastscale.strategies.options import ALGORITHMS, chunk_numel_for  # noqa: E402
 
 CHUNK_MB = 4.0  # the strategy's "auto" chunk on 2 nodes; kept fixed across configs so runs compare
-
-# The measured name of each modelled algorithm: "flat" is plain dist.all_reduce (gloo's ring).
-MEASURED = {"ring": "flat", "hier": "hier", "torus2d": "torus2d"}
 _PORT = 29511
 
 
@@ -99,8 +96,7 @@ def validate(nodes: int, ranks_per_node: int, cap_mbit: float, numels: list[int]
              chunk_mb: float | None = CHUNK_MB, wire_dtype: str = "fp32") -> list[dict]:
     """Calibrate, measure and predict one configuration; one row per (size, chunks, algorithm).
 
-    ``wire_dtype`` other than fp32 measures the strategy's functions with that ``comm_dtype``
-    (the flat baseline is then the strategy's ``ring``, which casts).
+    ``wire_dtype`` other than fp32 measures the strategy's functions with that ``wire_dtype``.
     """
     calib = calibrate_on_emulated(nodes, ranks_per_node, cap_mbit, calib_sizes, reps, wire_dtype)
     params = CommParams(**calib["params"])
@@ -108,15 +104,15 @@ def validate(nodes: int, ranks_per_node: int, cap_mbit: float, numels: list[int]
     default_chunks = chunk_counts(numels, chunk_mb)
     counts = sorted(set(default_chunks.values()))
     cast = "" if wire_dtype == "fp32" else f":{wire_dtype}"
-    specs = {(a, 1): f"{a}{cast}" if cast else MEASURED[a] for a in MEASURED}
-    specs.update({(a, k): f"{a}{cast}@{k}" for a in MEASURED for k in counts})
+    specs = {(a, 1): f"{a}{cast}" for a in ALGORITHMS}
+    specs.update({(a, k): f"{a}{cast}@{k}" for a in ALGORITHMS for k in counts})
     measured = measure_allreduce(numels, list(specs.values()), [cap_mbit], num_nodes=nodes,
                                  ranks_per_node=ranks_per_node, reps=reps)
     by_key = {(r["numel"], r["algorithm"]): r for r in measured["results"]}
     rows = []
     for numel in numels:
         for k in [1, *counts]:
-            for algorithm in MEASURED:
+            for algorithm in ALGORITHMS:
                 run = by_key[(numel, specs[(algorithm, k)])]
                 rows.append({
                     "nodes": nodes, "ranks_per_node": ranks_per_node, "cap_mbit": cap_mbit, "numel": numel,
@@ -128,80 +124,6 @@ def validate(nodes: int, ranks_per_node: int, cap_mbit: float, numels: list[int]
                     "params": calib["params"], "fits": calib.get("fits"),
                 })
     return predict_rows(rows)
-
-
-def refit_rows(rows: list[dict]) -> list[dict]:
-    """Refit each configuration's parameters from its stored calibration samples with the
-    current :func:`~lightning_fastscale.planner.calibrate.fit_calibration` and primitive
-    selection (gloo): the same measurements, the current fitting rules."""
-    keep = {"intra": intra_primitives("gloo"), "inter": INTER_PRIMITIVES, "shared": ("allreduce",)}
-    refitted: dict[tuple, dict] = {}
-    for r in rows:
-        key = (r["nodes"], r["ranks_per_node"], r["cap_mbit"], r.get("wire_dtype", "fp32"))
-        if key not in refitted:
-            fits = r["fits"] or {}
-            samples = {
-                level: {name: (fit["samples"][name]["sizes"], fit["samples"][name]["seconds"])
-                        for name in keep[level] if name in fit["samples"]}
-                for level, fit in fits.items() if fit
-            }
-            result = fit_calibration(r["ranks_per_node"], r["nodes"], samples.get("intra"), samples.get("inter"),
-                                     samples.get("shared"))
-            refitted[key] = result.params.as_dict()
-        r["params"] = refitted[key]
-    return rows
-
-
-def _case(row: dict) -> tuple:
-    return (row["nodes"], row["ranks_per_node"], row["cap_mbit"], row["numel"], row["chunks"],
-            row.get("wire_dtype", "fp32"))
-
-
-def predict_rows(rows: list[dict]) -> list[dict]:
-    """Fill in each row's prediction (from its calibrated ``params``) and the pick per case."""
-    cases: dict[tuple, list[dict]] = {}
-    for r in rows:
-        cases.setdefault(_case(r), []).append(r)
-    for (nodes, rpn, _, numel, _, wire), case in cases.items():
-        params = CommParams(**case[0]["params"])
-        predicted = predict_allreduce(numel, Topology(nodes, rpn), params, wire, chunk_numel=case[0]["chunk_numel"])
-        times = {r["algorithm"]: r["measured_s"] for r in case}
-        reps = {r["algorithm"]: r["times_s"] for r in case}
-        picked = min(predicted, key=predicted.get)
-        fastest = min(times, key=times.get)
-        # A miss is clear only if the repetitions do not overlap: the picked algorithm's
-        # fastest repetition is slower than the fastest algorithm's slowest one.
-        clear_miss = picked != fastest and min(reps[picked]) > max(reps[fastest])
-        paired = paired_stats(reps, picked, fastest) if all(r.get("interleaved") for r in case) else {}
-        for r in case:
-            r.update(
-                predicted_s=predicted[r["algorithm"]],
-                rel_error=predicted[r["algorithm"]] / r["measured_s"] - 1.0,
-                picked=picked, measured_fastest=fastest, picked_is_fastest=picked == fastest,
-                # Within measurement noise the "fastest" is not meaningful: report the margin.
-                picked_vs_fastest=times[picked] / times[fastest],
-                miss_beyond_spread=clear_miss,
-                **paired,
-            )
-    return rows
-
-
-def paired_stats(reps: dict[str, list[float]], picked: str, fastest: str) -> dict:
-    """Round-by-round comparison of interleaved repetitions (``reps[a][i]``: round ``i``).
-
-    ``round_wins``: rounds each algorithm was the fastest in; ``picked_vs_round_best``: median
-    over rounds of the picked algorithm's time over that round's fastest; ``miss_beyond_noise``:
-    the picked algorithm is not the measured fastest and lost to it in every round (sign test).
-    """
-    rounds = list(zip(*reps.values()))
-    names = list(reps)
-    wins = dict.fromkeys(names, 0)
-    for times in rounds:
-        wins[names[int(np.argmin(times))]] += 1
-    ratios = [t[names.index(picked)] / min(t) for t in rounds]
-    lost_every_round = all(p > f for p, f in zip(reps[picked], reps[fastest]))
-    return dict(rounds=len(rounds), round_wins=wins, picked_vs_round_best=float(np.median(ratios)),
-                miss_beyond_noise=picked != fastest and lost_every_round)
 
 
 def format_table(rows: list[dict]) -> str:
@@ -238,7 +160,7 @@ def format_table(rows: list[dict]) -> str:
         if not subset:
             continue
         within = sum(abs(r["rel_error"]) <= 0.25 for r in subset)
-        cases = {_case(r): r for r in subset}
+        cases = {case_key(r): r for r in subset}
         right = sum(r["picked_is_fastest"] for r in cases.values())
         close = sum(r["picked_vs_fastest"] <= 1.05 for r in cases.values())
         clear = sum(r["miss_beyond_spread"] for r in cases.values())
@@ -277,14 +199,14 @@ def format_compact(rows: list[dict], default_only: bool = True) -> str:
     for r in rows:
         if default_only and not (r["chunks"] == 1 or r["default_chunking"]):
             continue
-        cases.setdefault(_case(r), {})[r["algorithm"]] = r
-    lines = ["| nodes x ranks | Mbit/s | wire | numel | chunks | " + " | ".join(f"{a} meas / pred" for a in MEASURED)
+        cases.setdefault(case_key(r), {})[r["algorithm"]] = r
+    lines = ["| nodes x ranks | Mbit/s | wire | numel | chunks | " + " | ".join(f"{a} meas / pred" for a in ALGORITHMS)
              + " | picked | measured fastest | round wins | picked / round's best |",
-             "|---|---|---|---|---|" + "---|" * len(MEASURED) + "---|---|---|---|"]
+             "|---|---|---|---|---|" + "---|" * len(ALGORITHMS) + "---|---|---|---|"]
     for (nodes, rpn, cap, numel, chunks, wire), by_alg in cases.items():
         first = next(iter(by_alg.values()))
         cells = [f"{by_alg[a]['measured_s']:.3f} / {by_alg[a]['predicted_s']:.3f} ({100 * by_alg[a]['rel_error']:+.0f}%)"
-                 for a in MEASURED]
+                 for a in ALGORITHMS]
         spread = "beyond rep spread" if first["miss_beyond_spread"] else "within rep spread"
         if "miss_beyond_noise" in first:
             spread += ", beyond noise" if first["miss_beyond_noise"] else ", within noise"
@@ -292,29 +214,6 @@ def format_compact(rows: list[dict], default_only: bool = True) -> str:
         lines.append(f"| {nodes}x{rpn} | {cap:g} | {wire} | {numel / 1e6:g}M | {chunks} | " + " | ".join(cells)
                      + f" | {first['picked']} | {first['measured_fastest']}{margin} | {_wins(first)} "
                      f"| {_round_ratio(first)} |")
-    return "\n".join(lines)
-
-
-def format_across(runs: list[list[dict]]) -> str:
-    """Across several runs of one grid: per case, how often each algorithm was the measured
-    fastest and was picked; then in how many cases the fastest changed between runs, and how
-    many (case, run) pairs the best fixed choice per case (the algorithm most often fastest,
-    known only after all the runs) and the planner got right. Unchunked and default chunking."""
-    fastest: dict[tuple, Counter] = {}
-    picked: dict[tuple, Counter] = {}
-    planner = pairs = 0
-    for rows in runs:
-        for key, r in {_case(r): r for r in predict_rows(rows) if r["chunks"] == 1 or r["default_chunking"]}.items():
-            fastest.setdefault(key, Counter())[r["measured_fastest"]] += 1
-            picked.setdefault(key, Counter())[r["picked"]] += 1
-            planner += r["picked_is_fastest"]
-            pairs += 1
-    lines = [f"{n}x{rpn} {cap:g} Mbit/s {wire} {numel / 1e6:g}M chunks {chunks}: fastest {dict(fastest[key])}, "
-             f"picked {dict(picked[key])}" for key in fastest for n, rpn, cap, numel, chunks, wire in [key]]
-    changed = sum(len(c) > 1 for c in fastest.values())
-    best_fixed = sum(c.most_common(1)[0][1] for c in fastest.values())
-    lines.append(f"{len(runs)} runs, {len(fastest)} cases: the measured fastest changed between runs in {changed}; "
-                 f"(case, run) pairs right: best fixed choice per case {best_fixed}/{pairs}, planner {planner}/{pairs}")
     return "\n".join(lines)
 
 
@@ -330,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunk-mb", type=float, default=CHUNK_MB,
                         help="pipeline chunk in MiB whose chunk counts are measured (0: unchunked only)")
     parser.add_argument("--wire-dtype", choices=["fp32", "fp16", "bf16"], default="fp32",
-                        help="comm_dtype of the measured algorithms (cast on the inter-node stage)")
+                        help="wire_dtype of the measured algorithms (cast on the inter-node stage)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     parser.add_argument("--from-json", help="measure nothing: re-predict the rows of an earlier --json file "
                         "with the current model (same calibrated parameters)")

@@ -65,12 +65,12 @@ class _StepTimer(pl.Callback):
             self.end = time.perf_counter()
 
 
-def make_strategy(name: str, ranks_per_node: int | None, comm_dtype: str = "fp32") -> Any:
+def make_strategy(name: str, ranks_per_node: int | None, wire_dtype: str = "fp32") -> Any:
     """``ddp`` -> Lightning's DDPStrategy; ``hier_ring``/``hier_torus`` -> ours with that algorithm."""
     if name == "ddp":
         return DDPStrategy()
     algorithm = {"hier_ring": "hier", "hier_torus": "torus2d"}[name]
-    return HierarchicalAllReduceStrategy(algorithm=algorithm, ranks_per_node=ranks_per_node, comm_dtype=comm_dtype)
+    return HierarchicalAllReduceStrategy(algorithm=algorithm, ranks_per_node=ranks_per_node, wire_dtype=wire_dtype)
 
 
 def images_per_second(strategy: Any, args: argparse.Namespace, world_size: int) -> float:
@@ -96,7 +96,7 @@ def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace, que
         # Rotate the order each round so no strategy always runs first (warm caches, load drift).
         shift = round_ % len(args.strategies)
         for name in args.strategies[shift:] + args.strategies[:shift]:
-            results[name].append(images_per_second(make_strategy(name, args.ranks_per_node, args.comm_dtype),
+            results[name].append(images_per_second(make_strategy(name, args.ranks_per_node, args.wire_dtype),
                                                    args, world_size))
     if rank == 0:
         queue.put(results)
@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--ranks-per-node", type=int, default=None, help="default: all devices form one node")
     parser.add_argument("--strategies", nargs="+", default=["ddp", "hier_ring", "hier_torus"])
-    parser.add_argument("--comm-dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
+    parser.add_argument("--wire-dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
     parser.add_argument("--model", default="resnet_small")
     parser.add_argument("--resolution", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
@@ -130,7 +130,7 @@ def main() -> None:
     print(f"\n{args.devices} ranks on one machine ({os.cpu_count()} CPUs), ranks_per_node="
           f"{args.ranks_per_node or args.devices}, model={args.model} {args.resolution}px, "
           f"batch {args.batch_size}/rank, steps {args.warmup}..{args.steps}, {args.rounds} interleaved rounds, "
-          f"comm_dtype={args.comm_dtype}")
+          f"wire_dtype={args.wire_dtype}")
     # Paired ratio: each round's run against the same round's ddp run, then the median; less
     # sensitive to load drift between rounds than the ratio of the medians.
     print(f"{'strategy':<12} {'images/s median':>16} {'vs ddp (medians)':>17} {'vs ddp (paired)':>16}  rounds")

@@ -31,7 +31,7 @@ _ALGORITHM_OF = {"hier_ring": "hier", "hier_torus": "torus2d"}
 
 
 def make_strategy(spec: str):
-    """``"ddp"`` / ``"hier_ring"`` as is; ``"hier_ring:pipeline_chunk_mb=4,comm_dtype=fp16"`` builds
+    """``"ddp"`` / ``"hier_ring"`` as is; ``"hier_ring:pipeline_chunk_mb=4,wire_dtype=fp16"`` builds
     :class:`~lightning_fastscale.strategies.HierarchicalAllReduceStrategy` with those options."""
     name, _, options = spec.partition(":")
     if not options:
@@ -146,7 +146,7 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--strategies", nargs="+", default=["ddp", "hier_ring", "hier_torus"],
                         help='names, or name:key=value,... for HierarchicalAllReduceStrategy options, '
-                             'e.g. "hier_ring:pipeline_chunk_mb=4,comm_dtype=fp16"')
+                             'e.g. "hier_ring:pipeline_chunk_mb=4,wire_dtype=fp16"')
     parser.add_argument("--cap", type=float, default=500.0, help="per-node link cap, Mbit/s (0 = uncapped)")
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--ranks-per-node", type=int, default=4)

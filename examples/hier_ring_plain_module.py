@@ -5,7 +5,7 @@ gradients take the hierarchical path: reduce to each node's leader, all-reduce b
 leaders, broadcast back (Jia et al. 2018). Run::
 
     python examples/hier_ring_plain_module.py            # strategy="hier_ring", 2x2 ranks
-    python examples/hier_ring_plain_module.py --algorithm torus2d --comm-dtype bf16
+    python examples/hier_ring_plain_module.py --algorithm torus2d --wire-dtype bf16
 
 Nothing here knows about the strategy except the Trainer arguments.
 """
@@ -49,16 +49,16 @@ def synthetic_data(n: int = 512, seed: int = 0) -> TensorDataset:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--algorithm", default="hier", choices=["hier", "torus2d", "ring"])
-    parser.add_argument("--comm-dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
+    parser.add_argument("--algorithm", default="hier", choices=["hier", "torus2d", "flat"])
+    parser.add_argument("--wire-dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
     parser.add_argument("--max-epochs", type=int, default=2)
     args = parser.parse_args()
 
     pl.seed_everything(0)
-    if args.algorithm == "hier" and args.comm_dtype == "fp32":
+    if args.algorithm == "hier" and args.wire_dtype == "fp32":
         strategy: str | HierarchicalAllReduceStrategy = "hier_ring"  # the registered name
     else:
-        strategy = HierarchicalAllReduceStrategy(algorithm=args.algorithm, comm_dtype=args.comm_dtype)
+        strategy = HierarchicalAllReduceStrategy(algorithm=args.algorithm, wire_dtype=args.wire_dtype)
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=4, max_epochs=args.max_epochs,
         logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -72,7 +72,8 @@ def main() -> None:
         state = trainer.strategy.hook_state
         print(
             f"final train_loss={float(trainer.callback_metrics['train_loss']):.4f} "
-            f"topology={trainer.strategy.topology} hook_calls={state.hook_calls} collectives={state.groups.calls}"
+            f"topology={trainer.strategy.topology} algorithm={trainer.strategy.resolved_algorithm} "
+            f"hook_iterations={state.iteration}"
         )
 
 

@@ -1,7 +1,8 @@
 """lightning_fastscale: the large-batch, many-GPU ImageNet-in-minutes techniques for Lightning.
 
 Importing the package registers its strategies with Lightning, so ``Trainer(strategy="hier_ring")``
-works; see DESIGN.md for what lives where.
+works. Each technique lives in its own module, citing its paper; the user guide is in
+``docs/`` and the measured numbers in ``benchmarks/README.md``.
 """
 from . import strategies  # noqa: F401  (registers "hier_ring", "hier_torus" and _spawn variants)
 from .callbacks import (

@@ -17,6 +17,7 @@ import hydra
 import torch
 import lightning.pytorch as pl
 from hydra.core.hydra_config import HydraConfig
+from lightning.fabric.plugins.environments import LSFEnvironment, SLURMEnvironment, TorchElasticEnvironment
 from lightning.pytorch.callbacks import LearningRateMonitor, ThroughputMonitor
 from hydra.types import RunMode
 from hydra.utils import instantiate
@@ -33,13 +34,24 @@ def _is_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
+def cluster_launches_ranks() -> bool:
+    """True when a cluster launcher already started this process as one rank of the job.
+
+    Detected through Lightning's own cluster environments: SLURM's ``srun`` (e.g. the submitit
+    launcher with one task per GPU), ``torchrun`` / torchelastic, LSF's ``jsrun``.
+    """
+    return any(env.detect() for env in (SLURMEnvironment, TorchElasticEnvironment, LSFEnvironment))
+
+
 def build_strategy(cfg: DictConfig, devices: Any) -> Any:
     """Strategy object or name from the ``strategy`` group.
 
     Lightning's default DDP launcher re-executes the script once per extra rank, which does
     not mix with Hydra multirun (each re-executed child would start the whole sweep again).
     Inside a multirun with several devices the strategy is therefore started with the
-    ``spawn`` method instead, so each sweep job forks its ranks in-process.
+    ``spawn`` method instead, so each sweep job forks its ranks in-process. Not so when a
+    cluster launcher (SLURM, torchrun) already runs one process per rank: there Lightning
+    starts no processes, and spawning would multiply the ranks.
     """
     node = cfg.get("strategy")
     if node is None or (isinstance(node, DictConfig) and not node):
@@ -47,12 +59,13 @@ def build_strategy(cfg: DictConfig, devices: Any) -> Any:
     if not isinstance(node, DictConfig):
         return node
     multi_device = devices not in (1, "1", None) and not (isinstance(devices, list) and len(devices) == 1)
+    spawn = _is_multirun() and multi_device and not cluster_launches_ranks()
     if "_target_" in node:
-        if _is_multirun() and multi_device:
+        if spawn:
             return instantiate(node, start_method="spawn")
         return instantiate(node)
     name = node.get("name", "auto")
-    if _is_multirun() and multi_device and name == "ddp":
+    if spawn and name == "ddp":
         return "ddp_spawn"
     return name
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -37,15 +38,14 @@ def _dataset() -> TensorDataset:
     return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
 
 
-def _strategy_report(strategy) -> dict:
+def _strategy_report(strategy, recorder) -> dict:
     """What a hierarchical strategy detected and did (``None``/empty for plain DDP)."""
     topology = getattr(strategy, "topology", None)
-    state = getattr(strategy, "hook_state", None)
     return {
         "topology_num_nodes": getattr(topology, "num_nodes", None),
         "topology_ranks_per_node": getattr(topology, "ranks_per_node", None),
-        "hook_calls": getattr(state, "hook_calls", 0),
-        "collective_calls": dict(state.groups.calls) if state is not None else {},
+        "hook_calls": recorder.hook_calls,
+        "collective_calls": dict(recorder.stages),
     }
 
 
@@ -68,7 +68,11 @@ def main() -> None:
         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model, DataLoader(_dataset(), batch_size=4, shuffle=False))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # torchrun runs this file by path
+    from tests.comm_recording import CommRecorder
+
+    with CommRecorder() as recorder:
+        trainer.fit(model, DataLoader(_dataset(), batch_size=4, shuffle=False))
     out = Path(args.out)
     report = {
         "global_rank": trainer.global_rank,
@@ -78,7 +82,7 @@ def main() -> None:
         "world_size": trainer.world_size,
         "emulated_node": os.environ.get("FASTSCALE_EMULATED_NODE"),
         "strategy": type(trainer.strategy).__name__,
-        **_strategy_report(trainer.strategy),
+        **_strategy_report(trainer.strategy, recorder),
     }
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
     if trainer.global_rank == 0:

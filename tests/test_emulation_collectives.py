@@ -40,7 +40,7 @@ def _interleaved_2x2(rank: int, world: int) -> tuple:
     from lightning_fastscale.emulation.collectives import _make_algorithm, _time_interleaved
     from lightning_fastscale.strategies.topology import Topology, build_process_groups
 
-    groups = build_process_groups(Topology(world, 2))
+    groups = build_process_groups(Topology.from_world(world, 2))
     calls: list[str] = []
 
     def recorded(name: str, fn):

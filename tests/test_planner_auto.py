@@ -35,8 +35,8 @@ def test_auto_plan_choices():
     assert slow.algorithm in ("hier", "torus2d")
     assert slow.plan.finish_s == min(p.finish_s for p in slow.candidates.values())
     assert sum(slow.ddp_kwargs["bucket_cap_mb_list"]) * MB == pytest.approx(sum(prof.grad_bytes))
-    assert auto_plan(prof, Topology(4, 8), FLAT).algorithm == "ring"
-    assert auto_plan(prof, Topology(1, 8), SLOW_NIC).algorithm == "ring"
+    assert auto_plan(prof, Topology(4, 8), FLAT).algorithm == "flat"
+    assert auto_plan(prof, Topology(1, 8), SLOW_NIC).algorithm == "flat"
     assert set(slow.summary()) == {"algorithm", "plan", "ddp_kwargs", "predicted_finish_s"}
 
 
@@ -45,34 +45,43 @@ def test_choose_algorithm_from_a_cluster():
     assert choose_algorithm(cluster, 100e6, wire_dtype="fp16") in ("hier", "torus2d")
 
 
-class _StrategyTopology:
-    """Stand-in for strategies.topology.Topology: (world_size, ranks_per_node) with num_nodes."""
-
-    def __init__(self, world_size, ranks_per_node):
-        self.world_size, self.ranks_per_node = world_size, ranks_per_node
-        self.num_nodes = world_size // ranks_per_node
-
-
-def test_cost_model_planner_callables_agree_with_auto_plan():
+def test_cost_model_planner_plans_what_it_is_told_to_send():
     model = net()
-    topo = _StrategyTopology(32, 8)
+    topo = Topology.from_world(32, 8)
     profile = module_profile(model, backward_time_s=0.01)
+    planner = CostModelPlanner(SLOW_NIC, backward_time_s=0.01)
     # the planner prices buckets as the strategy sends them: pipelined in its chunks, or whole
     for chunk_mb in (DEFAULT_PIPELINE_CHUNK_MB, 0.25, None):
-        planner = CostModelPlanner(SLOW_NIC, backward_time_s=0.01, pipeline_chunk_mb=chunk_mb)
-        expected = auto_plan(profile, Topology(4, 8), SLOW_NIC, chunk_mb=chunk_mb)
-        assert planner.select_algorithm(model, topo) == expected.algorithm
-        assert planner.fusion_caps(model, topo) == expected.plan.ddp_bucket_cap_mb_list()
-    assert CostModelPlanner(SLOW_NIC, backward_time_s=0.01).pipeline_chunk_mb == DEFAULT_PIPELINE_CHUNK_MB
-    with pytest.raises(ValueError, match="chunk_mb"):
-        CostModelPlanner(SLOW_NIC, backward_time_s=0.01, pipeline_chunk_mb=0)
+        expected = auto_plan(profile, Topology(4, 8), SLOW_NIC, pipeline_chunk_mb=chunk_mb)
+        got = planner.plan(model, topo, pipeline_chunk_mb=chunk_mb)
+        assert got.algorithm == expected.algorithm
+        assert got.plan.ddp_bucket_cap_mb_list() == expected.plan.ddp_bucket_cap_mb_list()
+    # standalone callables use the defaults: fp32, no top-k, the strategy's default chunking
+    default = auto_plan(profile, Topology(4, 8), SLOW_NIC, pipeline_chunk_mb=DEFAULT_PIPELINE_CHUNK_MB)
+    assert planner.select_algorithm(model, topo) == default.algorithm
+    assert planner.fusion_caps(model, topo) == default.plan.ddp_bucket_cap_mb_list()
+    with pytest.raises(ValueError, match="pipeline_chunk_mb"):
+        planner.plan(model, topo, pipeline_chunk_mb=0)
     # from a shipped cluster, with FLOP-based backward times from an example input
-    planner = CostModelPlanner("tencent_cloud_25g_vpc", wire_dtype="fp16", example_input=torch.randn(4, 256))
-    assert planner.select_algorithm(model, _StrategyTopology(16, 8)) in ("hier", "torus2d")
+    planner = CostModelPlanner("tencent_cloud_25g_vpc", example_input=torch.randn(4, 256))
+    assert planner.plan(model, Topology(2, 8), wire_dtype="fp16").algorithm in ("hier", "torus2d")
     with pytest.raises(ValueError, match="backward_time_s"):
         CostModelPlanner(SLOW_NIC).plan(model, topo)
     with pytest.raises(ValueError, match="calibrate=True"):
         CostModelPlanner()
+
+
+def test_old_planner_settings_warn_and_still_apply():
+    model, topo = net(), Topology(4, 8)
+    with pytest.warns(DeprecationWarning, match="pipeline_chunk_mb"):
+        old = CostModelPlanner(SLOW_NIC, backward_time_s=0.01, pipeline_chunk_mb=0.25)
+    new = CostModelPlanner(SLOW_NIC, backward_time_s=0.01)
+    assert old.plan(model, topo).summary() == new.plan(model, topo, pipeline_chunk_mb=0.25).summary()
+    with pytest.warns(DeprecationWarning, match="chunk_mb"):
+        renamed = auto_plan(module_profile(model, backward_time_s=0.01), topo, SLOW_NIC, chunk_mb=0.25)
+    assert renamed.summary() == new.plan(model, topo, pipeline_chunk_mb=0.25).summary()
+    with pytest.warns(DeprecationWarning, match="'flat'"):
+        assert CostModelPlanner(SLOW_NIC, backward_time_s=0.01, algorithms=("ring", "hier")).algorithms == ("flat", "hier")
 
 
 def test_best_chunk_follows_latency():

@@ -63,7 +63,7 @@ def test_fit_rejects_flat_timings():
 def _calibrate_2x2(rank, world_size):
     from lightning_fastscale.strategies.topology import Topology, build_process_groups
 
-    groups = build_process_groups(Topology(world_size, 2))
+    groups = build_process_groups(Topology.from_world(world_size, 2))
     # sizes 32x apart and a median of 3: on a loaded machine, 8x apart with one
     # repetition once timed the larger shared flow faster than the smaller one (CI, stop 9)
     result = calibrate_process_groups(groups, sizes=[1 << 20, 32 << 20], reps=3)

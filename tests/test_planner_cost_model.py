@@ -44,7 +44,7 @@ PARAMS = CommParams(alpha_intra=5e-6, beta_intra=1e-10, alpha_inter=2e-5, beta_i
 def test_single_node_is_intra_ring():
     topo = Topology(1, 4)
     n = 1e6
-    assert allreduce_time("ring", n, topo, PARAMS) == pytest.approx(
+    assert allreduce_time("flat", n, topo, PARAMS) == pytest.approx(
         ring_allreduce_time(4, 4 * n, PARAMS.alpha_intra, PARAMS.beta_intra, PARAMS.gamma))
 
 
@@ -66,7 +66,7 @@ def test_bandwidth_terms_match_the_byte_counts():
     assert t["hier"] == pytest.approx(bound, rel=1e-6)
     assert t["torus2d"] == pytest.approx(bound, rel=1e-6)
     # flat ring sends 2(P-1)/P n per node instead of 2(N-1)/N n: 1.75x for 2 x 4
-    assert t["ring"] / t["hier"] == pytest.approx(1.75, rel=1e-6)
+    assert t["flat"] / t["hier"] == pytest.approx(1.75, rel=1e-6)
 
 
 def test_torus_latency_terms():
@@ -76,7 +76,7 @@ def test_torus_latency_terms():
     t = predict_allreduce(1000, topo, params)
     assert t["torus2d"] == pytest.approx(2 * 3 * 1e-3, rel=1e-6)
     assert t["hier"] == pytest.approx(2 * 3 * 1e-3, rel=1e-6)
-    assert t["ring"] == pytest.approx(2 * 31 * 1e-3, rel=1e-6)
+    assert t["flat"] == pytest.approx(2 * 31 * 1e-3, rel=1e-6)
 
 
 def test_wire_dtype_applies_to_the_inter_node_stage_only():
@@ -92,12 +92,12 @@ def test_wire_dtype_applies_to_the_inter_node_stage_only():
         assert allreduce_time(algorithm, n, topo, params, "fp16") == pytest.approx(sum(fp16))
     # the flat ring crosses nodes with all of it, and one node casts its whole all-reduce
     no_latency = CommParams(0.0, 1e-10, 0.0, 1e-8, 1e-11)
-    for algorithm in ("ring", "hier", "torus2d"):
+    for algorithm in ("flat", "hier", "torus2d"):
         one_node = Topology(1, 8)
         assert allreduce_time(algorithm, n, one_node, no_latency, "fp16") == pytest.approx(
             allreduce_time(algorithm, n, one_node, no_latency, "fp32") / 2, rel=1e-12)
-    assert allreduce_time("ring", n, topo, no_latency, "fp16") == pytest.approx(
-        allreduce_time("ring", n, topo, no_latency, "fp32") / 2, rel=1e-12)
+    assert allreduce_time("flat", n, topo, no_latency, "fp16") == pytest.approx(
+        allreduce_time("flat", n, topo, no_latency, "fp32") / 2, rel=1e-12)
 
 
 def test_gamma_inter_prices_the_reduction_between_nodes():
@@ -110,10 +110,10 @@ def test_gamma_inter_prices_the_reduction_between_nodes():
         flows = 2 if algorithm == "torus2d" else 1
         assert full[1] - free[1] == pytest.approx(3 / 4 * 4 * n / flows * 2e-9, rel=1e-12)
         assert (full[0], full[2]) == pytest.approx((free[0], free[2]), rel=1e-12)
-    ring_gain = allreduce_time("ring", n, topo, base) - allreduce_time("ring", n, topo, hidden)
+    ring_gain = allreduce_time("flat", n, topo, base) - allreduce_time("flat", n, topo, hidden)
     assert ring_gain == pytest.approx(7 / 8 * 4 * n * 2e-9, rel=1e-12)
     # one node: the in-node gamma applies whatever gamma_inter says
-    assert allreduce_time("ring", n, Topology(1, 8), hidden) == pytest.approx(allreduce_time("ring", n, Topology(1, 8), base))
+    assert allreduce_time("flat", n, Topology(1, 8), hidden) == pytest.approx(allreduce_time("flat", n, Topology(1, 8), base))
     with pytest.raises(ValueError, match="gamma_inter"):
         CommParams(0.0, 1e-9, 0.0, 1e-9, gamma_inter=-1.0)
 
@@ -159,9 +159,9 @@ def test_many_chunks_tend_to_the_slowest_stage():
 
 def test_chunked_flat_ring_only_adds_latency():
     topo, n, k = Topology(2, 4), 4e6, 5
-    whole = allreduce_time("ring", n, topo, PARAMS)
-    latency = allreduce_time("ring", 1e-300, topo, PARAMS)  # one message's latency terms
-    chunked = allreduce_time("ring", n, topo, PARAMS, chunk_numel=n / k)
+    whole = allreduce_time("flat", n, topo, PARAMS)
+    latency = allreduce_time("flat", 1e-300, topo, PARAMS)  # one message's latency terms
+    chunked = allreduce_time("flat", n, topo, PARAMS, chunk_numel=n / k)
     assert chunked == pytest.approx(whole + (k - 1) * latency, rel=1e-9)
 
 
@@ -191,7 +191,7 @@ def test_concurrent_flows_and_per_flow_limit():
     t, t0 = predict_allreduce(n, topo, limited), predict_allreduce(n, topo, base)
     assert t["torus2d"] == pytest.approx(t0["torus2d"], rel=1e-9)
     assert t["hier"] == pytest.approx(4 * t0["hier"], rel=1e-6)
-    assert t["ring"] == pytest.approx(4 * t0["ring"], rel=1e-6)
+    assert t["flat"] == pytest.approx(4 * t0["flat"], rel=1e-6)
     with pytest.raises(ValueError, match="beta_inter_shared"):
         CommParams(0.0, 1e-9, 0.0, 1e-9, beta_inter_shared=0.0)
 
@@ -211,7 +211,7 @@ def test_topk_inter_stage_closed_form():
 def test_vectorised_sizes_equal_scalar_calls():
     topo = Topology(2, 4)
     sizes = np.array([1.0, 1e3, 1e6])
-    for algorithm in ("ring", "hier", "torus2d"):
+    for algorithm in ("flat", "hier", "torus2d"):
         vec = allreduce_time(algorithm, sizes, topo, PARAMS)
         assert np.allclose(vec, [allreduce_time(algorithm, s, topo, PARAMS) for s in sizes])
 
@@ -220,10 +220,10 @@ def test_choose_algorithm():
     # Slow NIC, fast NVLink: a two-level algorithm beats the flat ring on large messages.
     assert choose_algorithm(PARAMS, 100e6, Topology(4, 8)) in ("hier", "torus2d")
     # One node: always ring.
-    assert choose_algorithm(PARAMS, 100e6, Topology(1, 8)) == "ring"
+    assert choose_algorithm(PARAMS, 100e6, Topology(1, 8)) == "flat"
     # Same link inside and between nodes: the extra stages cost, the flat ring wins.
     flat = CommParams(1e-6, 1e-9, 1e-6, 1e-9, 0.0)
-    assert choose_algorithm(flat, 100e6, Topology(4, 8)) == "ring"
+    assert choose_algorithm(flat, 100e6, Topology(4, 8)) == "flat"
     with pytest.raises(ValueError, match="topology"):
         choose_algorithm(PARAMS, 1e6)
 
@@ -238,8 +238,8 @@ def test_bad_parameters_are_named():
     with pytest.raises(ValueError, match="algorithm"):
         allreduce_time("tree", 1, Topology(2, 2), PARAMS)
     with pytest.raises(ValueError, match="wire_dtype"):
-        allreduce_time("ring", 1, Topology(2, 2), PARAMS, "int8")
-    assert math.isclose(allreduce_time("ring", 1e6, Topology(1, 1), PARAMS), 0.0)
+        allreduce_time("flat", 1, Topology(2, 2), PARAMS, "int8")
+    assert math.isclose(allreduce_time("flat", 1e6, Topology(1, 1), PARAMS), 0.0)
 
 
 def test_flat_ring_step_is_the_slowest_edge_with_its_own_latency():
@@ -248,9 +248,9 @@ def test_flat_ring_step_is_the_slowest_edge_with_its_own_latency():
     topo, n = Topology(2, 4), 8e6  # 32 MB in fp32, 4 MB per step
     step_bytes = 4 * n / 8
     slow_node_link = CommParams(alpha_intra=1e-3, beta_intra=1e-10, alpha_inter=1e-4, beta_inter=1e-8)
-    assert allreduce_time("ring", n, topo, slow_node_link) == pytest.approx(14 * (1e-4 + step_bytes * 1e-8))
+    assert allreduce_time("flat", n, topo, slow_node_link) == pytest.approx(14 * (1e-4 + step_bytes * 1e-8))
     slow_in_node = CommParams(alpha_intra=1e-3, beta_intra=1e-8, alpha_inter=1e-4, beta_inter=1e-9)
-    assert allreduce_time("ring", n, topo, slow_in_node) == pytest.approx(14 * (1e-3 + step_bytes * 1e-8))
+    assert allreduce_time("flat", n, topo, slow_in_node) == pytest.approx(14 * (1e-3 + step_bytes * 1e-8))
     # no bytes: the larger latency sets each step
-    assert allreduce_time("ring", 0.0, topo, slow_node_link) == 0.0
-    assert stage_times("ring", 0.0, topo, slow_node_link)[0] == pytest.approx(14 * 1e-3)
+    assert allreduce_time("flat", 0.0, topo, slow_node_link) == 0.0
+    assert stage_times("flat", 0.0, topo, slow_node_link)[0] == pytest.approx(14 * 1e-3)

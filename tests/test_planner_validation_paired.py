@@ -1,22 +1,15 @@
-"""The paired (round-by-round) verdict of benchmarks/planner_validation.py on known repetitions."""
-import importlib.util
-from pathlib import Path
-
+"""The paired (round-by-round) verdict of the planner validation on known repetitions."""
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "planner_validation.py"
-_spec = importlib.util.spec_from_file_location("planner_validation", _PATH)
-planner_validation = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(planner_validation)
-paired_stats = planner_validation.paired_stats
+from lightning_fastscale.planner.validation import format_across, paired_stats, predict_rows
 
 
 def test_miss_is_beyond_noise_only_if_the_fastest_won_every_round() -> None:
     # Round i of every algorithm was taken together. hier has the lowest median but torus2d
     # (picked) beats it in round 2: a miss within noise.
-    reps = {"ring": [3.0, 3.0, 3.0], "hier": [1.0, 1.0, 1.2], "torus2d": [1.1, 1.1, 1.1]}
+    reps = {"flat": [3.0, 3.0, 3.0], "hier": [1.0, 1.0, 1.2], "torus2d": [1.1, 1.1, 1.1]}
     stats = paired_stats(reps, picked="torus2d", fastest="hier")
-    assert stats["round_wins"] == {"ring": 0, "hier": 2, "torus2d": 1}
+    assert stats["round_wins"] == {"flat": 0, "hier": 2, "torus2d": 1}
     assert stats["rounds"] == 3
     assert stats["picked_vs_round_best"] == pytest.approx(1.1)  # median of 1.1, 1.1, 1.0
     assert stats["miss_beyond_noise"] is False
@@ -27,22 +20,28 @@ def test_miss_is_beyond_noise_only_if_the_fastest_won_every_round() -> None:
     assert paired_stats(reps, picked="hier", fastest="hier")["miss_beyond_noise"] is False
 
 
-def _run(fastest: str) -> list[dict]:
+def _run(fastest: str, flat_name: str = "flat") -> list[dict]:
     """One run of one case (2 x 4, 1M elements, unchunked), ``fastest`` measured fastest."""
     params = dict(alpha_intra=1e-4, beta_intra=1e-9, alpha_inter=0.0, beta_inter=1.6e-8, gamma=2e-9)
-    times = {a: 0.10 for a in ("ring", "hier", "torus2d")} | {fastest: 0.09}
+    times = {a: 0.10 for a in (flat_name, "hier", "torus2d")} | {fastest: 0.09}
     return [dict(nodes=2, ranks_per_node=4, cap_mbit=500.0, numel=1_000_000, chunks=1, chunk_numel=None,
                  wire_dtype="fp32", default_chunking=True, algorithm=a, measured_s=t, times_s=[t] * 5,
                  interleaved=True, params=params) for a, t in times.items()]
 
 
 def test_across_runs_counts_changes_of_the_fastest_and_the_best_fixed_choice() -> None:
-    picked = planner_validation.predict_rows(_run("ring"))[0]["picked"]
-    other = next(a for a in ("ring", "hier", "torus2d") if a != picked)
-    report = planner_validation.format_across([_run(picked), _run(other), _run(picked)])
+    picked = predict_rows(_run("flat"))[0]["picked"]
+    other = next(a for a in ("flat", "hier", "torus2d") if a != picked)
+    report = format_across([_run(picked), _run(other), _run(picked)])
     assert f"fastest {{'{picked}': 2, '{other}': 1}}" in report
     assert report.splitlines()[-1] == (
         "3 runs, 1 cases: the measured fastest changed between runs in 1; (case, run) pairs right: "
         "best fixed choice per case 2/3, planner 2/3")
-    steady = planner_validation.format_across([_run(other)] * 2)
+    steady = format_across([_run(other)] * 2)
     assert steady.endswith("changed between runs in 0; (case, run) pairs right: best fixed choice per case 2/2, planner 0/2")
+
+
+def test_rows_stored_with_the_old_flat_name_are_read_as_flat() -> None:
+    rows = predict_rows(_run("ring", flat_name="ring"))
+    assert {r["algorithm"] for r in rows} == {"flat", "hier", "torus2d"}
+    assert rows[0]["measured_fastest"] == "flat"

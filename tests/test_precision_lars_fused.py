@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_fastscale.callbacks.lr_schedule import WarmupDecayLR
 from lightning_fastscale.param_groups import split_parameters
-from lightning_fastscale.precision import LARSMixedPrecision
+from lightning_fastscale.precision import LARSMixedPrecision, LARSStep
 from tests.test_precision_lars_plugin import Tiny, data, make_net, small_scaler, trainer
 
 
@@ -29,13 +29,13 @@ class SubSGD(torch.optim.SGD):
 def fused_calls(monkeypatch) -> list[int]:
     """Counts the plugin's fused steps (so a test knows which path it exercised)."""
     calls: list[int] = []
-    original = LARSMixedPrecision._fused_sgd_step
+    original = LARSStep._fused_sgd_step
 
     def counting(self, optimizer, groups):
         calls.append(1)
         return original(self, optimizer, groups)
 
-    monkeypatch.setattr(LARSMixedPrecision, "_fused_sgd_step", counting)
+    monkeypatch.setattr(LARSStep, "_fused_sgd_step", counting)
     return calls
 
 

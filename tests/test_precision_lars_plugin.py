@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_fastscale.param_groups import split_parameters
-from lightning_fastscale.precision import LARS, LARSMixedPrecision
+from lightning_fastscale.precision import LARS, LARSMixedPrecision, LARSStep
 from tests.distributed import ReleaseProcessGroup
 
 
@@ -227,9 +227,9 @@ def test_resume_equals_uninterrupted(tmp_path, monkeypatch) -> None:
     those of one run. The scaler grows every 2 steps and one step is skipped, so a lost
     scaler state or counter shows. Torch SGD: every applied step takes the fused path."""
     fused = []
-    original = LARSMixedPrecision._fused_sgd_step
+    original = LARSStep._fused_sgd_step
     monkeypatch.setattr(
-        LARSMixedPrecision, "_fused_sgd_step", lambda self, *a: fused.append(1) or original(self, *a)
+        LARSStep, "_fused_sgd_step", lambda self, *a: fused.append(1) or original(self, *a)
     )
 
     def run(max_steps, ckpt_path=None, callbacks=()):
@@ -245,8 +245,12 @@ def test_resume_equals_uninterrupted(tmp_path, monkeypatch) -> None:
     full, full_plugin, full_tr = run(6, callbacks=[ckpt])
     mid = tmp_path / "ckpt" / "step=3.ckpt"
     assert mid.exists()
-    state = torch.load(mid, weights_only=False)["LARSMixedPrecision"]
+    state = torch.load(mid, weights_only=False)["LARSAutocastPrecision"]
     assert state["skipped_steps"] == 1 and state["scaler"]["scale"] != 2.0**8
+    # a checkpoint written under the old single-class key is still read
+    old = LARSMixedPrecision("16-mixed", "cpu")
+    old.on_load_checkpoint({"LARSMixedPrecision": state})
+    assert old.skipped_steps == 1 and old.scaler.get_scale() == state["scaler"]["scale"]
 
     resumed, plugin, tr = run(6, ckpt_path=str(mid))
     assert len(fused) == 5 + 3  # 6 steps, one skipped; then steps 4-6 after resuming

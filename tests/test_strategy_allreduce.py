@@ -5,8 +5,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_fastscale.strategies.allreduce import ALGORITHMS, TopKErrorFeedback
+from lightning_fastscale.strategies.allreduce import ALLREDUCE_FUNCTIONS, TopKErrorFeedback
 from lightning_fastscale.strategies.topology import Topology, build_process_groups
+from tests.comm_recording import CommRecorder
 from tests.distributed import run_distributed
 
 # fp32: only the summation order differs from the reference. Wire dtypes: relative L2 error of
@@ -28,20 +29,21 @@ def _same_on_all_ranks(tensor: torch.Tensor) -> bool:
 
 
 def _algorithms(rank: int, world_size: int, ranks_per_node: int) -> dict:
-    groups = build_process_groups(Topology(world_size, ranks_per_node))
+    groups = build_process_groups(Topology.from_world(world_size, ranks_per_node))
     errors, agree = {}, {}
-    for numel in SIZES:
-        inputs = _inputs(world_size, numel)
-        expected = torch.stack(inputs).double().sum(0)
-        for name, fn in ALGORITHMS.items():
-            for dtype in WIRE_TOLERANCE:
-                for chunk in (None, 1000):
-                    out = fn(inputs[rank].clone(), groups, comm_dtype=dtype, chunk_numel=chunk)
-                    assert out.dtype == torch.float32
-                    key = (numel, name, dtype, chunk)
-                    errors[key] = ((out.double() - expected).norm() / expected.norm()).item()
-                    agree[key] = _same_on_all_ranks(out)
-    return {"errors": errors, "agree": agree, "calls": dict(groups.calls), "wire_stage": _wire_stage(rank, groups)}
+    with CommRecorder() as recorder:
+        for numel in SIZES:
+            inputs = _inputs(world_size, numel)
+            expected = torch.stack(inputs).double().sum(0)
+            for name, fn in ALLREDUCE_FUNCTIONS.items():
+                for dtype in WIRE_TOLERANCE:
+                    for chunk in (None, 1000):
+                        out = fn(inputs[rank].clone(), groups, wire_dtype=dtype, chunk_numel=chunk)
+                        assert out.dtype == torch.float32
+                        key = (numel, name, dtype, chunk)
+                        errors[key] = ((out.double() - expected).norm() / expected.norm()).item()
+                        agree[key] = _same_on_all_ranks(out)
+    return {"errors": errors, "agree": agree, "calls": dict(recorder.stages), "wire_stage": _wire_stage(rank, groups)}
 
 
 def _wire_stage(rank: int, groups) -> dict:
@@ -59,18 +61,18 @@ def _wire_stage(rank: int, groups) -> dict:
     deviation = {}
     for name in ("hier", "torus2d"):
         for chunk in (None, 1000):
-            out = ALGORITHMS[name](inputs[rank].clone(), groups, comm_dtype=torch.float16, chunk_numel=chunk)
+            out = ALLREDUCE_FUNCTIONS[name](inputs[rank].clone(), groups, wire_dtype=torch.float16, chunk_numel=chunk)
             deviation[(name, chunk)] = ((out - model).abs().max() / model.abs().max()).item()
     return deviation
 
 
 def _topk(rank: int, world_size: int, algorithm: str, ratio: float) -> dict:
-    groups = build_process_groups(Topology(world_size, 2))
+    groups = build_process_groups(Topology.from_world(world_size, 2))
     numel = 1001
     inputs = _inputs(world_size, numel)
     expected = torch.stack(inputs).sum(0)
     topk = TopKErrorFeedback(ratio)
-    out = ALGORITHMS[algorithm](inputs[rank].clone(), groups, topk=topk, key=7)
+    out = ALLREDUCE_FUNCTIONS[algorithm](inputs[rank].clone(), groups, topk=topk, key=7)
     # Gather every rank's residual into the slots it covers (leaders: all; torus: own shard).
     residual = torch.zeros(numel)
     if algorithm == "hier" and groups.is_leader:
@@ -104,19 +106,19 @@ def results() -> list[dict]:
 @pytest.mark.parametrize("ranks_per_node", [2, 1, 4])
 def test_algorithms_equal_flat_sum(results: list[dict], ranks_per_node: int) -> None:
     ours = results[0]["layouts"][ranks_per_node]
-    assert len(ours["errors"]) == len(SIZES) * len(ALGORITHMS) * len(WIRE_TOLERANCE) * 2
+    assert len(ours["errors"]) == len(SIZES) * len(ALLREDUCE_FUNCTIONS) * len(WIRE_TOLERANCE) * 2
     for key, err in ours["errors"].items():
         assert err <= WIRE_TOLERANCE[key[2]], (key, err)
     assert all(ours["agree"].values()), [k for k, ok in ours["agree"].items() if not ok]
     calls = ours["calls"]
     if ranks_per_node == 2:  # rank 0 is a leader: it used every stage
-        assert {"intra_reduce", "inter_allreduce", "intra_broadcast", "world_allreduce"} <= set(calls)
+        assert {"in-node reduce", "inter-node all-reduce", "in-node broadcast", "flat all-reduce"} <= set(calls)
         deviations = [r["layouts"][2]["wire_stage"] for r in results]
         assert all(len(d) == 4 for d in deviations)
         for deviation in deviations:  # fp16 only on the inter-node stage, on every rank
             assert max(deviation.values()) < 1e-6, deviation
     elif ranks_per_node == 4:  # one node: no inter-node traffic at all
-        assert "inter_allreduce" not in calls and calls["intra_allreduce"] > 0
+        assert "inter-node all-reduce" not in calls and calls["in-node all-reduce"] > 0
 
 
 @pytest.mark.parametrize("algorithm", ["hier", "torus2d"])

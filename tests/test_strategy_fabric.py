@@ -69,7 +69,7 @@ def _worker(rank: int, world_size: int) -> dict:
     runs = {
         ("hier_ring", "fp32"): "hier_ring",
         ("hier_torus", "fp16"): FabricHierarchicalAllReduceStrategy(
-            algorithm="torus2d", ranks_per_node=1, comm_dtype="fp16"),
+            algorithm="torus2d", ranks_per_node=1, wire_dtype="fp16"),
     }
     for key, strategy in runs.items():
         fabric, model, flat = _train(rank, strategy, world_size)
@@ -110,7 +110,7 @@ def test_fabric_registry_names() -> None:
 
 
 def test_fabric_strategy_validates_options_at_construction() -> None:
-    with pytest.raises(ValueError, match="comm_dtype='fp8'"):
-        FabricHierarchicalAllReduceStrategy(comm_dtype="fp8")
-    with pytest.raises(ValueError, match="compression='topk'.*algorithm='ring'"):
-        FabricHierarchicalAllReduceStrategy(algorithm="ring", compression="topk")
+    with pytest.raises(ValueError, match="wire_dtype='fp8'"):
+        FabricHierarchicalAllReduceStrategy(wire_dtype="fp8")
+    with pytest.raises(ValueError, match="compression='topk'.*algorithm='flat'"):
+        FabricHierarchicalAllReduceStrategy(algorithm="flat", compression="topk")

@@ -11,8 +11,8 @@ from lightning_fastscale.strategies import HierarchicalAllReduceStrategy, Topolo
 
 
 def test_topology_layout() -> None:
-    topo = Topology(world_size=8, ranks_per_node=4)
-    assert topo.num_nodes == 2
+    topo = Topology(num_nodes=2, ranks_per_node=4)
+    assert topo.world_size == 8 and topo == Topology.from_world(8, 4) == Topology(2, 4)
     assert [topo.node_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert [topo.local_rank(r) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
     assert topo.node_ranks(1) == [4, 5, 6, 7] and topo.peer_ranks(0) == [0, 4] and topo.peer_ranks(3) == [3, 7]
@@ -21,11 +21,35 @@ def test_topology_layout() -> None:
 
 
 @pytest.mark.parametrize("world,per_node,match", [(6, 4, "not a multiple of ranks_per_node=4"),
-                                                  (4, 0, "ranks_per_node must be >= 1"),
-                                                  (0, 1, "world_size must be >= 1")])
+                                                  (4, 0, "ranks_per_node must be an integer >= 1"),
+                                                  (0, 1, "world_size must be an integer >= 1")])
 def test_topology_errors(world: int, per_node: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        Topology(world, per_node)
+        Topology.from_world(world, per_node)
+    with pytest.raises(ValueError, match="num_nodes must be an integer >= 1"):
+        Topology(0, 2)
+
+
+def test_old_topology_spellings_warn_and_mean_the_same() -> None:
+    with pytest.warns(DeprecationWarning, match="from_world"):
+        assert Topology(world_size=8, ranks_per_node=4) == Topology(2, 4)
+    with pytest.warns(DeprecationWarning, match="num_nodes"):
+        assert Topology(nodes=3, ranks_per_node=2).world_size == 6
+    with pytest.warns(DeprecationWarning, match="num_nodes"):
+        assert Topology(3, 2).nodes == 3
+
+
+def test_old_option_names_warn_and_still_work() -> None:
+    with pytest.warns(DeprecationWarning, match="'flat'"):
+        assert HierarchicalAllReduceStrategy(algorithm="ring").algorithm == "flat"
+    with pytest.warns(DeprecationWarning, match="wire_dtype"):
+        assert HierarchicalAllReduceStrategy(comm_dtype="fp16").wire_dtype == "fp16"
+    with pytest.raises(ValueError, match="disagree"), pytest.warns(DeprecationWarning):
+        HierarchicalAllReduceStrategy(comm_dtype="fp16", wire_dtype="bf16")
+    import lightning_fastscale.strategies as strategies
+
+    with pytest.warns(DeprecationWarning, match="flat_allreduce_"):
+        assert strategies.ring_allreduce_ is strategies.flat_allreduce_
 
 
 def test_detect_ranks_per_node() -> None:
@@ -45,8 +69,8 @@ def _strategy(devices: int, num_nodes: int = 1, env=None, **kw) -> HierarchicalA
 
 
 def test_setup_topology_from_devices_and_nodes() -> None:
-    assert _strategy(4, num_nodes=2)._resolve_topology() == Topology(8, 4)
-    assert _strategy(4, ranks_per_node=2)._resolve_topology() == Topology(4, 2)
+    assert _strategy(4, num_nodes=2)._resolve_topology() == Topology(num_nodes=2, ranks_per_node=4)
+    assert _strategy(4, ranks_per_node=2)._resolve_topology() == Topology(num_nodes=2, ranks_per_node=2)
 
 
 def test_world_not_multiple_of_ranks_per_node() -> None:
@@ -74,9 +98,9 @@ def test_num_nodes_disagree_with_launcher(monkeypatch: pytest.MonkeyPatch) -> No
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"algorithm": "tree"}, "algorithm='tree'"),
-    ({"comm_dtype": "fp8"}, "comm_dtype='fp8'"),
+    ({"wire_dtype": "fp8"}, "wire_dtype='fp8'"),
     ({"compression": "powersgd"}, "compression='powersgd'"),
-    ({"compression": "topk", "algorithm": "ring"}, "algorithm='ring' does not"),
+    ({"compression": "topk", "algorithm": "flat"}, "algorithm='flat' does not"),
     ({"compression": "topk", "topk_ratio": 1.5}, "topk_ratio"),
     ({"ranks_per_node": 0}, "ranks_per_node=0"),
     ({"bucket_cap_mb": 10, "two_segment_split": 3}, "only one of"),
@@ -115,4 +139,4 @@ def test_strategy_configs_instantiate(name: str, algorithm: str) -> None:
     node = OmegaConf.load(Path(__file__).parents[1] / "lightning_fastscale" / "conf" / "strategy" / f"{name}.yaml")
     strategy = instantiate(node, start_method="spawn")  # what fastscale-train does inside a multirun
     assert isinstance(strategy, HierarchicalAllReduceStrategy)
-    assert (strategy.algorithm, strategy.comm_dtype, strategy._start_method) == (algorithm, "fp32", "spawn")
+    assert (strategy.algorithm, strategy.wire_dtype, strategy._start_method) == (algorithm, "fp32", "spawn")

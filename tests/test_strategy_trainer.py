@@ -17,13 +17,14 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_fastscale.strategies import HierarchicalAllReduceStrategy
+from tests.comm_recording import CommRecorder
 from tests.distributed import run_distributed
 
 # Relative error of the final weights against DDP after STEPS SGD steps. fp32: only summation
 # order differs. fp16/bf16 wire: per-step gradient rounding of 2^-11 / 2^-8, accumulated.
 TOLERANCE = {"fp32": 1e-5, "fp16": 5e-3, "bf16": 3e-2}
 STEPS = 4
-WIRES = [("hier", "fp32"), ("torus2d", "fp32"), ("ring", "fp32"), ("hier", "fp16"), ("torus2d", "bf16")]
+WIRES = [("hier", "fp32"), ("torus2d", "fp32"), ("flat", "fp32"), ("hier", "fp16"), ("torus2d", "bf16")]
 # Every Trainer run shares one spawn; on a 2-core machine shared with other jobs it can be slow.
 pytestmark = pytest.mark.timeout(900)
 
@@ -124,28 +125,28 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict | None:
     for algorithm, wire in WIRES:
         # The fp32 hier run also fuses into two segments: bucketing must not change the sum.
         fusion = {"two_segment_split": 2} if (algorithm, wire) == ("hier", "fp32") else {}
-        with _CountCollectives() as counter:
-            trainer, model = _fit(hier(algorithm=algorithm, comm_dtype=wire, **fusion))
+        with _CountCollectives() as counter, CommRecorder() as recorder:
+            trainer, model = _fit(hier(algorithm=algorithm, wire_dtype=wire, **fusion))
         state = trainer.strategy.hook_state
         out[(algorithm, wire)] = {
             "rel": _rel(_flat(model), reference),
             "agree": _same_on_all_ranks(_flat(model, buffers=False)),
-            "hook_calls": state.hook_calls,
+            "hook_calls": recorder.hook_calls,
             "iterations": state.iteration,
-            "calls": dict(state.groups.calls),
+            "stages": dict(recorder.stages),
             "patched": counter.counts,
         }
         if fusion:
             params = list(model.parameters())
             out["two_segment"] = {
-                "buckets": dict(state.bucket_numels),
+                "buckets": dict(recorder.buckets),
                 "tail": sum(p.numel() for p in params[2:]), "head": sum(p.numel() for p in params[:2]),
             }
 
     # One node (ranks_per_node from the launcher = 4): fp32 keeps DDP's own all-reduce, no hook;
     # a wire dtype still needs the hook.
     trainer, model = _fit(HierarchicalAllReduceStrategy())
-    one_fp16, _ = _fit(HierarchicalAllReduceStrategy(comm_dtype="fp16"))
+    one_fp16, _ = _fit(HierarchicalAllReduceStrategy(wire_dtype="fp16"))
     out["one_node"] = {
         "rel": _rel(_flat(model), reference), "hook_state": trainer.strategy.hook_state,
         "native": trainer.strategy.uses_ddp_allreduce, "fp16_native": one_fp16.strategy.uses_ddp_allreduce,
@@ -174,10 +175,11 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict | None:
     # Top-k (5% of each inter-node shard) with error feedback trains like DDP on a longer run.
     losses = {}
     for name, strategy in (("ddp", DDPStrategy()), ("topk", hier(compression="topk", topk_ratio=0.05))):
-        trainer, model = _fit(strategy, steps=40)
+        with CommRecorder() as recorder:
+            trainer, model = _fit(strategy, steps=40)
         losses[name] = _full_loss(model)
         if name == "topk":
-            out["topk_calls"] = dict(trainer.strategy.hook_state.groups.calls)
+            out["topk_stages"] = dict(recorder.stages)
     losses["initial"] = _full_loss(_Net())
     out["losses"] = losses
     return out if rank == 0 else None
@@ -206,7 +208,7 @@ def test_one_node_keeps_ddp_allreduce(results: dict) -> None:
     assert not r["fp16_native"] and r["fp16_iterations"] == STEPS
 
 
-@pytest.mark.parametrize("algorithm", ["hier", "torus2d", "ring"])
+@pytest.mark.parametrize("algorithm", ["hier", "torus2d", "flat"])
 def test_hook_issues_subgroup_collectives(results: dict, algorithm: str) -> None:
     patched = results[(algorithm, "fp32")]["patched"]
     if algorithm == "hier":  # rank 0 leads node 0: reduce + broadcast in the node, all-reduce with node 1
@@ -235,7 +237,7 @@ def test_two_segment_fusion(results: dict) -> None:
 
 def test_topk_trains_like_ddp(results: dict) -> None:
     losses = results["losses"]
-    assert results["topk_calls"].get("inter_allgather", 0) > 0, "compression never engaged"
+    assert results["topk_stages"].get("inter-node top-k all-gather", 0) > 0, "compression never engaged"
     # Both must learn (loss well below the start), top-k to within 20% of DDP's final loss.
     assert losses["ddp"] < 0.5 * losses["initial"], losses
     assert losses["topk"] < 1.2 * losses["ddp"] + 0.02, losses

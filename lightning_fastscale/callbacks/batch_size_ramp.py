@@ -8,8 +8,10 @@ the learning rate by gamma gives the same curve with fewer parameter updates.
 A global batch ``B`` on ``W`` processes becomes ``per_device x W x accumulation``: the
 per-device batch grows up to a memory ceiling, then gradient accumulation takes over.
 
-Functional core: :func:`resolve_schedule`, :func:`smith_schedule`, :func:`value_at_epoch`,
-:func:`decompose`. Lightning adapter: :class:`BatchSizeRamp`.
+Functional core: :func:`smith_schedule` and :func:`decompose` (with the shared schedule helpers
+:func:`~lightning_fastscale.callbacks._schedule.resolve_schedule` and
+:func:`~lightning_fastscale.callbacks._schedule.value_at_epoch`). Lightning adapter:
+:class:`BatchSizeRamp`.
 
 How the new batch takes effect: Lightning builds the training dataloader at the start of an
 epoch *before* ``on_train_epoch_start`` runs, so the callback tells the datamodule the next
@@ -30,8 +32,18 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
+from lightning_fastscale._validation import positive_int
+from lightning_fastscale.callbacks._schedule import (
+    PreparedEpoch,
+    loader_batch_size,
+    resolve_schedule,
+    value_at_epoch,
+)
 from lightning_fastscale.data.protocol import BatchSizeControllable, require_protocol
+
+__all__ = ["BatchPlan", "BatchSizeRamp", "decompose", "resolve_schedule", "smith_schedule", "value_at_epoch"]
 
 
 @dataclass(frozen=True)
@@ -41,44 +53,6 @@ class BatchPlan:
     global_batch: int
     per_device: int
     accumulation: int
-
-
-def resolve_schedule(schedule: Mapping[Any, Any], setting: str = "schedule") -> dict[int, int]:
-    """Turn ``{epoch: value}`` (keys may be strings, as YAML/Hydra gives them) into a sorted dict.
-
-    The schedule must start at epoch 0 and hold positive integer values.
-    """
-    if not schedule:
-        raise ValueError(f"{setting} is empty; give at least {{0: <value>}}")
-    out: dict[int, int] = {}
-    for key, value in schedule.items():
-        try:
-            epoch = int(key)
-        except (TypeError, ValueError):
-            raise ValueError(f"{setting} key {key!r} is not an epoch number") from None
-        if epoch < 0:
-            raise ValueError(f"{setting} key {epoch} is negative; epochs start at 0")
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{setting}[{epoch}] = {value!r} must be a positive integer")
-        out[epoch] = value
-    if 0 not in out:
-        raise ValueError(
-            f"{setting} has no entry for epoch 0 (got epochs {sorted(out)}); "
-            f"add 0: <value> so the first epoch has a defined value"
-        )
-    return dict(sorted(out.items()))
-
-
-def value_at_epoch(schedule: Mapping[int, int], epoch: int) -> int:
-    """The value of a piecewise-constant ``{start_epoch: value}`` schedule at ``epoch``."""
-    current = None
-    for start, value in sorted(schedule.items()):
-        if start > epoch:
-            break
-        current = value
-    if current is None:
-        raise ValueError(f"schedule {dict(schedule)} has no value at epoch {epoch}")
-    return current
 
 
 def smith_schedule(
@@ -122,8 +96,7 @@ def decompose(global_batch: int, world_size: int, max_per_device_batch: int | No
     share = global_batch // world_size
     if max_per_device_batch is None or share <= max_per_device_batch:
         return BatchPlan(global_batch, share, 1)
-    if max_per_device_batch <= 0:
-        raise ValueError(f"max_per_device_batch={max_per_device_batch} must be positive")
+    positive_int("max_per_device_batch", max_per_device_batch)
     for accumulation in range(math.ceil(share / max_per_device_batch), share + 1):
         if share % accumulation == 0:
             per_device = share // accumulation
@@ -139,13 +112,6 @@ def decompose(global_batch: int, world_size: int, max_per_device_batch: int | No
             f"{below or step} or {below + step}, or change max_per_device_batch"
         )
     return BatchPlan(global_batch, per_device, accumulation)
-
-
-def loader_batch_size(trainer: pl.Trainer) -> int | None:
-    """Per-device batch size of the training dataloader Lightning is using, if it has one."""
-    loader = trainer.train_dataloader
-    size = getattr(loader, "batch_size", None)
-    return size if isinstance(size, int) else None
 
 
 class BatchSizeRamp(Callback):
@@ -169,6 +135,20 @@ class BatchSizeRamp(Callback):
     :class:`~lightning_fastscale.data.protocol.BatchSizeControllable`. Samples per optimizer
     step equal the scheduled global batch when the training set splits into whole batches; as
     in plain Lightning, a partial last batch of an epoch is stepped on as it is.
+
+    Examples:
+        Mikami et al.'s shape of ramp on 8 processes with a 128-sample memory ceiling:
+
+        >>> ramp = BatchSizeRamp({0: 1024, 10: 2048}, max_per_device_batch=128)
+        >>> ramp.plan(0, world_size=8)
+        BatchPlan(global_batch=1024, per_device=128, accumulation=1)
+        >>> ramp.plan(10, world_size=8)
+        BatchPlan(global_batch=2048, per_device=128, accumulation=2)
+        >>> BatchSizeRamp(initial_global_batch=256, lr_milestones=[30, 60], lr_decay_factor=0.1).schedule
+        {0: 256, 30: 2560, 60: 25600}
+
+        In training: ``Trainer(callbacks=[ramp]).fit(model, datamodule=dm)`` with a
+        ``BatchSizeControllable`` datamodule such as ``ProceduralDataModule``.
     """
 
     def __init__(
@@ -195,19 +175,17 @@ class BatchSizeRamp(Callback):
                 )
             schedule = smith_schedule(initial_global_batch, lr_milestones, lr_decay_factor)
         self.schedule = resolve_schedule(schedule, "BatchSizeRamp.schedule")
-        if max_per_device_batch is not None and (
-            isinstance(max_per_device_batch, bool) or max_per_device_batch <= 0
-        ):
-            raise ValueError(
-                f"BatchSizeRamp.max_per_device_batch={max_per_device_batch!r} must be a positive "
-                "integer, or None for no ceiling"
+        if max_per_device_batch is not None:
+            positive_int(
+                "BatchSizeRamp.max_per_device_batch", max_per_device_batch,
+                hint="or None for no ceiling",
             )
         self.max_per_device_batch = max_per_device_batch
         self.scale_lr = scale_lr
         self._world_size = 1
         # Epoch whose per-device batch the datamodule was last told; saved in checkpoints so a
         # resumed run serves the epoch it restarts in (see on_fit_start).
-        self._prepared_epoch = 0
+        self._prepared = PreparedEpoch("BatchSizeRamp")
         self._base_lrs: list[list[float]] | None = None
 
     def plan(self, epoch: int, world_size: int | None = None) -> BatchPlan:
@@ -217,13 +195,13 @@ class BatchSizeRamp(Callback):
             self.max_per_device_batch,
         )
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Validate the datamodule and every scheduled size before any training step."""
         if stage != "fit":
             return
         require_protocol(trainer.datamodule, BatchSizeControllable, "BatchSizeRamp")
-        # A new fit starts at epoch 0 unless a checkpoint is restored after this hook.
-        self._prepared_epoch = 0
+        self._prepared.reset()
         self._base_lrs = None
         self._world_size = trainer.world_size
         plans = [self.plan(epoch) for epoch in self.schedule]
@@ -240,18 +218,10 @@ class BatchSizeRamp(Callback):
                 "(BatchSizeRamp accumulates when the per-device share of the global batch exceeds "
                 "max_per_device_batch)"
             )
+        # WarmupDecayLR.setup refuses scale_lr=True beside it, so the check lives there only.
         trainer.reload_dataloaders_every_n_epochs = 1
-        if self.scale_lr:
-            # imported here: lr_schedule imports this module
-            from lightning_fastscale.callbacks.lr_schedule import WarmupDecayLR
 
-            if any(isinstance(cb, WarmupDecayLR) for cb in trainer.callbacks):
-                raise ValueError(
-                    "BatchSizeRamp(scale_lr=True) and WarmupDecayLR both set the learning rate; "
-                    "set BatchSizeRamp.scale_lr=false and WarmupDecayLR.reference_batch=<batch the "
-                    "base LR was tuned for>: WarmupDecayLR then scales by the current global batch"
-                )
-
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Serve the first epoch of this fit (0, or the resumed one) and capture base LRs."""
         if self.scale_lr:
@@ -263,12 +233,14 @@ class BatchSizeRamp(Callback):
                 )
             if self._base_lrs is None:
                 self._base_lrs = [[g["lr"] for g in opt.param_groups] for opt in trainer.optimizers]
-        trainer.datamodule.set_train_batch_size(self.plan(self._prepared_epoch).per_device)
+        trainer.datamodule.set_train_batch_size(self.plan(self._prepared.epoch).per_device)
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Apply the plan of the epoch training starts in (a resumed run may start mid-epoch)."""
         self._enter_epoch(trainer)
 
+    @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Apply this epoch's plan and log it."""
         plan = self._enter_epoch(trainer)
@@ -285,13 +257,7 @@ class BatchSizeRamp(Callback):
         """Check the loader serves this epoch's batch; set accumulation and (optionally) LR."""
         epoch = trainer.current_epoch
         plan = self.plan(epoch)
-        if epoch != self._prepared_epoch:
-            raise RuntimeError(
-                f"BatchSizeRamp prepared the dataloader for epoch {self._prepared_epoch} but "
-                f"epoch {epoch} is starting; this happens when a checkpoint was saved by a "
-                "callback that runs before BatchSizeRamp at on_train_epoch_end. Put BatchSizeRamp "
-                "before it in the callback list"
-            )
+        self._prepared.check_entering(epoch)
         served = loader_batch_size(trainer)
         if served is not None and served != plan.per_device:
             raise RuntimeError(
@@ -309,25 +275,29 @@ class BatchSizeRamp(Callback):
                     group["lr"] = base * ratio
         return plan
 
+    @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Tell the datamodule the next epoch's per-device batch before its loader is built."""
-        self._prepared_epoch = trainer.current_epoch + 1
-        trainer.datamodule.set_train_batch_size(self.plan(self._prepared_epoch).per_device)
+        self._prepared.epoch = trainer.current_epoch + 1
+        trainer.datamodule.set_train_batch_size(self.plan(self._prepared.epoch).per_device)
 
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Hand accumulation back to the Trainer's default, so a later fit starts clean."""
         if stage == "fit":
             trainer.accumulate_grad_batches = 1
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         """Schedule, the epoch the datamodule is prepared for, and base LRs (for resuming)."""
         return {
             "schedule": dict(self.schedule),
             "max_per_device_batch": self.max_per_device_batch,
-            "prepared_epoch": self._prepared_epoch,
+            "prepared_epoch": self._prepared.epoch,
             "base_lrs": self._base_lrs,
         }
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the ramp position; refuse a checkpoint written under a different schedule."""
         saved = {int(k): v for k, v in state_dict["schedule"].items()}
@@ -338,5 +308,5 @@ class BatchSizeRamp(Callback):
                 f"{self.schedule} and {self.max_per_device_batch}; resume with the same settings "
                 "or start a new run"
             )
-        self._prepared_epoch = state_dict["prepared_epoch"]
+        self._prepared.epoch = state_dict["prepared_epoch"]
         self._base_lrs = state_dict["base_lrs"]

@@ -26,16 +26,19 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from typing_extensions import override
+
+from lightning_fastscale._validation import positive_int
 
 _PLAIN_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
 def _check_ghost_batch_size(ghost_batch_size: int) -> None:
-    if isinstance(ghost_batch_size, bool) or not isinstance(ghost_batch_size, int) or ghost_batch_size < 2:
-        raise ValueError(
-            f"ghost_batch_size={ghost_batch_size!r} must be an integer >= 2 (the number of samples each "
-            "BN group normalises over, e.g. the per-worker batch of the run being reproduced)"
-        )
+    positive_int(
+        "ghost_batch_size", ghost_batch_size, minimum=2,
+        hint="the number of samples each BN group normalises over, e.g. the per-worker batch "
+        "of the run being reproduced",
+    )
 
 
 def ghost_batch_norm(
@@ -145,8 +148,8 @@ def apply_ghost_batch_norm(model: nn.Module, ghost_batch_size: int) -> list[str]
 
     Raises:
         ValueError: for a bad ``ghost_batch_size``, or when ``model`` has no plain BatchNorm
-        layer to convert (subclasses such as SyncBatchNorm or timm's BatchNormAct2d are not
-        converted: their forward does more than normalise).
+            layer to convert (subclasses such as SyncBatchNorm or timm's BatchNormAct2d are not
+            converted: their forward does more than normalise).
     """
     _check_ghost_batch_size(ghost_batch_size)
     converted: list[str] = []
@@ -179,6 +182,17 @@ class GhostBatchNorm(pl.Callback):
     Args:
         ghost_batch_size: samples per BN group, e.g. the per-worker batch of the published run
             (Goyal et al. 2017: 32).
+
+    Examples:
+        Per-worker BN of 32 x 16 on one device holding a batch of 512:
+
+        >>> model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8))
+        >>> apply_ghost_batch_norm(model, 16)
+        ['1']
+        >>> type(model[1]).__name__, model[1].ghost_batch_size
+        ('GhostBatchNormLayer', 16)
+
+        In training: ``Trainer(callbacks=[GhostBatchNorm(16)])``.
     """
 
     def __init__(self, ghost_batch_size: int) -> None:
@@ -186,12 +200,14 @@ class GhostBatchNorm(pl.Callback):
         self.ghost_batch_size = ghost_batch_size
         self._warned = False
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         layers = apply_ghost_batch_norm(pl_module, self.ghost_batch_size)
         rank_zero_info(f"GhostBatchNorm: {len(layers)} BatchNorm layers normalise groups of {self.ghost_batch_size}")
 
+    @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
         if self._warned:
             return

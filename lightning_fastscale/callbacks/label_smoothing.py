@@ -17,6 +17,9 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import torch
 from torch import nn
+from typing_extensions import override
+
+from lightning_fastscale._validation import positive_int
 
 
 def smooth_targets(targets: torch.Tensor, num_classes: int, smoothing: float) -> torch.Tensor:
@@ -109,6 +112,16 @@ class LabelSmoothing(pl.Callback):
         anneal_epochs: length of the annealing in epochs (required with ``final_smoothing``).
         attribute: dotted name of the loss submodule, needed only when the module holds more
             than one ``nn.CrossEntropyLoss``.
+
+    Examples:
+        >>> smoothing = LabelSmoothing(0.1)
+        >>> smooth_targets(torch.tensor([2]), num_classes=4, smoothing=0.1)
+        tensor([[0.0250, 0.0250, 0.9250, 0.0250]])
+        >>> smoothing_at_epoch(5, 0.2, final_smoothing=0.0, anneal_epochs=10)
+        0.1
+
+        In training: ``Trainer(callbacks=[smoothing])`` on a module that holds an
+        ``nn.CrossEntropyLoss()`` attribute and calls it in ``training_step``.
     """
 
     def __init__(
@@ -121,11 +134,10 @@ class LabelSmoothing(pl.Callback):
         _check_smoothing("smoothing", smoothing)
         if final_smoothing is not None:
             _check_smoothing("final_smoothing", final_smoothing)
-            if anneal_epochs < 1:
-                raise ValueError(
-                    f"LabelSmoothing: final_smoothing={final_smoothing} needs anneal_epochs >= 1 "
-                    f"(got {anneal_epochs}); set the number of epochs to anneal over"
-                )
+            positive_int(
+                "LabelSmoothing.anneal_epochs", anneal_epochs,
+                hint=f"final_smoothing={final_smoothing} needs anneal_epochs >= 1, the epochs to anneal over",
+            )
         self.smoothing = smoothing
         self.final_smoothing = final_smoothing
         self.anneal_epochs = anneal_epochs
@@ -133,6 +145,7 @@ class LabelSmoothing(pl.Callback):
         self._criterion: nn.CrossEntropyLoss | None = None
         self._outside_validation = 0.0
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -146,6 +159,7 @@ class LabelSmoothing(pl.Callback):
             )
         self._criterion = criterion
 
+    @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         value = smoothing_at_epoch(
             trainer.current_epoch, self.smoothing, self.final_smoothing, self.anneal_epochs
@@ -154,18 +168,22 @@ class LabelSmoothing(pl.Callback):
         self._criterion.label_smoothing = value
         pl_module.log("label_smoothing", value, on_step=False, on_epoch=True)
 
+    @override
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._criterion is not None:
             self._outside_validation = self._criterion.label_smoothing
             self._criterion.label_smoothing = 0.0
 
+    @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._criterion is not None:
             self._criterion.label_smoothing = self._outside_validation
 
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._restore()
 
+    @override
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:

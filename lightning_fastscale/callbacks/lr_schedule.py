@@ -34,8 +34,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
-from lightning_fastscale.callbacks.batch_size_ramp import BatchSizeRamp, loader_batch_size
+from lightning_fastscale._validation import positive_int
+from lightning_fastscale.callbacks._schedule import loader_batch_size
+from lightning_fastscale.callbacks.batch_size_ramp import BatchSizeRamp
 
 DECAYS = ("poly", "cosine", "none")
 
@@ -109,6 +112,17 @@ class WarmupDecayLR(Callback):
     from ``configure_optimizers`` or with ``BatchSizeRamp(scale_lr=True)``. The configured
     LRs are read at the start of the first fit and kept in checkpoints with the schedule
     position, so a resumed run continues exactly.
+
+    Examples:
+        Goyal et al.'s rule (0.1 per 256 images, 5 warmup epochs) with MLPerf's poly-2 decay:
+
+        >>> schedule = WarmupDecayLR(warmup_epochs=5, decay="poly", power=2, end_lr=1e-4,
+        ...                          reference_batch=256)
+        >>> round(lr_at(2.5, 0.1 * 8192 / 256, warmup_epochs=5, total_epochs=90), 4)
+        1.6
+
+        In training: ``Trainer(max_epochs=90, callbacks=[schedule])`` with the module's
+        optimizer built at the base LR and no scheduler of its own.
     """
 
     def __init__(
@@ -133,10 +147,10 @@ class WarmupDecayLR(Callback):
             raise ValueError(f"WarmupDecayLR.power={power} must be positive")
         if end_lr < 0:
             raise ValueError(f"WarmupDecayLR.end_lr={end_lr} must be >= 0")
-        if reference_batch is not None and (isinstance(reference_batch, bool) or reference_batch <= 0):
-            raise ValueError(
-                f"WarmupDecayLR.reference_batch={reference_batch!r} must be a positive integer "
-                "(the batch the base LR was tuned for, e.g. 256), or null to turn scaling off"
+        if reference_batch is not None:
+            positive_int(
+                "WarmupDecayLR.reference_batch", reference_batch,
+                hint="the batch the base LR was tuned for (e.g. 256), or null to turn scaling off",
             )
         self.warmup_epochs = float(warmup_epochs)
         self.decay = decay
@@ -163,6 +177,7 @@ class WarmupDecayLR(Callback):
         """Epochs of applied optimizer steps so far (fractional)."""
         return self._progress_before_epoch + self._applied_in_epoch / self._steps_in_epoch
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Resolve the schedule length and refuse a second owner of the LR."""
         if stage != "fit":
@@ -193,6 +208,7 @@ class WarmupDecayLR(Callback):
                 "base LR was tuned for>: WarmupDecayLR then scales by the current global batch"
             )
 
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Capture the configured LRs as base LRs (unless restored from a checkpoint)."""
         if trainer.lr_scheduler_configs:
@@ -212,12 +228,14 @@ class WarmupDecayLR(Callback):
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._step_ran = True
 
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Remove the optimizer hook."""
         if self._hook_handle is not None:
             self._hook_handle.remove()
             self._hook_handle = None
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Fail before the first step if linear scaling cannot read the global batch."""
         if self.reference_batch is not None:
@@ -228,6 +246,7 @@ class WarmupDecayLR(Callback):
                 "with a length (an IterableDataset without __len__ has none)"
             )
 
+    @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Fold the finished epoch into the position."""
         self._progress_before_epoch += self._applied_in_epoch / self._steps_in_epoch
@@ -248,6 +267,7 @@ class WarmupDecayLR(Callback):
             for base in self._base_lrs
         ]
 
+    @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         """Set the LR for the step about to run; remember the loss scale to detect a skip."""
         # Steps in this epoch can change at epoch boundaries (BatchSizeRamp, resizing).
@@ -270,6 +290,7 @@ class WarmupDecayLR(Callback):
         scaler = getattr(plugin, "scaler", None)
         return scaler is not None and self._scale_before is not None and scaler.get_scale() < self._scale_before
 
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Advance the position by one step unless the loss scaler skipped it; log the LR."""
         if not self._step_pending:
@@ -288,6 +309,7 @@ class WarmupDecayLR(Callback):
             on_step=True, on_epoch=False,
         )
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         """Base LRs and schedule position."""
         return {
@@ -298,6 +320,7 @@ class WarmupDecayLR(Callback):
             "skipped_steps": self._skipped_steps,
         }
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore base LRs and schedule position."""
         self._base_lrs = state_dict["base_lrs"]

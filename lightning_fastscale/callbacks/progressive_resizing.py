@@ -7,7 +7,7 @@ progressive resizing (MosaicML) starts at a fraction of full size (``initial_sca
 and grows linearly to full size, which it keeps for the last ``finish_fraction`` of training.
 
 Functional core: :func:`composer_schedule`, :func:`scaled_batch_size`, :func:`resize_images`
-(plus the shared :func:`~lightning_fastscale.callbacks.batch_size_ramp.value_at_epoch`).
+(plus the shared :func:`~lightning_fastscale.callbacks._schedule.value_at_epoch`).
 Lightning adapter: :class:`ProgressiveResizing`, with two ways to make the images a size:
 
 * ``mode="datamodule"``: the datamodule implements
@@ -32,8 +32,11 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
-from lightning_fastscale.callbacks.batch_size_ramp import BatchSizeRamp, resolve_schedule, value_at_epoch
+from lightning_fastscale._validation import positive_int
+from lightning_fastscale.callbacks._schedule import PreparedEpoch, resolve_schedule, value_at_epoch
+from lightning_fastscale.callbacks.batch_size_ramp import BatchSizeRamp
 from lightning_fastscale.data.protocol import (
     BatchSizeControllable,
     ResolutionControllable,
@@ -59,8 +62,7 @@ def composer_schedule(
         raise ValueError(f"initial_scale={initial_scale} must be in (0, 1]")
     if not 0 <= finish_fraction < 1:
         raise ValueError(f"finish_fraction={finish_fraction} must be in [0, 1)")
-    if size_increment <= 0:
-        raise ValueError(f"size_increment={size_increment} must be positive")
+    positive_int("size_increment", size_increment)
     # The tolerance keeps 0.3 * 10 (= 3.0000000000000004 in floating point) at 3 epochs.
     ramp_epochs = max_epochs - math.ceil(finish_fraction * max_epochs - 1e-9)
     schedule: dict[int, int] = {}
@@ -108,6 +110,19 @@ class ProgressiveResizing(Callback):
             the per-device batch (use one or the other; ``WarmupDecayLR(reference_batch=...)``
             follows either).
         max_per_device_batch: cap for ``scale_batch``.
+
+    Examples:
+        fast.ai's DAWNBench phases, or Composer's form over 10 epochs:
+
+        >>> resizing = ProgressiveResizing({0: 128, 10: 224, 18: 288}, val_resolution=288)
+        >>> resizing.resolution(12)
+        224
+        >>> composer_schedule(10, full_resolution=224, initial_scale=0.5, finish_fraction=0.2)
+        {0: 112, 1: 128, 2: 140, 3: 152, 4: 168, 5: 184, 6: 196, 7: 208, 8: 224}
+
+        In training: ``Trainer(callbacks=[resizing]).fit(model, datamodule=dm)``; a datamodule
+        implementing ``ResolutionControllable`` decodes at the new size, any other gets its
+        batches resized on the device.
     """
 
     def __init__(
@@ -136,8 +151,8 @@ class ProgressiveResizing(Callback):
                 "cannot work with mode='batch'; use mode='datamodule' (or 'auto') with a "
                 "datamodule implementing BatchSizeControllable, or scale_batch=false"
             )
-        if val_resolution is not None and val_resolution <= 0:
-            raise ValueError(f"ProgressiveResizing.val_resolution={val_resolution} must be positive")
+        if val_resolution is not None:
+            positive_int("ProgressiveResizing.val_resolution", val_resolution)
         self._fixed_schedule = (
             resolve_schedule(schedule, "ProgressiveResizing.schedule")
             if schedule is not None else None
@@ -154,7 +169,7 @@ class ProgressiveResizing(Callback):
         self._resolved_mode = mode
         self._base_batch: int | None = None
         self._base_resolution: int | None = None
-        self._prepared_epoch = 0
+        self._prepared = PreparedEpoch("ProgressiveResizing")
         self._current = 0
 
     def resolution(self, epoch: int) -> int:
@@ -171,12 +186,12 @@ class ProgressiveResizing(Callback):
             self.max_per_device_batch,
         )
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Resolve the schedule and the mode; validate the datamodule before training."""
         if stage != "fit":
             return
-        # A new fit starts at epoch 0 unless a checkpoint is restored after this hook.
-        self._prepared_epoch = 0
+        self._prepared.reset()
         self._base_batch = self._base_resolution = None
         self.schedule = self._fixed_schedule
         if self.schedule is None:
@@ -214,22 +229,25 @@ class ProgressiveResizing(Callback):
             self._base_batch = dm.train_batch_size
             self._base_resolution = dm.train_resolution
 
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Prepare the first epoch of this fit (0, or the one a resumed run restarts in)."""
-        self._prepare(trainer, self._prepared_epoch)
+        self._prepare(trainer, self._prepared.epoch)
 
     def _prepare(self, trainer: pl.Trainer, epoch: int) -> None:
-        self._prepared_epoch = epoch
+        self._prepared.epoch = epoch
         if self._resolved_mode != "datamodule":
             return
         trainer.datamodule.set_train_resolution(self.resolution(epoch))
         if self.scale_batch:
             trainer.datamodule.set_train_batch_size(self.batch_size(epoch))
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Enter the epoch training starts in (a resumed run may start mid-epoch)."""
         self._enter_epoch(trainer)
 
+    @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Enter the epoch and log its resolution."""
         self._enter_epoch(trainer)
@@ -237,19 +255,15 @@ class ProgressiveResizing(Callback):
 
     def _enter_epoch(self, trainer: pl.Trainer) -> None:
         epoch = trainer.current_epoch
-        if epoch != self._prepared_epoch:
-            raise RuntimeError(
-                f"ProgressiveResizing prepared the dataloader for epoch {self._prepared_epoch} "
-                f"but epoch {epoch} is starting; this happens when a checkpoint was saved by a "
-                "callback that runs before ProgressiveResizing at on_train_epoch_end. Put "
-                "ProgressiveResizing before it in the callback list"
-            )
+        self._prepared.check_entering(epoch)
         self._current = self.resolution(epoch)
 
+    @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Tell the datamodule the next epoch's resolution before its loader is built."""
         self._prepare(trainer, trainer.current_epoch + 1)
 
+    @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         """Batch mode: resize the images in place. Datamodule mode: check the first batch."""
         if self._resolved_mode == "batch":
@@ -264,20 +278,23 @@ class ProgressiveResizing(Callback):
                     "self.train_resolution on every call"
                 )
 
+    @override
     def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         """Batch mode with ``val_resolution``: resize validation images in place."""
         if self._resolved_mode == "batch" and self.val_resolution is not None:
             _replace_images(batch, self.val_resolution, "validation")
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         """Schedule, the epoch the datamodule is prepared for, and the batch reference."""
         return {
             "schedule": self.schedule,
-            "prepared_epoch": self._prepared_epoch,
+            "prepared_epoch": self._prepared.epoch,
             "base_batch": self._base_batch,
             "base_resolution": self._base_resolution,
         }
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the position; refuse a checkpoint written under a different schedule."""
         saved = {int(k): v for k, v in state_dict["schedule"].items()}
@@ -287,7 +304,7 @@ class ProgressiveResizing(Callback):
                 f"run has {self.schedule}; resume with the same schedule or start a new run"
             )
         self.schedule = saved
-        self._prepared_epoch = state_dict["prepared_epoch"]
+        self._prepared.epoch = state_dict["prepared_epoch"]
         self._base_batch = state_dict["base_batch"]
         self._base_resolution = state_dict["base_resolution"]
 

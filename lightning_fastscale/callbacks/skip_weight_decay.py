@@ -27,6 +27,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
+from typing_extensions import override
 
 from ..param_groups import split_parameters, validate_patterns
 
@@ -89,12 +90,23 @@ class NoWeightDecayOnBiasNorm(pl.Callback):
         extra_patterns: glob patterns on qualified parameter names (as the LightningModule's
             ``named_parameters()`` gives them, e.g. ``"model.head.*"``) that also get no
             weight decay.
+
+    Examples:
+        Without a Trainer, the groups the callback hands to ``configure_optimizers``:
+
+        >>> model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Flatten(), nn.Linear(8, 2))
+        >>> [(g["name"], len(g["params"]), g.get("weight_decay")) for g in param_groups_without_decay(model, 5e-5)]
+        [('decay', 2, 5e-05), ('no_decay', 4, 0.0)]
+
+        In training: ``Trainer(callbacks=[NoWeightDecayOnBiasNorm()])`` on a module whose
+        ``configure_optimizers`` builds its optimizer over ``self.parameters()``.
     """
 
     def __init__(self, extra_patterns: Sequence[str] = ()) -> None:
         self.extra_patterns = validate_patterns(extra_patterns)
         self._saved: Any = None
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -129,6 +141,7 @@ class NoWeightDecayOnBiasNorm(pl.Callback):
         setattr(configure_optimizers, _INNER, original)
         pl_module.configure_optimizers = configure_optimizers  # type: ignore[method-assign]
 
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         names = {id(p): n for n, p in pl_module.named_parameters()}
         decay_of: dict[int, float] = {}
@@ -151,9 +164,11 @@ class NoWeightDecayOnBiasNorm(pl.Callback):
             f"parameters of {len(names)}"
         )
 
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._restore(pl_module)
 
+    @override
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:

@@ -21,6 +21,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torchvision.models import resnet as tv_resnet
+from typing_extensions import override
 
 
 def _torchvision_last_bn(block: nn.Module) -> nn.Module | None:
@@ -71,11 +72,20 @@ class ZeroInitResidualBN(pl.Callback):
     ``trainer.fit`` on an already trained module does not zero its gammas again. A model built
     lazily in ``configure_model`` does not exist yet at ``setup``; zero-initialise such models
     in their constructor (timm: ``zero_init_last=True``; torchvision: ``zero_init_residual=True``).
+
+    Examples:
+        >>> from torchvision.models import resnet18
+        >>> model = resnet18(num_classes=10)
+        >>> len(zero_init_residual_bn(model)), float(model.layer1[0].bn2.weight.detach().abs().sum())
+        (8, 0.0)
+
+        In training: ``Trainer(callbacks=[ZeroInitResidualBN()])``.
     """
 
     # Kept on the module (not in the callback) so it travels with it, e.g. into spawned workers.
     _DONE_FLAG = "_fastscale_zero_init_residual_bn_done"
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or getattr(pl_module, self._DONE_FLAG, False):
             return

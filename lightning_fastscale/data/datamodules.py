@@ -149,8 +149,8 @@ class ImageFolderDataModule(_ResizableDataModule):
         root: dataset root holding ``train/`` and ``val/``.
         resolution / val_resolution: crop sizes (defaults 224; val defaults to train).
         crop_ratio: validation resize ratio (0.875: resize 256, crop 224).
-        batch_size, val_batch_size, num_workers, pin_memory, persistent_workers,
-            prefetch_factor: as in :class:`ProceduralDataModule`.
+        batch_size, val_batch_size, num_workers, pin_memory, persistent_workers, prefetch_factor: as
+            in :class:`ProceduralDataModule`.
     """
 
     def __init__(

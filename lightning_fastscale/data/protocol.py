@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+from lightning_fastscale._validation import positive_int
+
 
 @runtime_checkable
 class BatchSizeControllable(Protocol):
@@ -70,7 +72,5 @@ def require_protocol(datamodule: Any, protocol: type, needed_by: str) -> None:
 
 
 def check_positive(name: str, value: int) -> int:
-    """Validate a batch size or resolution given to a setter."""
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
+    """Validate a batch size or resolution given to a setter (raises ``ValueError`` naming it)."""
+    return positive_int(name, value)

@@ -22,9 +22,9 @@ what goes over the inter-node wire, ``chunks`` splits the tensor into that many 
 pipelined through the stages (default: one piece), or ``@<x>mb`` into pieces of x MiB (the
 strategy's ``pipeline_chunk_mb``). Names:
 
-- ``flat``: ``torch.distributed.all_reduce`` over all ranks (what plain DDP does; gloo ring).
-- ``ring``, ``hier``, ``torus2d``: the strategy's functions in
-  :mod:`lightning_fastscale.strategies.allreduce`.
+- ``flat``, ``hier``, ``torus2d``: the strategy's functions in
+  :mod:`lightning_fastscale.strategies.allreduce` (``flat`` in fp32 unchunked is one
+  ``all_reduce`` over all ranks, what plain DDP does). ``ring`` is the deprecated name of ``flat``.
 - ``hier_topk``, ``torus2d_topk``: the same with top-k compression of the inter-node stage
   (``topk_ratio``, error feedback carried across rounds).
 """
@@ -40,10 +40,11 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from lightning_fastscale.strategies.options import ALGORITHMS, WIRE_DTYPES, canonical_algorithm
+
 __all__ = ["measure_allreduce", "bandwidth_bound_s", "parse_algorithm", "rotated", "WIRE_DTYPES"]
 
-WIRE_DTYPES = {"fp32": None, "fp16": "float16", "bf16": "bfloat16"}
-_ALGORITHMS = ("flat", "ring", "hier", "torus2d", "hier_topk", "torus2d_topk")
+_ALGORITHMS = (*ALGORITHMS, "hier_topk", "torus2d_topk")
 _MASTER_PORT = 29500  # free by construction: the emulated network namespaces are new
 
 
@@ -54,7 +55,10 @@ def parse_algorithm(spec: str) -> tuple[str, str, int | float]:
     name, _, dtype = head.partition(":")
     dtype = dtype or "fp32"
     if name not in _ALGORITHMS:
-        raise ValueError(f"unknown algorithm {name!r} in {spec!r}; choose from {', '.join(_ALGORITHMS)}")
+        try:
+            name = canonical_algorithm(name, "algorithm spec")
+        except ValueError:
+            raise ValueError(f"unknown algorithm {name!r} in {spec!r}; choose from {', '.join(_ALGORITHMS)}") from None
     if dtype not in WIRE_DTYPES:
         raise ValueError(f"unknown wire dtype {dtype!r} in {spec!r}; choose from {', '.join(WIRE_DTYPES)}")
     if chunks.lower().endswith("mb"):
@@ -141,27 +145,20 @@ def measure_allreduce(
 
 # -- worker side (runs under torchrun inside an emulated node) --------------------------------
 def _make_algorithm(spec: str, numel: int, groups, cfg: dict) -> Callable:
-    import torch
-    import torch.distributed as dist
-
     from lightning_fastscale.strategies import allreduce
 
     name, dtype, chunks = parse_algorithm(spec)
-    wire = None if WIRE_DTYPES[dtype] is None else getattr(torch, WIRE_DTYPES[dtype])
-    if name == "flat":
-        if wire is not None or chunks != 1:
-            raise ValueError(f"{spec}: flat is one plain fp32 all_reduce; use ring:fp16@k for casts/chunks")
-        return lambda t: dist.all_reduce(t)
+    wire = None if dtype == "fp32" else WIRE_DTYPES[dtype]
     if isinstance(chunks, float):
         chunk_numel = allreduce.chunk_numel_for(chunks)
     else:
         chunk_numel = None if chunks == 1 else -(-numel // chunks)
     if name.endswith("_topk"):
-        fn = allreduce.ALGORITHMS[name.removesuffix("_topk")]
+        fn = allreduce.ALLREDUCE_FUNCTIONS[name.removesuffix("_topk")]
         topk = allreduce.TopKErrorFeedback(cfg["topk_ratio"])
-        return lambda t: fn(t, groups, comm_dtype=wire, topk=topk, chunk_numel=chunk_numel)
-    fn = allreduce.ALGORITHMS[name]
-    return lambda t: fn(t, groups, comm_dtype=wire, chunk_numel=chunk_numel)
+        return lambda t: fn(t, groups, wire_dtype=wire, topk=topk, chunk_numel=chunk_numel)
+    fn = allreduce.ALLREDUCE_FUNCTIONS[name]
+    return lambda t: fn(t, groups, wire_dtype=wire, chunk_numel=chunk_numel)
 
 
 def rotated(items: Sequence[str], shift: int) -> list[str]:
@@ -209,7 +206,7 @@ def _worker(cfg: dict) -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    groups = build_process_groups(Topology(world, cfg["ranks_per_node"]))
+    groups = build_process_groups(Topology.from_world(world, cfg["ranks_per_node"]))
     rows = []
     for numel in cfg["numels"]:
         base = torch.randn(numel, generator=torch.Generator().manual_seed(0))

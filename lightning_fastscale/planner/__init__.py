@@ -1,6 +1,6 @@
 """Communication planner: alpha-beta-gamma cost model, fusion planning, scaling prediction.
 
-Answers before a run which all-reduce algorithm (flat ring, hierarchical, 2D torus) and which
+Answers before a run which all-reduce algorithm (flat, hierarchical, 2D torus) and which
 gradient buckets to use on a cluster, and how training will scale (``fastscale-plan``).
 """
 from lightning_fastscale.planner.auto import AutoPlan, CostModelPlanner, auto_plan, best_chunk_plan, module_profile
@@ -9,6 +9,7 @@ from lightning_fastscale.planner.cost_model import (
     ALGORITHMS,
     CommParams,
     Topology,
+    wire_bytes_per_element,
     allreduce_time,
     bandwidth_bound,
     choose_algorithm,
@@ -17,7 +18,8 @@ from lightning_fastscale.planner.cost_model import (
 )
 from lightning_fastscale.planner.fusion import FusionPlan, best_uniform_cap, ddp_buckets, plan_fusion, plan_two_segment
 from lightning_fastscale.planner.profile import GradientProfile, measure_backward_profile, profile_model, profile_module
-from lightning_fastscale.planner.scaling import DEFAULT_PIPELINE_CHUNK_MB, allreduce_cost, predict_step, scaling_curve
+from lightning_fastscale.planner.scaling import allreduce_cost, predict_step, scaling_curve
+from lightning_fastscale.strategies.options import DEFAULT_PIPELINE_CHUNK_MB
 
 __all__ = [
     "ALGORITHMS",
@@ -50,4 +52,5 @@ __all__ = [
     "profile_module",
     "scaling_curve",
     "stage_times",
+    "wire_bytes_per_element",
 ]

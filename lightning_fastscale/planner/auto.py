@@ -6,8 +6,10 @@ algorithm's cost, and the algorithm whose plan ends communication earliest wins 
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 from torch import nn
@@ -15,7 +17,10 @@ from torch import nn
 from lightning_fastscale.planner.cost_model import ALGORITHMS, CommParams, Topology
 from lightning_fastscale.planner.fusion import FusionPlan, plan_fusion
 from lightning_fastscale.planner.profile import GradientProfile, measure_backward_profile, profile_module
-from lightning_fastscale.planner.scaling import DEFAULT_PIPELINE_CHUNK_MB, allreduce_cost, chunk_numel_for
+from lightning_fastscale.planner.scaling import allreduce_cost
+from lightning_fastscale.strategies.options import (
+    DEFAULT_PIPELINE_CHUNK_MB, NOT_GIVEN, canonical_algorithms, chunk_numel_for, renamed_option,
+)
 
 __all__ = ["CHUNK_CANDIDATES_MB", "AutoPlan", "CostModelPlanner", "auto_plan", "best_chunk_plan", "module_profile"]
 
@@ -90,18 +95,25 @@ def auto_plan(
     topk_ratio: float | None = None,
     algorithms: Sequence[str] = ALGORITHMS,
     max_buckets: int | None = None,
-    chunk_mb: float | str | None = None,
+    pipeline_chunk_mb: float | str | None = None,
+    *,
+    chunk_mb: float | str | None = NOT_GIVEN,
 ) -> AutoPlan:
     """Choose the algorithm and the buckets with the earliest predicted end of communication.
 
-    Ties go to the earlier entry of ``algorithms`` (ring, hier, torus2d: the simpler one).
-    ``chunk_mb``: the strategy's ``pipeline_chunk_mb`` (buckets pipelined in chunks).
+    Ties go to the earlier entry of ``algorithms`` (flat, hier, torus2d: the simpler one).
+    ``pipeline_chunk_mb``: the strategy's option of that name (buckets pipelined in chunks);
+    ``chunk_mb`` is its deprecated name. On one node only ``flat`` is considered (all
+    algorithms are then one in-node all-reduce).
     """
-    if topology.nodes == 1:
-        algorithms = ("ring",)
+    pipeline_chunk_mb = renamed_option("auto_plan", "chunk_mb", chunk_mb, "pipeline_chunk_mb", pipeline_chunk_mb)
+    algorithms = canonical_algorithms(algorithms)
+    if topology.num_nodes == 1:
+        algorithms = ("flat",)
     candidates = {
         a: plan_fusion(profile.grad_bytes, profile.backward_s,
-                       allreduce_cost(a, topology, params, wire_dtype, topk_ratio, chunk_mb=chunk_mb), max_buckets)
+                       allreduce_cost(a, topology, params, wire_dtype, topk_ratio, pipeline_chunk_mb=pipeline_chunk_mb),
+                       max_buckets)
         for a in algorithms
     }
     best = min(algorithms, key=lambda a: (round(candidates[a].finish_s, 12), algorithms.index(a)))
@@ -125,28 +137,18 @@ def best_chunk_plan(
     grows with the cluster. Returns ``(chunk_mb, plan, {chunk_mb: finish_s})``; ties go to the
     earlier candidate (unchunked first).
     """
-    plans = {c: auto_plan(profile, topology, params, wire_dtype, topk_ratio, algorithms, chunk_mb=c)
+    plans = {c: auto_plan(profile, topology, params, wire_dtype, topk_ratio, algorithms, pipeline_chunk_mb=c)
              for c in candidates_mb}
     best = min(candidates_mb, key=lambda c: (round(plans[c].plan.finish_s, 12), list(candidates_mb).index(c)))
     return best, plans[best], {c: p.plan.finish_s for c, p in plans.items()}
 
 
-def _planner_topology(topology) -> Topology:
-    """The planner's ``Topology`` from either topology class (strategy's has ``num_nodes``)."""
-    if isinstance(topology, Topology):
-        return topology
-    return Topology(int(topology.num_nodes), int(topology.ranks_per_node))
-
-
 class CostModelPlanner:
-    """The two callables ``HierarchicalAllReduceStrategy`` takes for ``algorithm="auto"``.
+    """Chooses the all-reduce algorithm and the DDP buckets of a run from the communication cost model.
 
-    ::
-
-        planner = CostModelPlanner("tencent_cloud_25g_vpc", wire_dtype="fp16", backward_time_s=0.15)
-        strategy = HierarchicalAllReduceStrategy(
-            algorithm="auto", comm_dtype="fp16",
-            algorithm_selector=planner.select_algorithm, fusion_plan=planner.fusion_caps)
+    Give it to ``HierarchicalAllReduceStrategy(algorithm="auto", planner=...)``: at setup the
+    strategy calls :meth:`plan` with its own wire dtype, top-k ratio and pipeline chunk size,
+    so the plan prices exactly what the strategy will send. :meth:`plan` also works on its own.
 
     ``params``: a :class:`CommParams`, a :class:`~lightning_fastscale.planner.cluster.Cluster`
     or the name/path of a cluster description; ``None`` with ``calibrate=True`` measures them
@@ -155,27 +157,40 @@ class CostModelPlanner:
     at setup (:func:`~lightning_fastscale.planner.profile.measure_backward_profile` on
     ``example_input``, rank 0's profile broadcast to every rank); else from ``example_input``
     (default: the module's ``example_input_array``) and ``sustained_tflops`` (default: the
-    cluster's device), else ``backward_time_s`` spread over the gradients by size.
-    ``wire_dtype``, ``topk_ratio`` and ``pipeline_chunk_mb`` must match the strategy's
-    ``comm_dtype``, top-k setting and ``pipeline_chunk_mb``. The plan is computed once per
-    module and topology; every rank computes the same plan from the same inputs (calibrated
-    parameters are broadcast from rank 0).
+    cluster's device), else ``backward_time_s`` spread over the gradients by size. The plan is
+    computed once per module, topology and settings; every rank computes the same plan from
+    the same inputs (calibrated parameters are broadcast from rank 0).
+
+    ``wire_dtype``, ``topk_ratio`` and ``pipeline_chunk_mb`` given here are deprecated: they are
+    only defaults for calls of :meth:`plan` that do not give them (the strategy always does).
+
+    Examples:
+        >>> from torch import nn
+        >>> from lightning_fastscale.strategies import Topology
+        >>> planner = CostModelPlanner("tencent_cloud_25g_vpc", backward_time_s=0.15)
+        >>> model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 10))
+        >>> planner.plan(model, Topology(num_nodes=16, ranks_per_node=8), wire_dtype="fp16").algorithm in ALGORITHMS
+        True
+
+        With the strategy (it hands the planner its ``wire_dtype``)::
+
+            strategy = HierarchicalAllReduceStrategy(algorithm="auto", wire_dtype="fp16", planner=planner)
     """
 
     def __init__(
         self,
-        params=None,
+        params: CommParams | str | None = None,
         *,
         calibrate: bool = False,
         calibration_sizes: Sequence[int] | None = None,
-        wire_dtype: str = "fp32",
-        topk_ratio: float | None = None,
         backward_time_s: float | None = None,
         sustained_tflops: float | None = None,
         example_input: torch.Tensor | None = None,
         measure_backward: bool = False,
         algorithms: Sequence[str] = ALGORITHMS,
-        pipeline_chunk_mb: float | str | None = DEFAULT_PIPELINE_CHUNK_MB,
+        wire_dtype: str | None = None,
+        topk_ratio: float | None = None,
+        pipeline_chunk_mb: float | str | None = NOT_GIVEN,
     ) -> None:
         from lightning_fastscale.planner.cluster import Cluster, load_cluster
 
@@ -189,61 +204,93 @@ class CostModelPlanner:
         self.params: CommParams | None = params
         self.calibrate = calibrate
         self.calibration_sizes = calibration_sizes
-        self.wire_dtype = wire_dtype
-        self.topk_ratio = topk_ratio
         self.backward_time_s = backward_time_s
         self.sustained_tflops = sustained_tflops
         self.example_input = example_input
         self.measure_backward = measure_backward
-        self.algorithms = tuple(algorithms)
-        chunk_numel_for(pipeline_chunk_mb)  # validates it now, before any process starts
-        self.pipeline_chunk_mb = pipeline_chunk_mb
+        self.algorithms = canonical_algorithms(algorithms)
+        self._defaults: dict = {"wire_dtype": "fp32", "topk_ratio": None, "pipeline_chunk_mb": DEFAULT_PIPELINE_CHUNK_MB}
+        for name, value in (("wire_dtype", wire_dtype), ("topk_ratio", topk_ratio),
+                            ("pipeline_chunk_mb", pipeline_chunk_mb)):
+            if value is not None and value is not NOT_GIVEN:
+                warnings.warn(
+                    f"CostModelPlanner({name}=...) is deprecated: pass it to plan(); with "
+                    f"HierarchicalAllReduceStrategy(planner=...) the strategy hands the planner its own {name}.",
+                    DeprecationWarning, stacklevel=2,
+                )
+                self._defaults[name] = value
+        if pipeline_chunk_mb is None:
+            self._defaults["pipeline_chunk_mb"] = None
+        chunk_numel_for(self._defaults["pipeline_chunk_mb"])  # validates it now, before any process starts
         self._plans: dict[tuple, AutoPlan] = {}
 
-    def _params(self, topology: Topology, strategy_topology) -> CommParams:
+    def _params(self, topology: Topology, wire_dtype: str, timeout: timedelta | None) -> CommParams:
         if self.params is None or self.calibrate:
             from lightning_fastscale.planner.calibrate import DEFAULT_SIZES, calibrate_process_groups
             from lightning_fastscale.strategies.topology import build_process_groups
 
-            groups = build_process_groups(strategy_topology)
-            self.params = calibrate_process_groups(groups, self.calibration_sizes or DEFAULT_SIZES,
-                                                   wire_dtype=self.wire_dtype).params
+            groups = build_process_groups(topology, timeout=timeout)
+            try:
+                self.params = calibrate_process_groups(groups, self.calibration_sizes or DEFAULT_SIZES,
+                                                       wire_dtype=wire_dtype).params
+            finally:
+                groups.destroy()
             self.calibrate = False
         return self.params
 
-    def plan(self, module: nn.Module, topology) -> AutoPlan:
-        """The :class:`AutoPlan` for ``module`` on ``topology`` (computed once)."""
-        planner_topology = _planner_topology(topology)
-        key = (id(module), planner_topology)
-        if key not in self._plans:
-            example = self.example_input
+    def _profile(self, module: nn.Module) -> GradientProfile:
+        example = self.example_input
+        if example is None:
+            example = getattr(module, "example_input_array", None)
+        if not isinstance(example, torch.Tensor):
+            example = None
+        if self.measure_backward:
             if example is None:
-                example = getattr(module, "example_input_array", None)
-            if not isinstance(example, torch.Tensor):
-                example = None
-            if self.measure_backward:
-                if example is None:
-                    raise ValueError("CostModelPlanner(measure_backward=True) needs example_input=... "
-                                     "(or a module example_input_array tensor) to time backward on")
-                profile = _measured_on_rank0(module, example)
-            elif (example is None or self.sustained_tflops is None) and self.backward_time_s is None:
-                raise ValueError(
-                    "CostModelPlanner cannot estimate backward time: give backward_time_s=..., or "
-                    "sustained_tflops=... with example_input=... (or a module example_input_array), "
-                    "or measure_backward=True"
-                )
-            else:
-                flops_input = example if self.sustained_tflops is not None else None
-                profile = module_profile(module, self.backward_time_s, flops_input, self.sustained_tflops)
-            params = self._params(planner_topology, topology)
-            self._plans[key] = auto_plan(profile, planner_topology, params, self.wire_dtype, self.topk_ratio,
-                                         self.algorithms, chunk_mb=self.pipeline_chunk_mb)
+                raise ValueError("CostModelPlanner(measure_backward=True) needs example_input=... "
+                                 "(or a module example_input_array tensor) to time backward on")
+            return _measured_on_rank0(module, example)
+        if (example is None or self.sustained_tflops is None) and self.backward_time_s is None:
+            raise ValueError(
+                "CostModelPlanner cannot estimate backward time: give backward_time_s=..., or "
+                "sustained_tflops=... with example_input=... (or a module example_input_array), "
+                "or measure_backward=True"
+            )
+        flops_input = example if self.sustained_tflops is not None else None
+        return module_profile(module, self.backward_time_s, flops_input, self.sustained_tflops)
+
+    def plan(
+        self,
+        module: nn.Module,
+        topology: Topology,
+        *,
+        wire_dtype: str | None = None,
+        topk_ratio: float | None = NOT_GIVEN,
+        pipeline_chunk_mb: float | str | None = NOT_GIVEN,
+        algorithms: Sequence[str] | None = None,
+        timeout: timedelta | None = None,
+    ) -> AutoPlan:
+        """The :class:`AutoPlan` for ``module`` on ``topology`` under these settings (computed once).
+
+        ``algorithms``: the candidates (default: the planner's); ``timeout``: of the process
+        groups a calibration creates.
+        """
+        wire_dtype = self._defaults["wire_dtype"] if wire_dtype is None else wire_dtype
+        topk_ratio = self._defaults["topk_ratio"] if topk_ratio is NOT_GIVEN else topk_ratio
+        if pipeline_chunk_mb is NOT_GIVEN:
+            pipeline_chunk_mb = self._defaults["pipeline_chunk_mb"]
+        candidates = self.algorithms if algorithms is None else canonical_algorithms(algorithms)
+        key = (id(module), topology, wire_dtype, topk_ratio, pipeline_chunk_mb, candidates)
+        if key not in self._plans:
+            profile = self._profile(module)
+            params = self._params(topology, wire_dtype, timeout)
+            self._plans[key] = auto_plan(profile, topology, params, wire_dtype, topk_ratio, candidates,
+                                         pipeline_chunk_mb=pipeline_chunk_mb)
         return self._plans[key]
 
-    def select_algorithm(self, module: nn.Module, topology) -> str:
-        """``algorithm_selector`` for the strategy: the planned algorithm."""
+    def select_algorithm(self, module: nn.Module, topology: Topology) -> str:
+        """An ``algorithm_selector`` (``(module, topology) -> name``): the planned algorithm."""
         return self.plan(module, topology).algorithm
 
-    def fusion_caps(self, module: nn.Module, topology) -> list[float]:
-        """``fusion_plan`` for the strategy: DDP ``bucket_cap_mb_list`` of the planned buckets."""
+    def fusion_caps(self, module: nn.Module, topology: Topology) -> list[float]:
+        """A callable ``fusion_plan``: DDP ``bucket_cap_mb_list`` of the planned buckets."""
         return self.plan(module, topology).plan.ddp_bucket_cap_mb_list()

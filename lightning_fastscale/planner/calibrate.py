@@ -8,13 +8,13 @@ NCCL); between nodes all-reduce, which every algorithm runs there (top-k's spars
 is not calibrated). Between nodes the all-reduce's additions overlap the transfer (and, on a
 fast link, can be slower than it: then a fixed in-node gamma would claim more time than the
 all-reduce took), so the inter-node fit has no reduction term: ``gamma_inter = 0`` and
-``beta_inter`` is the all-reduce's effective seconds per byte, the quantity the flat ring and
-the inter-node stages need. A primitive the strategy does not run on a level is not fitted
+``beta_inter`` is the all-reduce's effective seconds per byte, the quantity the flat all-reduce
+and the inter-node stages need. A primitive the strategy does not run on a level is not fitted
 on it: gloo's broadcast sends the whole message from the root to every peer, not the van de
 Geijn scatter + all-gather of the model, and its in-node all-gather is several times slower
-than the model form (see ``strategies/allreduce.py``); fitting them would bend the link
-parameters towards primitives that never run there. Each measured time ``t`` is, in the model, linear in the link
-parameters: ``t = c_a alpha + c_b beta + c_g gamma`` with coefficients given by the closed
+than the model form (the strategy's torus avoids it on gloo); fitting them would bend the link
+parameters towards primitives that never run there. Each measured time ``t`` is, in the model,
+linear in the link parameters: ``t = c_a alpha + c_b beta + c_g gamma`` with coefficients given by the closed
 forms of :mod:`~lightning_fastscale.planner.cost_model` (Thakur et al. 2005) for that
 primitive, ``p`` and size. One non-negative least-squares fit over all primitives and sizes
 (relative errors, so small messages count as much as large ones) gives the link's
@@ -29,8 +29,8 @@ from the leaders' single flow.
 
 The inter-node level is timed in the wire dtype the strategy will send (``wire_dtype``; sizes
 and ``beta`` count bytes on the wire), so a 16-bit wire is measured rather than assumed to cost
-half of fp32 (a backend may add 16-bit numbers more slowly; on the emulated gloo cluster the two
-came out within 1.5 % per wire byte). The in-node stages stay in fp32, as the strategy runs them.
+half of fp32 (a backend may add 16-bit numbers more slowly than it moves them). The in-node
+stages stay in fp32, as the strategy runs them.
 
 Every rank takes part; rank 0's fit is broadcast so all ranks plan identically.
 """
@@ -312,7 +312,7 @@ def _main(argv: Sequence[str] | None = None) -> None:
     import json
     import os
 
-    from lightning_fastscale.strategies.topology import Topology as RankTopology, build_process_groups
+    from lightning_fastscale.strategies.topology import Topology, build_process_groups
 
     parser = argparse.ArgumentParser(description="Fit alpha/beta/gamma on the running cluster.")
     parser.add_argument("--ranks-per-node", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -325,7 +325,7 @@ def _main(argv: Sequence[str] | None = None) -> None:
     dist.init_process_group(backend)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    groups = build_process_groups(RankTopology(dist.get_world_size(), args.ranks_per_node))
+    groups = build_process_groups(Topology.from_world(dist.get_world_size(), args.ranks_per_node))
     result = calibrate_process_groups(groups, args.sizes, args.reps, args.wire_dtype)
     if dist.get_rank() == 0:
         fits = {name: None if fit is None else {"alpha": fit.alpha, "beta": fit.beta, "gamma": fit.gamma,

@@ -21,9 +21,9 @@ from lightning_fastscale.planner.cost_model import (
 )
 from lightning_fastscale.planner.fusion import MB, best_uniform_cap, plan_two_segment
 from lightning_fastscale.planner.profile import profile_model
-from lightning_fastscale.strategies.allreduce import AUTO_CHUNK_MB_PER_NODE, resolve_chunk_mb
-from lightning_fastscale.planner.scaling import (
-    DEFAULT_PIPELINE_CHUNK_MB, allreduce_cost, chunk_numel_for, default_gpu_counts, scaling_curve,
+from lightning_fastscale.planner.scaling import allreduce_cost, default_gpu_counts, scaling_curve
+from lightning_fastscale.strategies.options import (
+    AUTO_CHUNK_MB_PER_NODE, DEFAULT_PIPELINE_CHUNK_MB, NOT_GIVEN, chunk_numel_for, renamed_option, resolve_chunk_mb,
 )
 
 __all__ = ["build_report", "main"]
@@ -64,13 +64,15 @@ def _parser() -> argparse.ArgumentParser:
 def build_report(
     cluster: Cluster, model: str | None = None, gpus: int | None = None, per_gpu_batch: int | None = None,
     input_size: int | None = None, wire_dtype: str | None = None, topk_ratio: float | None = None,
-    fusion: str = "auto", max_gpus: int = 4096, chunk_mb: float | str | None = DEFAULT_PIPELINE_CHUNK_MB,
+    fusion: str = "auto", max_gpus: int = 4096, pipeline_chunk_mb: float | str | None = DEFAULT_PIPELINE_CHUNK_MB,
+    *, chunk_mb: float | str | None = NOT_GIVEN,
 ) -> dict:
     """Everything the CLI prints, as a dict (the ``--json`` document).
 
-    ``chunk_mb``: the strategy's ``pipeline_chunk_mb`` (MiB, ``"auto"`` or ``None``: buckets sent
-    in one piece).
+    ``pipeline_chunk_mb``: the strategy's option (MiB, ``"auto"`` or ``None``: buckets sent in
+    one piece); ``chunk_mb`` is its deprecated name.
     """
+    chunk_mb = renamed_option("build_report", "chunk_mb", chunk_mb, "pipeline_chunk_mb", pipeline_chunk_mb)
     work = cluster.workload
     model = model or work.model
     batch = per_gpu_batch or work.per_gpu_batch
@@ -79,13 +81,13 @@ def build_report(
     topk = topk_ratio if topk_ratio is not None else work.topk_ratio
     rpn = cluster.ranks_per_node
     gpus = gpus or cluster.nodes * rpn
-    topology = Topology.from_world(gpus, rpn) if gpus > rpn else Topology(1, gpus)
+    topology = Topology.from_world(gpus, rpn) if gpus > rpn else Topology(num_nodes=1, ranks_per_node=gpus)
     params = cluster.comm_params()
     profile = profile_model(model, batch, size, cluster.device.sustained_tflops)
     numel = profile.numel
-    allreduce = predict_allreduce(numel, topology, params, wire, topk, chunk_numel=chunk_numel_for(chunk_mb, topology.nodes))
-    auto = auto_plan(profile, topology, params, wire, topk, chunk_mb=chunk_mb)
-    cost = allreduce_cost(auto.algorithm, topology, params, wire, topk, chunk_mb=chunk_mb)
+    allreduce = predict_allreduce(numel, topology, params, wire, topk, chunk_numel=chunk_numel_for(chunk_mb, topology.num_nodes))
+    auto = auto_plan(profile, topology, params, wire, topk, pipeline_chunk_mb=chunk_mb)
+    cost = allreduce_cost(auto.algorithm, topology, params, wire, topk, pipeline_chunk_mb=chunk_mb)
     two = plan_two_segment(profile.grad_bytes, profile.backward_s, cost)
     cap_mb, cap_plan = best_uniform_cap(profile.grad_bytes, profile.backward_s, cost)
     compute = profile.forward_s + profile.backward_total_s
@@ -95,7 +97,7 @@ def build_report(
     best_chunk, _, chunk_finish = best_chunk_plan(profile, topology, params, wire, topk)
     return {
         "cluster": {
-            "name": cluster.name, "nodes": topology.nodes, "ranks_per_node": topology.ranks_per_node,
+            "name": cluster.name, "nodes": topology.num_nodes, "ranks_per_node": topology.ranks_per_node,
             "gpus": gpus, "device": cluster.device.name, "sustained_tflops": cluster.device.sustained_tflops,
             "params": params.as_dict(), "sources": list(cluster.sources), "assumptions": list(cluster.assumptions),
             "published": list(cluster.published),
@@ -104,10 +106,10 @@ def build_report(
             "model": model, "parameters": numel, "gradient_mb": sum(profile.grad_bytes) / MB,
             "gradients": len(profile.grad_bytes), "per_gpu_batch": batch, "input_size": size,
             "wire_dtype": wire, "topk_ratio": topk,
-            "pipeline_chunk_mb": resolve_chunk_mb(chunk_mb, topology.nodes), "pipeline_chunk_setting": chunk_mb,
+            "pipeline_chunk_mb": resolve_chunk_mb(chunk_mb, topology.num_nodes), "pipeline_chunk_setting": chunk_mb,
         },
         "allreduce_s": allreduce,
-        "bandwidth_bound_s": bandwidth_bound(topology.nodes, numel * wire_bytes_per_element(wire), params.beta_inter),
+        "bandwidth_bound_s": bandwidth_bound(topology.num_nodes, numel * wire_bytes_per_element(wire), params.beta_inter),
         "chosen_algorithm": auto.algorithm,
         "fusion": {
             "auto": auto.plan.as_dict(),
@@ -118,7 +120,7 @@ def build_report(
             "per_algorithm_finish_s": {a: p.finish_s for a, p in auto.candidates.items()},
         },
         "pipeline_chunk": {
-            "used_mb": resolve_chunk_mb(chunk_mb, topology.nodes), "best_mb": best_chunk,
+            "used_mb": resolve_chunk_mb(chunk_mb, topology.num_nodes), "best_mb": best_chunk,
             "finish_s_by_chunk_mb": {("none" if c is None else f"{c:g}"): t for c, t in chunk_finish.items()},
         },
         "step": {

@@ -15,9 +15,10 @@ costs ``n * gamma``. Closed forms used (``p`` ranks, ``n`` bytes):
 
 Two link levels are modelled: an intra-node link (NVLink / PCIe / shared memory) and each
 node's inter-node link (its NIC), whose bandwidth is shared by every flow leaving the node.
-On top of the primitives, the three algorithms of the strategy:
+On top of the primitives, the three algorithms of the strategy
+(:data:`~lightning_fastscale.strategies.options.ALGORITHMS`):
 
-* ``ring``: one flat ring over all ``P = nodes * ranks_per_node`` ranks, ordered node by
+* ``flat``: one flat ring over all ``P = nodes * ranks_per_node`` ranks, ordered node by
   node. Every step moves ``n/P`` bytes on every edge at once, so a step lasts as long as the
   slowest edge, each with its own latency: ``max(alpha_inter + n/P beta_inter, alpha_intra +
   n/P beta_intra)``, with one flow's ``beta_inter`` (:meth:`CommParams.flow_beta`).
@@ -30,29 +31,26 @@ On top of the primitives, the three algorithms of the strategy:
   inside the node.
 
 On gloo the strategy runs the torus's in-node stages as concurrent per-shard reduces and
-broadcasts, not as a reduce-scatter / all-gather. Timed alone on the emulated cluster, those
-patterns cost more than the ring forms (broadcasts 2.1-2.6x the all-gather form; reduces
-1.0-1.5x the reduce-scatter form from 16 MB, 2-4x at 1 MB), but pricing the stages with their
-own fits made the algorithm picks worse on the same measurements (4 of 15 against 13 of 15,
-README): inside the torus they overlap with the inter-node stage (a rank's own shard crosses
-as soon as it is reduced), which a sum of stages does not capture. The ring forms are kept.
+broadcasts, not as a reduce-scatter / all-gather; the model still prices them in the ring forms,
+because inside the torus they overlap with the inter-node stage (a rank's own shard crosses as
+soon as it is reduced), which a sum of separately fitted stages does not capture. The
+comparison is in ``benchmarks/README.md`` (section "Communication core").
 
 Each node must send (and receive) at least ``2(N-1)/N * n`` bytes over its link for any
 all-reduce across ``N`` nodes: :func:`bandwidth_bound`. ``hier`` and ``torus2d`` reach that
-byte count; the flat ring sends ``2(P-1)/P * n``, i.e. ``(P-1)N / ((N-1)P)`` times more
+byte count; the flat all-reduce sends ``2(P-1)/P * n``, i.e. ``(P-1)N / ((N-1)P)`` times more
 (1.75x for 2 nodes x 4 ranks).
 
 The wire dtype applies where the strategy casts: only the inter-node stage of ``hier`` /
-``torus2d`` (sums inside a node stay in the gradients' fp32), the whole flat ring once there
-are several nodes (all of it crosses nodes), and the whole all-reduce on a single node.
-Optional top-k compression (Tencent
-Cloud 2020; Lin et al. 2018, "Deep Gradient Compression") replaces the inter-node stage of
+``torus2d`` (sums inside a node stay in the gradients' fp32), the whole flat all-reduce once
+there are several nodes (all of it crosses nodes), and the whole all-reduce on a single node.
+Optional top-k compression (Tencent Cloud 2020; Lin et al. 2018, "Deep Gradient Compression") replaces the inter-node stage of
 ``hier`` / ``torus2d`` by an all-gather of ``ratio * numel`` (value, int32 index) pairs per
 node: sparse vectors from different nodes do not add up in place, so a ring all-reduce of
-them is not possible. The flat ring has no separate inter-node stage and is not compressed.
+them is not possible. The flat all-reduce has no separate inter-node stage and is not compressed.
 
 Flows on the node link (:meth:`CommParams.flow_beta`): ``beta_inter`` is what one flow per
-node gets (the flat ring's and the leaders' ring). The torus drives ``ranks_per_node`` flows
+node gets (the flat all-reduce's and the leaders' ring). The torus drives ``ranks_per_node`` flows
 per node at once; ideally they share the link fairly (each at ``ranks_per_node * beta_inter``),
 but concurrency can cost more (``beta_inter_shared``: measured on exactly that traffic by
 :mod:`~lightning_fastscale.planner.calibrate`), and one flow may be unable to fill the link
@@ -65,8 +63,8 @@ through the stages (in-node reduce, inter-node all-reduce, in-node broadcast) at
 every stage's latency (``k * sum lat_s``: issuing and per-message overhead do not overlap), the
 slowest stage's bandwidth term for the whole message, and the other stages' bandwidth terms
 for one chunk each (pipeline fill and drain). One chunk gives the unchunked sum of the
-stages; many chunks tend to the slowest stage alone plus the latencies. The flat ring is one
-stage: chunking it only adds latencies.
+stages; many chunks tend to the slowest stage alone plus the latencies. The flat all-reduce is
+one stage: chunking it only adds latencies.
 
 :func:`allreduce_time` accepts a numpy array of sizes as well as a number, so the fusion
 planner can price every candidate bucket at once.
@@ -78,9 +76,13 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from lightning_fastscale.strategies.options import (
+    ALGORITHMS, canonical_algorithm, canonical_algorithms, wire_bytes_per_element,
+)
+from lightning_fastscale.strategies.topology import Topology
+
 __all__ = [
     "ALGORITHMS",
-    "WIRE_BYTES",
     "CommParams",
     "Topology",
     "allgather_time",
@@ -96,24 +98,8 @@ __all__ = [
     "wire_bytes_per_element",
 ]
 
-ALGORITHMS: tuple[str, ...] = ("ring", "hier", "torus2d")
-
-WIRE_BYTES: dict[str, int] = {
-    "fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "half": 2, "bf16": 2, "bfloat16": 2,
-}
-
 _INDEX_BYTES = 4  # top-k sends an int32 index with every value
 _GRAD_BYTES = 4  # gradients (and the sums inside a node) are fp32
-
-
-def wire_bytes_per_element(wire_dtype: str) -> int:
-    """Bytes one gradient element takes on the wire for ``wire_dtype`` (fp32, fp16, bf16)."""
-    try:
-        return WIRE_BYTES[str(wire_dtype).lower()]
-    except KeyError:
-        raise ValueError(
-            f"wire_dtype={wire_dtype!r} is not known; use one of {sorted(set(WIRE_BYTES))}"
-        ) from None
 
 
 @dataclass(frozen=True)
@@ -177,38 +163,6 @@ class CommParams:
     def as_dict(self) -> dict[str, float]:
         """The parameters as a plain dict (for JSON output and logging)."""
         return asdict(self)
-
-
-@dataclass(frozen=True)
-class Topology:
-    """``nodes`` nodes of ``ranks_per_node`` ranks each; ranks are numbered node by node."""
-
-    nodes: int
-    ranks_per_node: int
-
-    def __post_init__(self) -> None:
-        for name in ("nodes", "ranks_per_node"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Topology.{name}={value!r} must be an integer >= 1")
-
-    @property
-    def world_size(self) -> int:
-        """Total number of ranks."""
-        return self.nodes * self.ranks_per_node
-
-    @classmethod
-    def from_world(cls, world_size: int, ranks_per_node: int) -> "Topology":
-        """Topology of ``world_size`` ranks grouped ``ranks_per_node`` to a node.
-
-        Raises a ``ValueError`` naming both settings when they do not divide.
-        """
-        if ranks_per_node < 1 or world_size < 1 or world_size % ranks_per_node:
-            raise ValueError(
-                f"world_size={world_size} is not a multiple of ranks_per_node={ranks_per_node}: "
-                "every node must hold the same number of ranks"
-            )
-        return cls(world_size // ranks_per_node, ranks_per_node)
 
 
 def ring_allreduce_time(p: int, nbytes: float, alpha: float, beta: float, gamma: float = 0.0) -> float:
@@ -283,16 +237,15 @@ def stage_times(
 
     ``hier``: [reduce in node, leaders' all-reduce, broadcast in node]; ``torus2d``:
     [reduce-scatter in node, per-shard all-reduce across nodes, all-gather in node]; the flat
-    ring and any single-level case are one stage. Stages inside a node move fp32 (4 bytes per
+    all-reduce and any single-level case are one stage. Stages inside a node move fp32 (4 bytes per
     element); the inter-node stage (and a single-level all-reduce) moves ``wire_dtype``.
     ``numel`` may be a numpy array; zero elements give each stage's pure latency.
     """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm={algorithm!r} is not one of {ALGORITHMS}")
+    algorithm = canonical_algorithm(algorithm)
     if topk_ratio is not None and not 0 < topk_ratio <= 1:
         raise ValueError(f"topk_ratio={topk_ratio!r} must be in (0, 1]")
     wire = wire_bytes_per_element(wire_dtype)
-    p1, nodes, world = topology.ranks_per_node, topology.nodes, topology.world_size
+    p1, nodes, world = topology.ranks_per_node, topology.num_nodes, topology.world_size
     elements = np.asarray(numel, dtype=float) if np.ndim(numel) else float(numel)
     if world <= 1:
         return [0.0 * elements]
@@ -300,7 +253,7 @@ def stage_times(
     ai, bi, g = params.alpha_intra, params.beta_intra, params.gamma
     if nodes == 1:  # one all-reduce inside the node, all of it in the wire dtype
         return [ring_allreduce_time(p1, on_wire, ai, bi, g)]
-    if algorithm == "ring":
+    if algorithm == "flat":
         # Every step moves n/P bytes on every edge at once: the slowest edge, its own latency
         # plus its own transfer, sets the step's length.
         step_bytes = on_wire / world
@@ -334,11 +287,12 @@ def allreduce_time(
 ) -> float:
     """Predicted seconds to all-reduce ``numel`` gradient elements with ``algorithm``.
 
-    ``algorithm`` is ``"ring"``, ``"hier"`` or ``"torus2d"`` (see the module docstring for the
+    ``algorithm`` is ``"flat"``, ``"hier"`` or ``"torus2d"`` (see the module docstring for the
     closed forms and their sources). ``topk_ratio`` (0 < ratio <= 1) compresses the inter-node
     stage of ``hier`` / ``torus2d`` only. ``chunk_numel`` pipelines the stages in chunks of
     that many elements (``None``: one piece); see the module docstring for the formula.
     """
+    algorithm = canonical_algorithm(algorithm)
     stages = stage_times(algorithm, numel, topology, params, wire_dtype, topk_ratio)
     if np.ndim(numel) == 0 and (topology.world_size <= 1 or numel <= 0):
         return 0.0
@@ -376,6 +330,7 @@ def predict_allreduce(
     chunk_numel: float | None = None,
 ) -> dict[str, float]:
     """Predicted all-reduce seconds of ``numel`` elements for each algorithm."""
+    algorithms = canonical_algorithms(algorithms)
     return {a: allreduce_time(a, numel, topology, params, wire_dtype, topk_ratio, chunk_numel) for a in algorithms}
 
 
@@ -394,8 +349,8 @@ def choose_algorithm(
     :class:`~lightning_fastscale.planner.cluster.Cluster` (its own topology and parameters
     are used unless ``topology`` is given). ``message_bytes`` counts fp32 gradient bytes as
     held by the model (4 per element); the wire dtype is applied on top. Ties go to the
-    simpler algorithm in the order ring, hier, torus2d. On a single node all three are the
-    same in-node all-reduce and ``ring`` is returned. ``chunk_numel``: as in :func:`allreduce_time`.
+    simpler algorithm in the order flat, hier, torus2d. On a single node all three are the
+    same in-node all-reduce and ``flat`` is returned. ``chunk_numel``: as in :func:`allreduce_time`.
     """
     if not isinstance(params, CommParams):
         cluster = params
@@ -403,7 +358,8 @@ def choose_algorithm(
         topology = topology or cluster.topology()  # type: ignore[attr-defined]
     if topology is None:
         raise ValueError("choose_algorithm needs `topology` when given bare CommParams")
-    if topology.nodes == 1:
-        return "ring"
+    algorithms = canonical_algorithms(algorithms)
+    if topology.num_nodes == 1:
+        return "flat"
     times = predict_allreduce(message_bytes / 4, topology, params, wire_dtype, topk_ratio, algorithms, chunk_numel)
     return min(algorithms, key=lambda a: (times[a], algorithms.index(a)))

@@ -16,7 +16,7 @@ positions is exact, O(n^2) for unbounded buckets and O(k n^2) for at most ``k`` 
 (``max_buckets=2`` is the two-segment case).
 
 DDP buckets by a byte cap in gradient-ready order: a bucket closes as soon as it holds at
-least the cap. Recent torch (2.14 here) also accepts ``bucket_cap_mb_list`` (one cap per bucket, in that
+least the cap. Recent torch also accepts ``bucket_cap_mb_list`` (one cap per bucket, in that
 order), which reproduces any plan exactly (:meth:`FusionPlan.ddp_kwargs`); for older torch
 :func:`best_uniform_cap` finds the single ``bucket_cap_mb`` whose DDP buckets minimise the
 same predicted finish time, and reports how much worse it is than the exact plan.

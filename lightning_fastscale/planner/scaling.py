@@ -17,7 +17,9 @@ import numpy as np
 from lightning_fastscale.planner.cost_model import ALGORITHMS, CommParams, Topology, allreduce_time
 from lightning_fastscale.planner.fusion import FusionPlan, ddp_buckets, plan_fusion, simulate
 from lightning_fastscale.planner.profile import GradientProfile
-from lightning_fastscale.strategies.allreduce import DEFAULT_PIPELINE_CHUNK_MB, chunk_numel_for
+from lightning_fastscale.strategies.options import (
+    DEFAULT_PIPELINE_CHUNK_MB, NOT_GIVEN, canonical_algorithm, canonical_algorithms, chunk_numel_for, renamed_option,
+)
 
 __all__ = [
     "DEFAULT_PIPELINE_CHUNK_MB", "StepPrediction", "allreduce_cost", "chunk_numel_for", "default_gpu_counts",
@@ -27,13 +29,17 @@ __all__ = [
 
 def allreduce_cost(
     algorithm: str, topology: Topology, params: CommParams, wire_dtype: str = "fp32",
-    topk_ratio: float | None = None, grad_element_bytes: int = 4, chunk_mb: float | str | None = None,
+    topk_ratio: float | None = None, grad_element_bytes: int = 4, pipeline_chunk_mb: float | str | None = None,
+    *, chunk_mb: float | str | None = NOT_GIVEN,
 ):
     """A vectorised cost function for the fusion planner: bucket bytes (as held) -> seconds.
 
-    ``chunk_mb``: each bucket is pipelined in chunks of that many MiB (``None``: one piece).
+    ``pipeline_chunk_mb``: each bucket is pipelined in chunks of that many MiB (``None``: one
+    piece). ``chunk_mb`` is its deprecated name.
     """
-    chunk_numel = chunk_numel_for(chunk_mb, topology.nodes, grad_element_bytes)
+    pipeline_chunk_mb = renamed_option("allreduce_cost", "chunk_mb", chunk_mb, "pipeline_chunk_mb", pipeline_chunk_mb)
+    algorithm = canonical_algorithm(algorithm)
+    chunk_numel = chunk_numel_for(pipeline_chunk_mb, topology.num_nodes, grad_element_bytes)
 
     def cost(nbytes: np.ndarray) -> np.ndarray:
         return allreduce_time(algorithm, np.asarray(nbytes, dtype=float) / grad_element_bytes,
@@ -78,16 +84,18 @@ def topology_for(gpus: int, ranks_per_node: int) -> Topology:
 def predict_step(
     profile: GradientProfile, gpus: int, ranks_per_node: int, params: CommParams, algorithm: str,
     wire_dtype: str = "fp32", topk_ratio: float | None = None, fusion: str = "auto",
-    chunk_mb: float | str | None = None,
+    pipeline_chunk_mb: float | str | None = None, *, chunk_mb: float | str | None = NOT_GIVEN,
 ) -> StepPrediction:
     """Predicted step on ``gpus`` ranks (``ranks_per_node`` to a node) with ``algorithm``.
 
     ``fusion``: ``"auto"`` (optimal buckets), ``"two"`` (two segments), ``"single"`` (one
     bucket after backward, no overlap) or ``"ddp25"`` (DDP's default 25 MiB cap).
-    ``chunk_mb``: buckets pipelined in chunks of that many MiB (``None``: unchunked).
+    ``pipeline_chunk_mb``: buckets pipelined in chunks of that many MiB (``None``: unchunked);
+    ``chunk_mb`` is its deprecated name.
     """
+    pipeline_chunk_mb = renamed_option("predict_step", "chunk_mb", chunk_mb, "pipeline_chunk_mb", pipeline_chunk_mb)
     topology = topology_for(gpus, ranks_per_node)
-    cost = allreduce_cost(algorithm, topology, params, wire_dtype, topk_ratio, chunk_mb=chunk_mb)
+    cost = allreduce_cost(algorithm, topology, params, wire_dtype, topk_ratio, pipeline_chunk_mb=pipeline_chunk_mb)
     grad, back = profile.grad_bytes, profile.backward_s
     if fusion == "auto":
         plan = plan_fusion(grad, back, cost)
@@ -101,7 +109,7 @@ def predict_step(
         raise ValueError(f"fusion={fusion!r} must be one of 'auto', 'two', 'single', 'ddp25'")
     compute = profile.forward_s + profile.backward_total_s
     whole = float(cost(np.asarray([float(sum(grad))]))[0])
-    return StepPrediction(gpus, topology.nodes, algorithm, whole, plan, compute + plan.exposed_s, compute)
+    return StepPrediction(gpus, topology.num_nodes, algorithm, whole, plan, compute + plan.exposed_s, compute)
 
 
 def default_gpu_counts(ranks_per_node: int, up_to: int = 4096) -> list[int]:
@@ -116,9 +124,13 @@ def default_gpu_counts(ranks_per_node: int, up_to: int = 4096) -> list[int]:
 def scaling_curve(
     profile: GradientProfile, gpu_counts: Sequence[int], ranks_per_node: int, params: CommParams,
     algorithms: Sequence[str] = ALGORITHMS, wire_dtype: str = "fp32", topk_ratio: float | None = None,
-    fusion: str = "auto", chunk_mb: float | str | None = None,
+    fusion: str = "auto", pipeline_chunk_mb: float | str | None = None, *,
+    chunk_mb: float | str | None = NOT_GIVEN,
 ) -> list[StepPrediction]:
-    """:func:`predict_step` for every GPU count and algorithm."""
-    predict = partial(predict_step, profile, ranks_per_node=ranks_per_node, params=params,
-                      wire_dtype=wire_dtype, topk_ratio=topk_ratio, fusion=fusion, chunk_mb=chunk_mb)
+    """:func:`predict_step` for every GPU count and algorithm (``chunk_mb``: deprecated name of
+    ``pipeline_chunk_mb``)."""
+    pipeline_chunk_mb = renamed_option("scaling_curve", "chunk_mb", chunk_mb, "pipeline_chunk_mb", pipeline_chunk_mb)
+    algorithms = canonical_algorithms(algorithms)
+    predict = partial(predict_step, profile, ranks_per_node=ranks_per_node, params=params, wire_dtype=wire_dtype,
+                      topk_ratio=topk_ratio, fusion=fusion, pipeline_chunk_mb=pipeline_chunk_mb)
     return [predict(gpus=g, algorithm=a) for g in gpu_counts for a in algorithms]

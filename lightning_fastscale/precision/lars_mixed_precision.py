@@ -3,64 +3,54 @@
 Jia et al. 2018 (Tencent, "Highly Scalable Deep Learning Training System with
 Mixed-Precision: Training ImageNet in Four Minutes") trained ResNet-50 at batch 64K with
 fp16 compute and LARS (You et al. 2017). LARS applied to fp16 weights failed: many updates
-rounded to zero. Their fix, which this plugin reproduces on top of Lightning's
-``MixedPrecision`` plugin: the forward/backward run in half precision under ``torch.autocast``
-while the parameters (the master weights) stay fp32; the loss is scaled so small gradients
-survive fp16; the trust ratio and the update are computed in fp32 from the *unscaled*
-gradient.
+rounded to zero. Their fix, which this plugin reproduces as a Lightning precision plugin: the
+forward/backward run in half precision under ``torch.autocast`` while the parameters (the
+master weights) stay fp32; the loss is scaled so small gradients survive fp16; the trust
+ratio and the update are computed in fp32 from the *unscaled* gradient.
+
+``LARSMixedPrecision(precision, ...)`` builds one of two classes sharing the step:
+
+* ``"16-mixed"``/``"bf16-mixed"``: :class:`LARSAutocastPrecision`, a Lightning
+  ``MixedPrecision`` (its autocast and loss scaling);
+* ``"32-true"``: :class:`LARSFP32Precision`, a plain Lightning ``Precision``, so no version
+  of ``MixedPrecision`` can put its forward under autocast.
 
 The step, in order (``optimizer_step``):
 
-1. closure: forward under autocast, backward of the scaled loss;
+1. closure: forward (under autocast in the mixed modes), backward of the scaled loss;
 2. ``scaler.unscale_`` (16-mixed only): gradients are the true ones from here on;
 3. Lightning's ``on_before_optimizer_step`` hooks, then gradient clipping if configured
    (``Trainer(gradient_clip_val=...)``), on the unscaled gradients and before LARS. Note
    that with weight decay 0, LARS is invariant to the gradient's norm, so norm clipping only
    affects parameters LARS does not adapt;
-4. if any gradient is non-finite (or its norm overflows fp32) on any rank: skip the step
-   entirely (no weight, momentum or LARS change), the scaler backs off, ``skipped_steps``
-   grows, ``last_step_skipped`` is True; in bf16/fp32 too, where Lightning has no scaler to
-   do it;
-5. LARS: every gradient becomes ``r * (g + wd * w)`` in fp32, ``r`` the trust ratio for
-   adapted parameters and 1 for excluded ones, with ``wd`` the group's weight decay; the
-   group's ``weight_decay`` is set to 0 for the wrapped step and restored after (as apex
-   LARC does), so nothing is decayed twice;
-6. the wrapped optimizer's ``step()``;
-7. ``scaler.update()``.
+4. :class:`~lightning_fastscale.precision.lars_step.LARSStep`: skip the step on every rank
+   if any gradient is non-finite (the scaler backs off; also in bf16/fp32, where Lightning
+   has no scaler to do it), else LARS and the optimizer step (fused for torch SGD);
+5. ``scaler.update()``.
 
-Steps 5-6 have a fused form for ``torch.optim.SGD`` itself (the usual optimizer): the ratio
-is folded into SGD's momentum update (``lars_sgd_``) on SGD's own state, inside SGD's step
-hooks, instead of being written into every gradient first. Same result to float32 rounding,
-gradients left as they were, and about the cost of a plain SGD step
-(``benchmarks/lars_step.py``). Any other optimizer, SGD subclasses included, takes 5-6 as
-written.
-
-Which parameters LARS leaves alone is the shared rule of
-:mod:`lightning_fastscale.param_groups` (bias, normalisation layers, ``ndim <= 1``, plus the
-``exclude`` name globs).
+Under Lightning Fabric the same object hands Fabric's calls (backward, optimizer step,
+unscale) to a :class:`~lightning_fastscale.precision.LARSFabricPrecision` that shares its
+``LARSStep`` and scaler.
 """
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.optim.optimizer as torch_optimizer_module
+from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_warn
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
+from typing_extensions import override
 
-from ..param_groups import is_excluded, split_parameters, validate_patterns
-from .lars import LARS, check_lars_options, foreach_norms, lars_rescale_, lars_sgd_
-
-log = logging.getLogger(__name__)
+from .lars_fabric import LARSFabricPrecision, check_device, normalise_precision
+from .lars_step import LARSStep
 
 PRECISIONS = ("16-mixed", "bf16-mixed", "32-true")
-_ALIASES = {"32": "32-true"}
 
 
 def _lightning_module(model: nn.Module) -> nn.Module:
@@ -70,32 +60,15 @@ def _lightning_module(model: nn.Module) -> nn.Module:
     return model
 
 
-def _fused_sgd_applies(optimizer: Optimizer, groups: list[tuple[dict, list, list, Tensor]], kwargs: dict) -> bool:
-    """Whether ``LARSMixedPrecision._fused_sgd_step`` reproduces ``optimizer.step()`` exactly.
-
-    Only for ``torch.optim.SGD`` itself (a subclass may change ``step``), with no arguments
-    for ``step`` (the closure already ran), an options set ``lars_sgd_`` implements (not
-    ``maximize``, not ``differentiable``; ``foreach``/``fused`` only choose kernels), dense
-    gradients, and ``step`` not replaced on the instance by anything but a torch LR
-    scheduler's call-tracking wrapper.
-    """
-    if type(optimizer) is not torch.optim.SGD or kwargs:
-        return False
-    instance_step = optimizer.__dict__.get("step")
-    if instance_step is not None and not getattr(instance_step, "_wrapped_by_lr_sched", False):
-        return False
-    return all(
-        not group["maximize"] and not group["differentiable"] and not any(g.is_sparse for g in grads)
-        for group, _, grads, _ in groups
-    )
-
-
-class LARSMixedPrecision(MixedPrecision):
+class LARSMixedPrecision(Precision):
     """Lightning precision plugin: autocast compute, fp32 master weights, loss scaling, LARS.
 
     ``Trainer(plugins=[LARSMixedPrecision("bf16-mixed")])`` with the module's own optimizer
     (momentum SGD is the usual one). See the module docstring for the exact step order
-    (Jia et al. 2018; You et al. 2017).
+    (Jia et al. 2018; You et al. 2017). Calling the class returns a
+    :class:`LARSAutocastPrecision` (``"16-mixed"``, ``"bf16-mixed"``) or a
+    :class:`LARSFP32Precision` (``"32-true"``); both are ``LARSMixedPrecision`` instances.
+    Given to ``lightning.Fabric(plugins=[...])`` it works as :class:`LARSFabricPrecision`.
 
     Args:
         precision: ``"16-mixed"`` (fp16 autocast + dynamic loss scaling), ``"bf16-mixed"``
@@ -112,12 +85,37 @@ class LARSMixedPrecision(MixedPrecision):
         scaler: a ``torch.amp.GradScaler`` to use for ``"16-mixed"`` (one is made otherwise).
 
     Attributes:
-        skipped_steps: how many optimizer steps were skipped for non-finite gradients
-            (saved in checkpoints, logged as ``lars/skipped_steps``).
-        last_step_skipped: whether the most recent ``optimizer_step`` was skipped for
-            non-finite gradients. Schedulers that must not advance on a skipped step (the
-            warmup schedule) read this.
+        lars: the :class:`~lightning_fastscale.precision.lars_step.LARSStep` (LARS options
+            and skip counters; ``skipped_steps``, ``consecutive_skipped_steps``,
+            ``last_step_skipped`` and ``first_nonfinite_parameter`` are also read here).
+            Counters are saved in checkpoints and logged as ``lars/skipped_steps`` (with
+            ``lars/loss_scale``); schedulers that must not advance on a skipped step (the
+            warmup schedule) read ``last_step_skipped``.
+
+    Examples:
+        >>> plugin = LARSMixedPrecision("32", device="cpu", eta=1e-3)
+        >>> type(plugin).__name__, isinstance(plugin, LARSMixedPrecision)
+        ('LARSFP32Precision', True)
+        >>> type(LARSMixedPrecision("bf16-mixed", device="cpu")).__name__
+        'LARSAutocastPrecision'
     """
+
+    def __new__(
+        cls,
+        precision: str = "bf16-mixed",
+        device: str | None = None,
+        *,
+        eta: float = 1e-3,
+        eps: float = 1e-8,
+        trust_clip: bool = False,
+        exclude: Sequence[str] = (),
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> LARSMixedPrecision:
+        # the same signature as __init__: jsonargparse (LightningCLI) reads its options from here
+        if cls is LARSMixedPrecision:
+            known = str(precision) in ("32", "32-true")
+            cls = LARSFP32Precision if known else LARSAutocastPrecision
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -130,43 +128,49 @@ class LARSMixedPrecision(MixedPrecision):
         exclude: Sequence[str] = (),
         scaler: torch.amp.GradScaler | None = None,
     ) -> None:
-        precision = _ALIASES.get(str(precision), str(precision))
-        if precision not in PRECISIONS:
-            raise ValueError(
-                f"LARSMixedPrecision(precision={precision!r}) is not supported; use one of "
-                f"{PRECISIONS} ('32' is accepted for '32-true')"
-            )
-        check_lars_options(eta, eps)
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if device not in ("cuda", "cpu"):
-            raise ValueError(f"LARSMixedPrecision(device={device!r}) must be 'cuda' or 'cpu'")
-        if precision == "32-true":
-            if scaler is not None:
-                raise ValueError("LARSMixedPrecision(precision='32-true') uses no loss scaler; drop `scaler`")
-            # MixedPrecision accepts only the two autocast modes; fp32 needs none of its setup
-            self.precision = precision
-            self.device = device
-            self.scaler = None
-        else:
-            super().__init__(precision, device, scaler)  # type: ignore[arg-type]
-        self.eta = eta
-        self.eps = eps
-        self.trust_clip = trust_clip
-        self.exclude = validate_patterns(exclude)
-        self.skipped_steps = 0
-        self.last_step_skipped = False
-        self._adapted_ids: set[int] | None = None
-        self._named_ids: set[int] = set()
+        precision = normalise_precision(precision, "LARSMixedPrecision")
+        device = check_device(device, precision, scaler, "LARSMixedPrecision")
+        self.lars = LARSStep(eta=eta, eps=eps, trust_clip=trust_clip, exclude=exclude)
+        self._init_compute(precision, device, scaler)
+        self._connected = False
+        self._fabric: LARSFabricPrecision | None = None
+
+    def _init_compute(self, precision: str, device: str, scaler: torch.amp.GradScaler | None) -> None:
+        raise NotImplementedError  # each subclass sets up its own compute mode
+
+    # ---- the LARS step's state, read through the plugin ---------------------------------
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for non-finite gradients, in total."""
+        return self.lars.skipped_steps
+
+    @property
+    def consecutive_skipped_steps(self) -> int:
+        """Steps skipped in a row up to now."""
+        return self.lars.consecutive_skipped_steps
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the most recent ``optimizer_step`` was skipped for non-finite gradients."""
+        return self.lars.last_step_skipped
+
+    @property
+    def first_nonfinite_parameter(self) -> str | None:
+        """Name of the first parameter with a non-finite gradient at the last skipped step."""
+        return self.lars.first_nonfinite_parameter
 
     # ---- setup -------------------------------------------------------------------------
 
+    @override
     def connect(
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
         """Classify parameters and validate the configuration before the first step."""
+        self._connected = True
         self.classify(_lightning_module(model))
         for optimizer in optimizers:
-            self._validate(optimizer)
+            self.lars.validate(optimizer)
         return super().connect(model, optimizers, lr_schedulers)
 
     def classify(self, module: nn.Module) -> None:
@@ -175,67 +179,9 @@ class LARSMixedPrecision(MixedPrecision):
         ``connect`` calls it with the LightningModule; call it yourself only when driving
         :meth:`lars_step` outside a Trainer.
         """
-        adapted, excluded = split_parameters(module, self.exclude)
-        self._adapted_ids = {id(p) for _, p in adapted}
-        self._named_ids = self._adapted_ids | {id(p) for _, p in excluded}
+        self.lars.classify(module)
 
-    def _adapts(self, p: Tensor) -> bool:
-        assert self._adapted_ids is not None
-        if id(p) in self._named_ids:
-            return id(p) in self._adapted_ids
-        # a parameter the module does not name: only the name-free part of the rule applies
-        return not is_excluded("", p)
-
-    def _validate(self, optimizer: Optimizer) -> None:
-        if isinstance(optimizer, LARS):
-            raise ValueError(
-                "LARSMixedPrecision would apply LARS a second time on top of the LARS optimizer; "
-                "use it with a plain optimizer (torch.optim.SGD), or use the LARS optimizer with "
-                "Lightning's own precision (Trainer(precision='16-mixed'|'bf16-mixed'))"
-            )
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        if params and not any(self._adapts(p) for p in params):
-            raise ValueError(
-                f"LARSMixedPrecision(exclude={self.exclude!r}): the bias/norm rule plus these "
-                f"patterns exclude all {len(params)} parameters of {type(optimizer).__name__}, so "
-                "LARS would do nothing; narrow `exclude` or use plain MixedPrecision"
-            )
-        low = sorted({str(p.dtype) for p in params if p.dtype in (torch.float16, torch.bfloat16)})
-        if low:
-            raise ValueError(
-                f"LARSMixedPrecision keeps fp32 master weights, but the model has {low} parameters "
-                "(e.g. after `.half()`); keep the module in fp32: autocast does the half-precision "
-                "compute (Jia et al. 2018: LARS on fp16 weights loses its updates)"
-            )
-        for group in optimizer.param_groups:
-            if group.get("weight_decay", 0.0) and (
-                isinstance(optimizer, torch.optim.AdamW) or group.get("decoupled_weight_decay", False)
-            ):
-                raise ValueError(
-                    f"LARSMixedPrecision folds weight decay into the gradient (L2, as LARS "
-                    f"defines it), which would change {type(optimizer).__name__}'s decoupled "
-                    "decay; use SGD (or Adam) for LARS, or set weight_decay=0"
-                )
-        decayed_excluded = sum(
-            1 for g in optimizer.param_groups if g.get("weight_decay", 0.0)
-            for p in g["params"] if not self._adapts(p)
-        )
-        if decayed_excluded:
-            rank_zero_warn(
-                f"LARSMixedPrecision: {decayed_excluded} parameters that LARS excludes (bias/norm) "
-                "are in optimizer groups with weight decay, so they are still decayed; Jia et al. "
-                "2018 decay neither: add the NoWeightDecayOnBiasNorm callback or build the groups "
-                "with lightning_fastscale.param_groups"
-            )
-
-    # ---- autocast ----------------------------------------------------------------------
-
-    def autocast_context_manager(self) -> torch.autocast:
-        """``torch.autocast`` for the mixed modes; a disabled one for ``"32-true"``."""
-        if self.precision == "32-true":
-            return torch.autocast(self.device, enabled=False)
-        return super().autocast_context_manager()
-
+    @override
     def clip_gradients(
         self,
         optimizer: Optimizer,
@@ -247,14 +193,18 @@ class LARSMixedPrecision(MixedPrecision):
 
     # ---- the step ----------------------------------------------------------------------
 
+    @override
     def optimizer_step(  # type: ignore[override]
         self,
-        optimizer: Optimizer,
-        model: pl.LightningModule,
-        closure: Callable[[], Any],
+        optimizer: Optimizable,
+        model: pl.LightningModule | None = None,
+        closure: Callable[[], Any] | None = None,
         **kwargs: Any,
     ) -> Any:
         """Closure, unscale, hooks/clipping, non-finite skip, LARS, optimizer step, scaler update."""
+        if not self._connected:  # Fabric: optimizer.step() after fabric.backward
+            return self._fabric_plugin().optimizer_step(optimizer, **kwargs)
+        assert model is not None and closure is not None
         if isinstance(optimizer, LBFGS):
             raise MisconfigurationException("LARSMixedPrecision does not support LBFGS (a closure-driven line search)")
         closure_result = closure()
@@ -262,12 +212,13 @@ class LARSMixedPrecision(MixedPrecision):
             # training_step returned None: Lightning skipped backward, there is nothing to step
             return closure_result
         if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
+            self.scaler.unscale_(optimizer)  # type: ignore[arg-type]
         self._after_closure(model, optimizer)
-        if self._adapted_ids is None:
+        if not self.lars.classified:
             self.classify(_lightning_module(model))
-            self._validate(optimizer)
-        step_output = self.lars_step(optimizer, agree=self._any_rank(model), **kwargs)
+        if not self.lars.is_validated(optimizer):  # type: ignore[arg-type]
+            self.lars.validate(optimizer)  # type: ignore[arg-type]
+        step_output = self.lars.step(optimizer, agree=self._any_rank(model), **kwargs)  # type: ignore[arg-type]
         if self.scaler is not None:
             # after unscale_ found an inf, update() lowers the scale; otherwise it may grow it
             self.scaler.update()
@@ -281,121 +232,11 @@ class LARSMixedPrecision(MixedPrecision):
             return None
         return lambda flag: trainer.strategy.reduce_boolean_decision(flag, all=False)
 
-    def lars_step(
-        self, optimizer: Optimizer, agree: Callable[[bool], bool] | None = None, **kwargs: Any
-    ) -> Any:
-        """Steps 4-6 on unscaled gradients: skip if non-finite, else LARS, then ``optimizer.step``.
-
-        For ``torch.optim.SGD`` itself, with no ``kwargs``, LARS and the step are one fused
-        update (:meth:`_fused_sgd_step`) and the gradients are left unchanged; otherwise the
-        gradients are rescaled in place and ``optimizer.step(**kwargs)`` runs.
-
-        Args:
-            optimizer: the wrapped optimizer.
-            agree: turns this rank's "non-finite" flag into the decision of all ranks (skip
-                if any rank saw one). Gradients are identical after DDP's all-reduce, but a
-                rank that steps while another skips would silently fork the replicas, so the
-                Trainer path pays one scalar all-reduce per step for the guarantee.
-            kwargs: passed to ``optimizer.step``.
-
-        Returns the optimizer's return value, or None for a skipped step (``last_step_skipped``
-        tells which). The scaler is not touched here.
-        """
-        if self._adapted_ids is None:
-            raise RuntimeError("LARSMixedPrecision.lars_step before classify(module): connect the plugin first")
-        groups = []
-        finite: list[Tensor] = []
-        for group in optimizer.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if params:
-                grads = [p.grad for p in params]
-                g_norms = foreach_norms(grads)
-                finite.append(torch.isfinite(g_norms).all())
-                groups.append((group, params, grads, g_norms))
-
-        nonfinite = bool(finite) and not bool(torch.stack(finite).all())
-        self.last_step_skipped = agree(nonfinite) if agree is not None else nonfinite
-        if self.last_step_skipped:
-            self.skipped_steps += 1
-            log.info("LARSMixedPrecision: non-finite gradient, step skipped (%d so far)", self.skipped_steps)
-            return None
-        if _fused_sgd_applies(optimizer, groups, kwargs):
-            return self._fused_sgd_step(optimizer, groups)
-        saved: list[tuple[dict, float]] = []
-        try:
-            for group, params, grads, g_norms in groups:
-                flags = [self._adapts(p) for p in params]
-                wd = group.get("weight_decay", 0.0)
-                if any(flags) or wd:
-                    lars_rescale_(
-                        params, grads, lr=float(group["lr"]), weight_decay=wd, eta=self.eta,
-                        eps=self.eps, trust_clip=self.trust_clip,
-                        adapt=torch.tensor(flags, device=g_norms.device), grad_norms=g_norms,
-                    )
-                if wd:
-                    saved.append((group, wd))
-                    group["weight_decay"] = 0.0
-            return optimizer.step(**kwargs)
-        finally:
-            for group, wd in saved:
-                group["weight_decay"] = wd
-
-    def _fused_sgd_step(self, optimizer: Optimizer, groups: list[tuple[dict, list, list, Tensor]]) -> None:
-        """``lars_sgd_`` on torch SGD's own state: the ratio folded into the momentum update.
-
-        Same result as the generic path (rescale the gradients, then ``SGD.step``) without
-        writing the rescaled gradients: one read and one write pass over memory less. The
-        momentum buffers live in ``optimizer.state[p]["momentum_buffer"]``, where SGD keeps
-        them, so checkpoints move freely between the two paths and plain SGD.
-
-        What ``SGD.step()`` does besides the arithmetic is kept:
-
-        * step pre/post hooks (per optimizer and global) and the profiler's
-          ``Optimizer.step#SGD.step`` range: torch adds them to ``SGD.step`` by wrapping it
-          with ``Optimizer.profile_hook_step`` (``Optimizer._patch_step_function``); the update
-          here is wrapped with that same function and called as ``step()`` is, with only the
-          optimizer as argument, so hooks run in the same order with the same arguments.
-          Pre-hooks run before the update and see the unscaled, un-rescaled gradients (on the
-          generic path they see the rescaled ones). The ratio reuses the gradient norms of the
-          non-finite check (a pass over memory less) unless a pre-hook is registered, which
-          may have changed the gradients: then they are measured again after the hooks.
-        * the "optimizer.step() was called" mark of torch LR schedulers: ``LRScheduler``
-          replaces the instance's ``step`` by a wrapper that sets ``optimizer._opt_called``
-          and then calls the class's ``step``; ``_fused_sgd_applies`` takes this path only
-          when that wrapper (or none) is installed, and the mark is set here as the wrapper
-          would.
-        * no autograd recording (``SGD.step`` runs under no_grad unless ``differentiable``,
-          which this path refuses).
-
-        Lightning counts steps in its loops, around the precision plugin, not through the torch
-        optimizer, so its accounting is the same on both paths.
-        """
-
-        # torch keeps no public list of hooks; an unknown layout counts as "hooks present"
-        pre_hooks = getattr(optimizer, "_optimizer_step_pre_hooks", True) or getattr(
-            torch_optimizer_module, "_global_optimizer_pre_hooks", True
-        )
-
-        def update(opt: Optimizer) -> None:
-            with torch.no_grad():
-                for group, params, grads, g_norms in groups:
-                    if pre_hooks:
-                        g_norms = foreach_norms(grads)
-                    momentum = group["momentum"]
-                    bufs = [opt.state[p].get("momentum_buffer") for p in params] if momentum else []
-                    lars_sgd_(
-                        params, grads, bufs, lr=float(group["lr"]), momentum=momentum,
-                        dampening=group["dampening"], nesterov=group["nesterov"],
-                        weight_decay=float(group["weight_decay"]), eta=self.eta, eps=self.eps,
-                        trust_clip=self.trust_clip, grad_norms=g_norms,
-                        adapt=torch.tensor([self._adapts(p) for p in params], device=g_norms.device),
-                    )
-                    for p, buf in zip(params, bufs):
-                        opt.state[p]["momentum_buffer"] = buf
-
-        if getattr(optimizer.step, "_wrapped_by_lr_sched", False):
-            optimizer._opt_called = True  # type: ignore[attr-defined]
-        return Optimizer.profile_hook_step(update)(optimizer)
+    def lars_step(self, optimizer: Optimizer, agree: Callable[[bool], bool] | None = None, **kwargs: Any) -> Any:
+        """Skip if non-finite, else LARS and ``optimizer.step``, on unscaled gradients, without
+        a Trainer (:meth:`LARSStep.step <lightning_fastscale.precision.lars_step.LARSStep.step>`);
+        the scaler is not touched. Call :meth:`classify` first."""
+        return self.lars.step(optimizer, agree=agree, **kwargs)
 
     def _log(self, model: pl.LightningModule) -> None:
         # self.log is only valid inside the Trainer's control flow (fit loop hooks)
@@ -407,19 +248,107 @@ class LARSMixedPrecision(MixedPrecision):
             metrics["lars/loss_scale"] = float(self.scaler.get_scale())
         model.log_dict(metrics, on_step=True, on_epoch=False, logger=trainer.logger is not None)
 
+    # ---- Lightning Fabric: the same plugin object in a Fabric loop -----------------------
+
+    def _fabric_plugin(self) -> LARSFabricPrecision:
+        if self._fabric is None:
+            self._fabric = LARSFabricPrecision.sharing(self.lars, self.precision, self.device, self.scaler)
+        return self._fabric
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Record which parameters LARS adapts (Fabric's ``setup`` and Lightning's strategies call this)."""
+        self.classify(_lightning_module(module))
+        return module
+
+    @override
+    def convert_output(self, data: Any) -> Any:
+        """Unchanged in a Trainer; under Fabric, floating outputs to fp32 as Fabric's AMP does."""
+        if not self._connected:
+            return self._fabric_plugin().convert_output(data)
+        return super().convert_output(data)
+
+    @override
+    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        """Lightning's hooks (and loss scaling) in a Trainer; Fabric's convention otherwise."""
+        if not self._connected:
+            return self._fabric_plugin().pre_backward(tensor, module)
+        return super().pre_backward(tensor, module)
+
+    @override
+    def backward(  # type: ignore[override]
+        self, tensor: Tensor, model: pl.LightningModule, optimizer: Any = None, *args: Any, **kwargs: Any
+    ) -> None:
+        """``LightningModule.backward`` in a Trainer; the (scaled) loss's backward under Fabric."""
+        if not self._connected:
+            args = (optimizer, *args) if optimizer is not None else args
+            return self._fabric_plugin().backward(tensor, model, *args, **kwargs)
+        return super().backward(tensor, model, optimizer, *args, **kwargs)
+
+    @override
+    def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        """Lightning's ``on_after_backward`` hooks in a Trainer; Fabric's convention otherwise."""
+        if not self._connected:
+            return self._fabric_plugin().post_backward(tensor, module)
+        return super().post_backward(tensor, module)
+
+    @override
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        """Unscale for ``fabric.clip_gradients`` (the Trainer path unscales in ``optimizer_step``)."""
+        if not self._connected:
+            self._fabric_plugin().unscale_gradients(optimizer)
+
     # ---- checkpointing -----------------------------------------------------------------
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         """Loss-scaler state and the skip counters, saved in Lightning checkpoints."""
-        return {
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "skipped_steps": self.skipped_steps,
-            "last_step_skipped": self.last_step_skipped,
-        }
+        return {"scaler": self.scaler.state_dict() if self.scaler is not None else None, **self.lars.state_dict()}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
         if self.scaler is not None and state_dict.get("scaler"):
             self.scaler.load_state_dict(state_dict["scaler"])
-        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
-        self.last_step_skipped = bool(state_dict.get("last_step_skipped", False))
+        self.lars.load_state_dict(state_dict)
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Read the state of checkpoints written before the class split (key ``LARSMixedPrecision``)."""
+        if type(self).__qualname__ not in checkpoint and "LARSMixedPrecision" in checkpoint:
+            self.load_state_dict(checkpoint["LARSMixedPrecision"])
+
+
+class LARSFP32Precision(LARSMixedPrecision):
+    """``LARSMixedPrecision("32-true")``: the LARS step with fp32 compute and no autocast.
+
+    A plain Lightning ``Precision`` underneath (not a ``MixedPrecision``), so the forward is
+    never under ``torch.autocast``, whatever Lightning's ``MixedPrecision`` does.
+    """
+
+    scaler: None
+
+    @override
+    def _init_compute(self, precision: str, device: str, scaler: torch.amp.GradScaler | None) -> None:
+        if precision != "32-true":
+            raise ValueError(
+                f"LARSFP32Precision is the '32-true' mode; for precision={precision!r} use "
+                "LARSMixedPrecision(precision) (it picks LARSAutocastPrecision)"
+            )
+        self.precision = "32-true"  # type: ignore[assignment]
+        self.device = device
+        self.scaler = None
+
+
+class LARSAutocastPrecision(LARSMixedPrecision, MixedPrecision):
+    """``LARSMixedPrecision("16-mixed" | "bf16-mixed")``: the LARS step on Lightning's
+    ``MixedPrecision`` (``torch.autocast`` forward; for 16-mixed, dynamic loss scaling)."""
+
+    @override
+    def _init_compute(self, precision: str, device: str, scaler: torch.amp.GradScaler | None) -> None:
+        if precision == "32-true":
+            raise ValueError(
+                "LARSAutocastPrecision is for '16-mixed' and 'bf16-mixed'; for '32-true' use "
+                "LARSMixedPrecision('32-true') (it picks LARSFP32Precision)"
+            )
+        MixedPrecision.__init__(self, precision, device, scaler)  # type: ignore[arg-type]

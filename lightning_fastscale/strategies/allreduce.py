@@ -1,11 +1,11 @@
-"""Two-level all-reduce algorithms over a flat tensor: flat ring, hierarchical, 2D torus.
+"""Two-level all-reduce algorithms over a flat tensor: flat, hierarchical, 2D torus.
 
 Every function sums ``tensor`` in place across all ranks and returns it; all ranks end with the
 same values. They need only a :class:`~lightning_fastscale.strategies.topology.ProcessGroups`
 (so they work outside DDP, e.g. in benchmarks), and are what the DDP communication hooks in
 :mod:`lightning_fastscale.strategies.comm_hooks` run on each gradient bucket.
 
-- ``ring_allreduce_``: one all-reduce over all ranks (the flat baseline; NCCL/gloo ring).
+- ``flat_allreduce_``: one all-reduce over all ranks (the baseline; what plain DDP does).
 - ``hierarchical_allreduce_``: reduce inside the node to the leader, all-reduce among the
   node leaders, broadcast inside the node (Jia et al. 2018, Tencent, arXiv:1807.11205).
 - ``torus2d_allreduce_``: reduce-scatter inside the node, all-reduce of each shard across
@@ -14,12 +14,10 @@ same values. They need only a :class:`~lightning_fastscale.strategies.topology.P
 
 Options shared by all three:
 
-- ``comm_dtype``: dtype on the inter-node wire (fp16/bf16 halve the bytes that cross the slow
+- ``wire_dtype``: dtype on the inter-node wire (fp16/bf16 halve the bytes that cross the slow
   links). Hierarchical and torus cast only what crosses nodes, chunk by chunk, and copy the
-  sum back: the in-node stages stay in the gradient's dtype, which is both more accurate and,
-  measured on the emulated cluster, faster (the in-node links are not the bottleneck, and
-  fp16 arithmetic in the in-node reductions is slow on CPU). The flat ring, and one node,
-  cast the whole tensor.
+  sum back: the in-node stages stay in the gradient's dtype, which is more accurate, and the
+  in-node links are not the bottleneck. The flat all-reduce, and one node, cast the whole tensor.
 - ``chunk_numel``: split the tensor into chunks and pipeline them through the stages with
   asynchronous collectives (chunk ``i`` crosses the nodes while chunk ``i+1`` is reduced in the
   node). ``None`` sends the tensor as one piece; DDP buckets already give some pipelining.
@@ -27,23 +25,31 @@ Options shared by all three:
   the inter-node stage only (Tencent Cloud 2020 hierarchical top-k; Lin et al. 2018, Deep
   Gradient Compression, for the error feedback). See :class:`TopKErrorFeedback`.
 
-Primitive choice per backend (why the torus does not call ``reduce_scatter`` on gloo): on this
-project's CPU machine with gloo, 4 local ranks, 16 MB fp32, one ``reduce_scatter_tensor`` took
-74 ms, ``reduce`` of each quarter to its owner (asynchronous, all four in flight) 24 ms,
-``all_gather_into_tensor`` 43 ms and ``broadcast`` of each quarter from its owner 16 ms. So on
-gloo the torus reduce-scatters with one ``reduce`` per shard and all-gathers with one
-``broadcast`` per shard (shards may then be uneven: no padding); on NCCL, whose native
-reduce-scatter / all-gather are the fast path, it uses those on a zero-padded buffer.
+In-node primitives of the torus per backend: NCCL's native reduce-scatter / all-gather are its
+fast path; gloo's are slower than one asynchronous ``reduce`` / ``broadcast`` per shard, so on
+gloo the torus uses those (shards may then be uneven: no padding). The timings behind this
+choice are in ``benchmarks/README.md`` (section "Communication core"). ``native_scatter_gather``
+forces either path.
+
+A collective that fails raises :class:`CollectiveStageError` naming the stage
+(:data:`STAGES`) and the original error as its cause.
 """
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_fastscale.strategies.options import (  # noqa: F401  (re-exported for old imports)
+    AUTO_CHUNK_MB_PER_NODE,
+    DEFAULT_PIPELINE_CHUNK_MB,
+    chunk_numel_for,
+    resolve_chunk_mb,
+)
 from lightning_fastscale.strategies.topology import ProcessGroups
 
 # Backends whose native reduce-scatter / all-gather beat per-shard reduce / broadcast.
@@ -51,38 +57,43 @@ _NATIVE_SCATTER_GATHER_BACKENDS = frozenset({"nccl"})
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-
-AUTO_CHUNK_MB_PER_NODE = 2.0
-DEFAULT_PIPELINE_CHUNK_MB = "auto"
-"""Default ``pipeline_chunk_mb``: ``AUTO_CHUNK_MB_PER_NODE`` MiB per node (4 MiB on 2 nodes), none
-on one node. Every chunk pays every stage's latency, 2(N-1) messages in an N-node ring, while
-the bytes a chunk moves per link stay about its size, so the latency share of a chunk grows as
-N / chunk size; a chunk growing with N keeps that share constant, and at hundreds of nodes the
-buckets go unchunked (the planner's cost model prices 4 MiB chunks at Sony's 272 nodes at 56 %
-scaling efficiency against 95 % unchunked). Measured on the emulated 2 x 4 cluster at 500 Mbit/s:
-a 102 MB hierarchical all-reduce took 2.42 s unchunked, 1.85 s in 4 MiB and 1.79 s in 2 MiB
-chunks (README)."""
+STAGES: tuple[str, ...] = (
+    "flat all-reduce", "in-node all-reduce", "in-node reduce", "in-node reduce-scatter",
+    "inter-node all-reduce", "inter-node top-k all-gather", "in-node broadcast", "in-node all-gather",
+)
+"""Stage names that :class:`CollectiveStageError` reports."""
 
 
-def resolve_chunk_mb(pipeline_chunk_mb: float | str | None, num_nodes: int) -> float | None:
-    """The chunk size in MiB that ``pipeline_chunk_mb`` (a number, ``"auto"`` or ``None``) means on
-    ``num_nodes`` nodes; ``None``: buckets go in one piece."""
-    if pipeline_chunk_mb == "auto":
-        return AUTO_CHUNK_MB_PER_NODE * num_nodes if num_nodes > 1 else None
-    if pipeline_chunk_mb is None:
-        return None
-    if isinstance(pipeline_chunk_mb, str) or not pipeline_chunk_mb > 0:
-        raise ValueError(
-            f"pipeline_chunk_mb={pipeline_chunk_mb!r} must be a size in MiB > 0, 'auto' "
-            f"({AUTO_CHUNK_MB_PER_NODE:g} MiB per node) or None (unchunked buckets)."
-        )
-    return float(pipeline_chunk_mb)
+class CollectiveStageError(RuntimeError):
+    """A collective of one stage of an all-reduce failed; ``__cause__`` is the backend's error."""
+
+    def __init__(self, stage: str, cause: BaseException) -> None:
+        super().__init__(f"{stage} failed: {type(cause).__name__}: {cause}")
+        self.stage = stage
 
 
-def chunk_numel_for(pipeline_chunk_mb: float | str | None, num_nodes: int = 1, element_size: int = 4) -> int | None:
-    """Elements per pipeline chunk for ``pipeline_chunk_mb`` on ``num_nodes`` nodes (``None``: one piece)."""
-    chunk_mb = resolve_chunk_mb(pipeline_chunk_mb, num_nodes)
-    return None if chunk_mb is None else max(1, int(chunk_mb * 1024 * 1024) // element_size)
+def _issue(stage: str, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> _Pending | None:
+    """Run ``collective(*args, async_op=..., **kwargs)``, labelling its failure with ``stage``."""
+    try:
+        work = collective(*args, **kwargs)
+    except CollectiveStageError:
+        raise
+    except Exception as error:
+        raise CollectiveStageError(stage, error) from error
+    return None if work is None else _Pending(stage, work)
+
+
+class _Pending:
+    """An asynchronous collective whose ``wait`` reports failures as :class:`CollectiveStageError`."""
+
+    def __init__(self, stage: str, work: dist.Work) -> None:
+        self.stage, self.work = stage, work
+
+    def wait(self) -> None:
+        try:
+            self.work.wait()
+        except Exception as error:
+            raise CollectiveStageError(self.stage, error) from error
 
 
 @dataclass
@@ -129,10 +140,10 @@ class TopKErrorFeedback:
         return indices.to(torch.int32), values
 
 
-def _to_wire(tensor: Tensor, comm_dtype: torch.dtype | None) -> Tensor:
-    if comm_dtype is None or comm_dtype == tensor.dtype:
+def _to_wire(tensor: Tensor, wire_dtype: torch.dtype | None) -> Tensor:
+    if wire_dtype is None or wire_dtype == tensor.dtype:
         return tensor
-    return tensor.to(comm_dtype)
+    return tensor.to(wire_dtype)
 
 
 def _finish(tensor: Tensor, wire: Tensor) -> Tensor:
@@ -155,7 +166,7 @@ def _shard_sizes(numel: int, parts: int) -> list[int]:
 
 
 def _sparse_allreduce_(
-    tensor: Tensor, group: dist.ProcessGroup, groups: ProcessGroups, topk: TopKErrorFeedback,
+    tensor: Tensor, group: dist.ProcessGroup, topk: TopKErrorFeedback,
     key: Hashable, wire_dtype: torch.dtype, acc_dtype: torch.dtype,
 ) -> None:
     """Sum ``tensor`` over ``group`` sending only its top-k (plus residual) as index/value pairs."""
@@ -164,10 +175,9 @@ def _sparse_allreduce_(
     size = dist.get_world_size(group)
     all_indices = [torch.empty_like(indices) for _ in range(size)]
     all_values = [torch.empty_like(values) for _ in range(size)]
-    groups.count("inter_allgather")
-    dist.all_gather(all_indices, indices, group=group)
-    groups.count("inter_allgather")
-    dist.all_gather(all_values, values, group=group)
+    stage = "inter-node top-k all-gather"
+    _issue(stage, dist.all_gather, all_indices, indices, group=group)
+    _issue(stage, dist.all_gather, all_values, values, group=group)
     acc.zero_()
     for idx, val in zip(all_indices, all_values):
         acc.index_add_(0, idx, val.to(acc_dtype))
@@ -177,7 +187,7 @@ def _sparse_allreduce_(
 class _Crossing:
     """One piece's inter-node all-reduce in flight; ``wait`` also copies the wire copy back."""
 
-    def __init__(self, piece: Tensor, wire: Tensor, work: dist.Work | None) -> None:
+    def __init__(self, piece: Tensor, wire: Tensor, work: _Pending | None) -> None:
         self.piece, self.wire, self.work = piece, wire, work
 
     def wait(self) -> None:
@@ -188,10 +198,10 @@ class _Crossing:
 
 
 def _inter_stage(
-    pieces: list[Tensor], groups: ProcessGroups, comm_dtype: torch.dtype | None,
-    topk: TopKErrorFeedback | None, key: Hashable, after: list[dist.Work | None] | None = None,
+    pieces: list[Tensor], groups: ProcessGroups, wire_dtype: torch.dtype | None,
+    topk: TopKErrorFeedback | None, key: Hashable, after: list[_Pending | None] | None = None,
 ) -> list[_Crossing | None]:
-    """All-reduce each piece over ``groups.inter`` in ``comm_dtype``; wait for ``after[i]`` first.
+    """All-reduce each piece over ``groups.inter`` in ``wire_dtype``; wait for ``after[i]`` first.
 
     Only this stage is cast to the wire dtype: sums inside a node stay in the gradient's own
     precision, and the cast of a chunk overlaps the transfer of the previous one.
@@ -203,69 +213,64 @@ def _inter_stage(
         if piece.numel() == 0:
             crossings.append(None)
         elif topk is not None:
-            wire_dtype = comm_dtype or piece.dtype
-            _sparse_allreduce_(piece, groups.inter, groups, topk, (key, i), wire_dtype, piece.dtype)
+            _sparse_allreduce_(piece, groups.inter, topk, (key, i), wire_dtype or piece.dtype, piece.dtype)
             crossings.append(None)
         else:
-            wire = _to_wire(piece, comm_dtype)
-            groups.count("inter_allreduce")
-            crossings.append(_Crossing(piece, wire, dist.all_reduce(wire, group=groups.inter, async_op=True)))
+            wire = _to_wire(piece, wire_dtype)
+            work = _issue("inter-node all-reduce", dist.all_reduce, wire, group=groups.inter, async_op=True)
+            crossings.append(_Crossing(piece, wire, work))
     return crossings
 
 
-def _wait(works: list[dist.Work | _Crossing | None]) -> None:
+def _wait(works: list[_Pending | _Crossing | None]) -> None:
     for work in works:
         if work is not None:
             work.wait()
 
 
-def ring_allreduce_(
-    tensor: Tensor, groups: ProcessGroups, comm_dtype: torch.dtype | None = None,
+def flat_allreduce_(
+    tensor: Tensor, groups: ProcessGroups, wire_dtype: torch.dtype | None = None,
     chunk_numel: int | None = None,
 ) -> Tensor:
-    """Flat all-reduce over every rank (the baseline the two-level algorithms are measured against)."""
-    wire = _to_wire(tensor, comm_dtype)
-    works = []
-    for piece in _chunks(wire, chunk_numel):
-        groups.count("world_allreduce")
-        works.append(dist.all_reduce(piece, group=groups.world, async_op=True))
-    _wait(works)
+    """Flat all-reduce over every rank (the baseline the two-level algorithms are measured against).
+
+    Runs on ``groups.world``, a private group, so it never interleaves with collectives that
+    others issue on the default group during backward (e.g. SyncBatchNorm).
+    """
+    wire = _to_wire(tensor, wire_dtype)
+    _wait([_issue("flat all-reduce", dist.all_reduce, piece, group=groups.world, async_op=True)
+           for piece in _chunks(wire, chunk_numel)])
     return _finish(tensor, wire)
 
 
 def hierarchical_allreduce_(
-    tensor: Tensor, groups: ProcessGroups, comm_dtype: torch.dtype | None = None,
+    tensor: Tensor, groups: ProcessGroups, wire_dtype: torch.dtype | None = None,
     topk: TopKErrorFeedback | None = None, key: Hashable = 0, chunk_numel: int | None = None,
 ) -> Tensor:
     """Reduce in the node to its leader, all-reduce among leaders, broadcast in the node.
 
     Only the node leaders (local rank 0) touch the inter-node network, and each sends the
     gradient once instead of once per rank: 2(N-1)/N of the bytes per node link, with N nodes
-    instead of N*ranks_per_node in the latency term (Jia et al. 2018). ``comm_dtype`` applies
+    instead of N*ranks_per_node in the latency term (Jia et al. 2018). ``wire_dtype`` applies
     to the leaders' all-reduce only. With one node this is an all-reduce in the node (in
-    ``comm_dtype``, its only link); with one rank per node, an all-reduce among nodes.
+    ``wire_dtype``, its only link); with one rank per node, an all-reduce among nodes.
     """
     topo = groups.topology
     if topo.num_nodes == 1:
-        wire = _to_wire(tensor, comm_dtype)
-        works = []
-        for piece in _chunks(wire, chunk_numel):
-            groups.count("intra_allreduce")
-            works.append(dist.all_reduce(piece, group=groups.intra, async_op=True))
-        _wait(works)
+        wire = _to_wire(tensor, wire_dtype)
+        _wait([_issue("in-node all-reduce", dist.all_reduce, piece, group=groups.intra, async_op=True)
+               for piece in _chunks(wire, chunk_numel)])
         return _finish(tensor, wire)
     pieces = _chunks(tensor, chunk_numel)
     if topo.ranks_per_node == 1:
-        _wait(_inter_stage(pieces, groups, comm_dtype, topk, key))
+        _wait(_inter_stage(pieces, groups, wire_dtype, topk, key))
         return tensor
 
     leader = groups.intra_ranks[0]
-    inbound = []
-    for piece in pieces:
-        groups.count("intra_reduce")
-        inbound.append(dist.reduce(piece, dst=leader, group=groups.intra, async_op=True))
+    inbound = [_issue("in-node reduce", dist.reduce, piece, dst=leader, group=groups.intra, async_op=True)
+               for piece in pieces]
     if groups.is_leader:
-        crossed = _inter_stage(pieces, groups, comm_dtype, topk, key, after=inbound)
+        crossed = _inter_stage(pieces, groups, wire_dtype, topk, key, after=inbound)
     else:
         # gloo may use a non-root's buffer as scratch: receive into it only once the reduce is done
         _wait(inbound)
@@ -274,54 +279,58 @@ def hierarchical_allreduce_(
     for piece, crossing in zip(pieces, crossed):
         if crossing is not None:
             crossing.wait()
-        groups.count("intra_broadcast")
-        outbound.append(dist.broadcast(piece, src=leader, group=groups.intra_out, async_op=True))
+        outbound.append(_issue("in-node broadcast", dist.broadcast, piece, src=leader,
+                               group=groups.intra_out, async_op=True))
     _wait(outbound)
     return tensor
 
 
 def torus2d_allreduce_(
-    tensor: Tensor, groups: ProcessGroups, comm_dtype: torch.dtype | None = None,
+    tensor: Tensor, groups: ProcessGroups, wire_dtype: torch.dtype | None = None,
     topk: TopKErrorFeedback | None = None, key: Hashable = 0, chunk_numel: int | None = None,
+    native_scatter_gather: bool | None = None,
 ) -> Tensor:
     """Reduce-scatter in the node, all-reduce each shard across nodes, all-gather in the node.
 
     Every local rank owns one 1/ranks_per_node shard and all-reduces it over its own inter-node
-    group (in ``comm_dtype``), so all ranks share the inter-node traffic (Mikami et al. 2018,
-    2D-torus all-reduce). The in-node primitives depend on the backend (see the module
-    docstring).
+    group (in ``wire_dtype``), so all ranks share the inter-node traffic (Mikami et al. 2018,
+    2D-torus all-reduce). ``native_scatter_gather``: use the backend's reduce-scatter /
+    all-gather (``True``) or one reduce / broadcast per shard (``False``); ``None`` picks by
+    backend (see the module docstring).
     """
     topo = groups.topology
     if topo.num_nodes == 1 or topo.ranks_per_node == 1:
-        return hierarchical_allreduce_(tensor, groups, comm_dtype, topk, key, chunk_numel)
+        return hierarchical_allreduce_(tensor, groups, wire_dtype, topk, key, chunk_numel)
     pieces = _chunks(tensor, chunk_numel)
-    if groups.backend in _NATIVE_SCATTER_GATHER_BACKENDS:
-        _torus_native(pieces, groups, comm_dtype, topk, key)
+    if native_scatter_gather is None:
+        native_scatter_gather = groups.backend in _NATIVE_SCATTER_GATHER_BACKENDS
+    if native_scatter_gather:
+        _torus_native(pieces, groups, wire_dtype, topk, key)
     else:
-        _torus_per_shard(pieces, groups, comm_dtype, topk, key)
+        _torus_per_shard(pieces, groups, wire_dtype, topk, key)
     return tensor
 
 
 def _torus_per_shard(
-    pieces: list[Tensor], groups: ProcessGroups, comm_dtype: torch.dtype | None,
+    pieces: list[Tensor], groups: ProcessGroups, wire_dtype: torch.dtype | None,
     topk: TopKErrorFeedback | None, key: Hashable,
 ) -> None:
     parts = groups.topology.ranks_per_node
     me = groups.local_rank
     shards = [piece.split(_shard_sizes(piece.numel(), parts)) for piece in pieces]
-    inbound: list[list[dist.Work | None]] = []
+    inbound: list[list[_Pending | None]] = []
     for piece_shards in shards:
-        works: list[dist.Work | None] = []
+        works: list[_Pending | None] = []
         for owner, shard in enumerate(piece_shards):
             if shard.numel() == 0:
                 works.append(None)
                 continue
-            groups.count("intra_reduce")
-            works.append(dist.reduce(shard, dst=groups.intra_ranks[owner], group=groups.intra, async_op=True))
+            works.append(_issue("in-node reduce", dist.reduce, shard, dst=groups.intra_ranks[owner],
+                                group=groups.intra, async_op=True))
         inbound.append(works)
     # The inter stage of a piece starts as soon as this rank's own shard of it is reduced.
     crossed = _inter_stage(
-        [s[me] for s in shards], groups, comm_dtype, topk, key, after=[works[me] for works in inbound]
+        [s[me] for s in shards], groups, wire_dtype, topk, key, after=[works[me] for works in inbound]
     )
     outbound = []
     for piece_shards, works, crossing in zip(shards, inbound, crossed):
@@ -330,15 +339,13 @@ def _torus_per_shard(
             crossing.wait()
         for owner, shard in enumerate(piece_shards):
             if shard.numel():
-                groups.count("intra_broadcast")
-                outbound.append(
-                    dist.broadcast(shard, src=groups.intra_ranks[owner], group=groups.intra_out, async_op=True)
-                )
+                outbound.append(_issue("in-node broadcast", dist.broadcast, shard, src=groups.intra_ranks[owner],
+                                       group=groups.intra_out, async_op=True))
     _wait(outbound)
 
 
 def _torus_native(
-    pieces: list[Tensor], groups: ProcessGroups, comm_dtype: torch.dtype | None,
+    pieces: list[Tensor], groups: ProcessGroups, wire_dtype: torch.dtype | None,
     topk: TopKErrorFeedback | None, key: Hashable,
 ) -> None:
     parts = groups.topology.ranks_per_node
@@ -346,18 +353,16 @@ def _torus_native(
         pad = -piece.numel() % parts
         buffer = piece if pad == 0 else torch.cat([piece, piece.new_zeros(pad)])
         shard = buffer.new_empty(buffer.numel() // parts)
-        groups.count("intra_reduce_scatter")
-        _reduce_scatter(shard, buffer, group=groups.intra)
-        _wait(_inter_stage([shard], groups, comm_dtype, topk, (key, i)))
-        groups.count("intra_allgather")
-        _all_gather(buffer, shard, group=groups.intra_out)
+        _issue("in-node reduce-scatter", _reduce_scatter, shard, buffer, group=groups.intra)
+        _wait(_inter_stage([shard], groups, wire_dtype, topk, (key, i)))
+        _issue("in-node all-gather", _all_gather, buffer, shard, group=groups.intra_out)
         if pad:
             piece.copy_(buffer[: piece.numel()])
 
 
-ALGORITHMS = {
-    "ring": ring_allreduce_,
+ALLREDUCE_FUNCTIONS: dict[str, Callable[..., Tensor]] = {
+    "flat": flat_allreduce_,
     "hier": hierarchical_allreduce_,
     "torus2d": torus2d_allreduce_,
 }
-"""Name -> in-place all-reduce function, as accepted by the strategy's ``algorithm`` option."""
+"""Algorithm name (:data:`~lightning_fastscale.strategies.options.ALGORITHMS`) -> in-place all-reduce."""

@@ -26,7 +26,7 @@ from torch import Tensor
 from lightning_fastscale.strategies.allreduce import (
     TopKErrorFeedback,
     hierarchical_allreduce_,
-    ring_allreduce_,
+    flat_allreduce_,
     torus2d_allreduce_,
 )
 from lightning_fastscale.strategies.topology import ProcessGroups
@@ -62,22 +62,19 @@ class _CommWorker:
 class HierarchicalHookState:
     """Everything the hooks need, created once at setup.
 
-    ``comm_dtype``: inter-node wire dtype (``None`` keeps the gradient dtype). ``topk``: top-k compression
+    ``wire_dtype``: inter-node wire dtype (``None`` keeps the gradient dtype). ``topk``: top-k compression
     of the inter-node stage with its per-bucket residuals, used from hook iteration
     ``topk_start_iter`` on (DDP rebuilds buckets after iteration 0; starting later keeps the
     residuals on the final layout, the PowerSGD practice). ``chunk_numel``: pipeline chunk
-    size inside a bucket. Counters: ``iteration`` (completed hook iterations), ``hook_calls``,
-    ``bucket_numels`` (the latest bucket layout, index -> elements).
+    size inside a bucket. ``iteration``: completed hook iterations (decides when top-k starts).
     """
 
     groups: ProcessGroups
-    comm_dtype: torch.dtype | None = None
+    wire_dtype: torch.dtype | None = None
     topk: TopKErrorFeedback | None = None
     topk_start_iter: int = 2
     chunk_numel: int | None = None
     iteration: int = 0
-    hook_calls: int = 0
-    bucket_numels: dict[int, int] = field(default_factory=dict)
     _worker: _CommWorker | None = field(default=None, repr=False)
 
     def submit(self, job: Callable[[], Tensor]) -> torch.futures.Future:
@@ -97,9 +94,7 @@ def _enqueue(state: HierarchicalHookState, bucket: dist.GradBucket, algorithm: C
              sparse: bool) -> torch.futures.Future:
     tensor = bucket.buffer()
     index = bucket.index()
-    state.bucket_numels[index] = tensor.numel()
     topk = state.topk if sparse and state.iteration >= state.topk_start_iter else None
-    state.hook_calls += 1
     if bucket.is_last():
         state.iteration += 1
     world_size = state.groups.topology.world_size
@@ -108,14 +103,14 @@ def _enqueue(state: HierarchicalHookState, bucket: dist.GradBucket, algorithm: C
         # Average before casting, like DDP's fp16 hook, so fp16 sums cannot overflow.
         tensor.div_(world_size)
         kwargs = {"topk": topk, "key": index} if sparse else {}
-        return algorithm(tensor, state.groups, comm_dtype=state.comm_dtype, chunk_numel=state.chunk_numel, **kwargs)
+        return algorithm(tensor, state.groups, wire_dtype=state.wire_dtype, chunk_numel=state.chunk_numel, **kwargs)
 
     return state.submit(job)
 
 
-def ring_hook(state: HierarchicalHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def flat_hook(state: HierarchicalHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket with one flat all-reduce (the baseline, with the wire dtype option)."""
-    return _enqueue(state, bucket, ring_allreduce_, sparse=False)
+    return _enqueue(state, bucket, flat_allreduce_, sparse=False)
 
 
 def hierarchical_hook(state: HierarchicalHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -128,5 +123,5 @@ def torus2d_hook(state: HierarchicalHookState, bucket: dist.GradBucket) -> torch
     return _enqueue(state, bucket, torus2d_allreduce_, sparse=True)
 
 
-HOOKS = {"ring": ring_hook, "hier": hierarchical_hook, "torus2d": torus2d_hook}
+HOOKS = {"flat": flat_hook, "hier": hierarchical_hook, "torus2d": torus2d_hook}
 """Algorithm name -> DDP communication hook."""

@@ -15,20 +15,22 @@ The algorithms are Jia et al. 2018 (hierarchical, arXiv:1807.11205) and Mikami e
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_fastscale.strategies.allreduce import (
+from lightning_fastscale.strategies.allreduce import TopKErrorFeedback
+from lightning_fastscale.strategies.comm_hooks import HOOKS, HierarchicalHookState
+from lightning_fastscale.strategies.options import (
     DEFAULT_PIPELINE_CHUNK_MB,
-    TopKErrorFeedback,
+    WIRE_DTYPES,
+    canonical_algorithm,
     chunk_numel_for,
+    renamed_option,
     resolve_chunk_mb,
 )
-from lightning_fastscale.strategies.comm_hooks import HOOKS, HierarchicalHookState
 from lightning_fastscale.strategies.topology import Topology, build_process_groups, detect_ranks_per_node
 from lightning_fastscale.strategies.user_hooks import (
     LeaderHookState,
@@ -37,7 +39,9 @@ from lightning_fastscale.strategies.user_hooks import (
     user_hook_for_one_node,
 )
 
-COMM_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+if TYPE_CHECKING:  # the planner imports this package; the annotation only names its class
+    from lightning_fastscale.planner.auto import CostModelPlanner
+
 _MB = 1024 * 1024
 AlgorithmSelector = Callable[[nn.Module, Topology], str]
 FusionPlanner = Callable[[nn.Module, Topology], Sequence[float]]
@@ -45,7 +49,7 @@ FusionPlanner = Callable[[nn.Module, Topology], Sequence[float]]
 
 def default_algorithm_selector(module: nn.Module, topology: Topology) -> str:
     """``algorithm="auto"`` without a planner: hierarchical across nodes, flat inside one node."""
-    return "hier" if topology.num_nodes > 1 else "ring"
+    return "hier" if topology.num_nodes > 1 else "flat"
 
 
 def two_segment_caps_mb(module: nn.Module, split: int) -> list[float]:
@@ -81,7 +85,7 @@ class HierarchicalDDPSetup:
         self,
         algorithm: str = "hier",
         ranks_per_node: int | None = None,
-        comm_dtype: str = "fp32",
+        wire_dtype: str = "fp32",
         bucket_cap_mb: float | None = None,
         fusion_plan: Sequence[float] | FusionPlanner | None = None,
         two_segment_split: int | None = None,
@@ -90,37 +94,23 @@ class HierarchicalDDPSetup:
         topk_start_iter: int = 2,
         pipeline_chunk_mb: float | str | None = DEFAULT_PIPELINE_CHUNK_MB,
         algorithm_selector: AlgorithmSelector | None = None,
-        planner: Any = None,
+        planner: CostModelPlanner | None = None,
+        comm_dtype: str | None = None,
         ddp_comm_hook: Callable | None = None,
         ddp_comm_state: Any = None,
         ddp_comm_wrapper: Callable | None = None,
         **kwargs: Any,
     ) -> None:
-        if planner is not None:
-            wanted_topk = topk_ratio if compression == "topk" else None
-            if (planner.wire_dtype, planner.topk_ratio) != (comm_dtype, wanted_topk):
-                raise ValueError(
-                    f"planner plans for wire_dtype={planner.wire_dtype!r}, topk_ratio={planner.topk_ratio} "
-                    f"but the strategy sends comm_dtype={comm_dtype!r}, topk_ratio={wanted_topk}: "
-                    "give the planner the same settings"
-                )
-            if planner.pipeline_chunk_mb != pipeline_chunk_mb:
-                raise ValueError(
-                    f"planner plans for pipeline_chunk_mb={planner.pipeline_chunk_mb} but the strategy "
-                    f"pipelines pipeline_chunk_mb={pipeline_chunk_mb}: give both the same value"
-                )
-            algorithm_selector = algorithm_selector or planner.select_algorithm
-            if bucket_cap_mb is None and fusion_plan is None and two_segment_split is None:
-                fusion_plan = planner.fusion_caps
-        if algorithm not in (*HOOKS, "auto"):
-            raise ValueError(f"algorithm={algorithm!r}: choose one of {[*HOOKS, 'auto']}.")
-        if comm_dtype not in COMM_DTYPES:
-            raise ValueError(f"comm_dtype={comm_dtype!r}: choose one of {list(COMM_DTYPES)}.")
+        if comm_dtype is not None:
+            wire_dtype = renamed_option(type(self).__name__, "comm_dtype", comm_dtype, "wire_dtype", wire_dtype, "fp32")
+        algorithm = canonical_algorithm(algorithm, extra=("auto",))
+        if wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire_dtype={wire_dtype!r}: choose one of {list(WIRE_DTYPES)}.")
         if compression not in (None, "topk"):
             raise ValueError(f"compression={compression!r}: choose None or 'topk'.")
-        if compression == "topk" and algorithm == "ring":
+        if compression == "topk" and algorithm == "flat":
             raise ValueError(
-                "compression='topk' compresses the inter-node stage, which algorithm='ring' does not "
+                "compression='topk' compresses the inter-node stage, which algorithm='flat' does not "
                 "have: use algorithm='hier' or 'torus2d'."
             )
         if compression == "topk":
@@ -132,7 +122,7 @@ class HierarchicalDDPSetup:
         if sum(x is not None for x in (bucket_cap_mb, fusion_plan, two_segment_split)) > 1:
             raise ValueError("set only one of bucket_cap_mb, fusion_plan and two_segment_split.")
         chunk_numel_for(pipeline_chunk_mb)  # validates it before any process starts
-        check_user_hook(ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper, algorithm, comm_dtype, compression)
+        check_user_hook(ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper, algorithm, wire_dtype, compression)
         if kwargs.get("model_averaging_period") is not None:
             raise ValueError(
                 "model_averaging_period= (post-local SGD) replaces the gradient all-reduce by periodic "
@@ -145,13 +135,14 @@ class HierarchicalDDPSetup:
         super().__init__(**kwargs)
         self.algorithm = algorithm
         self.ranks_per_node = ranks_per_node
-        self.comm_dtype = comm_dtype
+        self.wire_dtype = wire_dtype
         self.fusion_plan = fusion_plan
         self.two_segment_split = two_segment_split
         self.compression = compression
         self.topk_ratio = topk_ratio
         self.topk_start_iter = topk_start_iter
         self.pipeline_chunk_mb = pipeline_chunk_mb
+        self.planner = planner
         self.algorithm_selector = algorithm_selector or default_algorithm_selector
         self.user_comm_hook = ddp_comm_hook
         self.user_comm_state = ddp_comm_state
@@ -172,6 +163,7 @@ class HierarchicalDDPSetup:
     node_rank: int
     world_size: int
     _ddp_kwargs: dict[str, Any]
+    _timeout: Any
 
     def _resolve_topology(self) -> Topology:
         world_size = self.num_nodes * self.num_processes
@@ -188,7 +180,7 @@ class HierarchicalDDPSetup:
                 f"but the launcher's world size is {env_world}: make num_nodes * devices match it."
             )
         try:
-            return Topology(world_size, self.ranks_per_node or self.num_processes)
+            return Topology.from_world(world_size, self.ranks_per_node or self.num_processes)
         except ValueError as error:
             raise ValueError(f"{type(self).__name__}(ranks_per_node=...): {error}") from None
 
@@ -214,28 +206,59 @@ class HierarchicalDDPSetup:
                 "consecutive ranks per node (torchrun and Lightning do) or pass ranks_per_node explicitly."
             )
 
-    def _plan_ddp(self, model: nn.Module) -> None:
-        """Choose the bucket caps (into the DDP kwargs) and the algorithm, before DDP wraps ``model``."""
-        assert self.topology is not None
+    @property
+    def comm_dtype(self) -> str:
+        """Deprecated name of :attr:`wire_dtype`."""
+        return self.wire_dtype
+
+    def planner_settings(self) -> dict[str, Any]:
+        """The settings the planner must price: this strategy's wire dtype, top-k ratio and chunk size."""
+        return {
+            "wire_dtype": self.wire_dtype,
+            "topk_ratio": self.topk_ratio if self.compression == "topk" else None,
+            "pipeline_chunk_mb": self.pipeline_chunk_mb,
+        }
+
+    def resolve_comm_plan(self, model: nn.Module, topology: Topology) -> tuple[str, list[float] | None]:
+        """The algorithm and the DDP bucket caps (MB, ``None``: DDP's uniform cap) for ``model`` on ``topology``.
+
+        Explicit settings win: a fixed ``algorithm``; ``two_segment_split``, ``fusion_plan`` or
+        ``bucket_cap_mb`` for the buckets. Otherwise the planner, asked with this strategy's
+        :meth:`planner_settings`, or ``algorithm_selector`` decides.
+        """
+        plan = None
+        if self.planner is not None:
+            algorithms = None if self.algorithm == "auto" else (self.algorithm,)
+            plan = self.planner.plan(model, topology, algorithms=algorithms, timeout=self._timeout,
+                                     **self.planner_settings())
         caps: Sequence[float] | None = None
         if self.two_segment_split is not None:
             caps = two_segment_caps_mb(model, self.two_segment_split)
         elif callable(self.fusion_plan):
-            caps = list(self.fusion_plan(model, self.topology))
+            caps = list(self.fusion_plan(model, topology))
         elif self.fusion_plan is not None:
             caps = list(self.fusion_plan)
+        elif plan is not None and self._ddp_kwargs.get("bucket_cap_mb") is None:
+            caps = plan.plan.ddp_bucket_cap_mb_list()
+        if caps is not None and (not caps or min(caps) <= 0):
+            raise ValueError(f"fusion plan {caps}: bucket caps must be a non-empty list of positive MB.")
+        if self.algorithm != "auto":
+            algorithm = self.algorithm
+        elif plan is not None:
+            algorithm = plan.algorithm
+        else:
+            algorithm = canonical_algorithm(self.algorithm_selector(model, topology), "algorithm_selector result")
+        return algorithm, None if caps is None else list(caps)
+
+    def _plan_ddp(self, model: nn.Module) -> None:
+        """Choose the algorithm and the bucket caps (into the DDP kwargs), before DDP wraps ``model``."""
+        assert self.topology is not None
+        self.resolved_algorithm, caps = self.resolve_comm_plan(model, self.topology)
         if caps is not None:
-            if not caps or min(caps) <= 0:
-                raise ValueError(f"fusion plan {caps}: bucket caps must be a non-empty list of positive MB.")
-            self._ddp_kwargs["bucket_cap_mb_list"] = list(caps)
-        self.resolved_algorithm = (
-            self.algorithm_selector(model, self.topology) if self.algorithm == "auto" else self.algorithm
-        )
-        if self.resolved_algorithm not in HOOKS:
-            raise ValueError(f"algorithm_selector returned {self.resolved_algorithm!r}, not one of {list(HOOKS)}.")
-        if self.user_comm_hook is not None:
+            self._ddp_kwargs["bucket_cap_mb_list"] = caps
+        if self.user_comm_hook is not None and self.topology.num_nodes > 1:
             check_user_hook(self.user_comm_hook, self.user_comm_state, self.user_comm_wrapper,
-                            self.resolved_algorithm, self.comm_dtype, self.compression)
+                            self.resolved_algorithm, self.wire_dtype, self.compression)
         self._gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
     def _install_hook(self, ddp_model: DistributedDataParallel) -> None:
@@ -247,10 +270,10 @@ class HierarchicalDDPSetup:
             return
         if self.uses_ddp_allreduce:
             return
-        groups = build_process_groups(self.topology)
+        groups = build_process_groups(self.topology, timeout=self._timeout)
         self.hook_state = HierarchicalHookState(
             groups=groups,
-            comm_dtype=COMM_DTYPES[self.comm_dtype],
+            wire_dtype=None if self.wire_dtype == "fp32" else WIRE_DTYPES[self.wire_dtype],
             topk=TopKErrorFeedback(self.topk_ratio) if self.compression == "topk" else None,
             topk_start_iter=self.topk_start_iter,
             chunk_numel=chunk_numel_for(self.pipeline_chunk_mb, self.topology.num_nodes),
@@ -273,7 +296,7 @@ class HierarchicalDDPSetup:
         does without the Python hook and its thread, so one node costs what plain DDP does.
         """
         assert self.topology is not None
-        plain = self.comm_dtype == "fp32" and self.compression is None
+        plain = self.wire_dtype == "fp32" and self.compression is None
         no_user_hook = self.user_comm_hook is None and self.user_comm_wrapper is None
         return self.topology.num_nodes == 1 and plain and no_user_hook
 
@@ -296,7 +319,7 @@ class HierarchicalDDPSetup:
             "strategy/ranks_per_node": self.topology.ranks_per_node,
             "strategy/world_size": self.topology.world_size,
             "strategy/backend": self.hook_state.groups.backend if self.hook_state else None,
-            "strategy/comm_dtype": self.comm_dtype,
+            "strategy/wire_dtype": self.wire_dtype,
             "strategy/compression": f"topk:{self.topk_ratio}" if self.compression else "none",
             "strategy/gradient_mb": round(self._gradient_bytes / _MB, 3),
             "strategy/bucket_caps_mb": [round(float(c), 3) for c in caps],

@@ -25,7 +25,7 @@ class FabricHierarchicalAllReduceStrategy(HierarchicalDDPSetup, DDPStrategy):
     """Fabric's DDP whose gradient buckets are all-reduced hierarchically, as a 2D torus, or flat.
 
     Takes the arguments of :class:`~lightning_fastscale.strategies.HierarchicalAllReduceStrategy`
-    (``algorithm``, ``ranks_per_node``, ``comm_dtype``, fusion, compression, pipelining, planner,
+    (``algorithm``, ``ranks_per_node``, ``wire_dtype``, fusion, compression, pipelining, planner,
     ``ddp_comm_hook``/``ddp_comm_state``/``ddp_comm_wrapper``); the rest goes to Fabric's
     :class:`~lightning.fabric.strategies.DDPStrategy` and to ``DistributedDataParallel``. The hook
     is installed in :meth:`setup_module`; :meth:`teardown` (Fabric does not call it on its own)

@@ -4,7 +4,7 @@ The thin Lightning adapter over :mod:`~lightning_fastscale.strategies.allreduce`
 and :mod:`~lightning_fastscale.strategies.comm_hooks` (the DDP wiring): DDP still buckets the
 gradients and overlaps communication with backward; each bucket is all-reduced by the
 hierarchical algorithm of Jia et al. 2018 (Tencent, arXiv:1807.11205), the 2D torus of Mikami
-et al. 2018 (Sony, arXiv:1811.05233) or a flat ring, optionally with a half-precision wire and
+et al. 2018 (Sony, arXiv:1811.05233) or one flat all-reduce, optionally with a half-precision wire and
 top-k compression of the inter-node stage (Tencent Cloud 2020). Registered in Lightning as
 ``"hier_ring"`` and ``"hier_torus"`` (plus ``*_spawn``) by :func:`register_strategies`.
 """
@@ -19,7 +19,6 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_fastscale.strategies.ddp_setup import (  # noqa: F401  (public names kept here)
-    COMM_DTYPES,
     AlgorithmSelector,
     FusionPlanner,
     HierarchicalDDPSetup,
@@ -31,16 +30,22 @@ from lightning_fastscale.strategies.ddp_setup import (  # noqa: F401  (public na
 class HierarchicalAllReduceStrategy(HierarchicalDDPSetup, DDPStrategy):
     """DDP whose gradient buckets are all-reduced hierarchically, as a 2D torus, or flat.
 
+    Each DDP bucket goes through a communication hook running the algorithm of Jia et al. 2018
+    (``hier``) or Mikami et al. 2018 (``torus2d``); on one node in fp32 DDP's own all-reduce is
+    kept (see :attr:`uses_ddp_allreduce`).
+
     Args:
         algorithm: ``"hier"`` (reduce in node, all-reduce among leaders, broadcast in node),
             ``"torus2d"`` (reduce-scatter in node, shard all-reduce across nodes, all-gather),
-            ``"ring"`` (flat all-reduce over all ranks) or ``"auto"`` (``algorithm_selector``).
+            ``"flat"`` (one all-reduce over all ranks) or ``"auto"`` (the planner or
+            ``algorithm_selector`` chooses). ``"ring"`` is the deprecated name of ``"flat"``.
         ranks_per_node: ranks forming one node. Default: the launcher's devices per node
             (``Trainer(devices=...)``, torchrun ``LOCAL_WORLD_SIZE``, SLURM tasks per node). A
             smaller value groups ranks by NVLink island or emulates several nodes on one machine.
-        comm_dtype: ``"fp32"``, ``"fp16"`` or ``"bf16"`` on the inter-node wire (gradients are
+        wire_dtype: ``"fp32"``, ``"fp16"`` or ``"bf16"`` on the inter-node wire (gradients are
             averaged before the cast and copied back into their own dtype; sums inside a node
             stay in the gradient's dtype; with one node the whole all-reduce uses it).
+            ``comm_dtype`` is its deprecated name.
         bucket_cap_mb: DDP's uniform bucket cap (default 25 MB).
         fusion_plan: explicit DDP bucket caps in MB in gradient-ready order
             (``bucket_cap_mb_list``), or a callable ``(module, topology) -> caps`` such as the
@@ -54,10 +59,12 @@ class HierarchicalAllReduceStrategy(HierarchicalDDPSetup, DDPStrategy):
             the stages (chunk i crosses the nodes while chunk i+1 is reduced in the node);
             ``"auto"`` (default): 2 MiB per node, so chunks grow with the latency each one pays;
             ``None`` sends each bucket in one piece.
-        algorithm_selector: ``(module, topology) -> name`` used for ``algorithm="auto"``.
-        planner: a :class:`~lightning_fastscale.planner.CostModelPlanner`; supplies both
-            ``algorithm_selector`` and (unless fusion is set explicitly) ``fusion_plan`` from the
-            communication cost model. Its wire dtype and top-k ratio must match this strategy's.
+        algorithm_selector: ``(module, topology) -> name`` used for ``algorithm="auto"``
+            without a planner.
+        planner: a :class:`~lightning_fastscale.planner.CostModelPlanner`. At setup the
+            strategy asks it for a plan under its own ``wire_dtype``, top-k ratio and
+            ``pipeline_chunk_mb``; the plan gives the algorithm (for ``"auto"``) and, unless
+            fusion is set explicitly, the DDP bucket caps.
         ddp_comm_hook: a torch DDP communication hook (``fp16_compress_hook``, PowerSGD's
             ``powerSGD_hook``, ...) run as the inter-node stage of ``algorithm="hier"``, or as
             the whole all-reduce on one node; see :mod:`lightning_fastscale.strategies.user_hooks`
@@ -68,11 +75,23 @@ class HierarchicalAllReduceStrategy(HierarchicalDDPSetup, DDPStrategy):
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (and DDP).
 
     Examples:
-        >>> import lightning.pytorch as pl
-        >>> trainer = pl.Trainer(strategy="hier_ring", accelerator="cpu", devices=2)  # doctest: +SKIP
-        >>> strategy = HierarchicalAllReduceStrategy(algorithm="torus2d", ranks_per_node=2, comm_dtype="fp16")
-        >>> strategy.algorithm, strategy.comm_dtype
-        ('torus2d', 'fp16')
+        Two emulated nodes of two ranks each on one CPU machine::
+
+            import lightning.pytorch as pl
+            from lightning_fastscale.strategies import HierarchicalAllReduceStrategy
+
+            strategy = HierarchicalAllReduceStrategy(algorithm="hier", ranks_per_node=2, wire_dtype="fp16")
+            trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=4, max_epochs=1)
+
+        The planner choosing algorithm and buckets for a described cluster::
+
+            from lightning_fastscale.planner import CostModelPlanner
+
+            planner = CostModelPlanner("tencent_cloud_25g_vpc", backward_time_s=0.15)
+            strategy = HierarchicalAllReduceStrategy(algorithm="auto", planner=planner, wire_dtype="fp16")
+
+        On a cluster, ``Trainer(strategy="hier_ring", num_nodes=N, devices=G)`` under
+        torchrun or SLURM detects the ranks per node from the launcher.
     """
 
     @override

@@ -11,43 +11,89 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Topology:
-    """``world_size`` ranks split into equal nodes of ``ranks_per_node`` contiguous ranks.
+    """``num_nodes`` nodes of ``ranks_per_node`` contiguous ranks each (ranks numbered node by node).
 
-    Raises ``ValueError`` naming the settings when the split is impossible.
+    The one topology type of the package: the strategy builds its process groups from it and
+    the planner prices algorithms on it. :meth:`from_world` builds it from a world size.
+    ``Topology(world_size=..., ranks_per_node=...)`` and ``nodes=`` still work for one release
+    (deprecated).
+
+    Examples:
+        >>> topo = Topology(num_nodes=2, ranks_per_node=4)
+        >>> topo.world_size, topo.node_ranks(1), topo.peer_ranks(0)
+        (8, [4, 5, 6, 7], [0, 4])
+        >>> Topology.from_world(8, 4) == topo
+        True
     """
 
-    world_size: int
+    num_nodes: int
     ranks_per_node: int
 
-    def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}.")
-        if self.ranks_per_node < 1:
+    def __init__(
+        self, num_nodes: int | None = None, ranks_per_node: int | None = None, *,
+        world_size: int | None = None, nodes: int | None = None,
+    ) -> None:
+        if nodes is not None:
+            warnings.warn("Topology(nodes=...) is deprecated: use num_nodes=...", DeprecationWarning, stacklevel=2)
+            num_nodes = nodes
+        if world_size is not None:
+            warnings.warn(
+                "Topology(world_size=..., ranks_per_node=...) is deprecated: use Topology.from_world(world_size, "
+                "ranks_per_node) or Topology(num_nodes, ranks_per_node).", DeprecationWarning, stacklevel=2,
+            )
+            num_nodes = self._nodes_of(world_size, ranks_per_node)
+        for name, value in (("num_nodes", num_nodes), ("ranks_per_node", ranks_per_node)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                hint = (" Set it to the number of processes per node (e.g. Trainer(devices=...)) or leave it "
+                        "unset to detect it.") if name == "ranks_per_node" else ""
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.{hint}")
+        object.__setattr__(self, "num_nodes", num_nodes)
+        object.__setattr__(self, "ranks_per_node", ranks_per_node)
+
+    @staticmethod
+    def _nodes_of(world_size: Any, ranks_per_node: Any) -> int:
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}.")
+        if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
             raise ValueError(
-                f"ranks_per_node must be >= 1, got {self.ranks_per_node}. Set it to the number of "
+                f"ranks_per_node must be an integer >= 1, got {ranks_per_node!r}. Set it to the number of "
                 "processes per node (e.g. Trainer(devices=...)) or leave it unset to detect it."
             )
-        if self.world_size % self.ranks_per_node:
+        if world_size % ranks_per_node:
             raise ValueError(
-                f"world size {self.world_size} is not a multiple of ranks_per_node={self.ranks_per_node}: "
+                f"world size {world_size} is not a multiple of ranks_per_node={ranks_per_node}: "
                 "every node must hold the same number of ranks. Choose ranks_per_node dividing "
-                f"{self.world_size} (or change Trainer(devices=..., num_nodes=...))."
+                f"{world_size} (or change Trainer(devices=..., num_nodes=...))."
             )
+        return world_size // ranks_per_node
+
+    @classmethod
+    def from_world(cls, world_size: int, ranks_per_node: int) -> Topology:
+        """``world_size`` ranks grouped ``ranks_per_node`` to a node; ``ValueError`` naming both if they do not divide."""
+        return cls(cls._nodes_of(world_size, ranks_per_node), ranks_per_node)
 
     @property
-    def num_nodes(self) -> int:
-        """Number of (possibly emulated) nodes."""
-        return self.world_size // self.ranks_per_node
+    def world_size(self) -> int:
+        """Total number of ranks."""
+        return self.num_nodes * self.ranks_per_node
+
+    @property
+    def nodes(self) -> int:
+        """Deprecated spelling of :attr:`num_nodes`."""
+        warnings.warn("Topology.nodes is deprecated: use Topology.num_nodes", DeprecationWarning, stacklevel=2)
+        return self.num_nodes
 
     def node_rank(self, rank: int) -> int:
         """Index of the node holding global ``rank``."""
@@ -111,7 +157,7 @@ class ProcessGroups:
     (the node leaders for local rank 0). ``intra_out``: a second group over the same node,
     used for the outbound (broadcast / all-gather) stage so it never shares a collective
     sequence with the inbound stage. ``world``: a private group over all ranks, so that the
-    flat ring never interleaves with collectives others issue on the default group (e.g.
+    flat all-reduce never interleaves with collectives others issue on the default group (e.g.
     SyncBatchNorm during backward). ``intra_ranks``/``inter_ranks``: global ranks in group order.
     """
 
@@ -124,7 +170,6 @@ class ProcessGroups:
     world: ProcessGroup
     intra_ranks: list[int]
     inter_ranks: list[int]
-    calls: dict[str, int] = field(default_factory=dict)
 
     @property
     def local_rank(self) -> int:
@@ -146,15 +191,14 @@ class ProcessGroups:
         for group in {id(g): g for g in (self.intra, self.intra_out, self.inter, self.world)}.values():
             dist.destroy_process_group(group)
 
-    def count(self, stage: str) -> None:
-        """Record one collective issued for ``stage`` (inspected by tests and logs)."""
-        self.calls[stage] = self.calls.get(stage, 0) + 1
 
-
-def build_process_groups(topology: Topology) -> ProcessGroups:
+def build_process_groups(topology: Topology, timeout: timedelta | None = None) -> ProcessGroups:
     """Create the intra-node and inter-node groups of ``topology``.
 
-    Collective: every rank must call it, in the same order, after ``init_process_group``.
+    ``timeout``: how long a collective on these groups waits for a peer before it fails (the
+    strategy passes its own ``timeout``, so a hung rank ends the run as it would under plain
+    DDP); ``None``: torch's default for the backend. Collective: every rank must call it, in
+    the same order, after ``init_process_group``.
     """
     if not dist.is_initialized():
         raise RuntimeError("build_process_groups needs torch.distributed.init_process_group to run first.")
@@ -169,14 +213,14 @@ def build_process_groups(topology: Topology) -> ProcessGroups:
     # new_group is collective over the default group: every rank creates every group.
     for kind in ("intra", "intra_out"):
         for node in range(topology.num_nodes):
-            group = dist.new_group(topology.node_ranks(node))
+            group = dist.new_group(topology.node_ranks(node), timeout=timeout)
             if node == topology.node_rank(rank):
                 mine[kind] = group
     for local in range(topology.ranks_per_node):
-        group = dist.new_group(topology.peer_ranks(local))
+        group = dist.new_group(topology.peer_ranks(local), timeout=timeout)
         if local == topology.local_rank(rank):
             mine["inter"] = group
-    world = dist.new_group(list(range(topology.world_size)))
+    world = dist.new_group(list(range(topology.world_size)), timeout=timeout)
     return ProcessGroups(
         topology=topology,
         rank=rank,

@@ -20,11 +20,11 @@ What combines and what does not, and why:
   the strategy sets it to the leaders' group.
 - ``algorithm="torus2d"``: refused, the torus reduces each bucket as per-rank shards, and a
   bucket hook (PowerSGD factors whole gradient matrices) cannot run on a shard.
-  ``algorithm="ring"``: refused, it has no inter-node stage; the hook alone is plain DDP.
+  ``algorithm="flat"``: refused, it has no inter-node stage; the hook alone is plain DDP.
 - ``allreduce_hook``: refused, it is DDP's flat all-reduce, which the strategy replaces.
 - ``post_localSGD_hook`` / ``model_averaging_period``: refused, post-local SGD replaces the
   gradient all-reduce by periodic model averaging.
-- ``comm_dtype`` other than fp32 or ``compression="topk"`` with a hook: refused, the hook
+- ``wire_dtype`` other than fp32 or ``compression="topk"`` with a hook: refused, the hook
   decides what crosses the nodes and a second cast or sparsification would stack on it.
 """
 # No ``from __future__ import annotations``: DDP checks the hook's annotations as real objects.
@@ -49,7 +49,7 @@ def check_user_hook(
     state: Any,
     wrapper: Callable | None,
     algorithm: str,
-    comm_dtype: str,
+    wire_dtype: str,
     compression: str | None,
 ) -> None:
     """Raise ``ValueError`` naming the settings when ``hook``/``state``/``wrapper`` cannot combine.
@@ -63,7 +63,7 @@ def check_user_hook(
     if hook is default_hooks.allreduce_hook:
         raise ValueError(
             "ddp_comm_hook=allreduce_hook is DDP's flat all-reduce, which this strategy replaces: drop it "
-            "(algorithm='ring' is the flat all-reduce) or use lightning's DDPStrategy."
+            "(algorithm='flat' is the flat all-reduce) or use lightning's DDPStrategy."
         )
     if hook is post_localSGD_hook.post_localSGD_hook:
         raise ValueError(
@@ -75,13 +75,13 @@ def check_user_hook(
         raise ValueError(
             f"ddp_comm_hook={_name(hook)} runs as the inter-node stage of algorithm='hier' (among the node "
             f"leaders, on the node-averaged bucket), not with algorithm={algorithm!r}: 'torus2d' reduces each "
-            "bucket as per-rank shards, which a bucket hook cannot take, and 'ring' has no inter-node stage. "
+            "bucket as per-rank shards, which a bucket hook cannot take, and 'flat' has no inter-node stage. "
             "Use algorithm='hier', or lightning's DDPStrategy for the hook alone."
         )
-    if comm_dtype != "fp32" or compression is not None:
+    if wire_dtype != "fp32" or compression is not None:
         raise ValueError(
-            f"ddp_comm_hook={_name(hook)} decides what crosses the nodes; comm_dtype={comm_dtype!r} and "
-            f"compression={compression!r} would cast or sparsify it a second time: leave comm_dtype='fp32' "
+            f"ddp_comm_hook={_name(hook)} decides what crosses the nodes; wire_dtype={wire_dtype!r} and "
+            f"compression={compression!r} would cast or sparsify it a second time: leave wire_dtype='fp32' "
             "and compression=None (fp16_compress_hook gives an fp16 inter-node wire)."
         )
     if isinstance(state, dist.ProcessGroup) or getattr(state, "process_group", None) is not None:

@@ -1,0 +1,26 @@
+"""The ``Examples`` blocks of the callbacks and shared helpers run and print what they claim."""
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = [
+    "lightning_fastscale._validation",
+    "lightning_fastscale.callbacks._schedule",
+    "lightning_fastscale.callbacks.batch_size_ramp",
+    "lightning_fastscale.callbacks.lr_schedule",
+    "lightning_fastscale.callbacks.progressive_resizing",
+    "lightning_fastscale.callbacks.label_smoothing",
+    "lightning_fastscale.callbacks.skip_weight_decay",
+    "lightning_fastscale.callbacks.zero_init_residual_bn",
+    "lightning_fastscale.callbacks.ghost_batch_norm",
+]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples_pass(name: str) -> None:
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0, f"{name} has no Examples block"
+    assert result.failed == 0, f"{result.failed} of {result.attempted} examples in {name} failed"
