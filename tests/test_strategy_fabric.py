@@ -14,12 +14,14 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from torch import nn
 
+from lightning_fastscale.precision import LARSMixedPrecision
 from lightning_fastscale.strategies import FabricHierarchicalAllReduceStrategy
 from tests.distributed import run_distributed
 
 STEPS = 4
 # fp32 wire: only the summation order differs from DDP's all-reduce; fp16 wire: per-step rounding.
-TOLERANCE = {"fp32": 1e-5, "fp16": 5e-3}
+TOLERANCE = {"fp32": 1e-5, "fp16": 5e-3, "lars_bf16": 1e-5}
+LARS_ETA = 0.02
 
 
 def _net() -> nn.Module:
@@ -36,7 +38,7 @@ def _batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _train(rank: int, strategy, world_size: int, **fabric_kw) -> tuple[Fabric, nn.Module, torch.Tensor]:
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world_size, **fabric_kw)
-    if isinstance(strategy, str) and strategy.startswith("hier"):
+    if isinstance(strategy, str):
         # The registered name takes ranks per node from devices (one node); one rank per
         # emulated node makes the inter-node stage, and so the hook, really run.
         fabric.strategy.ranks_per_node = 1
@@ -65,17 +67,28 @@ def _same_on_all_ranks(t: torch.Tensor) -> bool:
 def _worker(rank: int, world_size: int) -> dict:
     os.environ["LOCAL_RANK"] = str(rank)
     out: dict = {}
+    def lars() -> dict:
+        # The Trainer's plugin, handed to Fabric: bf16 autocast, fp32 master weights, LARS.
+        return {"plugins": [LARSMixedPrecision("bf16-mixed", "cpu", eta=LARS_ETA)]}
+
     _, _, reference = _train(rank, FabricDDPStrategy(), world_size)
+    _, _, lars_reference = _train(rank, FabricDDPStrategy(), world_size, **lars())
     runs = {
-        ("hier_ring", "fp32"): "hier_ring",
-        ("hier_torus", "fp16"): FabricHierarchicalAllReduceStrategy(
-            algorithm="torus2d", ranks_per_node=1, wire_dtype="fp16"),
+        ("hier_ring", "fp32"): ("hier_ring", {}),
+        ("hier_torus", "fp16"): (FabricHierarchicalAllReduceStrategy(
+            algorithm="torus2d", ranks_per_node=1, wire_dtype="fp16"), {}),
+        ("hier_ring", "lars_bf16"): ("hier_ring", lars()),
     }
-    for key, strategy in runs.items():
-        fabric, model, flat = _train(rank, strategy, world_size)
+    for key, (strategy, fabric_kw) in runs.items():
+        fabric, model, flat = _train(rank, strategy, world_size, **fabric_kw)
+        if fabric_kw:
+            reference_flat = lars_reference
+            out[key + ("moved_from_sgd",)] = _rel(flat, reference)  # LARS changed the steps
+        else:
+            reference_flat = reference
         state = fabric.strategy.hook_state
         out[key] = {
-            "rel": _rel(flat, reference),
+            "rel": _rel(flat, reference_flat),
             "agree": _same_on_all_ranks(flat),
             "iterations": state.iteration if state is not None else None,
             "comm_hook": model._forward_module._get_ddp_logging_data().get("comm_hook"),
@@ -88,10 +101,12 @@ def _worker(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return run_distributed(_worker, 2, timeout=240)[0]
+    out = run_distributed(_worker, 2, timeout=240)[0]
+    print({key: value["rel"] if isinstance(value, dict) else value for key, value in out.items()})  # with -s
+    return out
 
 
-@pytest.mark.parametrize("name,wire", [("hier_ring", "fp32"), ("hier_torus", "fp16")])
+@pytest.mark.parametrize("name,wire", [("hier_ring", "fp32"), ("hier_torus", "fp16"), ("hier_ring", "lars_bf16")])
 def test_fabric_equals_plain_fabric_ddp(results: dict, name: str, wire: str) -> None:
     r = results[(name, wire)]
     assert r["nodes"] == 2
@@ -100,6 +115,17 @@ def test_fabric_equals_plain_fabric_ddp(results: dict, name: str, wire: str) -> 
     # The strategy's hook averaged every step, not DDP's built-in all-reduce.
     assert r["iterations"] == STEPS
     assert r["comm_hook"] == {"hier_ring": "hierarchical_hook", "hier_torus": "torus2d_hook"}[name]
+    if wire == "lars_bf16":  # the plugin really ran: its steps differ from plain SGD's
+        assert results[(name, wire, "moved_from_sgd")] > 100 * TOLERANCE[wire]
+
+
+def test_fabric_module_examples() -> None:
+    import doctest
+
+    from lightning_fastscale.strategies import fabric
+
+    result = doctest.testmod(fabric)
+    assert result.attempted > 0 and result.failed == 0
 
 
 def test_fabric_registry_names() -> None:
