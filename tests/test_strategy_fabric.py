@@ -9,14 +9,15 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from torch import nn
 
 from lightning_fastscale.precision import LARSMixedPrecision
 from lightning_fastscale.strategies import FabricHierarchicalAllReduceStrategy
+from tests.distributed import relative_error as _rel
 from tests.distributed import run_distributed
+from tests.distributed import same_on_all_ranks as _same_on_all_ranks
 
 STEPS = 4
 # fp32 wire: only the summation order differs from DDP's all-reduce; fp16 wire: per-step rounding.
@@ -52,16 +53,6 @@ def _train(rank: int, strategy, world_size: int, **fabric_kw) -> tuple[Fabric, n
         optimizer.step()
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     return fabric, model, flat
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
-
-
-def _same_on_all_ranks(t: torch.Tensor) -> bool:
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t)
-    return all(torch.equal(o, t) for o in out)
 
 
 def _worker(rank: int, world_size: int) -> dict:

@@ -14,12 +14,14 @@ The algorithms are Jia et al. 2018 (hierarchical, arXiv:1807.11205) and Mikami e
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
 from lightning_fastscale.strategies.allreduce import TopKErrorFeedback
 from lightning_fastscale.strategies.comm_hooks import HOOKS, HierarchicalHookState
@@ -252,7 +254,8 @@ class HierarchicalDDPSetup:
 
     def _plan_ddp(self, model: nn.Module) -> None:
         """Choose the algorithm and the bucket caps (into the DDP kwargs), before DDP wraps ``model``."""
-        assert self.topology is not None
+        if self.topology is None:  # Fabric's setup_module may be called without setup_environment
+            self.topology = self._resolve_topology()
         self.resolved_algorithm, caps = self.resolve_comm_plan(model, self.topology)
         if caps is not None:
             self._ddp_kwargs["bucket_cap_mb_list"] = caps
@@ -269,6 +272,11 @@ class HierarchicalDDPSetup:
             user_hook_for_one_node(ddp_model, self.user_comm_hook, self.user_comm_state, self.user_comm_wrapper)
             return
         if self.uses_ddp_allreduce:
+            return
+        if not dist.is_initialized():
+            # Only reachable with a stand-in for DistributedDataParallel (a real one needs the
+            # process group): there are no peers to build groups with.
+            warnings.warn(f"{type(self).__name__}: no process group, so no communication hook was installed")
             return
         groups = build_process_groups(self.topology, timeout=self._timeout)
         self.hook_state = HierarchicalHookState(
@@ -332,17 +340,21 @@ class HierarchicalDDPSetup:
             f"{key.split('/')[1]}={value}" for key, value in self.plan_summary().items()
         )
 
-    def _release_hook(self) -> None:
-        """Stop the communication thread and release the node groups (at teardown)."""
+    @override
+    def teardown(self) -> None:
+        """Stop the communication thread and release the node groups, then the DDP strategy's teardown."""
         if self.hook_state is not None:
             self.hook_state.close()
             if dist.is_initialized():
                 self.hook_state.groups.destroy()
+        super().teardown()  # type: ignore[misc]
 
     @classmethod
-    def _register_names(cls, strategy_registry: Any, start_methods: Sequence[tuple[str, str]]) -> None:
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``hier_ring``/``hier_torus`` (subprocess launch) and their ``_spawn`` variants."""
         for name, algorithm in (("hier_ring", "hier"), ("hier_torus", "torus2d")):
-            for suffix, start_method in start_methods:
+            for suffix, start_method in (("", "popen"), ("_spawn", "spawn")):
                 strategy_registry.register(
                     name + suffix,
                     cls,

@@ -10,8 +10,6 @@ strategy registry under the Trainer's names, ``"hier_ring"`` and ``"hier_torus"`
 """
 from __future__ import annotations
 
-from typing import Any
-
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -58,18 +56,6 @@ class FabricHierarchicalAllReduceStrategy(HierarchicalDDPSetup, DDPStrategy):
         self._install_hook(ddp_module)
         rank_zero_info(self.plan_message())
         return ddp_module
-
-    @override
-    def teardown(self) -> None:
-        """Stop the communication thread and release the node groups, then Fabric's teardown."""
-        self._release_hook()
-        super().teardown()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``hier_ring``/``hier_torus`` (subprocess launch) and their ``_spawn`` variants."""
-        cls._register_names(strategy_registry, (("", "popen"), ("_spawn", "spawn")))
 
 
 def register_fabric_strategies() -> None:

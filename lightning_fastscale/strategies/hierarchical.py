@@ -10,8 +10,6 @@ top-k compression of the inter-node stage (Tencent Cloud 2020). Registered in Li
 """
 from __future__ import annotations
 
-from typing import Any
-
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -129,18 +127,6 @@ class HierarchicalAllReduceStrategy(HierarchicalDDPSetup, DDPStrategy):
         summary = self.plan_summary()
         for logger in trainer.loggers:
             logger.log_hyperparams(summary)
-
-    @override
-    def teardown(self) -> None:
-        """Stop the communication thread and release the node groups, then let DDP unwrap the model."""
-        self._release_hook()
-        super().teardown()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``hier_ring``/``hier_torus`` (subprocess launch) and their ``_spawn`` variants."""
-        cls._register_names(strategy_registry, (("", "popen"), ("_spawn", "spawn")))
 
 
 def register_strategies() -> None:
