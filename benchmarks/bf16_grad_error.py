@@ -1,6 +1,6 @@
 """How far bf16 autocast gradients are from fp32 ones, per parameter, on the study's model.
 
-A diagnostic for the large-batch study (README, "How the recipe was tuned", round 3), where the
+A diagnostic for the large-batch study (benchmarks/README.md, "Settings compared"), where the
 full recipe in bf16 on the CPU ends about 1.3 points below the same recipe with the plugin in
 fp32. One batch of the built-in dataset through ``resnet_small`` (the study's 16/32/64 widths),
 at initialisation; the relative error ``||g_variant - g_fp32|| / ||g_fp32||`` of each

@@ -18,8 +18,8 @@ rerun on its own with ``fastscale-train experiment=convergence_<arm>``:
 7. ``convergence_ghost_bn``: + BN statistics over groups of B0 = 16 samples (ghost batch norm),
    as the 32 workers of batch 16 that batch 512 stands for would compute them.
 
-All arms train 16 epochs; warmup lasts 5 epochs, the ramp steps at epochs 6 and 10 (chosen by the
-search the README records).
+All arms train 16 epochs; warmup lasts 5 epochs, the ramp steps at epochs 6 and 10 (the settings
+compared are in benchmarks/README.md).
 
 With 8192 training images the large batch takes 16 optimizer steps per epoch, the regime of
 batch 64K on ImageNet (about 20). The sweep runs first; the large-batch arms then scale the
@@ -69,7 +69,7 @@ ARMS: list[tuple[str, str, str]] = [
 DEFAULT_BASELINE_LRS = (0.05, 0.1, 0.2, 0.4)
 # LARS bounds each layer's step by its trust ratio, which is what lets it take a larger global
 # LR than plain SGD (You et al. 2017 scale LARS's LR beyond the linear rule). Arms 4-7 run at
-# this multiple of the baseline's LR; picked by the search recorded in the README.
+# this multiple of the baseline's LR; the settings compared are in benchmarks/README.md.
 LARS_LR_FACTOR = 2.0
 LARS_ARMS = ("4_lars", "5_recipe", "6_full", "7_ghost_bn")
 

@@ -1,8 +1,25 @@
 """lightning_fastscale: the large-batch, many-GPU ImageNet-in-minutes techniques for Lightning.
 
+The recipes of Goyal et al. 2017 (linear scaling, warmup, zero-init residual BN), You et al.
+2017 (LARS), Jia et al. 2018 (mixed precision with LARS, no weight decay on bias/BN,
+hierarchical all-reduce, two-segment fusion), Mikami et al. 2018 (batch-size control, label
+smoothing, 2D-torus all-reduce), fast.ai 2018 (progressive resizing) and Tencent Cloud 2020
+(half-precision wire, top-k compression), one technique per module:
+
+* :mod:`~lightning_fastscale.strategies`: ``HierarchicalAllReduceStrategy`` (a DDP strategy);
+* :mod:`~lightning_fastscale.precision`: ``LARSMixedPrecision`` and the ``LARS`` optimizer;
+* :mod:`~lightning_fastscale.callbacks`: the recipe callbacks;
+* :mod:`~lightning_fastscale.planner`: the communication cost model behind ``fastscale-plan``;
+* :mod:`~lightning_fastscale.data`, :mod:`~lightning_fastscale.models`: built-in data and models.
+
 Importing the package registers its strategies with Lightning, so ``Trainer(strategy="hier_ring")``
-works. Each technique lives in its own module, citing its paper; the user guide is in
-``docs/`` and the measured numbers in ``benchmarks/README.md``.
+works. The user guide is in ``docs/``, the measured numbers in ``benchmarks/README.md``.
+
+Examples:
+    >>> import lightning_fastscale
+    >>> from lightning.pytorch.strategies import StrategyRegistry
+    >>> [name for name in ("hier_ring", "hier_torus") if name in StrategyRegistry]
+    ['hier_ring', 'hier_torus']
 """
 from . import strategies  # noqa: F401  (registers "hier_ring", "hier_torus" and _spawn variants)
 from .callbacks import (

@@ -6,15 +6,17 @@ outside (strategy, precision plugin, callbacks), which is the point. It is what
 """
 from __future__ import annotations
 
+import copy
 import inspect
-
 from collections.abc import Iterable
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.throughput import measure_flops
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
+from typing_extensions import override
 from torchmetrics.classification import MulticlassAccuracy
 
 from .models import create_model
@@ -36,6 +38,9 @@ def cosine_schedule(optimizer: torch.optim.Optimizer, total_steps: int) -> torch
     return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, total_steps))
 
 
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
 class ImageClassifier(pl.LightningModule):
     """Classify images with a model chosen by name, cross-entropy loss and top-1/top-5 metrics.
 
@@ -54,9 +59,32 @@ class ImageClassifier(pl.LightningModule):
             ``total_steps`` keyword, which receives the Trainer's estimated optimizer steps.
         scheduler_interval: ``"step"`` or ``"epoch"``: when the scheduler steps.
         model_kwargs: extra arguments for the model factory.
+        pretrained: initial weights of a model given by name: ``False`` (random), ``True``
+            (timm's / torchvision's published weights) or a local weights file; see
+            :func:`~lightning_fastscale.models.create_model`.
+        channels_last: keep the network's weights and each batch in the NHWC memory format,
+            which cuDNN's tensor-core convolutions use without transposing (as timm's
+            ``--channels-last``). Numerically the same network.
+        compile: ``torch.compile`` the network (``nn.Module.compile``, in place, so
+            checkpoints keep their parameter names) when the Trainer configures the model.
+        compile_mode: ``torch.compile``'s ``mode`` (``None``: torch's default,
+            ``"reduce-overhead"``, ``"max-autotune"``, ...).
 
     The loss is the ``criterion`` attribute (an ``nn.CrossEntropyLoss``) so that callbacks such
-    as ``LabelSmoothing`` can act on it.
+    as ``LabelSmoothing`` can act on it. ``flops_per_batch`` (training FLOPs of the last batch's
+    shape, counted with Lightning's ``measure_flops`` on a meta-device copy) feeds Lightning's
+    ``ThroughputMonitor``.
+
+    Examples:
+        >>> import torch
+        >>> from lightning_fastscale import ImageClassifier
+        >>> module = ImageClassifier("resnet_small", num_classes=10, channels_last=True)
+        >>> module(torch.zeros(2, 3, 32, 32)).shape
+        torch.Size([2, 10])
+
+        Trained as any LightningModule, e.g. ``pl.Trainer(max_epochs=1).fit(module,
+        datamodule=ProceduralDataModule())``; ``fastscale-train`` builds it from the ``model``
+        config group.
     """
 
     def __init__(
@@ -67,14 +95,33 @@ class ImageClassifier(pl.LightningModule):
         scheduler: LRSchedulerCallable | None = None,
         scheduler_interval: str = "step",
         model_kwargs: dict[str, Any] | None = None,
+        pretrained: bool | str = False,
+        channels_last: bool = False,
+        compile: bool = False,
+        compile_mode: str | None = None,
     ) -> None:
         super().__init__()
         if scheduler_interval not in ("step", "epoch"):
             raise ValueError(f"scheduler_interval must be 'step' or 'epoch', got {scheduler_interval!r}")
+        if compile_mode not in COMPILE_MODES:
+            raise ValueError(f"model.compile_mode={compile_mode!r}: choose one of {list(COMPILE_MODES)}")
+        if compile_mode is not None and not compile:
+            raise ValueError(f"model.compile_mode={compile_mode!r} has no effect without model.compile=true")
+        if not isinstance(model, str) and pretrained is not False:
+            raise ValueError("pretrained applies to a model given by name; load weights into your nn.Module yourself")
         self.save_hyperparameters(ignore=["model", "optimizer", "scheduler"])
         self.model = (
-            create_model(model, num_classes, **(model_kwargs or {})) if isinstance(model, str) else model
+            create_model(model, num_classes, pretrained=pretrained, **(model_kwargs or {}))
+            if isinstance(model, str)
+            else model
         )
+        self.channels_last = channels_last
+        self.compile_network = compile  # not ``self.compile``: that is nn.Module's method
+        self.compile_mode = compile_mode
+        if channels_last:
+            self.model.to(memory_format=torch.channels_last)
+        self._flops_per_sample: dict[tuple[int, ...], int] = {}
+        self._last_batch_shape: tuple[int, ...] | None = None
         self.criterion = nn.CrossEntropyLoss()
         self.optimizer_factory = optimizer or default_optimizer
         self.scheduler_factory = scheduler
@@ -87,11 +134,43 @@ class ImageClassifier(pl.LightningModule):
         self.val_top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro")
         self.val_per_class_top1 = MulticlassAccuracy(num_classes, top_k=1, average="macro")
 
+    @override
+    def configure_model(self) -> None:
+        if self.compile_network and self.model._compiled_call_impl is None:
+            self.model.compile(mode=self.compile_mode)
+
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
         return self.model(x)
 
+    @property
+    def flops_per_batch(self) -> int | None:
+        """FLOPs of one batch of the last seen shape: forward + backward in training mode,
+        forward only in evaluation (None before the first batch)."""
+        if self._last_batch_shape is None:
+            return None
+        batch, *sample = self._last_batch_shape
+        key = (self.training, *sample)
+        if key not in self._flops_per_sample:
+            self._flops_per_sample[key] = self._count_flops(tuple(sample), self.training)
+        return batch * self._flops_per_sample[key]
+
+    def _count_flops(self, sample_shape: tuple[int, ...], training: bool) -> int:
+        # Hooks may run under no_grad / inference mode; the count needs autograd on ordinary tensors.
+        with torch.inference_mode(False), torch.enable_grad():
+            # a meta-device copy: no memory, no compute, the real weights and statistics untouched
+            network = copy.deepcopy(self.model).to("meta")
+            network._compiled_call_impl = None  # the copy shares the compiled callable of the original
+            network.train(training)
+            x = torch.empty(1, *sample_shape, device="meta")
+            return measure_flops(network, lambda: network(x), loss_fn=torch.Tensor.sum if training else None)
+
+    @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
+        self._last_batch_shape = tuple(x.shape)
         logits = self(x)
         loss = self.criterion(logits, y)
         self.train_top1(logits, y)
@@ -99,8 +178,10 @@ class ImageClassifier(pl.LightningModule):
         self.log("train/top1", self.train_top1, on_step=False, on_epoch=True)
         return loss
 
+    @override
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
+        self._last_batch_shape = tuple(x.shape)
         logits = self(x)
         # Validation loss is always plain cross-entropy, whatever a callback did to training.
         loss = nn.functional.cross_entropy(logits, y)
@@ -112,6 +193,7 @@ class ImageClassifier(pl.LightningModule):
         self.log("val/top5", self.val_top5)
         self.log("val/per_class_top1", self.val_per_class_top1)
 
+    @override
     def configure_optimizers(self) -> Any:
         optimizer = self.optimizer_factory(self.parameters())
         if self.scheduler_factory is None:

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import lightning_fastscale  # noqa: F401  (registers strategies and models)
 
+from . import checkpointing
 from .module import ImageClassifier
 
 log = logging.getLogger(__name__)
@@ -91,8 +92,20 @@ def build_logger(cfg: DictConfig) -> Any:
         online = os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") == "online"
         if not online:
             os.environ["WANDB_MODE"] = "offline"
-            return instantiate(node, offline=True)
+        return without_unset_anonymous(instantiate(node, offline=True) if not online else instantiate(node))
     return instantiate(node)
+
+
+def without_unset_anonymous(logger: Any) -> Any:
+    """Drop the ``anonymous=None`` that Lightning's ``WandbLogger`` always hands to ``wandb.init``.
+
+    wandb >= 0.19 deprecated the setting and warns on every run whenever it is passed at all,
+    even as None; left out it keeps wandb's default, which is what None meant.
+    """
+    init_kwargs = getattr(logger, "_wandb_init", None)
+    if isinstance(init_kwargs, dict) and init_kwargs.get("anonymous", False) is None:
+        del init_kwargs["anonymous"]
+    return logger
 
 
 def _check_output_dir_is_fresh(cfg: DictConfig) -> None:
@@ -110,6 +123,49 @@ def _check_output_dir_is_fresh(cfg: DictConfig) -> None:
         )
 
 
+RESUME_MODES = ("never", "auto")
+
+
+def _checkpoint_folders(cfg: DictConfig) -> list[Path]:
+    """The folders the configured checkpoint callbacks write into."""
+    callbacks = cfg.get("callbacks") or {}
+    folders = []
+    for name in ("model_checkpoint", "preemption"):
+        node = callbacks.get(name)
+        if node and node.get("dirpath"):
+            folders.append(Path(node.dirpath))
+    return list(dict.fromkeys(folders))
+
+
+def resolve_resume(cfg: DictConfig) -> str | None:
+    """The checkpoint this run starts from, following ``resume`` and ``ckpt_path``.
+
+    ``resume=never`` (the default): a fresh run, or ``ckpt_path``; a run folder that already
+    holds checkpoints is refused. ``resume=auto`` (requeued or restarted jobs, with a fixed
+    ``hydra.run.dir``): continue from the newest checkpoint in the run's checkpoint folder,
+    or start fresh when there is none yet; an unreadable newest file is an error naming it.
+    """
+    mode = cfg.get("resume", "never")
+    if mode not in RESUME_MODES:
+        raise ValueError(f"resume={mode!r} is not one of {RESUME_MODES}; use resume=auto to continue a run in its folder")
+    if mode == "never":
+        _check_output_dir_is_fresh(cfg)
+        return cfg.get("ckpt_path")
+    if cfg.get("ckpt_path"):
+        raise ValueError(
+            f"resume=auto and ckpt_path={cfg.ckpt_path} both given; resume=auto picks the newest "
+            "checkpoint of the run folder itself: drop one of them"
+        )
+    folders = _checkpoint_folders(cfg)
+    newest = checkpointing.newest_checkpoint(folders)
+    if newest is None:
+        log.info("resume=auto: no checkpoint in %s yet; starting a fresh run", ", ".join(map(str, folders)) or "-")
+        return None
+    checkpointing.read_checkpoint(newest)  # a truncated newest file stops here, by name
+    log.info("resume=auto: continuing from %s", newest)
+    return str(newest)
+
+
 def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.Trainer]:
     """Instantiate the datamodule, module and Trainer that ``cfg`` describes (no fitting)."""
     datamodule = instantiate(cfg.data)
@@ -123,6 +179,10 @@ def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.
         optimizer=instantiate(cfg.optimizer) if cfg.get("optimizer") else None,
         scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
         model_kwargs=OmegaConf.to_container(model_cfg.kwargs, resolve=True) if model_cfg.get("kwargs") else {},
+        pretrained=model_cfg.get("pretrained", False),
+        channels_last=bool(model_cfg.get("channels_last", False)),
+        compile=bool(model_cfg.get("compile", False)),
+        compile_mode=model_cfg.get("compile_mode"),
     )
     if hasattr(datamodule, "train_batch_size") and hasattr(datamodule, "train_resolution"):
         # one per-device training batch: what the planner profiles backward on (FLOPs or timing)
@@ -148,12 +208,12 @@ def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.
 def train(cfg: DictConfig) -> float | None:
     """Fit the configured model; return the final value of ``cfg.monitor`` (or None)."""
     pl.seed_everything(cfg.seed, workers=True)
-    _check_output_dir_is_fresh(cfg)
+    ckpt_path = resolve_resume(cfg)
     datamodule, module, trainer = build(cfg)
     if trainer.logger:
         trainer.logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     finally:
         _finish_wandb(trainer)
     value = trainer.callback_metrics.get(cfg.monitor)

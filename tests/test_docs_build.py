@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -52,3 +53,12 @@ def test_docs_build_strict(tmp_path: Path) -> None:
         assert f'id="lightning_fastscale.{anchor}"' in api, f"{anchor} missing from the API page"
     card = (tmp_path / "site" / "methods" / "lars_mixed_precision" / "index.html").read_text()
     assert "How it is tested" in card
+
+
+def test_readme_links_resolve() -> None:
+    # mkdocs checks the links inside docs/; the README is outside it
+    readme = (ROOT / "README.md").read_text()
+    targets = [t for t in re.findall(r"\]\(([^)#\s]+)", readme) if not t.startswith("http")]
+    assert targets, "the README links nothing"
+    missing = [t for t in targets if not (ROOT / t).exists()]
+    assert not missing, f"README links to missing files: {missing}"

@@ -1,4 +1,5 @@
-"""The ``Examples`` blocks of the callbacks and shared helpers run and print what they claim."""
+"""The ``Examples`` blocks of the package, the callbacks and the shared helpers run and print
+what they claim."""
 from __future__ import annotations
 
 import doctest
@@ -7,6 +8,7 @@ import importlib
 import pytest
 
 MODULES = [
+    "lightning_fastscale",
     "lightning_fastscale._validation",
     "lightning_fastscale.callbacks._schedule",
     "lightning_fastscale.callbacks.batch_size_ramp",

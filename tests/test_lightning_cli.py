@@ -29,7 +29,8 @@ def _example_main():
     return lightning_cli.main
 
 
-def test_yaml_builds_strategy_plugin_callbacks_and_factories(tmp_path):
+def test_yaml_builds_strategy_plugin_callbacks_and_factories(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT)])  # the CLI's arguments are only the ones given here
     cli = _example_main()(
         ["--config", str(CONFIG), f"--trainer.default_root_dir={tmp_path}",
          "--trainer.strategy.init_args.algorithm=auto",

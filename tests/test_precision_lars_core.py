@@ -10,8 +10,19 @@ from torch import nn
 
 from lightning_fastscale.param_groups import split_parameters
 from lightning_fastscale.precision import LARS, lars_rescale_
+from lightning_fastscale.precision import lars as lars_module
 
 timm_optim = pytest.importorskip("timm.optim")
+
+
+@pytest.fixture(autouse=True, params=["per_tensor", "foreach"])
+def kernels(request, monkeypatch) -> str:
+    """Every test here runs with both implementations of the update (CPU picks per_tensor;
+    the CUDA choice, foreach, runs on CPU too); slices of 7 values so per_tensor's slicing,
+    remainder included, is exercised by these small layers."""
+    monkeypatch.setattr(lars_module, "default_kernels", lambda device: request.param)
+    monkeypatch.setattr(lars_module, "_CPU_SLICE", 7)
+    return request.param
 
 
 def textbook(w: torch.Tensor, g: torch.Tensor, *, lr, wd, eta, eps, clip, adapt=True) -> torch.Tensor:

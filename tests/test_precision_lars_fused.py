@@ -18,6 +18,7 @@ from torch import nn
 from lightning_fastscale.callbacks.lr_schedule import WarmupDecayLR
 from lightning_fastscale.param_groups import split_parameters
 from lightning_fastscale.precision import LARSMixedPrecision, LARSStep
+from lightning_fastscale.precision import lars as lars_module
 from tests.test_precision_lars_plugin import Tiny, data, make_net, small_scaler, trainer
 
 
@@ -65,11 +66,22 @@ CONFIGS = [
     dict(momentum=0.8, weight_decay=1e-2, dampening=0.3),
     dict(momentum=0.9, weight_decay=0.0, trust_clip=True),
     dict(momentum=0.0, weight_decay=1e-3),
+    # momentum 1 (torch SGD allows it): the multi-tensor form cannot use lerp there
+    dict(momentum=1.0, weight_decay=1e-3),
+    dict(momentum=1.0, weight_decay=1e-3, nesterov=True),
 ]
 
 
+@pytest.fixture(params=["per_tensor", "foreach"])
+def kernels(request, monkeypatch) -> str:
+    """Both implementations of the update (see lars.default_kernels), small slices for per_tensor."""
+    monkeypatch.setattr(lars_module, "default_kernels", lambda device: request.param)
+    monkeypatch.setattr(lars_module, "_CPU_SLICE", 7)
+    return request.param
+
+
 @pytest.mark.parametrize("cfg", CONFIGS)
-def test_fused_path_equals_generic_path(cfg: dict) -> None:
+def test_fused_path_equals_generic_path(cfg: dict, kernels: str) -> None:
     """Six steps with fresh random gradients (of varied scale; one parameter without a
     gradient in one step): weights and momentum of both paths agree to float32 rounding,
     and the fused path leaves the gradients as they were (the generic one rescales them)."""

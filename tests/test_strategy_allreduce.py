@@ -5,7 +5,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_fastscale.strategies.allreduce import ALLREDUCE_FUNCTIONS, TopKErrorFeedback
+from functools import partial
+
+from lightning_fastscale.strategies.allreduce import ALLREDUCE_FUNCTIONS, TopKErrorFeedback, torus2d_allreduce_
 from lightning_fastscale.strategies.topology import Topology, build_process_groups
 from tests.comm_recording import CommRecorder
 from tests.distributed import run_distributed
@@ -15,7 +17,9 @@ from tests.distributed import run_distributed
 # a few roundings), bf16 keeps 8 (2^-8 ~ 3.9e-3).
 WIRE_TOLERANCE = {None: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 SIZES = (10007, 3, 1)  # odd: uneven torus shards; 3 and 1: fewer elements than ranks per node
-pytestmark = pytest.mark.timeout(600)  # one spawn of 4 ranks; slow only when the machine is shared
+pytestmark = pytest.mark.timeout(600)
+# The torus's NCCL path (native reduce-scatter / all-gather on a padded buffer) forced on gloo.
+FUNCTIONS = {**ALLREDUCE_FUNCTIONS, "torus2d_native": partial(torus2d_allreduce_, native_scatter_gather=True)}  # one spawn of 4 ranks; slow only when the machine is shared
 
 
 def _inputs(world_size: int, numel: int) -> list[torch.Tensor]:
@@ -35,7 +39,7 @@ def _algorithms(rank: int, world_size: int, ranks_per_node: int) -> dict:
         for numel in SIZES:
             inputs = _inputs(world_size, numel)
             expected = torch.stack(inputs).double().sum(0)
-            for name, fn in ALLREDUCE_FUNCTIONS.items():
+            for name, fn in FUNCTIONS.items():
                 for dtype in WIRE_TOLERANCE:
                     for chunk in (None, 1000):
                         out = fn(inputs[rank].clone(), groups, wire_dtype=dtype, chunk_numel=chunk)
@@ -106,13 +110,14 @@ def results() -> list[dict]:
 @pytest.mark.parametrize("ranks_per_node", [2, 1, 4])
 def test_algorithms_equal_flat_sum(results: list[dict], ranks_per_node: int) -> None:
     ours = results[0]["layouts"][ranks_per_node]
-    assert len(ours["errors"]) == len(SIZES) * len(ALLREDUCE_FUNCTIONS) * len(WIRE_TOLERANCE) * 2
+    assert len(ours["errors"]) == len(SIZES) * len(FUNCTIONS) * len(WIRE_TOLERANCE) * 2
     for key, err in ours["errors"].items():
         assert err <= WIRE_TOLERANCE[key[2]], (key, err)
     assert all(ours["agree"].values()), [k for k, ok in ours["agree"].items() if not ok]
     calls = ours["calls"]
     if ranks_per_node == 2:  # rank 0 is a leader: it used every stage
-        assert {"in-node reduce", "inter-node all-reduce", "in-node broadcast", "flat all-reduce"} <= set(calls)
+        assert {"in-node reduce", "inter-node all-reduce", "in-node broadcast", "flat all-reduce",
+                "in-node reduce-scatter", "in-node all-gather"} <= set(calls)
         deviations = [r["layouts"][2]["wire_stage"] for r in results]
         assert all(len(d) == 4 for d in deviations)
         for deviation in deviations:  # fp16 only on the inter-node stage, on every rank

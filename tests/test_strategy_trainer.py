@@ -164,6 +164,36 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict | None:
     _, straight = _fit(hier(), max_epochs=2, **epochs)
     out["resume"] = {"rel": _rel(_flat(resumed), _flat(straight))}
 
+    # Top-k: each rank's error-feedback residuals travel with the checkpoint. 4 steps, so the
+    # residuals are in use (compression starts at step 2); then resume to 8 == 8 straight.
+    topk_epochs = {"steps": -1, "limit_train_batches": 4}
+    ckpt = str(Path(tmp) / "topk.ckpt")
+    topk = {"compression": "topk", "topk_ratio": 0.05}
+    trainer, _ = _fit(hier(**topk), max_epochs=1, **topk_epochs)
+    trainer.save_checkpoint(ckpt)
+    saved = torch.load(f"{ckpt}.topk-residuals-rank{rank}", weights_only=True)
+    _, resumed = _fit(hier(**topk), max_epochs=2, ckpt_path=ckpt, **topk_epochs)
+    _, straight = _fit(hier(**topk), max_epochs=2, **topk_epochs)
+    # Without the residuals (file gone) the resumed run restarts them from zero, with a warning.
+    os.rename(f"{ckpt}.topk-residuals-rank{rank}", f"{ckpt}.moved")
+    import warnings
+
+    with warnings.catch_warnings(record=True) as missing:
+        warnings.simplefilter("always")
+        _, without = _fit(hier(**topk), max_epochs=2, ckpt_path=ckpt, **topk_epochs)
+    # Residuals of another layout are not used either, and the warning says what differs.
+    saved["layout"]["world_size"] = 8
+    torch.save(saved, f"{ckpt}.topk-residuals-rank{rank}")
+    with warnings.catch_warnings(record=True) as other:
+        warnings.simplefilter("always")
+        _fit(hier(**topk), max_epochs=2, ckpt_path=ckpt, **topk_epochs)
+    out["topk_resume"] = {
+        "rel": _rel(_flat(resumed), _flat(straight)), "rel_without": _rel(_flat(without), _flat(straight)),
+        "residual_keys": sorted(map(str, saved["errors"])), "iteration": saved["iteration"],
+        "missing_warning": [str(w.message) for w in missing if "top-k residuals" in str(w.message)],
+        "other_warning": [str(w.message) for w in other if "top-k residuals" in str(w.message)],
+    }
+
     # Top-k (5% of each inter-node shard) with error feedback trains like DDP on a longer run.
     losses = {}
     for name, strategy in (("ddp", DDPStrategy()), ("topk", hier(compression="topk", topk_ratio=0.05))):
@@ -220,6 +250,15 @@ def test_accumulation_and_precision_plugin_match_ddp(results: dict) -> None:
 
 def test_resume_equals_uninterrupted(results: dict) -> None:
     assert results["resume"]["rel"] <= 1e-6
+
+
+def test_topk_resume_equals_uninterrupted(results: dict) -> None:
+    r = results["topk_resume"]
+    assert r["iteration"] == 4 and r["residual_keys"], r  # rank 0 leads node 0: it keeps residuals
+    assert r["rel"] <= 1e-6, r
+    assert r["rel_without"] > 1e-4, r  # the residuals matter: dropping them changes the weights
+    assert len(r["missing_warning"]) == 1 and "restarts from zero" in r["missing_warning"][0], r
+    assert any("world_size 8 in the checkpoint vs 4 now" in w for w in r["other_warning"]), r
 
 
 def test_two_segment_fusion(results: dict) -> None:

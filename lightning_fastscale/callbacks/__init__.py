@@ -1,5 +1,7 @@
 """Large-batch recipe callbacks, one technique per module (see each module for its paper)."""
 from lightning_fastscale.callbacks.batch_size_ramp import BatchSizeRamp
+from lightning_fastscale.callbacks.checkpoint_check import CheckpointCheck
+from lightning_fastscale.callbacks.exact_resume import ExactResume
 from lightning_fastscale.callbacks.ghost_batch_norm import (
     GhostBatchNorm,
     GhostBatchNormLayer,
@@ -7,6 +9,7 @@ from lightning_fastscale.callbacks.ghost_batch_norm import (
     ghost_batch_norm,
 )
 from lightning_fastscale.callbacks.lr_schedule import WarmupDecayLR
+from lightning_fastscale.callbacks.preemption import PreemptionCheckpoint
 from lightning_fastscale.callbacks.progressive_resizing import ProgressiveResizing
 from lightning_fastscale.callbacks.label_smoothing import LabelSmoothing, smooth_targets, smoothing_at_epoch
 from lightning_fastscale.callbacks.skip_weight_decay import (
@@ -18,10 +21,13 @@ from lightning_fastscale.callbacks.zero_init_residual_bn import ZeroInitResidual
 
 __all__ = [
     "BatchSizeRamp",
+    "CheckpointCheck",
+    "ExactResume",
     "GhostBatchNorm",
     "GhostBatchNormLayer",
     "LabelSmoothing",
     "NoWeightDecayOnBiasNorm",
+    "PreemptionCheckpoint",
     "ProgressiveResizing",
     "SkipWeightDecay",
     "WarmupDecayLR",

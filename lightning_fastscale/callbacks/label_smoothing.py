@@ -159,13 +159,22 @@ class LabelSmoothing(pl.Callback):
             )
         self._criterion = criterion
 
-    @override
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _apply(self, trainer: pl.Trainer) -> float:
         value = smoothing_at_epoch(
             trainer.current_epoch, self.smoothing, self.final_smoothing, self.anneal_epochs
         )
         assert self._criterion is not None, "setup(stage='fit') runs before any training epoch"
         self._criterion.label_smoothing = value
+        return value
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # a run resumed in the middle of an epoch gets no on_train_epoch_start from Lightning
+        self._apply(trainer)
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        value = self._apply(trainer)
         pl_module.log("label_smoothing", value, on_step=False, on_epoch=True)
 
     @override

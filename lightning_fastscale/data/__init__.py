@@ -1,5 +1,6 @@
-"""Data: the built-in procedural dataset, the ImageNet-layout datamodule, and their protocol."""
+"""Data: the built-in procedural dataset, the ImageNet-layout and streaming datamodules, their protocol."""
 from .datamodules import ImageFolderDataModule, ProceduralDataModule
+from .streaming import StreamingDataModule
 from .procedural import MAX_CLASSES, SHAPES, ProceduralShapes
 from .protocol import BatchSizeControllable, ResolutionControllable, require_protocol
 
@@ -11,5 +12,6 @@ __all__ = [
     "ProceduralShapes",
     "ResolutionControllable",
     "SHAPES",
+    "StreamingDataModule",
     "require_protocol",
 ]

@@ -1,16 +1,23 @@
 """Model factory: this package's own models by name, then timm, then torchvision.
 
 Modelled on timm's ``create_model``: one call builds any supported architecture with a given
-number of classes, so Hydra configs and scripts name models instead of importing them. No
-pretrained weights are ever fetched: training from scratch is what the large-batch recipes
-(Goyal et al. 2017; Jia et al. 2018) measure, and runs must work offline.
+number of classes, so Hydra configs and scripts name models instead of importing them. Models
+start from random weights by default: training from scratch is what the large-batch recipes
+(Goyal et al. 2017; Jia et al. 2018) measure, and the default job must work offline.
+``pretrained`` asks for the library's weights (fetched by timm / torchvision, or read from their
+cache) or reads a local file, for fine-tuning.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from torch import nn
+
+from lightning_fastscale._validation import positive_int
+
+from .pretrained import load_pretrained_weights
 
 _OWN_MODELS: dict[str, Callable[..., nn.Module]] = {}
 
@@ -32,40 +39,91 @@ def own_model_names() -> list[str]:
     return sorted(_OWN_MODELS)
 
 
-def create_model(name: str, num_classes: int, **kwargs: Any) -> nn.Module:
-    """Build model ``name`` with ``num_classes`` outputs and random initial weights.
+def create_model(name: str, num_classes: int, pretrained: bool | str | Path = False, **kwargs: Any) -> nn.Module:
+    """Build model ``name`` with ``num_classes`` outputs.
 
     Lookup order: this package's registry, timm (``timm.create_model``), torchvision
     (``torchvision.models.get_model``; a ``torchvision.`` prefix forces it). An unknown name
     raises ``ValueError`` listing where it was looked for.
+
+    ``pretrained``: ``False`` (random initialisation), ``True`` (timm's or torchvision's
+    published weights; a head of another ``num_classes`` is freshly initialised by timm, and
+    torchvision's need its own class count), or a path to a local ``state_dict`` / Lightning
+    checkpoint (:func:`~lightning_fastscale.models.pretrained.load_pretrained_weights`).
     """
-    if num_classes < 1:
-        raise ValueError(f"model.num_classes must be >= 1, got {num_classes}")
+    positive_int("model.num_classes", num_classes)
+    if isinstance(pretrained, (str, Path)) and str(pretrained).lower() in ("true", "false"):
+        pretrained = str(pretrained).lower() == "true"
+    from_file = not isinstance(pretrained, bool)
+    library_weights = pretrained is True
     if name in _OWN_MODELS:
-        return _OWN_MODELS[name](num_classes=num_classes, **kwargs)
-    if name.startswith("torchvision."):
-        return _torchvision_model(name.removeprefix("torchvision."), num_classes, kwargs)
+        if library_weights:
+            raise ValueError(
+                f"model.pretrained=true: {name!r} is this package's own model and has no published "
+                "weights; give a local weights file (model.pretrained=/path/to/weights.pth) or false"
+            )
+        model = _OWN_MODELS[name](num_classes=num_classes, **kwargs)
+    elif name.startswith("torchvision."):
+        model = _torchvision_model(name.removeprefix("torchvision."), num_classes, library_weights, kwargs)
+    else:
+        import timm
+
+        if timm.is_model(name):
+            model = _timm_model(name, num_classes, library_weights, kwargs)
+        else:
+            import torchvision
+
+            if name not in torchvision.models.list_models():
+                raise ValueError(_unknown(name))
+            model = _torchvision_model(name, num_classes, library_weights, kwargs)
+    return load_pretrained_weights(model, pretrained) if from_file else model
+
+
+def _fetch_error(name: str, source: str, error: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"model.pretrained=true: could not get the {source} weights of {name!r} ({type(error).__name__}: "
+        f"{error}). Without network they must already be in the {source} cache; otherwise download them "
+        "once where there is network, or pass a local file (model.pretrained=/path/to/weights.pth), "
+        "or train from scratch (model.pretrained=false)"
+    )
+
+
+def _timm_model(name: str, num_classes: int, pretrained: bool, kwargs: dict[str, Any]) -> nn.Module:
     import timm
 
-    if timm.is_model(name):
-        if kwargs.pop("pretrained", False):
-            raise ValueError("pretrained weights are not supported: runs must work offline")
-        return timm.create_model(name, pretrained=False, num_classes=num_classes, **kwargs)
-    import torchvision
+    kwargs.pop("pretrained", None)
+    try:
+        return timm.create_model(name, pretrained=pretrained, num_classes=num_classes, **kwargs)
+    except (OSError, RuntimeError, ValueError) as error:  # offline hub / missing file / no weights
+        if not pretrained:
+            raise
+        raise _fetch_error(name, "timm (Hugging Face Hub)", error) from error
 
-    if name in torchvision.models.list_models():
-        return _torchvision_model(name, num_classes, kwargs)
-    raise ValueError(
+
+def _unknown(name: str) -> str:
+    return (
         f"unknown model {name!r}: not one of this package's models ({', '.join(own_model_names())}), "
         "not a timm model (timm.list_models()) and not a torchvision model "
         "(torchvision.models.list_models()); set model.name to one of those"
     )
 
 
-def _torchvision_model(name: str, num_classes: int, kwargs: dict[str, Any]) -> nn.Module:
+def _torchvision_model(name: str, num_classes: int, pretrained: bool, kwargs: dict[str, Any]) -> nn.Module:
     import torchvision
 
-    if kwargs.get("weights") not in (None, "None"):
-        raise ValueError("pretrained weights are not supported: runs must work offline")
-    kwargs.pop("weights", None)
-    return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **kwargs)
+    weights = kwargs.pop("weights", None)
+    if weights in (None, "None"):
+        weights = "DEFAULT" if pretrained else None
+    if weights is None:
+        return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **kwargs)
+    available = torchvision.models.get_model_weights(name)
+    classes = len(available[str(weights)].meta["categories"])  # "DEFAULT" is an alias of the enum
+    if classes != num_classes:
+        raise ValueError(
+            f"model.pretrained=true: torchvision's {name} weights have {classes} classes, not {num_classes}; "
+            "use the timm model of that name (it re-initialises the head) or a local weights file"
+        )
+    try:
+        return torchvision.models.get_model(name, weights=weights, num_classes=num_classes, **kwargs)
+    except (OSError, RuntimeError) as error:  # URLError is an OSError
+        raise _fetch_error(name, "torchvision (torch.hub)", error) from error

@@ -33,8 +33,9 @@ On top of the primitives, the three algorithms of the strategy
 On gloo the strategy runs the torus's in-node stages as concurrent per-shard reduces and
 broadcasts, not as a reduce-scatter / all-gather; the model still prices them in the ring forms,
 because inside the torus they overlap with the inter-node stage (a rank's own shard crosses as
-soon as it is reduced), which a sum of separately fitted stages does not capture. The
-comparison is in ``benchmarks/README.md`` (section "Communication core").
+soon as it is reduced), which a sum of separately fitted stages does not capture. How well
+this prices the measured algorithms is in ``benchmarks/README.md`` (section "Planner against
+measurement").
 
 Each node must send (and receive) at least ``2(N-1)/N * n`` bytes over its link for any
 all-reduce across ``N`` nodes: :func:`bandwidth_bound`. ``hier`` and ``torus2d`` reach that

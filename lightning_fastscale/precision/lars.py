@@ -19,8 +19,9 @@ Conventions, chosen to match timm's ``Lars`` (and NVIDIA apex LARC) so trajector
 * parameters that are not adapted (bias, norm layers: see
   :mod:`lightning_fastscale.param_groups`) get ratio 1, i.e. the plain ``g + wd * w``.
 
-Everything here works on lists of tensors with torch's ``_foreach`` kernels and one stacked
-tensor of per-layer norms: no Python work per parameter in the arithmetic.
+The per-layer norms and ratios are one stacked tensor each; the update runs as torch's
+multi-tensor (``_foreach``) kernels on accelerators and as per-layer, cache-sized slices on
+the CPU (:func:`default_kernels`).
 """
 from __future__ import annotations
 
@@ -97,6 +98,55 @@ def trust_ratios(
     return ratio
 
 
+KERNELS = ("foreach", "per_tensor")
+
+# elements per slice of the CPU kernels: three fp32 slices of 256K values (3 MiB) stay in cache
+# between the operations on them (benchmarks/README.md, "LARS step")
+_CPU_SLICE = 1 << 18
+
+
+def default_kernels(device: torch.device) -> str:
+    """The update's implementation for tensors on ``device``.
+
+    ``"foreach"`` (CUDA and other accelerators): torch's multi-tensor kernels with the
+    per-layer scalars passed as one list of Python numbers, the form CUDA's foreach dispatch
+    runs fused (a list of 0-d tensors sends it to a per-tensor fallback). ``"per_tensor"``
+    (CPU, where foreach ops are a per-tensor loop anyway): each layer's operations done in a
+    row on cache-sized slices, so a slice is read from memory once for all of them.
+    """
+    return "per_tensor" if torch.device(device).type == "cpu" else "foreach"
+
+
+def _check_kernels(kernels: str | None, device: torch.device) -> str:
+    kernels = kernels or default_kernels(device)
+    if kernels not in KERNELS:
+        raise ValueError(f"LARS kernels={kernels!r}: use one of {KERNELS} (or None: by device)")
+    return kernels
+
+
+def _slices(*tensors: Tensor) -> Iterable[tuple[Tensor, ...]]:
+    """Matching flat slices of equally shaped tensors (the whole tensors if any is strided)."""
+    if not all(t.is_contiguous() for t in tensors):
+        yield tensors
+        return
+    flat = [t.view(-1) for t in tensors]
+    n = flat[0].numel()
+    for start in range(0, n, _CPU_SLICE):
+        yield tuple(f[start : start + _CPU_SLICE] for f in flat)
+
+
+def _ratio_list(
+    params: Sequence[Tensor], g_norms: Tensor, *, lr: float, weight_decay: float, eta: float, eps: float,
+    trust_clip: bool, adapt: Tensor | None,
+) -> tuple[Tensor, list[float]]:
+    """The ratios as one tensor and as Python numbers (one device-to-host copy for all)."""
+    ratios = trust_ratios(
+        foreach_norms(params), g_norms, lr=lr, weight_decay=weight_decay, eta=eta, eps=eps,
+        trust_clip=trust_clip, adapt=adapt,
+    )
+    return ratios, ratios.tolist()
+
+
 def lars_rescale_(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -108,6 +158,7 @@ def lars_rescale_(
     trust_clip: bool = False,
     adapt: Tensor | None = None,
     grad_norms: Tensor | None = None,
+    kernels: str | None = None,
 ) -> Tensor:
     """In place: ``grads[i] <- r_i * (grads[i] + weight_decay * params[i])`` (You et al. 2017).
 
@@ -121,21 +172,29 @@ def lars_rescale_(
         lr, weight_decay, eta, eps, trust_clip: see :func:`trust_ratios`.
         adapt: boolean mask over the list; False entries get ratio 1 (plain ``g + wd*w``).
         grad_norms: the stacked gradient norms if the caller already has them.
+        kernels: ``"foreach"`` or ``"per_tensor"`` (see :func:`default_kernels`; None: by device).
 
     Returns:
         The ratios that were applied (1-D, one per tensor).
     """
     if not params:
         return torch.empty(0)
+    kernels = _check_kernels(kernels, params[0].device)
     g_norms = foreach_norms(grads) if grad_norms is None else grad_norms
-    ratios = trust_ratios(
-        foreach_norms(params), g_norms, lr=lr, weight_decay=weight_decay, eta=eta, eps=eps,
-        trust_clip=trust_clip, adapt=adapt,
+    ratios, r = _ratio_list(
+        params, g_norms, lr=lr, weight_decay=weight_decay, eta=eta, eps=eps, trust_clip=trust_clip, adapt=adapt
     )
-    grads = list(grads)
-    if weight_decay:
-        torch._foreach_add_(grads, list(params), alpha=weight_decay)
-    torch._foreach_mul_(grads, list(ratios.to(grads[0].dtype).unbind()))
+    grads, params = list(grads), list(params)
+    if kernels == "foreach":
+        if weight_decay:
+            torch._foreach_add_(grads, params, alpha=weight_decay)
+        torch._foreach_mul_(grads, r)
+        return ratios
+    for p, g, ri in zip(params, grads, r):
+        for pc, gc in _slices(p, g):
+            if weight_decay:
+                gc.add_(pc, alpha=weight_decay)
+            gc.mul_(ri)
     return ratios
 
 
@@ -154,59 +213,125 @@ def lars_sgd_(
     trust_clip: bool,
     adapt: Tensor,
     grad_norms: Tensor | None = None,
+    kernels: str | None = None,
 ) -> None:
     """One LARS + momentum-SGD step over lists, leaving ``grads`` unmodified.
 
-    Same update as ``lars_rescale_`` followed by ``torch.optim.SGD`` (weight decay 0), but the
-    ratio is folded into the momentum update (``buf = m*buf + r*g + r*wd*w``) instead of
-    being written into the gradient first: one pass over memory less, which is what brings
-    the step to within a norm or two of plain SGD. New momentum buffers are stored into
+    Same update as ``lars_rescale_`` followed by ``torch.optim.SGD`` (weight decay 0), with
+    the ratio folded into the momentum update (``buf = m*buf + r*(g + wd*w)``) instead of
+    being written into the gradient first. New momentum buffers are stored into
     ``momentum_buffers`` in place. ``grad_norms``: the stacked gradient norms if the caller
-    already has them (the plugin's non-finite check computes them).
+    already has them (the plugin's non-finite check computes them). ``kernels``: see
+    :func:`default_kernels`.
+
+    The per-layer ratios are computed as one tensor and copied to the host once (a
+    synchronisation on CUDA; the plugins already make one for the non-finite decision) so
+    that every multi-tensor kernel gets them as a list of numbers.
     """
     if not params:
         return
+    kernels = _check_kernels(kernels, params[0].device)
     g_norms = foreach_norms(grads) if grad_norms is None else grad_norms
-    ratios = trust_ratios(
-        foreach_norms(params), g_norms, lr=lr, weight_decay=weight_decay, eta=eta,
-        eps=eps, trust_clip=trust_clip, adapt=adapt,
-    ).to(params[0].dtype)
-    r = list(ratios.unbind())
-    r_wd = list((ratios * weight_decay).unbind()) if weight_decay else None
+    _, r = _ratio_list(
+        params, g_norms, lr=lr, weight_decay=weight_decay, eta=eta, eps=eps, trust_clip=trust_clip, adapt=adapt
+    )
+    step = _lars_sgd_foreach if kernels == "foreach" else _lars_sgd_per_tensor
+    step(params, grads, momentum_buffers, r, lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
+         weight_decay=weight_decay)
 
-    if momentum == 0:
-        # p <- p * (1 - lr*r*wd) - lr*r*g
-        if r_wd is not None:
-            torch._foreach_mul_(params, list((1 - lr * ratios * weight_decay).unbind()))
-        torch._foreach_addcmul_(params, grads, list((-lr * ratios).unbind()))
+
+def _lars_sgd_per_tensor(
+    params: list[Tensor], grads: list[Tensor], bufs: list[Tensor | None], r: list[float], *,
+    lr: float, momentum: float, dampening: float, nesterov: bool, weight_decay: float,
+) -> None:
+    """CPU form: per layer, per cache-sized slice, every operation of the update in a row."""
+    wd, m, scale = weight_decay, momentum, 1.0 - dampening
+    for i, (p, g, ri) in enumerate(zip(params, grads, r)):
+        if m == 0:
+            # p <- p * (1 - lr*r*wd) - lr*r*g
+            for pc, gc in _slices(p, g):
+                if wd:
+                    pc.mul_(1.0 - lr * ri * wd)
+                pc.add_(gc, alpha=-lr * ri)
+            continue
+        buf = bufs[i]
+        if buf is None:
+            # torch SGD starts a buffer at the first update itself (no dampening)
+            buf = torch.mul(g, ri)
+            if wd:
+                buf.add_(p, alpha=ri * wd)
+            bufs[i] = buf
+            fresh = True
+        else:
+            fresh = False
+        for pc, gc, bc in _slices(p, g, buf):
+            if not fresh:
+                bc.mul_(m).add_(gc, alpha=ri * scale)
+                if wd:
+                    bc.add_(pc, alpha=ri * wd * scale)
+            if nesterov:
+                # p <- p - lr * (r*(g + wd*p) + m*buf), with the decay term taken from the old p
+                if wd:
+                    pc.mul_(1.0 - lr * ri * wd)
+                pc.add_(gc, alpha=-lr * ri).add_(bc, alpha=-lr * m)
+            else:
+                pc.add_(bc, alpha=-lr)
+
+
+def _lars_sgd_foreach(
+    params: list[Tensor], grads: list[Tensor], bufs: list[Tensor | None], r: list[float], *,
+    lr: float, momentum: float, dampening: float, nesterov: bool, weight_decay: float,
+) -> None:
+    """Multi-tensor form: four foreach kernels over the whole list, as many as torch's SGD.
+
+    With ``G = g + wd*p`` (one out-of-place kernel, as SGD's own weight decay) scaled in place
+    to ``E = r*(1-d)*G / (1-m)``, the momentum update ``m*buf + (1-d)*r*G`` is one
+    ``lerp(buf, E, 1-m)``: the per-layer ratio costs no pass over the buffers.
+    """
+    wd, m = weight_decay, momentum
+
+    def scaled(idx: list[int], factors: list[float]) -> list[Tensor]:
+        # G_i * factor_i for the listed layers, in new tensors (the gradients stay as they are)
+        gs = [grads[i] for i in idx]
+        if wd:
+            out = torch._foreach_add(gs, [params[i] for i in idx], alpha=wd)
+            torch._foreach_mul_(out, factors)
+            return out
+        return torch._foreach_mul(gs, factors)
+
+    everything = list(range(len(params)))
+    if m == 0:
+        torch._foreach_add_(params, scaled(everything, [-lr * ri for ri in r]))
         return
-
-    old = [i for i, b in enumerate(momentum_buffers) if b is not None]
+    old = [i for i, b in enumerate(bufs) if b is not None]
+    fresh = [i for i, b in enumerate(bufs) if b is None]
+    if fresh:
+        # torch SGD starts a buffer at the first update itself (no dampening): buf = r*G
+        for i, buf in zip(fresh, scaled(fresh, [r[i] for i in fresh])):
+            bufs[i] = buf
     if old:
-        bufs = [momentum_buffers[i] for i in old]
-        scale = 1.0 - dampening
-        torch._foreach_mul_(bufs, momentum)
-        torch._foreach_addcmul_(bufs, [grads[i] for i in old], [r[i] for i in old], value=scale)
-        if r_wd is not None:
-            torch._foreach_addcmul_(bufs, [params[i] for i in old], [r_wd[i] for i in old], value=scale)
-    if len(old) < len(params):
-        # torch SGD starts a buffer at the first update itself (no dampening)
-        fresh = [i for i, b in enumerate(momentum_buffers) if b is None]
-        new = torch._foreach_mul([grads[i] for i in fresh], [r[i] for i in fresh])
-        if r_wd is not None:
-            torch._foreach_addcmul_(new, [params[i] for i in fresh], [r_wd[i] for i in fresh])
-        for i, buf in zip(fresh, new):
-            momentum_buffers[i] = buf
-
-    bufs = momentum_buffers  # all present now
-    if nesterov:
-        # p <- p - lr * (r*(g + wd*p) + m*buf), with the decay term taken from the old p
-        if r_wd is not None:
-            torch._foreach_mul_(params, list((1 - lr * ratios * weight_decay).unbind()))
-        torch._foreach_addcmul_(params, grads, list((-lr * ratios).unbind()))
-        torch._foreach_add_(params, bufs, alpha=-lr * momentum)
-    else:
-        torch._foreach_add_(params, bufs, alpha=-lr)
+        old_bufs = [bufs[i] for i in old]
+        if m < 1:
+            e = scaled(old, [r[i] * (1.0 - dampening) / (1.0 - m) for i in old])
+            torch._foreach_lerp_(old_bufs, e, 1.0 - m)
+        else:  # lerp's weight would be 0: the two-kernel form
+            e = scaled(old, [r[i] * (1.0 - dampening) for i in old])
+            torch._foreach_mul_(old_bufs, m)
+            torch._foreach_add_(old_bufs, e)
+    if not nesterov:
+        torch._foreach_add_(params, bufs, alpha=-lr)  # type: ignore[arg-type]
+        return
+    # p <- p - lr * (r*G + m*buf); nesterov needs dampening 0, so r*G = (1-m)*E for the old
+    # buffers (m < 1; torch refuses nesterov with m >= 1 only through dampening, so cover it)
+    # and r*G = buf for the fresh ones
+    if old:
+        if m < 1:
+            torch._foreach_add_([params[i] for i in old], e, alpha=-lr * (1.0 - m))
+        else:
+            torch._foreach_add_([params[i] for i in old], e, alpha=-lr)
+        torch._foreach_add_([params[i] for i in old], old_bufs, alpha=-lr * m)
+    if fresh:
+        torch._foreach_add_([params[i] for i in fresh], [bufs[i] for i in fresh], alpha=-lr * (1.0 + m))
 
 
 class LARS(torch.optim.Optimizer):

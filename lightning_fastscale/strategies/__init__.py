@@ -17,6 +17,7 @@ from lightning_fastscale.strategies.allreduce import (
 )
 from lightning_fastscale.strategies.comm_hooks import (
     HOOKS,
+    CommHookError,
     HierarchicalHookState,
     flat_hook,
     hierarchical_hook,
@@ -29,6 +30,7 @@ from lightning_fastscale.strategies.hierarchical import (
     register_strategies,
     two_segment_caps_mb,
 )
+from lightning_fastscale.strategies.hook_check import check_hooks, check_hooks_on_cuda
 from lightning_fastscale.strategies.options import (
     ALGORITHMS,
     DEFAULT_PIPELINE_CHUNK_MB,
@@ -68,6 +70,7 @@ __all__ = [
     "STAGES",
     "WIRE_DTYPES",
     "CollectiveStageError",
+    "CommHookError",
     "FabricHierarchicalAllReduceStrategy",
     "HierarchicalAllReduceStrategy",
     "HierarchicalHookState",
@@ -76,6 +79,8 @@ __all__ = [
     "TopKErrorFeedback",
     "build_process_groups",
     "canonical_algorithm",
+    "check_hooks",
+    "check_hooks_on_cuda",
     "chunk_numel_for",
     "default_algorithm_selector",
     "detect_ranks_per_node",

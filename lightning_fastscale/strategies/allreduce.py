@@ -28,14 +28,15 @@ Options shared by all three:
 In-node primitives of the torus per backend: NCCL's native reduce-scatter / all-gather are its
 fast path; gloo's are slower than one asynchronous ``reduce`` / ``broadcast`` per shard, so on
 gloo the torus uses those (shards may then be uneven: no padding). The timings behind this
-choice are in ``benchmarks/README.md`` (section "Communication core"). ``native_scatter_gather``
-forces either path.
+choice are in ``benchmarks/README.md`` (section "All-reduce algorithms on the emulated
+cluster"). ``native_scatter_gather`` forces either path.
 
 A collective that fails raises :class:`CollectiveStageError` naming the stage
 (:data:`STAGES`) and the original error as its cause.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,6 +113,8 @@ class TopKErrorFeedback:
     ratio: float
     errors: dict[Hashable, Tensor] = field(default_factory=dict)
     resets: int = 0
+    restored: set[Hashable] = field(default_factory=set)
+    """Keys whose residual came from a checkpoint; a size change there warns (another bucket layout)."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.ratio <= 1.0:
@@ -131,6 +134,13 @@ class TopKErrorFeedback:
         if error is None or error.shape != tensor.shape or error.dtype != tensor.dtype:
             if error is not None:
                 self.resets += 1
+                if key in self.restored:
+                    warnings.warn(
+                        f"top-k residual {key} from the checkpoint holds {error.numel()} elements but this run's "
+                        f"bucket holds {tensor.numel()} (another bucket layout): it restarts from zero.",
+                        stacklevel=2,
+                    )
+            self.restored.discard(key)
             error = torch.zeros_like(tensor)
         error.add_(tensor)
         indices = error.abs().topk(self.num_selected(tensor.numel()), sorted=False).indices

@@ -6,30 +6,65 @@ bucketing the gradients and calling the hook as buckets fill during backward; th
 the averaged bucket. Register with ``ddp_model.register_comm_hook(state, hierarchical_hook)``
 on any backend (gloo included).
 
-Why a worker thread: a bucket goes through several collectives on different groups. Issuing
-them from future callbacks (as PowerSGD does) lets the order in which ranks issue collectives
-on one group differ between ranks on gloo, whose callbacks run on its own threads; a mismatch
-there corrupts or hangs. Here the hook only enqueues the bucket; one thread per process runs
-the buckets in the order DDP produced them (the same on every rank) while backward continues,
-so communication still overlaps computation.
+Why a worker thread on gloo: a bucket goes through several collectives on different groups,
+and gloo's collectives block the thread that waits on them. Issuing them from future
+callbacks (as PowerSGD does) lets the order in which ranks issue collectives on one group
+differ between ranks, since gloo runs callbacks on its own threads; a mismatch there corrupts
+or hangs. Here the hook only enqueues the bucket; one thread per process runs the buckets in
+the order DDP produced them (the same on every rank) while backward continues, so
+communication still overlaps computation. On NCCL every collective is asynchronous on the
+GPU (``wait`` only orders streams), so the hook runs the algorithm inline: no thread hop.
+
+CUDA buckets on the worker thread: the thread sets the bucket's device, runs the bucket on
+its own stream after an event recorded on the stream that produced the bucket, and completes
+a CUDA-aware future on that stream, so DDP's use of the result is ordered after the
+communication. gloo moves CUDA tensors through host memory anyway; the worker stages a CUDA
+bucket through a host copy so every primitive the algorithms use is available.
+
+Failures: a collective that fails (a dead peer, a time-out) ends the bucket with
+:class:`CommHookError`, naming the algorithm, the stage, the bucket and the rank, with the
+backend's error as its cause. Later buckets fail at once with the same error instead of
+waiting on broken groups, and :meth:`HierarchicalHookState.raise_if_failed` lets the training
+thread raise it (DDP itself would only report that the error "cannot be cast to Tensor").
 """
 # No ``from __future__ import annotations``: DDP checks the hooks' annotations as real objects.
 import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_fastscale.strategies.allreduce import (
+    CollectiveStageError,
     TopKErrorFeedback,
-    hierarchical_allreduce_,
     flat_allreduce_,
+    hierarchical_allreduce_,
     torus2d_allreduce_,
 )
 from lightning_fastscale.strategies.topology import ProcessGroups
+
+_INLINE_BACKENDS = frozenset({"nccl"})
+
+
+class CommHookError(RuntimeError):
+    """The all-reduce of one DDP bucket failed; ``__cause__`` is the backend's error.
+
+    Attributes: ``algorithm``, ``stage`` (one of
+    :data:`~lightning_fastscale.strategies.allreduce.STAGES`, or ``"hook"`` outside a
+    collective), ``bucket`` (DDP bucket index), ``rank``.
+    """
+
+    def __init__(self, algorithm: str, stage: str, bucket: int, rank: int, cause: BaseException) -> None:
+        root = cause.__cause__ if isinstance(cause, CollectiveStageError) and cause.__cause__ else cause
+        super().__init__(
+            f"{algorithm} all-reduce of DDP bucket {bucket} failed on rank {rank} in stage '{stage}': "
+            f"{type(root).__name__}: {root}"
+        )
+        self.algorithm, self.stage, self.bucket, self.rank = algorithm, stage, bucket, rank
 
 
 class _CommWorker:
@@ -40,22 +75,22 @@ class _CommWorker:
         self._thread = threading.Thread(target=self._run, name="fastscale-comm", daemon=True)
         self._thread.start()
 
-    def submit(self, job: Callable[[], Tensor]) -> torch.futures.Future:
-        future: torch.futures.Future = torch.futures.Future()
+    def submit(self, job: Callable[[torch.futures.Future], None], future: torch.futures.Future) -> None:
         self._jobs.put((job, future))
-        return future
 
     def _run(self) -> None:
         while (item := self._jobs.get()) is not None:
             job, future = item
             try:
-                future.set_result(job())
-            except BaseException as error:  # surfaced to DDP when it waits on the future
-                future.set_exception(error)
+                job(future)
+            except BaseException as error:  # the job records its own failures; this is a last resort
+                if not future.done():
+                    future.set_exception(error)
 
-    def close(self) -> None:
+    def close(self, wait_s: float) -> None:
         self._jobs.put(None)
-        self._thread.join(timeout=60)
+        # Daemon thread: if it is still blocked in a collective, the process can exit anyway.
+        self._thread.join(timeout=wait_s)
 
 
 @dataclass
@@ -67,27 +102,62 @@ class HierarchicalHookState:
     ``topk_start_iter`` on (DDP rebuilds buckets after iteration 0; starting later keeps the
     residuals on the final layout, the PowerSGD practice). ``chunk_numel``: pipeline chunk
     size inside a bucket. ``iteration``: completed hook iterations (decides when top-k starts).
+    ``inline``: run the algorithm in the hook instead of the worker thread (default: on NCCL).
+    ``algorithm``: the name reported in errors. ``error``: the first failure, if any.
     """
 
     groups: ProcessGroups
-    wire_dtype: torch.dtype | None = None
-    topk: TopKErrorFeedback | None = None
+    wire_dtype: Optional[torch.dtype] = None
+    topk: Optional[TopKErrorFeedback] = None
     topk_start_iter: int = 2
-    chunk_numel: int | None = None
+    chunk_numel: Optional[int] = None
     iteration: int = 0
-    _worker: _CommWorker | None = field(default=None, repr=False)
+    inline: Optional[bool] = None
+    algorithm: str = ""
+    error: Optional[CommHookError] = None
+    _worker: Optional[_CommWorker] = field(default=None, repr=False)
+    _streams: dict = field(default_factory=dict, repr=False)
 
-    def submit(self, job: Callable[[], Tensor]) -> torch.futures.Future:
-        """Run ``job`` on the communication thread (started on first use)."""
+    def __post_init__(self) -> None:
+        if self.inline is None:
+            self.inline = self.groups.backend in _INLINE_BACKENDS
+
+    def submit(self, job: Callable[[torch.futures.Future], None], device: torch.device) -> torch.futures.Future:
+        """Run ``job(future)`` on the communication thread (started on first use); ``job`` completes ``future``."""
+        future: torch.futures.Future = (
+            torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()
+        )
         if self._worker is None:
             self._worker = _CommWorker()
-        return self._worker.submit(job)
+        self._worker.submit(job, future)
+        return future
 
-    def close(self) -> None:
-        """Stop the communication thread (at teardown)."""
+    def comm_stream(self, device: torch.device) -> "torch.cuda.Stream":
+        """This worker's CUDA stream on ``device`` (made on first use, on the worker thread)."""
+        if device not in self._streams:
+            torch.cuda.set_device(device)
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    def raise_if_failed(self) -> None:
+        """Raise the first communication failure of this run, if there was one."""
+        if self.error is not None:
+            raise self.error
+
+    def close(self, wait_s: float = 5.0) -> None:
+        """Stop the communication thread (at teardown), waiting at most ``wait_s`` seconds for it."""
         if self._worker is not None:
-            self._worker.close()
+            self._worker.close(wait_s)
             self._worker = None
+
+
+def _fail(state: HierarchicalHookState, index: int, error: BaseException) -> CommHookError:
+    if state.error is None:
+        stage = error.stage if isinstance(error, CollectiveStageError) else "hook"
+        wrapped = CommHookError(state.algorithm or "communication", stage, index, state.groups.rank, error)
+        wrapped.__cause__ = error.__cause__ if isinstance(error, CollectiveStageError) else error
+        state.error = wrapped
+    return state.error
 
 
 def _enqueue(state: HierarchicalHookState, bucket: dist.GradBucket, algorithm: Callable[..., Tensor],
@@ -98,14 +168,55 @@ def _enqueue(state: HierarchicalHookState, bucket: dist.GradBucket, algorithm: C
     if bucket.is_last():
         state.iteration += 1
     world_size = state.groups.topology.world_size
+    kwargs = {"topk": topk, "key": index} if sparse else {}
 
-    def job() -> Tensor:
+    def reduce(buffer: Tensor) -> None:
         # Average before casting, like DDP's fp16 hook, so fp16 sums cannot overflow.
-        tensor.div_(world_size)
-        kwargs = {"topk": topk, "key": index} if sparse else {}
-        return algorithm(tensor, state.groups, wire_dtype=state.wire_dtype, chunk_numel=state.chunk_numel, **kwargs)
+        buffer.div_(world_size)
+        algorithm(buffer, state.groups, wire_dtype=state.wire_dtype, chunk_numel=state.chunk_numel, **kwargs)
 
-    return state.submit(job)
+    if state.inline:
+        future: torch.futures.Future = torch.futures.Future(devices=[tensor.device]) if tensor.is_cuda \
+            else torch.futures.Future()
+        if state.error is not None:
+            future.set_exception(state.error)
+            return future
+        try:
+            reduce(tensor)
+        except Exception as error:
+            future.set_exception(_fail(state, index, error))
+            return future
+        future.set_result(tensor)
+        return future
+
+    ready: Any = None
+    if tensor.is_cuda:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(tensor.device))
+
+    def job(future: torch.futures.Future) -> None:
+        if state.error is not None:  # the groups are broken: do not wait on them again
+            future.set_exception(state.error)
+            return
+        try:
+            if ready is None:
+                reduce(tensor)
+                future.set_result(tensor)
+                return
+            stream = state.comm_stream(tensor.device)
+            with torch.cuda.stream(stream):
+                stream.wait_event(ready)
+                if state.groups.backend == "gloo":
+                    host = tensor.to("cpu")
+                    reduce(host)
+                    tensor.copy_(host)
+                else:
+                    reduce(tensor)
+                future.set_result(tensor)  # records an event on ``stream``: DDP waits for it
+        except Exception as error:
+            future.set_exception(_fail(state, index, error))
+
+    return state.submit(job, tensor.device)
 
 
 def flat_hook(state: HierarchicalHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -153,6 +154,7 @@ class HierarchicalDDPSetup:
         self.hook_state: HierarchicalHookState | None = None
         self.resolved_algorithm: str | None = None
         self._gradient_bytes = 0
+        self._saved_residuals: tuple[str, dict | None] | None = None
 
     _front = "Trainer"
     """What the user configures devices and nodes on, for error messages."""
@@ -166,6 +168,7 @@ class HierarchicalDDPSetup:
     world_size: int
     _ddp_kwargs: dict[str, Any]
     _timeout: Any
+    root_device: torch.device
 
     def _resolve_topology(self) -> Topology:
         world_size = self.num_nodes * self.num_processes
@@ -285,7 +288,9 @@ class HierarchicalDDPSetup:
             topk=TopKErrorFeedback(self.topk_ratio) if self.compression == "topk" else None,
             topk_start_iter=self.topk_start_iter,
             chunk_numel=chunk_numel_for(self.pipeline_chunk_mb, self.topology.num_nodes),
+            algorithm=self.resolved_algorithm,
         )
+        self._restore_residuals()
         if self.user_comm_hook is not None:
             state = LeaderHookState.create(self.hook_state, self.user_comm_hook, self.user_comm_state,
                                            self.user_comm_wrapper)
@@ -340,12 +345,46 @@ class HierarchicalDDPSetup:
             f"{key.split('/')[1]}={value}" for key, value in self.plan_summary().items()
         )
 
+    def _comm_layout(self) -> dict[str, Any]:
+        assert self.topology is not None and self.hook_state is not None
+        return {
+            "world_size": self.topology.world_size, "ranks_per_node": self.topology.ranks_per_node,
+            "algorithm": self.resolved_algorithm, "topk_ratio": self.topk_ratio,
+            "chunk_numel": self.hook_state.chunk_numel, "rank": self.global_rank,
+        }
+
+    def _restore_residuals(self) -> None:
+        saved = self._saved_residuals
+        if saved is None or self.hook_state is None or self.hook_state.topk is None:
+            return
+        self._saved_residuals = None
+        path, state = saved
+        if state is None:
+            warnings.warn(f"no top-k residuals for rank {self.global_rank} at {path}: error feedback restarts "
+                          "from zero, so this run will not equal an uninterrupted one.", stacklevel=2)
+            return
+        now, then = self._comm_layout(), state.get("layout", {})
+        differ = {k: (then.get(k), v) for k, v in now.items() if then.get(k) != v}
+        if differ:
+            what = ", ".join(f"{k} {a!r} in the checkpoint vs {b!r} now" for k, (a, b) in differ.items())
+            warnings.warn(f"top-k residuals at {path} belong to another layout ({what}): error feedback restarts "
+                          "from zero.", stacklevel=2)
+            return
+        # gloo works on host copies of the buckets (CUDA ones too), so the residuals live there
+        device = torch.device("cpu") if self.hook_state.groups.backend == "gloo" else self.root_device
+        self.hook_state.topk.errors = {key: t.to(device) for key, t in state["errors"].items()}
+        self.hook_state.topk.restored = set(state["errors"])
+        self.hook_state.iteration = int(state["iteration"])
+
     @override
     def teardown(self) -> None:
         """Stop the communication thread and release the node groups, then the DDP strategy's teardown."""
         if self.hook_state is not None:
+            failed = self.hook_state.error is not None
             self.hook_state.close()
-            if dist.is_initialized():
+            if dist.is_initialized() and not failed:
+                # After a failure the groups' peers may be gone: destroying them could block on
+                # the dead connections, and the process is about to exit anyway.
                 self.hook_state.groups.destroy()
         super().teardown()  # type: ignore[misc]
 

@@ -10,6 +10,9 @@ strategy registry under the Trainer's names, ``"hier_ring"`` and ``"hier_torus"`
 """
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -56,6 +59,16 @@ class FabricHierarchicalAllReduceStrategy(HierarchicalDDPSetup, DDPStrategy):
         self._install_hook(ddp_module)
         rank_zero_info(self.plan_message())
         return ddp_module
+
+    @override
+    def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        """Fabric's backward, raising a failed bucket all-reduce as the Trainer strategy's ``backward`` does."""
+        try:
+            super().backward(tensor, module, *args, **kwargs)
+        except RuntimeError:
+            if self.hook_state is not None:
+                self.hook_state.raise_if_failed()
+            raise
 
 
 def register_fabric_strategies() -> None:

@@ -10,6 +10,9 @@ top-k compression of the inter-node stage (Tencent Cloud 2020). Registered in Li
 """
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -127,6 +130,60 @@ class HierarchicalAllReduceStrategy(HierarchicalDDPSetup, DDPStrategy):
         summary = self.plan_summary()
         for logger in trainer.loggers:
             logger.log_hyperparams(summary)
+
+    def _residual_path(self, filepath: Any) -> str:
+        return f"{filepath}.topk-residuals-rank{self.global_rank}"
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Save the checkpoint (rank 0); with top-k, every rank also saves its error-feedback residuals.
+
+        The residuals differ per rank (each keeps what it did not send), so each rank writes
+        ``<checkpoint>.topk-residuals-rank<R>`` beside the checkpoint, with the layout they belong
+        to (world size, ranks per node, algorithm, ratio, chunking, hook iteration).
+        """
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        state = self.hook_state
+        if state is not None and state.topk is not None:
+            residuals = {"layout": self._comm_layout(), "iteration": state.iteration,
+                         "errors": {key: t.detach().cpu() for key, t in state.topk.errors.items()}}
+            self.checkpoint_io.save_checkpoint(residuals, self._residual_path(filepath))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load the checkpoint; with top-k, also this rank's residuals (restored once the hook exists)."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if self.compression == "topk":
+            path = self._residual_path(checkpoint_path)
+            try:
+                self._saved_residuals = (path, self.checkpoint_io.load_checkpoint(path))
+            except FileNotFoundError:
+                self._saved_residuals = (path, None)
+        return checkpoint
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Remove the checkpoint and this rank's top-k residuals beside it."""
+        super().remove_checkpoint(filepath)
+        if self.compression == "topk":
+            try:
+                self.checkpoint_io.remove_checkpoint(self._residual_path(filepath))
+            except FileNotFoundError:
+                pass
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """DDP's backward; a failed bucket all-reduce is raised as the hook's :class:`CommHookError`.
+
+        DDP reports an exception from a hook's future only as a value it cannot cast to a
+        tensor; the hook state keeps the real error (algorithm, stage, bucket, cause).
+        """
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        except RuntimeError:
+            if self.hook_state is not None:
+                self.hook_state.raise_if_failed()
+            raise
 
 
 def register_strategies() -> None:

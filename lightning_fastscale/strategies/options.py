@@ -47,8 +47,9 @@ DEFAULT_PIPELINE_CHUNK_MB = "auto"
 
 Every chunk pays every stage's latency (2(N-1) messages in an N-node ring) while the bytes a
 chunk moves per link stay about its size, so the latency share of a chunk grows as N / chunk
-size; a chunk growing with N keeps that share constant. The measurements behind the value
-are in ``benchmarks/README.md`` (section "Communication core")."""
+size; a chunk growing with N keeps that share constant, and at hundreds of nodes buckets go
+unchunked. The measurements behind the value are in ``benchmarks/README.md`` (sections
+"All-reduce algorithms on the emulated cluster" and "Planner against the literature")."""
 
 
 def canonical_algorithm(name: str, setting: str = "algorithm", extra: Iterable[str] = ()) -> str:

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_fastscale.strategies.comm_hooks import HierarchicalHookState
+from lightning_fastscale.strategies.comm_hooks import HierarchicalHookState, _fail
 
 
 def _name(hook: Callable) -> str:
@@ -128,15 +128,18 @@ class LeaderHookState:
 def leader_hook(state: LeaderHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Reduce the bucket onto the node leader, run the user's hook among leaders, broadcast in the node.
 
-    Runs on the strategy's communication thread, one bucket after the other in DDP's order, so
-    the collectives on each group are issued in the same order on every rank.
+    Runs where the strategy's own hooks run (its communication thread, or inline on NCCL), one
+    bucket after the other in DDP's order, so the collectives on each group are issued in the
+    same order on every rank. A failure is reported like the strategy's own hooks report theirs.
     """
     tensor = bucket.buffer()
-    groups = state.hierarchy.groups
+    index = bucket.index()
+    hierarchy = state.hierarchy
+    groups = hierarchy.groups
     per_node = groups.topology.ranks_per_node
     leader = groups.intra_ranks[0]
 
-    def job() -> torch.Tensor:
+    def reduce() -> None:
         if per_node > 1:
             dist.reduce(tensor, dst=leader, group=groups.intra)
         if groups.is_leader:
@@ -147,6 +150,21 @@ def leader_hook(state: LeaderHookState, bucket: dist.GradBucket) -> torch.future
                 tensor.copy_(averaged)
         if per_node > 1:
             dist.broadcast(tensor, src=leader, group=groups.intra_out)
-        return tensor
 
-    return state.hierarchy.submit(job)
+    def job(future: torch.futures.Future) -> None:
+        if hierarchy.error is not None:  # the groups are broken: do not wait on them again
+            future.set_exception(hierarchy.error)
+            return
+        try:
+            reduce()
+            future.set_result(tensor)
+        except Exception as error:
+            future.set_exception(_fail(hierarchy, index, error))
+
+    if hierarchy.inline:
+        future: torch.futures.Future = (
+            torch.futures.Future(devices=[tensor.device]) if tensor.is_cuda else torch.futures.Future()
+        )
+        job(future)
+        return future
+    return hierarchy.submit(job, tensor.device)

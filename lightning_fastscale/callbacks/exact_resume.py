@@ -1,0 +1,290 @@
+"""Exact mid-epoch resume: a run stopped at any step continues with the batches it would have seen.
+
+Lightning restores the weights, optimizer, LR scheduler, loop counters and callback state
+from a mid-epoch checkpoint, but a plain ``DataLoader`` starts its epoch over (Lightning warns
+"your dataloader is not resumable"), so the resumed epoch repeats its first batches, drops
+its last ones and ends at another step than the uninterrupted run; the random-number
+generators also restart from the seed instead of where the run was. For a preempted
+large-batch job (see :class:`~lightning_fastscale.callbacks.PreemptionCheckpoint`) that means
+a different run, not a resumed one.
+
+This callback makes the training ``DataLoader`` resumable through Lightning's own interface
+(a loader with ``state_dict`` / ``load_state_dict`` is saved in the checkpoint and restored
+before its iterator is made): the saved state is how many batches of the current epoch the
+loop has consumed plus every rank's RNG states (torch, CUDA, NumPy, ``random``) at the start
+of the epoch and at the moment of saving. On resume the epoch's sampler order is rebuilt
+from the epoch-start state (``DistributedSampler`` orders by seed and epoch; a single-device
+``RandomSampler`` draws from the global generator), the consumed batches' indices are
+skipped without loading them, and the generators are put back where the run was before it
+loads the next batch. On CPU the resumed run is then bitwise equal to the uninterrupted one
+(tests/test_faults_resume.py).
+
+Not covered: random augmentation inside DataLoader worker processes (``num_workers > 0``)
+restarts in the workers, so such a resume is statistically, not bitwise, the same; loaders
+that are not a ``torch.utils.data.DataLoader`` (or a collection of them) are left alone.
+A loader that already has ``state_dict`` (torchdata's ``StatefulDataLoader``, litdata's
+``StreamingDataLoader``) keeps its own state and is left alone. A resume from an epoch
+boundary starts the next epoch as Lightning does (``DistributedSampler``'s order depends only
+on seed and epoch, so multi-process runs see the same order; a single-device
+``RandomSampler`` draws a new one).
+
+Functional core: :func:`collect_rng_states`, :func:`set_rng_states`, :class:`SkipFirstBatches`.
+Lightning adapter: :class:`ExactResume`.
+"""
+from __future__ import annotations
+
+import functools
+import random
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.types import _Stateful
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+
+def collect_rng_states() -> dict[str, Any]:
+    """This process's generator states: torch CPU, every CUDA device, NumPy, Python ``random``.
+
+    Only tensors, numbers, strings and tuples, so a checkpoint holding them still loads with
+    ``torch.load(weights_only=True)`` (Lightning's default with torch >= 2.6).
+    """
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    states: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": (str(kind), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
+        "python": (int(version), torch.tensor(internal, dtype=torch.int64), gauss_next),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Restore what :func:`collect_rng_states` returned."""
+    torch.set_rng_state(states["torch"])
+    kind, keys, pos, has_gauss, cached = states["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    version, internal, gauss_next = states["python"]
+    random.setstate((version, tuple(int(v) for v in internal.tolist()), gauss_next))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+class SkipFirstBatches:
+    """An index sampler whose first pass skips ``skip`` items, then calls ``after_skip``.
+
+    The skip happens when the pass is first advanced, as the wrapped sampler's own first
+    draw would, so a ``RandomSampler`` draws its seed at the same point of the generator
+    sequence as in an uninterrupted run. Later passes (persistent workers re-iterate the same
+    object) are complete.
+    """
+
+    def __init__(self, sampler: Any, skip: int, after_skip: Any = None) -> None:
+        self.sampler = sampler
+        self.skip = skip
+        self.after_skip = after_skip
+        self._used = False
+
+    def __iter__(self) -> Iterator[Any]:
+        iterator = iter(self.sampler)
+        if not self._used:
+            # the first advance of the first pass does the skip (an unadvanced pass made by a
+            # DataLoader iterator that is reset before use does not count)
+            return self._skipping(iterator)
+        return iterator
+
+    def _skipping(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        self._used = True
+        for _ in range(self.skip):
+            next(iterator, None)
+        if self.after_skip is not None:
+            self.after_skip()
+        yield from iterator
+
+    def __len__(self) -> int:
+        return len(self.sampler) - (0 if self._used else self.skip)
+
+
+def _resumable_class(base: type, owner: ExactResume) -> type:
+    """``base`` (a DataLoader class) plus Lightning's stateful-loader interface.
+
+    The methods go into a direct subclass of ``base`` (not a mixin base), because Python
+    only lets an existing object's class be swapped for a subclass with the same layout.
+    """
+    owner_ref = weakref.ref(owner)
+    base_index_sampler = base._index_sampler
+
+    def _index_sampler(self: Any) -> Any:
+        pending = self.__dict__.get("_fastscale_skip")
+        return pending if pending is not None else base_index_sampler.fget(self)
+
+    def __iter__(self: Any) -> Any:
+        callback = owner_ref()
+        resume = self.__dict__.pop("_fastscale_resume", None)
+        if callback is None:
+            return base.__iter__(self)
+        if resume is None:
+            callback._epoch_start_rng = collect_rng_states()
+            return base.__iter__(self)
+        epoch_start, at_save, skip = resume
+        if epoch_start is not None:
+            set_rng_states(epoch_start)
+        callback._epoch_start_rng = collect_rng_states()
+        after = functools.partial(set_rng_states, at_save) if at_save is not None else None
+        self.__dict__["_fastscale_skip"] = SkipFirstBatches(base_index_sampler.fget(self), skip, after)
+        try:
+            return base.__iter__(self)
+        finally:
+            # the iterator holds the skipping sampler; the loader's own length stays whole
+            self.__dict__.pop("_fastscale_skip", None)
+
+    def state_dict(self: Any) -> dict[str, Any]:
+        callback = owner_ref()
+        return callback._loader_state() if callback is not None else {}
+
+    def load_state_dict(self: Any, state_dict: dict[str, Any]) -> None:
+        callback = owner_ref()
+        if callback is not None and state_dict:
+            resume = callback._resume_plan(state_dict, len(self))
+            if resume is not None:
+                self.__dict__["_fastscale_resume"] = resume
+
+    namespace = {
+        "_index_sampler": property(_index_sampler),
+        "__iter__": __iter__,
+        "state_dict": state_dict,
+        "load_state_dict": load_state_dict,
+        "_fastscale_resumable": True,
+        "__module__": __name__,
+        "__doc__": f"{base.__name__} that resumes mid-epoch (see ExactResume).",
+    }
+    return type(f"Resumable{base.__name__}", (base,), namespace)
+
+
+def _gather(obj: Any) -> list[Any]:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+    return [obj]
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class ExactResume(Callback):
+    """Make a mid-epoch resume continue with the same batches and random numbers.
+
+    Add it to the Trainer's callbacks (``fastscale-train`` does by default); nothing else
+    changes: checkpoints made at any step by any checkpoint callback (``ModelCheckpoint(
+    every_n_train_steps=...)``, :class:`~lightning_fastscale.callbacks.PreemptionCheckpoint`)
+    carry the data position and RNG states, and ``Trainer.fit(ckpt_path=...)`` uses them.
+    The training loader comes from the datamodule's or the LightningModule's
+    ``train_dataloader`` (or is the loader given to ``fit``); its class is extended, not
+    replaced, so a DataLoader subclass keeps its behaviour.
+
+    Resuming with another world size still skips the consumed batches but cannot rebuild
+    the per-rank order or generators: a warning says so.
+
+    Examples:
+        >>> import lightning.pytorch as pl
+        >>> from lightning.pytorch.callbacks import ModelCheckpoint
+        >>> trainer = pl.Trainer(callbacks=[ExactResume(), ModelCheckpoint(every_n_train_steps=50)])  # doctest: +SKIP
+        >>> trainer.fit(model, datamodule=dm, ckpt_path="checkpoints/epoch=0-step=150.ckpt")  # doctest: +SKIP
+    """
+
+    schedule_neutral = True
+
+    def __init__(self) -> None:
+        self._trainer: pl.Trainer | None = None
+        self._classes: dict[type, type] = {}
+        self._epoch_start_rng: dict[str, Any] | None = None
+        self._wrapped: list[tuple[Any, str]] = []
+
+    # -- making the loader resumable ------------------------------------------------------
+    def _resumable(self, loader: Any) -> Any:
+        if isinstance(loader, DataLoader) and not isinstance(loader, _Stateful):
+            base = type(loader)
+            cls = self._classes.get(base)
+            if cls is None:
+                cls = self._classes[base] = _resumable_class(base, self)
+            loader.__class__ = cls  # same instance, same init arguments: Lightning may re-create it
+            return loader
+        if isinstance(loader, (list, tuple)):
+            return type(loader)(self._resumable(item) for item in loader)
+        if isinstance(loader, dict):
+            return {key: self._resumable(item) for key, item in loader.items()}
+        return loader
+
+    def _wrap_hook(self, owner: Any, name: str = "train_dataloader") -> None:
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def train_dataloader() -> Any:
+            return self._resumable(original())
+
+        setattr(owner, name, train_dataloader)  # an instance attribute, removed at teardown
+        self._wrapped.append((owner, name))
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._trainer = trainer
+        datamodule = trainer.datamodule
+        if datamodule is not None and is_overridden("train_dataloader", datamodule, pl.LightningDataModule):
+            self._wrap_hook(datamodule)
+            return
+        source = getattr(trainer.fit_loop, "_data_source", None)
+        instance = getattr(source, "instance", None)
+        if isinstance(instance, pl.LightningModule):
+            self._wrap_hook(pl_module)
+        elif instance is not None:
+            self._resumable(instance)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for owner, name in self._wrapped:
+            owner.__dict__.pop(name, None)
+        self._wrapped = []
+
+    # -- what goes into the checkpoint ----------------------------------------------------
+    def _loader_state(self) -> dict[str, Any]:
+        """Called on every rank while a checkpoint is made (Lightning saves on all ranks)."""
+        trainer = self._trainer
+        assert trainer is not None
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current
+        per_rank = _gather({"epoch_start": self._epoch_start_rng, "at_save": collect_rng_states()})
+        return {
+            "epoch": trainer.current_epoch,
+            "batches_consumed": int(progress.processed),
+            "world_size": trainer.world_size,
+            "rng": per_rank,
+        }
+
+    def _resume_plan(self, state: dict[str, Any], length: int) -> tuple[Any, Any, int] | None:
+        trainer = self._trainer
+        assert trainer is not None
+        consumed = int(state["batches_consumed"])
+        if state["epoch"] != trainer.current_epoch or consumed >= length or consumed <= 0:
+            return None  # saved at an epoch boundary: the new epoch starts from its beginning
+        if state["world_size"] != trainer.world_size or len(state["rng"]) != trainer.world_size:
+            rank_zero_warn(
+                f"ExactResume: the checkpoint was written by {state['world_size']} processes, this run "
+                f"has {trainer.world_size}; epoch {state['epoch']} resumes after its first {consumed} "
+                "batches, but the samples and random numbers differ from an uninterrupted run"
+            )
+            return None, None, consumed
+        mine = state["rng"][_rank()]
+        return mine["epoch_start"], mine["at_save"], consumed

@@ -1,0 +1,273 @@
+"""Convert an image tree (or the built-in procedural set) into the streaming format.
+
+Each split becomes a litdata dataset (``litdata.optimize``: chunked binary files plus an
+``index.json``), one sample per image: ``{"image": JPEG bytes, "label": int, "index": int,
+"name": str}``. Images are re-encoded as JPEG with the longer side capped at ``max_side``:
+decode cost grows with pixels, so storing at the largest size training will read is the
+cheapest speed-up there is (FFCV, Leclerc et al. 2023, stores at a maximum resolution for the
+same reason). ``index`` is the sample's position in ImageFolder order (classes sorted, files
+sorted in each class), ``name`` its path relative to the split folder, for error messages.
+
+Beside the splits, ``dataset.json`` records the class list (sorted folder names, the same
+label order as :class:`~lightning_fastscale.data.ImageFolderDataModule`), per-class counts,
+``max_side`` and ``quality``. It is written last: a folder without it was not completely
+written, and :func:`read_metadata` says so.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+METADATA_FILE = "dataset.json"
+FORMAT_NAME = "lightning_fastscale.streaming"
+FORMAT_VERSION = 1
+SPLITS = ("train", "val")
+PROCEDURAL_SOURCE = "procedural"
+DEFAULT_MAX_SIDE = 512
+DEFAULT_QUALITY = 90
+
+
+@dataclass
+class StreamingMetadata:
+    """What ``dataset.json`` holds: classes in label order, counts, and how images were stored."""
+
+    classes: list[str]
+    counts: dict[str, list[int]]  # split -> samples per class, in label order
+    max_side: int
+    quality: int
+    source: str
+    format: str = FORMAT_NAME
+    version: int = FORMAT_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def split_size(self, split: str) -> int:
+        """Number of samples stored for ``split``."""
+        return sum(self.counts.get(split, []))
+
+
+def _encode_jpeg(image: Image.Image, max_side: int, quality: int) -> bytes:
+    image = image.convert("RGB")
+    longer = max(image.size)
+    if longer > max_side:
+        w, h = image.size
+        image = image.resize(
+            (max(1, round(w * max_side / longer)), max(1, round(h * max_side / longer))),
+            Image.Resampling.BICUBIC, reducing_gap=3.0,
+        )
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=quality)
+    return buf.getvalue()
+
+
+def _encode_file(item: tuple[str, int, int, str], max_side: int, quality: int) -> dict[str, Any]:
+    path, label, index, name = item
+    try:
+        with Image.open(path) as image:
+            image.draft("RGB", (max_side, max_side))  # DCT-domain downscale of big JPEGs
+            data = _encode_jpeg(image, max_side, quality)
+    except Exception as err:  # PIL raises several types for broken files
+        raise RuntimeError(f"cannot read image {path}: {err}") from err
+    return {"image": data, "label": label, "index": index, "name": name}
+
+
+def _encode_procedural(
+    item: tuple[str, int], num_classes: int, size: int, resolution: int, seed: int,
+    max_side: int, quality: int,
+) -> dict[str, Any]:
+    import torch
+
+    from .procedural import ProceduralShapes
+
+    split, index = item
+    dataset = ProceduralShapes(num_classes, size, resolution, seed, split, normalize=False)
+    pixels = (dataset.render([index])[0] * 255).round().to(torch.uint8)
+    image = Image.fromarray(pixels.permute(1, 2, 0).numpy())
+    return {
+        "image": _encode_jpeg(image, max_side, quality), "label": dataset.label(index),
+        "index": index, "name": f"{split}/{index}",
+    }
+
+
+def image_tree_samples(root: Path) -> tuple[list[str], dict[str, list[tuple[str, int, int, str]]]]:
+    """Classes and ``(path, label, index, name)`` per split of an ImageNet-layout tree.
+
+    Raises the same errors as :class:`~lightning_fastscale.data.ImageFolderDataModule` for a
+    missing split folder, no class folders or an empty class.
+    """
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    from .datamodules import _check_class_tree
+
+    for split in SPLITS:
+        _check_class_tree(root / split)
+    classes = sorted(p.name for p in (root / "train").iterdir() if p.is_dir())
+    samples: dict[str, list[tuple[str, int, int, str]]] = {}
+    for split in SPLITS:
+        split_dir = root / split
+        unknown = sorted({p.name for p in split_dir.iterdir() if p.is_dir()} - set(classes))
+        if unknown:
+            raise ValueError(f"{split_dir} has classes not in {root / 'train'}: {unknown[:5]}")
+        rows = []
+        for label, cls in enumerate(classes):
+            folder = split_dir / cls
+            if not folder.is_dir():
+                continue
+            for f in sorted(folder.iterdir()):
+                if f.is_file() and f.suffix.lower() in IMG_EXTENSIONS:
+                    rows.append((str(f), label, len(rows), f"{cls}/{f.name}"))
+        samples[split] = rows
+    return classes, samples
+
+
+@contextlib.contextmanager
+def _restore_start_method() -> Iterator[None]:
+    # litdata.optimize sets the global multiprocessing start method; put the caller's back.
+    previous = multiprocessing.get_start_method(allow_none=True)
+    try:
+        yield
+    finally:
+        multiprocessing.set_start_method(previous, force=True)
+
+
+def _optimize(fn: Any, inputs: list[Any], output_dir: Path, num_workers: int, chunk_bytes: str, verbose: bool) -> None:
+    import litdata
+
+    with _restore_start_method():
+        litdata.optimize(
+            fn=fn, inputs=inputs, output_dir=str(output_dir), num_workers=max(1, min(num_workers, len(inputs))),
+            chunk_bytes=chunk_bytes, reorder_files=False, verbose=verbose,
+            start_method="fork" if sys.platform == "linux" else None,
+        )
+
+
+def convert(
+    source: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    max_side: int = DEFAULT_MAX_SIDE,
+    quality: int = DEFAULT_QUALITY,
+    num_workers: int | None = None,
+    chunk_bytes: str = "64MB",
+    procedural: dict[str, int] | None = None,
+    verbose: bool = True,
+) -> StreamingMetadata:
+    """Write ``source`` (an ImageNet-layout root, or ``"procedural"``) as streaming data in ``output``.
+
+    Args:
+        source: folder holding ``train/<class>/*`` and ``val/<class>/*``, or ``"procedural"``
+            for the built-in :class:`~lightning_fastscale.data.ProceduralShapes` set.
+        output: new folder to write; an existing one is refused, never overwritten.
+        max_side: longer image side after re-encoding, in pixels.
+        quality: JPEG quality of the re-encoded images (1-95).
+        num_workers: parallel encoder processes (default: all cores).
+        chunk_bytes: litdata chunk size.
+        procedural: ``num_classes``, ``train_size``, ``val_size``, ``resolution``, ``seed`` for
+            the procedural source.
+        verbose: show litdata's progress bar.
+
+    Examples:
+        >>> meta = convert("procedural", "/tmp/shapes", max_side=64,
+        ...                procedural={"train_size": 64, "val_size": 16, "resolution": 64})  # doctest: +SKIP
+    """
+    out = Path(os.path.expanduser(str(output)))
+    if out.exists():
+        raise FileExistsError(
+            f"output folder {out} already exists; refusing to overwrite it. Choose a new OUT "
+            "folder, or delete this one yourself if it is a failed conversion."
+        )
+    if not 16 <= max_side <= 65500:
+        raise ValueError(f"--max-side must be between 16 and 65500 pixels, got {max_side}")
+    if not 1 <= quality <= 95:
+        raise ValueError(f"--quality must be between 1 and 95, got {quality}")
+    workers = num_workers or os.cpu_count() or 1
+
+    if str(source) == PROCEDURAL_SOURCE:
+        opts = {"num_classes": 10, "train_size": 10000, "val_size": 2000, "resolution": 64, "seed": 0,
+                **(procedural or {})}
+        from .procedural import ProceduralShapes
+
+        ProceduralShapes(opts["num_classes"], 1, opts["resolution"])  # validate the options here
+        from .procedural import SHAPES
+
+        classes = list(SHAPES)[: opts["num_classes"]]
+        inputs = {s: [(s, i) for i in range(opts[f"{s}_size"])] for s in SPLITS}
+        counts = {s: [sum(1 for i in range(opts[f"{s}_size"]) if i % opts["num_classes"] == c)
+                      for c in range(opts["num_classes"])] for s in SPLITS}
+        fns = {s: partial(_encode_procedural, num_classes=opts["num_classes"], size=opts[f"{s}_size"],
+                          resolution=opts["resolution"], seed=opts["seed"], max_side=max_side, quality=quality)
+               for s in SPLITS}
+        source_text, extra = PROCEDURAL_SOURCE, {"procedural": opts}
+    else:
+        root = Path(os.path.expanduser(str(source)))
+        classes, samples = image_tree_samples(root)
+        inputs = samples
+        counts = {s: [sum(1 for r in samples[s] if r[1] == c) for c in range(len(classes))] for s in SPLITS}
+        fn = partial(_encode_file, max_side=max_side, quality=quality)
+        fns = {s: fn for s in SPLITS}
+        source_text, extra = str(root.resolve()), {}
+
+    out.mkdir(parents=True)
+    try:
+        for split in SPLITS:
+            _optimize(fns[split], inputs[split], out / split, workers, chunk_bytes, verbose)
+    except BaseException:
+        # Nothing of the user's is in a folder this call created; a half-written one would
+        # only mislead the next run, so it goes.
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    meta = StreamingMetadata(classes, counts, max_side, quality, source_text, extra=extra)
+    (out / METADATA_FILE).write_text(json.dumps(asdict(meta), indent=1))
+    return meta
+
+
+def read_metadata(root: str | os.PathLike[str]) -> StreamingMetadata:
+    """Read and check ``dataset.json`` of a converted folder; errors name the path and the fix."""
+    path = Path(os.path.expanduser(str(root)))
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"streaming data folder {path} does not exist; create it with "
+            "`fastscale-data convert ROOT OUT` and set data.root to OUT"
+        )
+    meta_file = path / METADATA_FILE
+    if not meta_file.is_file():
+        raise FileNotFoundError(
+            f"{path} has no {METADATA_FILE}: it is not a converted folder or its conversion did not "
+            "finish; re-run `fastscale-data convert ROOT OUT` into a new folder"
+        )
+    raw = json.loads(meta_file.read_text())
+    if raw.get("format") != FORMAT_NAME or raw.get("version") != FORMAT_VERSION:
+        raise ValueError(f"{meta_file} is not {FORMAT_NAME} version {FORMAT_VERSION}: {raw.get('format')!r}")
+    meta = StreamingMetadata(**raw)
+    for split in SPLITS:
+        _check_split_files(path / split)
+        for cls, n in zip(meta.classes, meta.counts.get(split, [])):
+            if split == "train" and n == 0:
+                raise ValueError(
+                    f"class {cls!r} has no training samples in {path}; remove the class folder from "
+                    "the source tree or add images, then convert again"
+                )
+    return meta
+
+
+def _check_split_files(split_dir: Path) -> None:
+    index = split_dir / "index.json"
+    if not index.is_file():
+        raise FileNotFoundError(f"{index} is missing: the conversion of {split_dir} did not finish")
+    chunks = [c["filename"] for c in json.loads(index.read_text()).get("chunks", [])]
+    missing = [c for c in chunks if not (split_dir / c).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"{split_dir} lacks {len(missing)} chunk file(s) listed in its index.json "
+            f"({missing[0]}, ...): the folder is half-written or damaged; convert again"
+        )

@@ -1,0 +1,112 @@
+"""Device prefetch: copy the next batch to the accelerator while the current step runs.
+
+Jia et al. 2018 pipeline data loading with compute, and Tencent Cloud 2020 prefetch the data
+set so the GPU never waits on the host. Lightning copies each batch to the device just before
+``training_step``, on the compute stream, so the copy and the step serialise. This wrapper
+issues the copy of batch ``i + 1`` from pinned memory on a side CUDA stream (non-blocking)
+before handing out batch ``i``; the compute stream waits on the side stream only when it
+reaches that batch. Lightning's own transfer then finds the tensors already on the device and
+does nothing.
+
+The wrapper stays resumable: a stateful loader (litdata's ``StreamingDataLoader``) has
+already produced the look-ahead batch, so :meth:`DevicePrefetcher.state_dict` reports the
+position of the batch last handed out, not the one prefetched.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+
+
+class DevicePrefetcher:
+    """Iterate ``loader`` with one batch copied ahead to ``device``.
+
+    On CUDA the copy runs on a side stream; on any other device it is an ordinary ``.to``
+    (the look-ahead still happens, which is what the tests of resumption exercise on CPU).
+
+    Examples:
+        >>> loader = [torch.zeros(2), torch.ones(2)]
+        >>> [b.tolist() for b in DevicePrefetcher(loader, "cpu")]
+        [[0.0, 0.0], [1.0, 1.0]]
+    """
+
+    def __init__(self, loader: Iterable[Any], device: torch.device | str) -> None:
+        self.loader = loader
+        self.device = torch.device(device)
+        self._pending = 0  # batches the loader produced that have not been handed out
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        # batch_size, dataset, num_workers, ... of the wrapped loader, for Lightning and users
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def _copy(self, batch: Any, stream: torch.cuda.Stream | None) -> Any:
+        if stream is None:
+            return move_data_to_device(batch, self.device)
+        with torch.cuda.stream(stream):
+            return move_data_to_device(batch, self.device)
+
+    def __iter__(self) -> Iterator[Any]:
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        iterator = iter(self.loader)
+        self._pending = 0
+        try:
+            ahead = self._copy(next(iterator), stream)
+        except StopIteration:
+            return
+        self._pending = 1
+        while True:
+            if stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                _record_stream(ahead, torch.cuda.current_stream(self.device))
+            current = ahead
+            try:
+                ahead = self._copy(next(iterator), stream)
+            except StopIteration:
+                self._pending = 0
+                yield current
+                return
+            yield current
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped loader's state, rewound by the look-ahead batch."""
+        state = self.loader.state_dict()  # type: ignore[attr-defined]
+        if not self._pending:
+            return state
+        return rewind_streaming_state(self.loader, state, self._pending)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the wrapped loader."""
+        self.loader.load_state_dict(state)  # type: ignore[attr-defined]
+
+
+def rewind_streaming_state(loader: Any, state: dict[str, Any], batches: int) -> dict[str, Any]:
+    """A litdata ``StreamingDataLoader`` state as it was ``batches`` batches earlier."""
+    yielded = state["num_samples_yielded"] - batches * loader.batch_size
+    workers = max(1, loader.num_workers)
+    return {
+        **state,
+        "dataset": loader.dataset.state_dict(yielded, loader.num_workers, loader.batch_size),
+        "num_samples_yielded": yielded,
+        "latest_worker_idx": (state["latest_worker_idx"] - batches) % workers,
+    }
+
+
+def _record_stream(batch: Any, stream: torch.cuda.Stream) -> None:
+    # The side stream allocated these tensors; tell the allocator the compute stream uses them.
+    if isinstance(batch, torch.Tensor):
+        if batch.is_cuda:
+            batch.record_stream(stream)
+    elif isinstance(batch, (list, tuple)):
+        for b in batch:
+            _record_stream(b, stream)
+    elif isinstance(batch, dict):
+        for b in batch.values():
+            _record_stream(b, stream)

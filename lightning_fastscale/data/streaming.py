@@ -1,0 +1,321 @@
+"""``StreamingDataModule``: litdata streaming, fast uint8 decode, normalise on the device.
+
+A drop-in replacement for :class:`~lightning_fastscale.data.ImageFolderDataModule` on data
+written by ``fastscale-data convert`` (:mod:`.convert`): the same class list and label order,
+the same training augmentation (random resized crop + flip) and validation geometry (resize,
+centre crop), but
+
+* samples come from litdata's ``StreamingDataset`` / ``StreamingDataLoader``: chunked files
+  read sequentially, sharded across ranks and nodes (each rank its own shard, no sample twice
+  in an epoch), from a local folder or object storage through a size-limited local cache
+  (Tencent Cloud 2020 cache the data set locally); the loader's position is part of
+  Lightning's checkpoint, so a run stopped mid-epoch resumes with the same next batches;
+* workers decode with libjpeg-turbo and augment in uint8 (:mod:`.fast_decode`), and the float
+  conversion, normalisation and ``channels_last`` happen in :meth:`on_after_batch_transfer`,
+  on the device, for any LightningModule;
+* on CUDA the next batch is copied ahead on a side stream (:mod:`.device_prefetch`);
+* ``num_workers="auto"`` measures and caches the worker count (:mod:`.worker_autotune`).
+
+It implements the batch-size/resolution protocol (:mod:`.protocol`), so ``BatchSizeRamp`` and
+``ProgressiveResizing`` work on it. Throughput against ImageFolder is in ``benchmarks/README.md``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from litdata import StreamingDataLoader, StreamingDataset
+from typing_extensions import override
+
+from . import fast_decode
+from .convert import METADATA_FILE, StreamingMetadata, read_metadata
+from .datamodules import _ResizableDataModule
+from .device_prefetch import DevicePrefetcher
+from .protocol import check_positive
+from .worker_autotune import WorkerCountCache, candidate_worker_counts, probe_num_workers
+
+log = logging.getLogger(__name__)
+
+_REMOTE_PREFIXES = ("s3://", "gs://", "r2://", "azure://", "hf://", "local:")
+
+
+class DecodedStreamingDataset(StreamingDataset):
+    """A litdata ``StreamingDataset`` of converted JPEGs that yields ``(uint8 image, label)``.
+
+    Training samples get a random resized crop + flip drawn from
+    :func:`~lightning_fastscale.data.fast_decode.sample_generator` of ``(seed, epoch, index)``,
+    so the augmentation of a sample does not depend on which worker read it; validation
+    samples are resized and centre-cropped. A sample that fails to decode raises an error
+    naming its index, its source file and the data folder.
+    """
+
+    def __init__(
+        self,
+        input_dir: str,
+        train: bool,
+        resolution: int,
+        crop_ratio: float = 0.875,
+        seed: int = 0,
+        scale: tuple[float, float] = fast_decode.DEFAULT_SCALE,
+        ratio: tuple[float, float] = fast_decode.DEFAULT_RATIO,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(input_dir, shuffle=train, seed=seed, **kwargs)
+        self.train, self.resolution, self.crop_ratio = train, resolution, crop_ratio
+        self.augment_seed, self.scale, self.ratio = seed, tuple(scale), tuple(ratio)
+        self.source = input_dir
+
+    def decode(self, item: dict[str, Any]) -> tuple[torch.Tensor, int]:
+        """Decode and augment one stored sample."""
+        data = torch.frombuffer(bytearray(item["image"]), dtype=torch.uint8)
+        try:
+            if self.train:
+                g = fast_decode.sample_generator(self.augment_seed, self.current_epoch, int(item["index"]))
+                image = fast_decode.train_transform(data, self.resolution, g, self.scale, self.ratio)
+            else:
+                image = fast_decode.val_transform(data, self.resolution, self.crop_ratio)
+        except Exception as err:  # libjpeg-turbo reports corrupt data as RuntimeError
+            raise RuntimeError(
+                f"cannot decode sample {item['index']} ({item['name']}) of {self.source}: {err}"
+            ) from err
+        return image, int(item["label"])
+
+    @override
+    def __getitem__(self, index: Any) -> Any:
+        item = super().__getitem__(index)
+        if isinstance(index, slice):
+            return [self.decode(i) for i in item]
+        return self.decode(item)
+
+
+class EpochAwareStreamingDataLoader(StreamingDataLoader):
+    """litdata's loader, made to start a fresh epoch after a resumed one is used up.
+
+    After ``load_state_dict`` litdata keeps replaying the saved position until one iteration
+    runs into ``StopIteration``. Lightning's fetcher stops asking once it has the epoch's
+    ``len(loader)`` batches, so that never happens and the next epoch would replay the
+    (empty) rest of the old one: no batches at all. When every batch of the resumed epoch
+    has been handed out, the next iteration is a new epoch.
+    """
+
+    @override
+    def __iter__(self) -> Any:
+        if self.restore and self._num_samples_yielded_streaming >= len(self) * self.batch_size:
+            self.restore = False
+        yield from super().__iter__()
+
+
+class StreamingDataModule(_ResizableDataModule):
+    """Converted ImageNet-style data streamed with litdata; uint8 in workers, float on device.
+
+    Args:
+        root: folder (or ``s3://`` / ``gs://`` ... URL) written by ``fastscale-data convert``.
+        resolution / val_resolution: training crop and validation size (val defaults to train);
+            neither may exceed the stored ``max_side``.
+        batch_size / val_batch_size: per-device batch sizes.
+        crop_ratio: validation resize ratio (0.875: resize 256, crop 224).
+        num_workers: loader processes per rank, or ``"auto"`` to measure the smallest count
+            within 95% of the best on this machine (cached, see :mod:`.worker_autotune`).
+        pin_memory: pinned host batches (default: when CUDA is available).
+        prefetch_factor: batches each worker prepares ahead.
+        seed: shuffling and augmentation seed (independent of the model seed).
+        channels_last: NHWC batches on the device (default: on CUDA only).
+        device_prefetch: copy the next batch to the GPU while the step runs (CUDA only).
+        cache_dir: local cache for a remote ``root`` (litdata default location if None).
+        max_cache_size: size limit of that cache, e.g. ``"50GB"``.
+        max_workers: upper bound of the ``auto`` probe (default: cores / ranks on this machine).
+        num_workers_cache: JSON file of ``auto`` picks (default: user cache dir).
+
+    ``dataset_class`` is the litdata dataset type both splits use; a subclass may override its
+    ``decode`` to return something else per stored sample.
+
+    Examples:
+        >>> dm = StreamingDataModule("/data/imagenet-512", resolution=176, batch_size=256)  # doctest: +SKIP
+        >>> trainer.fit(model, datamodule=dm)  # doctest: +SKIP
+    """
+
+    dataset_class: type[DecodedStreamingDataset] = DecodedStreamingDataset
+
+    def __init__(
+        self,
+        root: str,
+        resolution: int = 224,
+        val_resolution: int | None = None,
+        batch_size: int = 64,
+        val_batch_size: int | None = None,
+        crop_ratio: float = 0.875,
+        num_workers: int | str = "auto",
+        pin_memory: bool | None = None,
+        prefetch_factor: int | None = 2,
+        seed: int = 0,
+        channels_last: bool | None = None,
+        device_prefetch: bool = True,
+        cache_dir: str | None = None,
+        max_cache_size: str = "50GB",
+        max_workers: int | None = None,
+        num_workers_cache: str | None = None,
+    ) -> None:
+        auto = num_workers == "auto"
+        if not auto and (isinstance(num_workers, bool) or not isinstance(num_workers, int)):
+            raise ValueError(f"data.num_workers must be an integer >= 0 or 'auto', got {num_workers!r}")
+        # Workers are not persistent: litdata gives each epoch's workers the epoch's shuffle
+        # and augmentation seed when they start.
+        super().__init__(
+            batch_size, resolution, val_resolution, 0 if auto else num_workers, pin_memory,
+            False, prefetch_factor, val_batch_size,
+        )
+        if not 0 < crop_ratio <= 1:
+            raise ValueError(f"data.crop_ratio must be in (0, 1], got {crop_ratio}")
+        self.prefetch_factor = prefetch_factor
+        self.root = str(root) if _is_remote(str(root)) else os.path.expanduser(str(root))
+        self.crop_ratio, self.seed = crop_ratio, seed
+        self.channels_last, self.device_prefetch = channels_last, device_prefetch
+        self.cache_dir, self.max_cache_size = cache_dir, max_cache_size
+        self.auto_num_workers, self.max_workers = auto, max_workers
+        self.num_workers_cache = num_workers_cache
+        self.num_workers_probe: dict[str, Any] | None = None
+        self.metadata = self._read_metadata()
+        self.classes = list(self.metadata.classes)
+        self.num_classes = len(self.classes)
+        self._check_resolution("data.resolution", self.train_resolution)
+        self._check_resolution("data.val_resolution", self.val_resolution)
+
+    # -- metadata and checks ------------------------------------------------------------
+    def _read_metadata(self) -> StreamingMetadata:
+        if not _is_remote(self.root):
+            return read_metadata(self.root)
+        from litdata.streaming.downloader import get_downloader
+
+        local = Path(self.cache_dir or tempfile.mkdtemp(prefix="fastscale-meta-")) / METADATA_FILE
+        local.parent.mkdir(parents=True, exist_ok=True)
+        get_downloader(self.root, str(local.parent), []).download_file(f"{self.root.rstrip('/')}/{METADATA_FILE}", str(local))
+        return StreamingMetadata(**json.loads(local.read_text()))
+
+    def _check_resolution(self, name: str, resolution: int) -> None:
+        if resolution > self.metadata.max_side:
+            raise ValueError(
+                f"{name}={resolution} is larger than the longest side stored in {self.root} "
+                f"(max_side={self.metadata.max_side}): images would be upsampled. Lower {name} or "
+                f"convert again with `fastscale-data convert ... --max-side {resolution}` or more"
+            )
+
+    @override
+    def set_train_resolution(self, resolution: int) -> None:
+        check_positive("train resolution", resolution)
+        self._check_resolution("train resolution", resolution)
+        super().set_train_resolution(resolution)
+
+    @override
+    def set_val_resolution(self, resolution: int) -> None:
+        check_positive("validation resolution", resolution)
+        self._check_resolution("validation resolution", resolution)
+        super().set_val_resolution(resolution)
+
+    # -- datasets and loaders -----------------------------------------------------------
+    def dataset(self, split: str, resolution: int | None = None) -> DecodedStreamingDataset:
+        """A fresh litdata dataset of ``split`` at ``resolution`` (default: the current one)."""
+        train = split == "train"
+        res = resolution or (self.train_resolution if train else self.val_resolution)
+        input_dir = f"{self.root.rstrip('/')}/{split}" if _is_remote(self.root) else str(Path(self.root) / split)
+        extra: dict[str, Any] = {}
+        if _is_remote(self.root):
+            extra = {"cache_dir": self.cache_dir, "max_cache_size": self.max_cache_size}
+        return self.dataset_class(
+            input_dir, train=train, resolution=res, crop_ratio=self.crop_ratio, seed=self.seed,
+            drop_last=True if train else None, **extra,
+        )
+
+    def _streaming_loader(self, dataset: StreamingDataset, batch_size: int, num_workers: int) -> StreamingDataLoader:
+        loader = EpochAwareStreamingDataLoader(
+            dataset, batch_size=batch_size, num_workers=num_workers, pin_memory=self.pin_memory,
+            prefetch_factor=self.prefetch_factor if num_workers > 0 else None,
+        )
+        return loader
+
+    def _device(self) -> torch.device:
+        trainer = getattr(self, "trainer", None)
+        return trainer.strategy.root_device if trainer is not None else torch.device("cpu")
+
+    def _wrap(self, loader: StreamingDataLoader) -> Any:
+        device = self._device()
+        return DevicePrefetcher(loader, device) if self.device_prefetch and device.type == "cuda" else loader
+
+    @override
+    def train_dataloader(self) -> Any:
+        loader = self._streaming_loader(self.dataset("train"), self.train_batch_size, self.num_workers)
+        # A new loader per reload (batch size or resolution changed) must still see the
+        # trainer's epoch, which seeds litdata's shuffle and the augmentation.
+        trainer = getattr(self, "trainer", None)
+        loader.current_epoch = trainer.current_epoch if trainer is not None else 0
+        return self._wrap(loader)
+
+    @override
+    def val_dataloader(self) -> Any:
+        return self._wrap(self._streaming_loader(self.dataset("val"), self.val_batch_size, self.num_workers))
+
+    # -- num_workers: auto --------------------------------------------------------------
+    @override
+    def setup(self, stage: str) -> None:
+        if self.auto_num_workers and self.num_workers_probe is None:
+            self.num_workers = self.resolve_num_workers()
+
+    def _local_ranks(self) -> int:
+        trainer = getattr(self, "trainer", None)
+        if trainer is None:
+            return 1
+        return max(1, trainer.world_size // max(1, trainer.num_nodes))
+
+    def resolve_num_workers(self) -> int:
+        """Measure (or read from the cache) the worker count for this machine and setting."""
+        local_ranks = self._local_ranks()
+        max_workers = self.max_workers or max(1, (os.cpu_count() or 1) // local_ranks)
+        cache = WorkerCountCache(self.num_workers_cache)
+        meta_id = f"{self.root}|{self.metadata.split_size('train')}|{self.metadata.max_side}|{self.metadata.quality}"
+        key = cache.key(meta_id, self.train_resolution, self.train_batch_size, local_ranks)
+        hit = cache.get(key)
+        if hit is not None:
+            self.num_workers_probe = {**hit, "cached": True}
+            log.info("data.num_workers=auto: %d (cached in %s)", hit["num_workers"], cache.path)
+            return int(hit["num_workers"])
+
+        def make_loader(n: int) -> StreamingDataLoader:
+            return self._streaming_loader(self.dataset("train"), self.train_batch_size, n)
+
+        pick, curve = probe_num_workers(make_loader, candidate_worker_counts(max_workers), self.train_batch_size)
+        cache.put(key, pick, curve)
+        self.num_workers_probe = {"num_workers": pick, "images_per_s": curve, "cached": False}
+        log.info(
+            "data.num_workers=auto: %d (images/s by workers: %s; cached in %s)",
+            pick, ", ".join(f"{n}: {r:.0f}" for n, r in curve.items()), cache.path,
+        )
+        return pick
+
+    # -- on the device ------------------------------------------------------------------
+    @override
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        images, labels = batch
+        if images.dtype == torch.uint8:
+            channels_last = images.is_cuda if self.channels_last is None else self.channels_last
+            images = fast_decode.normalize_on_device(images, channels_last=channels_last)
+        return images, labels
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "num_workers": self.num_workers}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        # A resumed run keeps the worker count its loader state was saved with.
+        if "num_workers" in state_dict:
+            self.num_workers = state_dict["num_workers"]
+            self.num_workers_probe = {"num_workers": self.num_workers, "from_checkpoint": True}
+
+
+def _is_remote(root: str) -> bool:
+    return root.startswith(_REMOTE_PREFIXES)

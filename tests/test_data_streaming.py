@@ -1,0 +1,231 @@
+"""StreamingDataModule: transforms, protocol, DDP sharding, mid-epoch resume, num_workers auto, errors."""
+import json
+import shutil
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+
+from lightning_fastscale.data import ImageFolderDataModule, StreamingDataModule
+from lightning_fastscale.data import fast_decode
+from lightning_fastscale.data.device_prefetch import DevicePrefetcher
+from lightning_fastscale.data.streaming import DecodedStreamingDataset
+from lightning_fastscale.data.worker_autotune import WorkerCountCache, pick_smallest_within
+
+from .data_streaming_utils import convert_tree
+from .distributed import run_distributed
+
+
+@pytest.fixture(scope="module")
+def stream(tmp_path_factory):
+    """A converted folder shared read-only by the tests of this module (24 train, 6 val)."""
+    tmp = tmp_path_factory.mktemp("stream")
+    return convert_tree(tmp, max_side=64)
+
+
+def _dm(root, **kw):
+    kw.setdefault("num_workers", 0)
+    return StreamingDataModule(str(root), **{"resolution": 32, "batch_size": 4, **kw})
+
+
+def test_batches_are_uint8_and_normalised_on_device_like_imagefolder(stream):
+    dm = _dm(stream)
+    images, labels = next(iter(dm.train_dataloader()))
+    assert images.dtype == torch.uint8 and images.shape == (4, 3, 32, 32) and labels.dtype == torch.int64
+    x, y = dm.on_after_batch_transfer((images, labels), 0)
+    mean = torch.tensor(fast_decode.IMAGENET_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(fast_decode.IMAGENET_STD).view(1, 3, 1, 1)
+    torch.testing.assert_close(x, (images.float() / 255 - mean) / std, rtol=1e-5, atol=1e-5)
+    assert torch.equal(y, labels)
+    cl = fast_decode.normalize_on_device(images, channels_last=True)
+    assert cl.is_contiguous(memory_format=torch.channels_last) and torch.allclose(cl, x, atol=1e-5)
+
+    # Validation: the same resize + centre crop as ImageFolderDataModule on the source files
+    # (which were stored at quality 95, so only JPEG re-encoding differs).
+    reference = ImageFolderDataModule(str(stream.parent / "tree"), resolution=32, batch_size=6, num_workers=0)
+    ref_x, ref_y = next(iter(reference.val_dataloader()))
+    val_u8, val_y = next(iter(_dm(stream, val_batch_size=6).val_dataloader()))
+    val_x, _ = dm.on_after_batch_transfer((val_u8, val_y), 0)
+    order = torch.argsort(val_y * 100 + torch.arange(6), stable=True)  # val is read in index order
+    assert torch.equal(val_y[order], ref_y)
+    # Each class's first file (120 px wide) was stored at 64 px, the others at full size: those
+    # differ only by the JPEG re-encoding.
+    diff = (val_x[order] - ref_x).abs().mean((1, 2, 3))
+    assert diff[1::2].max() < 0.05, diff  # normalised units
+
+
+def test_crop_box_follows_random_resized_crop_rules():
+    g = torch.Generator().manual_seed(0)
+    fractions, ratios = [], []
+    for _ in range(300):
+        top, left, h, w = fast_decode.random_resized_crop_box(300, 400, g)
+        assert 0 <= top and top + h <= 300 and 0 <= left and left + w <= 400
+        fractions.append(h * w / 120000)
+        ratios.append(w / h)
+    assert min(fractions) >= 0.07 and max(fractions) <= 1.0 and 0.4 < sum(fractions) / 300 < 0.65
+    assert min(ratios) > 0.7 and max(ratios) < 1.4
+    assert fast_decode.random_resized_crop_box(10, 1000, g)[2:] == (10, 13)  # fallback: clamp to 4/3
+    a = fast_decode.random_resized_crop_box(300, 400, fast_decode.sample_generator(1, 2, 3))
+    assert a == fast_decode.random_resized_crop_box(300, 400, fast_decode.sample_generator(1, 2, 3))
+
+
+def test_protocol_changes_batch_size_and_resolution_between_loaders(stream):
+    dm = _dm(stream)
+    dm.set_train_batch_size(3)
+    dm.set_train_resolution(24)
+    dm.set_val_resolution(40)
+    assert next(iter(dm.train_dataloader()))[0].shape == (3, 3, 24, 24)
+    assert next(iter(dm.val_dataloader()))[0].shape == (4, 3, 40, 40)
+    with pytest.raises(ValueError, match="max_side=64"):
+        dm.set_train_resolution(96)
+    with pytest.raises(ValueError, match="data.resolution=128 .* --max-side 128"):
+        _dm(stream, resolution=128)
+
+
+class _IndexDataset(DecodedStreamingDataset):
+    """Yields each sample's stored index instead of its pixels."""
+
+    def decode(self, item):
+        return int(item["index"]), int(item["label"])
+
+
+class _IndexDataModule(StreamingDataModule):
+    dataset_class = _IndexDataset
+
+
+def _epoch_indices(rank, world_size, root):
+    dm = _IndexDataModule(str(root), resolution=16, batch_size=3, num_workers=0)
+    loader = dm.train_dataloader()
+    return {"indices": [i for idx, _ in loader for i in idx.tolist()], "len": len(loader)}
+
+
+def test_two_rank_ddp_epoch_sees_every_sample_once(stream):
+    per_rank = run_distributed(_epoch_indices, 2, str(stream), timeout=180)
+    seen = per_rank[0]["indices"] + per_rank[1]["indices"]
+    assert sorted(seen) == list(range(24))  # 24 samples, 12 per rank: nothing dropped, nothing twice
+    assert all(len(r["indices"]) == 3 * r["len"] == 12 for r in per_rank)
+
+
+class _Recorder(pl.LightningModule):
+    """Records a fingerprint of every training batch it sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(3, 3)
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        assert x.dtype == torch.float32  # normalised by the datamodule on the device
+        self.seen.append((tuple(y.tolist()), round(float(x.double().sum()), 2)))
+        return nn.functional.cross_entropy(self.head(x.mean((2, 3))), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _trainer(tmp, **kw):
+    return pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, default_root_dir=str(tmp), **kw)
+
+
+@pytest.mark.parametrize("num_workers", [2])
+def test_mid_epoch_resume_gives_the_same_next_batches(stream, tmp_path, num_workers):
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1,
+                           filename="{step}")
+    full = _Recorder()
+    _trainer(tmp_path, callbacks=[ckpt]).fit(full, datamodule=_dm(stream, num_workers=num_workers))
+    assert len(full.seen) == 12  # 2 epochs x 24 / 4
+    assert full.seen[:6] != full.seen[6:]  # each epoch has its own order and crops
+
+    for step in (4, 8):  # mid-epoch 0 (batch 4 of 6) and mid-epoch 1 (batch 2 of 6)
+        resumed = _Recorder()
+        _trainer(tmp_path).fit(resumed, datamodule=_dm(stream, num_workers=num_workers),
+                               ckpt_path=str(tmp_path / "ckpt" / f"step={step}.ckpt"))
+        assert resumed.seen == full.seen[step:]
+
+
+def test_device_prefetcher_state_is_the_handed_out_position(stream):
+    dm = _dm(stream, num_workers=2)
+    reference = [y.tolist() for _, y in dm.train_dataloader()]
+    prefetched = DevicePrefetcher(dm.train_dataloader(), "cpu")
+    it = iter(prefetched)
+    first = [next(it)[1].tolist() for _ in range(2)]
+    state = prefetched.state_dict()  # the loader has produced 3 batches, 2 handed out
+    fresh = dm.train_dataloader()
+    fresh.load_state_dict(state)
+    assert first + [y.tolist() for _, y in fresh] == reference
+
+
+def test_num_workers_auto_picks_and_caches(stream, tmp_path):
+    assert pick_smallest_within({0: 100.0, 1: 190.0, 2: 200.0, 4: 203.0}) == 2
+    assert pick_smallest_within({0: 100.0, 1: 50.0}) == 0
+    cache_file = tmp_path / "nw.json"
+    dm = _dm(stream, num_workers="auto", max_workers=1, num_workers_cache=str(cache_file))
+    dm.setup("fit")
+    probe = dm.num_workers_probe
+    assert probe["cached"] is False and set(probe["images_per_s"]) == {0, 1}
+    assert dm.num_workers == pick_smallest_within(probe["images_per_s"])
+    stored = json.loads(cache_file.read_text())
+    assert len(stored) == 1 and next(iter(stored.values()))["num_workers"] == dm.num_workers
+
+    # A second run with the same machine, data, resolution and batch size skips the probe.
+    key = next(iter(stored))
+    WorkerCountCache(cache_file).put(key, 1, {0: 1.0, 1: 2.0})  # a pick the probe would not make
+    again = _dm(stream, num_workers="auto", max_workers=1, num_workers_cache=str(cache_file))
+    again.setup("fit")
+    assert again.num_workers == 1 and again.num_workers_probe["cached"] is True
+    other = _dm(stream, resolution=24, num_workers="auto", max_workers=1, num_workers_cache=str(cache_file))
+    other.setup("fit")
+    assert other.num_workers_probe["cached"] is False  # another resolution is probed afresh
+
+
+def test_missing_and_half_written_folders_are_named(stream, tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere.*fastscale-data convert"):
+        _dm(tmp_path / "nowhere")
+    half = tmp_path / "half"
+    shutil.copytree(stream, half)
+    (half / "dataset.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no dataset.json.*did not finish"):
+        _dm(half)
+    chunks = tmp_path / "chunks"
+    shutil.copytree(stream, chunks)
+    next((chunks / "val").glob("chunk-*.bin")).unlink()
+    with pytest.raises(FileNotFoundError, match="val lacks 1 chunk file"):
+        _dm(chunks)
+
+
+def test_corrupt_jpeg_mid_epoch_names_index_and_file(stream, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(stream, bad)
+    chunk = next((bad / "val").glob("chunk-*.bin"))
+    data = bytearray(chunk.read_bytes())
+    second = data.index(b"\xff\xd8\xff", data.index(b"\xff\xd8\xff") + 3)  # the second stored image
+    data[second : second + 2] = b"\x00\x00"
+    chunk.write_bytes(bytes(data))
+    dm = _dm(bad, val_batch_size=1)
+    with pytest.raises(RuntimeError, match=r"cannot decode sample \d+ \(n0\d/n0\d_\d\.JPEG\) of .*bad"):
+        for _ in dm.val_dataloader():
+            pass
+
+
+def test_remote_source_reads_through_a_size_limited_local_cache(stream, tmp_path):
+    cache = tmp_path / "cache"
+    dm = _dm(f"local:{stream}", cache_dir=str(cache), max_cache_size="1GB")
+    assert dm.classes == ["n01", "n02", "n03"]
+    n = sum(len(y) for _, y in dm.train_dataloader())
+    assert n == 24
+    cached = [p for p in cache.rglob("chunk-*.bin")]
+    assert cached, "the remote chunks were not cached locally"
+    assert dm.dataset("train").max_cache_size == "1GB"
+
+
+@pytest.mark.parametrize("name", ["fast_decode", "device_prefetch", "worker_autotune"])
+def test_docstring_examples_pass(name):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(f"lightning_fastscale.data.{name}"))
+    assert result.attempted > 0 and result.failed == 0

@@ -1,0 +1,79 @@
+"""SIGTERM mid-epoch on a 2-rank ``fastscale-train`` run, then ``resume=auto``: the final
+weights are bitwise those of the uninterrupted run (CPU, gloo), with the whole large-batch
+recipe on (batch-size ramp, warmup + poly LR, progressive resizing, label smoothing)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+RUN = [
+    "data.train_size=256", "data.val_size=32", "data.batch_size=32", "data.resolution=16",
+    "model.kwargs.widths=[8,8,8]", "trainer.max_epochs=2", "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false", "trainer.log_every_n_steps=1", "callbacks=large_batch",
+    "callbacks.throughput=null", "callbacks.model_checkpoint.save_top_k=-1",
+    "callbacks.batch_size_ramp.lr_milestones=[1]",
+    "callbacks.progressive_resizing.size_increment=2", "trainer.devices=2",
+    "trainer.accelerator=cpu", "strategy=ddp", "logger=csv",
+]
+# save_top_k=-1: last.ckpt follows every epoch (with a monitor, Lightning refreshes it only
+# when the metric improves). Epoch 0: global batch 32 (16 per rank), 8 steps; epoch 1: 64, 4 steps (steps 8..11).
+# SIGTERM reaches rank 1 only, as step 9 starts: every rank finishes step 9, then stops.
+PREEMPT = [
+    "+callbacks.preempt_test._target_=tests.faults_helpers.SignalAtStep",
+    "+callbacks.preempt_test.step=9", "+callbacks.preempt_test.rank=1",
+]
+
+
+def start(run_dir: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1"}
+    env.pop("WANDB_API_KEY", None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "lightning_fastscale.train", *RUN, f"hydra.run.dir={run_dir}", *extra],
+        cwd=run_dir.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float = 420) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # the run and the rank it started, nothing else
+        out, _ = proc.communicate()
+        raise AssertionError(f"run did not finish in {timeout} s:\n{out[-3000:]}")
+    return proc.returncode, out
+
+
+def test_sigterm_mid_epoch_then_resume_auto_equals_the_uninterrupted_run(tmp_path):
+    full_dir, preempted_dir = tmp_path / "full", tmp_path / "preempted"
+    full, preempted = start(full_dir), start(preempted_dir, *PREEMPT)  # side by side
+    code, out = finish(preempted)
+    assert code == 0, out[-3000:]
+    assert "SIGTERM received; stopped after step 10 (epoch 1)" in out
+    files = sorted(p.name for p in (preempted_dir / "checkpoints").iterdir())
+    assert files == ["epoch000.ckpt", "last.ckpt", "preempted-epoch1-step10.ckpt"]
+    code, full_out = finish(full)
+    assert code == 0, full_out[-3000:]
+
+    code, out = finish(start(preempted_dir, "resume=auto"))
+    assert code == 0, out[-3000:]
+    assert "continuing from" in out and "preempted-epoch1-step10.ckpt" in out
+    assert "not resumable" not in out
+
+    a = torch.load(full_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    b = torch.load(preempted_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert a["global_step"] == b["global_step"] == 12
+    for key, value in a["state_dict"].items():
+        assert torch.equal(value, b["state_dict"][key]), key
+    moments_a, moments_b = a["optimizer_states"][0]["state"], b["optimizer_states"][0]["state"]
+    assert moments_a.keys() == moments_b.keys()
+    for index in moments_a:
+        assert torch.equal(moments_a[index]["momentum_buffer"], moments_b[index]["momentum_buffer"])
+    assert a["callbacks"]["WarmupDecayLR"] == b["callbacks"]["WarmupDecayLR"]
