@@ -73,3 +73,15 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             raise TimeoutError(f"distributed run of {fn.__name__} exceeded {timeout}s")
     drain()
     return [results[r] for r in range(world_size)]
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||``: how far ``a`` (e.g. final weights) is from the reference ``b``."""
+    return ((a - b).norm() / b.norm()).item()
+
+
+def same_on_all_ranks(t: torch.Tensor) -> bool:
+    """Whether every rank of the default group holds exactly ``t`` (collective)."""
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return all(torch.equal(o, t) for o in out)

@@ -104,7 +104,7 @@ def test_num_nodes_disagree_with_launcher(monkeypatch: pytest.MonkeyPatch) -> No
     ({"compression": "topk", "topk_ratio": 1.5}, "topk_ratio"),
     ({"ranks_per_node": 0}, "ranks_per_node=0"),
     ({"bucket_cap_mb": 10, "two_segment_split": 3}, "only one of"),
-    ({"ddp_comm_hook": print}, "ddp_comm_hook= is not supported"),
+    ({"ddp_comm_hook": print, "algorithm": "torus2d"}, "not with algorithm='torus2d'"),
 ])
 def test_bad_options(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):

@@ -18,7 +18,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_fastscale.strategies import HierarchicalAllReduceStrategy
 from tests.comm_recording import CommRecorder
+from tests.distributed import relative_error as _rel
 from tests.distributed import run_distributed
+from tests.distributed import same_on_all_ranks as _same_on_all_ranks
 
 # Relative error of the final weights against DDP after STEPS SGD steps. fp32: only summation
 # order differs. fp16/bf16 wire: per-step gradient rounding of 2^-11 / 2^-8, accumulated.
@@ -75,16 +77,6 @@ def _flat(model: nn.Module, buffers: bool = True) -> torch.Tensor:
     if buffers:  # BN running statistics: each rank's own, from its last forward
         tensors += [b.flatten() for b in model.buffers() if b.dtype.is_floating_point]
     return torch.cat(tensors)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
-
-
-def _same_on_all_ranks(t: torch.Tensor) -> bool:
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t)
-    return all(torch.equal(o, t) for o in out)
 
 
 class _CountCollectives:

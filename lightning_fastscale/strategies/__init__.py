@@ -1,7 +1,7 @@
 """Hierarchical / 2D-torus gradient all-reduce for Lightning (Jia et al. 2018; Mikami et al. 2018).
 
 Importing this package registers ``"hier_ring"``, ``"hier_torus"`` and their ``_spawn``
-variants in Lightning's ``StrategyRegistry``.
+variants in Lightning's ``StrategyRegistry`` (for the Trainer) and in Fabric's strategy registry.
 """
 import warnings
 from typing import Any
@@ -23,6 +23,7 @@ from lightning_fastscale.strategies.comm_hooks import (
     hierarchical_hook,
     torus2d_hook,
 )
+from lightning_fastscale.strategies.fabric import FabricHierarchicalAllReduceStrategy, register_fabric_strategies
 from lightning_fastscale.strategies.hierarchical import (
     HierarchicalAllReduceStrategy,
     default_algorithm_selector,
@@ -47,6 +48,7 @@ from lightning_fastscale.strategies.topology import (
 )
 
 register_strategies()
+register_fabric_strategies()
 
 _RENAMED = {"ring_allreduce_": "flat_allreduce_", "ring_hook": "flat_hook"}
 
@@ -69,6 +71,7 @@ __all__ = [
     "WIRE_DTYPES",
     "CollectiveStageError",
     "CommHookError",
+    "FabricHierarchicalAllReduceStrategy",
     "HierarchicalAllReduceStrategy",
     "HierarchicalHookState",
     "ProcessGroups",
@@ -85,6 +88,7 @@ __all__ = [
     "flat_hook",
     "hierarchical_allreduce_",
     "hierarchical_hook",
+    "register_fabric_strategies",
     "register_strategies",
     "resolve_chunk_mb",
     "torus2d_allreduce_",

@@ -1,0 +1,76 @@
+"""``FabricHierarchicalAllReduceStrategy``: the hierarchical / 2D-torus all-reduce for Lightning Fabric.
+
+The Fabric counterpart of :class:`~lightning_fastscale.strategies.HierarchicalAllReduceStrategy`:
+the same options, validation, topology checks, bucket plan and communication hooks (all in
+:class:`~lightning_fastscale.strategies.ddp_setup.HierarchicalDDPSetup`), called from Fabric's
+``DDPStrategy`` hooks instead of the Trainer's. Hierarchical all-reduce after Jia et al. 2018
+(arXiv:1807.11205), 2D torus after Mikami et al. 2018 (arXiv:1811.05233). Registered in Fabric's
+strategy registry under the Trainer's names, ``"hier_ring"`` and ``"hier_torus"`` (plus
+``*_spawn``), by :func:`register_fabric_strategies`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_fastscale.strategies.ddp_setup import HierarchicalDDPSetup
+
+
+class FabricHierarchicalAllReduceStrategy(HierarchicalDDPSetup, DDPStrategy):
+    """Fabric's DDP whose gradient buckets are all-reduced hierarchically, as a 2D torus, or flat.
+
+    Takes the arguments of :class:`~lightning_fastscale.strategies.HierarchicalAllReduceStrategy`
+    (``algorithm``, ``ranks_per_node``, ``wire_dtype``, fusion, compression, pipelining, planner,
+    ``ddp_comm_hook``/``ddp_comm_state``/``ddp_comm_wrapper``); the rest goes to Fabric's
+    :class:`~lightning.fabric.strategies.DDPStrategy` and to ``DistributedDataParallel``. The hook
+    is installed in :meth:`setup_module`; :meth:`teardown` (Fabric does not call it on its own)
+    stops the communication thread and releases the node groups.
+
+    Examples:
+        >>> from lightning.fabric import Fabric
+        >>> fabric = Fabric(strategy="hier_ring", accelerator="cpu", devices=2)  # doctest: +SKIP
+        >>> strategy = FabricHierarchicalAllReduceStrategy(algorithm="hier", ranks_per_node=1)
+        >>> fabric = Fabric(strategy=strategy, accelerator="cpu", devices=2)  # doctest: +SKIP
+        >>> strategy.algorithm, strategy.ranks_per_node
+        ('hier', 1)
+    """
+
+    _front = "Fabric"
+
+    @override
+    def setup_environment(self) -> None:
+        """Validate the topology before the process group starts, then check the nodes agree."""
+        self._set_world_ranks()
+        self.topology = self._resolve_topology()
+        super().setup_environment()
+        self._check_nodes_uniform()
+
+    @override
+    def setup_module(self, module: nn.Module) -> DistributedDataParallel:
+        """Plan the buckets, wrap ``module`` in DDP and install the communication hook."""
+        self._plan_ddp(module)
+        ddp_module = super().setup_module(module)
+        self._install_hook(ddp_module)
+        rank_zero_info(self.plan_message())
+        return ddp_module
+
+    @override
+    def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        """Fabric's backward, raising a failed bucket all-reduce as the Trainer strategy's ``backward`` does."""
+        try:
+            super().backward(tensor, module, *args, **kwargs)
+        except RuntimeError:
+            if self.hook_state is not None:
+                self.hook_state.raise_if_failed()
+            raise
+
+
+def register_fabric_strategies() -> None:
+    """Make ``Fabric(strategy="hier_ring" | "hier_torus" | "hier_ring_spawn" | "hier_torus_spawn")`` work."""
+    FabricHierarchicalAllReduceStrategy.register_strategies(STRATEGY_REGISTRY)

@@ -1,0 +1,170 @@
+"""A user's DDP communication hook composed with the hierarchical all-reduce.
+
+``ddp_comm_hook=`` (with ``ddp_comm_state=`` and ``ddp_comm_wrapper=``, Lightning's DDP
+arguments) takes torch's hooks (``torch.distributed.algorithms.ddp_comm_hooks``). With several
+nodes the hook becomes the inter-node stage of the hierarchical algorithm of Jia et al. 2018
+(arXiv:1807.11205): each node sums its bucket onto its leader (local rank 0), the leader
+averages it over the node, the user's hook averages that across the node leaders (so
+``fp16_compress_hook`` halves only the bytes that cross nodes, and PowerSGD (Vogels et al.
+2019, arXiv:1905.13727) compresses only the inter-node traffic), and the leader broadcasts the
+result inside its node. On one node there is no inter-node stage and the hook is registered as
+plain DDP would register it.
+
+What combines and what does not, and why:
+
+- ``ddp_comm_wrapper`` alone (``fp16_compress_wrapper``, ``bf16_compress_wrapper``): wraps the
+  strategy's own hook, so the whole two-level all-reduce runs on the cast bucket.
+- ``ddp_comm_hook`` with ``algorithm="hier"``: the inter-node stage, as above; a wrapper wraps
+  the user's hook. The hook's state must leave the process group to the strategy: ``None``
+  (torch's default hooks) or an object whose ``process_group`` is ``None`` (``PowerSGDState``);
+  the strategy sets it to the leaders' group.
+- ``algorithm="torus2d"``: refused, the torus reduces each bucket as per-rank shards, and a
+  bucket hook (PowerSGD factors whole gradient matrices) cannot run on a shard.
+  ``algorithm="flat"``: refused, it has no inter-node stage; the hook alone is plain DDP.
+- ``allreduce_hook``: refused, it is DDP's flat all-reduce, which the strategy replaces.
+- ``post_localSGD_hook`` / ``model_averaging_period``: refused, post-local SGD replaces the
+  gradient all-reduce by periodic model averaging.
+- ``wire_dtype`` other than fp32 or ``compression="topk"`` with a hook: refused, the hook
+  decides what crosses the nodes and a second cast or sparsification would stack on it.
+"""
+# No ``from __future__ import annotations``: DDP checks the hook's annotations as real objects.
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_fastscale.strategies.comm_hooks import HierarchicalHookState, _fail
+
+
+def _name(hook: Callable) -> str:
+    return getattr(hook, "__qualname__", repr(hook))
+
+
+def check_user_hook(
+    hook: Callable | None,
+    state: Any,
+    wrapper: Callable | None,
+    algorithm: str,
+    wire_dtype: str,
+    compression: str | None,
+) -> None:
+    """Raise ``ValueError`` naming the settings when ``hook``/``state``/``wrapper`` cannot combine.
+
+    ``algorithm`` may be ``"auto"`` (checked again once the algorithm is chosen).
+    """
+    if hook is None:
+        if state is not None:
+            raise ValueError("ddp_comm_state= was given without ddp_comm_hook=: give the hook it belongs to.")
+        return
+    if hook is default_hooks.allreduce_hook:
+        raise ValueError(
+            "ddp_comm_hook=allreduce_hook is DDP's flat all-reduce, which this strategy replaces: drop it "
+            "(algorithm='flat' is the flat all-reduce) or use lightning's DDPStrategy."
+        )
+    if hook is post_localSGD_hook.post_localSGD_hook:
+        raise ValueError(
+            "ddp_comm_hook=post_localSGD_hook (post-local SGD) replaces the gradient all-reduce by periodic "
+            "model averaging, so there is no gradient all-reduce left to make hierarchical: use "
+            "lightning's DDPStrategy for post-local SGD."
+        )
+    if algorithm not in ("hier", "auto"):
+        raise ValueError(
+            f"ddp_comm_hook={_name(hook)} runs as the inter-node stage of algorithm='hier' (among the node "
+            f"leaders, on the node-averaged bucket), not with algorithm={algorithm!r}: 'torus2d' reduces each "
+            "bucket as per-rank shards, which a bucket hook cannot take, and 'flat' has no inter-node stage. "
+            "Use algorithm='hier', or lightning's DDPStrategy for the hook alone."
+        )
+    if wire_dtype != "fp32" or compression is not None:
+        raise ValueError(
+            f"ddp_comm_hook={_name(hook)} decides what crosses the nodes; wire_dtype={wire_dtype!r} and "
+            f"compression={compression!r} would cast or sparsify it a second time: leave wire_dtype='fp32' "
+            "and compression=None (fp16_compress_hook gives an fp16 inter-node wire)."
+        )
+    if isinstance(state, dist.ProcessGroup) or getattr(state, "process_group", None) is not None:
+        raise ValueError(
+            f"ddp_comm_state for {_name(hook)} names its own process group; the strategy runs the hook "
+            "among the node leaders and sets that group itself: leave process_group=None."
+        )
+    if state is not None and not hasattr(state, "process_group"):
+        raise ValueError(
+            f"ddp_comm_state={type(state).__name__} has no process_group attribute, so the strategy cannot "
+            "point the hook at the node leaders' group: give a state with process_group=None (such as "
+            "PowerSGDState) or None (torch's default hooks)."
+        )
+
+
+def user_hook_for_one_node(
+    ddp_model: DistributedDataParallel, hook: Callable, state: Any, wrapper: Callable | None
+) -> None:
+    """Register the user's hook as plain DDP would (one node: the hook is the whole all-reduce)."""
+    ddp_model.register_comm_hook(state, wrapper(hook) if wrapper is not None else hook)
+
+
+@dataclass
+class LeaderHookState:
+    """State of :func:`leader_hook`: the strategy's groups and thread, the user's hook and its state."""
+
+    hierarchy: HierarchicalHookState
+    hook: Callable
+    hook_state: Any
+
+    @classmethod
+    def create(
+        cls, hierarchy: HierarchicalHookState, hook: Callable, state: Any, wrapper: Callable | None
+    ) -> "LeaderHookState":
+        """Point ``state`` (``None`` or an object with ``process_group=None``) at the node leaders' group."""
+        inter = hierarchy.groups.inter
+        if state is None:
+            state = inter
+        else:
+            state.process_group = inter
+        return cls(hierarchy=hierarchy, hook=wrapper(hook) if wrapper is not None else hook, hook_state=state)
+
+
+def leader_hook(state: LeaderHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Reduce the bucket onto the node leader, run the user's hook among leaders, broadcast in the node.
+
+    Runs where the strategy's own hooks run (its communication thread, or inline on NCCL), one
+    bucket after the other in DDP's order, so the collectives on each group are issued in the
+    same order on every rank. A failure is reported like the strategy's own hooks report theirs.
+    """
+    tensor = bucket.buffer()
+    index = bucket.index()
+    hierarchy = state.hierarchy
+    groups = hierarchy.groups
+    per_node = groups.topology.ranks_per_node
+    leader = groups.intra_ranks[0]
+
+    def reduce() -> None:
+        if per_node > 1:
+            dist.reduce(tensor, dst=leader, group=groups.intra)
+        if groups.is_leader:
+            if per_node > 1:
+                tensor.div_(per_node)
+            averaged = state.hook(state.hook_state, bucket).wait()
+            if averaged.data_ptr() != tensor.data_ptr():
+                tensor.copy_(averaged)
+        if per_node > 1:
+            dist.broadcast(tensor, src=leader, group=groups.intra_out)
+
+    def job(future: torch.futures.Future) -> None:
+        if hierarchy.error is not None:  # the groups are broken: do not wait on them again
+            future.set_exception(hierarchy.error)
+            return
+        try:
+            reduce()
+            future.set_result(tensor)
+        except Exception as error:
+            future.set_exception(_fail(hierarchy, index, error))
+
+    if hierarchy.inline:
+        future: torch.futures.Future = (
+            torch.futures.Future(devices=[tensor.device]) if tensor.is_cuda else torch.futures.Future()
+        )
+        job(future)
+        return future
+    return hierarchy.submit(job, tensor.device)
