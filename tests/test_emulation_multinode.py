@@ -80,7 +80,7 @@ def test_two_emulated_nodes_match_single_node_ddp(tmp_path: Path) -> None:
         # node leaders (local rank 0) all-reduced across the emulated link.
         calls = rep["collective_calls"]
         assert rep["hook_calls"] > 0 and calls.get("in-node reduce", 0) > 0 and calls.get("in-node broadcast", 0) > 0
-        assert (calls.get("inter_allreduce", 0) > 0) == (rank % 2 == 0)
+        assert (calls.get("inter-node all-reduce", 0) > 0) == (rank % 2 == 0)
 
     # The 2-node job's gradients crossed the emulated link; the reference's never left its node.
     num_params = sum(p.numel() for p in torch.load(multi / "weights.pt").values())
