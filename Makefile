@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # torch/torchvision pinned to the builds the project is tested with (CUDA wheels run on CPU too)
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: train test docs setup clean
+.PHONY: train test test-slow docs setup clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,9 @@ train: setup
 
 test: setup
 	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+test-slow: setup  # the multi-minute tests `make test` leaves out
+	$(BIN)/pytest -q -m slow $(PYTEST_ARGS)
 
 docs: setup
 	$(BIN)/mkdocs build --strict

@@ -39,6 +39,7 @@ def study(tmp_path_factory):
     return out, json.loads((out / "results.json").read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_quick_study_writes_one_row_per_arm(study):
     out, _ = study
@@ -53,6 +54,7 @@ def test_quick_study_writes_one_row_per_arm(study):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_quick_study_numbers_follow_the_presets(study):
     _, result = study

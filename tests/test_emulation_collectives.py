@@ -57,6 +57,7 @@ def _interleaved_2x2(rank: int, world: int) -> tuple:
     return calls, times, errors
 
 
+@pytest.mark.slow
 def test_time_interleaved_rotates_rounds_and_checks_every_result() -> None:
     from tests.distributed import run_distributed
 

@@ -27,7 +27,8 @@ def run_example(script: str, *extra: str) -> dict[str, float]:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     "script, extra, smoothing",
-    [("imagenet_resnet50.py", ("--model", "resnet_small"), 0.1),  # the recipe, on a small ResNet
+    [pytest.param("imagenet_resnet50.py", ("--model", "resnet_small"), 0.1,  # the recipe, on a small ResNet
+                  marks=pytest.mark.slow),
      ("imagenet_alexnet_bn.py", (), None)],
 )
 def test_recipe_script_fast_dev_run(script: str, extra: tuple[str, ...], smoothing: float | None) -> None:

@@ -71,6 +71,7 @@ def _plan_measured(rank, world_size):
     return summary
 
 
+@pytest.mark.slow  # 4 ranks timing backward: about 20 s
 def test_measured_plan_is_rank_0s_on_every_rank():
     # predicted_finish_s adds the measured backward time, so ranks that planned from their own
     # timings would disagree in it

@@ -21,8 +21,15 @@ CAUSE = re.compile(r"timed out|timeout|connection (reset|closed)|closed by peer|
 pytestmark = pytest.mark.timeout(420)
 
 
-@pytest.mark.parametrize("fault", ["kill", "hang"])
-@pytest.mark.parametrize("strategy", ["ddp", "hier_ring", "hier_torus"])
+# The strategy's own hooks on a killed and a hung rank run by default; plain DDP (the
+# baseline) and the torus cases, about 25 s each, run with ``-m slow``.
+@pytest.mark.parametrize(("strategy", "fault"), [
+    ("hier_ring", "kill"), ("hier_ring", "hang"),
+    pytest.param("hier_torus", "kill", marks=pytest.mark.slow),
+    pytest.param("hier_torus", "hang", marks=pytest.mark.slow),
+    pytest.param("ddp", "kill", marks=pytest.mark.slow),
+    pytest.param("ddp", "hang", marks=pytest.mark.slow),
+])
 def test_every_rank_ends_with_the_cause(strategy: str, fault: str) -> None:
     outcome = run_fault_scenario(strategy, fault, timeout_s=TIMEOUT_S, fault_rank=1, startup_s=300,
                                  bound_s=2 * TIMEOUT_S + 60)

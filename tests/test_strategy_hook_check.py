@@ -9,6 +9,7 @@ from lightning_fastscale.strategies.hook_check import check_hooks, check_hooks_o
 pytestmark = pytest.mark.timeout(600)
 
 
+@pytest.mark.slow  # the same equality is checked per algorithm in test_strategy_trainer.py
 def test_hooks_train_to_plain_ddp_weights_on_cpu() -> None:
     report = check_hooks("cpu", cases=[("hier", "fp32"), ("torus2d", "fp32"), ("hier", "fp16")], steps=3)
     assert set(report["cases"]) == {"hier:fp32", "torus2d:fp32", "hier:fp16"}

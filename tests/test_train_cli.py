@@ -91,6 +91,7 @@ def test_refuses_to_overwrite_checkpoints(tmp_path):
     assert (run_dir / "checkpoints" / "last.ckpt").read_bytes() == b"precious"
 
 
+@pytest.mark.slow  # the sweep path itself is covered by test_train_slurm's submitit_local sweep
 def test_multirun_two_jobs_with_two_ddp_processes_each(tmp_path):
     sweep_dir = tmp_path / "sweep"
     out = fastscale_train(

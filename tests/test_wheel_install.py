@@ -78,6 +78,7 @@ def test_fastscale_train_runs_from_the_wheel(installed_venv):
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
 
 
+@pytest.mark.slow  # the wheel's configs and fastscale-train are checked by default
 def test_fastscale_plan_runs_from_the_wheel(installed_venv):
     env_dir, work, env, _ = installed_venv
     out = _run([env_dir / "bin" / "fastscale-plan", "resnet18", "tencent_p40_100g", "--json"], work, env)
