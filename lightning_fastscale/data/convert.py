@@ -250,7 +250,16 @@ def stored_image_sizes(split_dir: str | os.PathLike[str], **dataset_kwargs: Any)
     from .fast_decode import jpeg_size
 
     dataset = StreamingDataset(str(split_dir), **dataset_kwargs)
-    return [list(jpeg_size(dataset[i]["image"])) for i in range(len(dataset))]
+    return [list(jpeg_size(dataset[i]["image"])) for i in range(stored_sample_count(dataset))]
+
+
+def stored_sample_count(dataset: Any) -> int:
+    """All samples of a litdata ``StreamingDataset``, whatever rank asks.
+
+    Its ``len()`` is the calling rank's shard under ``torch.distributed``, while an integer
+    index reads from the whole dataset; this is the range of such indices.
+    """
+    return sum(end - start for start, end in dataset.region_of_interest)
 
 
 def read_metadata(root: str | os.PathLike[str]) -> StreamingMetadata:

@@ -373,7 +373,12 @@ class StreamingDataModule(_ResizableDataModule):
         plan = rect_val.plan_batches(
             sizes, self.val_batch_size, self.val_resolution, world_size, self.metadata.max_side
         )
-        return rect_val.rank_batches(plan, rank, world_size)
+        mine = rect_val.rank_batches(plan, rank, world_size)
+        log.info(
+            "data.rect_val: %d validation batches on rank %d of %d, %d shapes from %s to %s",
+            len(mine), rank, world_size, len({b.shape for b in plan}), plan[0].shape, plan[-1].shape,
+        )
+        return mine
 
     def _rect_val_loader(self) -> DataLoader:
         input_dir, extra = self._split_source("val")
