@@ -264,3 +264,10 @@ def test_two_rank_ddp_validation_sees_every_sample_once(stream, tmp_path):
         mine = rect_val.rank_batches(plan, r, 2)
         assert ranks[r]["seen"] == [i for b in mine for i in b.indices]
         assert ranks[r]["shapes"] == [list(b.shape) for b in mine]
+
+
+def test_docstring_examples_pass():
+    import doctest
+
+    result = doctest.testmod(rect_val)
+    assert result.attempted >= 6 and result.failed == 0

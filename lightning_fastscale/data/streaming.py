@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,18 @@ from .worker_autotune import WorkerCountCache, candidate_worker_counts, probe_nu
 log = logging.getLogger(__name__)
 
 _REMOTE_PREFIXES = ("s3://", "gs://", "r2://", "azure://", "hf://", "local:")
+
+
+def _decode_stored(
+    item: dict[str, Any], transform: Callable[[torch.Tensor], torch.Tensor], source: str
+) -> tuple[torch.Tensor, int]:
+    """``(transform(JPEG bytes), label)`` of a stored sample; a decode error names the sample."""
+    data = torch.frombuffer(bytearray(item["image"]), dtype=torch.uint8)
+    try:
+        image = transform(data)
+    except Exception as err:  # libjpeg-turbo reports corrupt data as RuntimeError
+        raise RuntimeError(f"cannot decode sample {item['index']} ({item['name']}) of {source}: {err}") from err
+    return image, int(item["label"])
 
 
 class DecodedStreamingDataset(StreamingDataset):
@@ -76,18 +89,14 @@ class DecodedStreamingDataset(StreamingDataset):
 
     def decode(self, item: dict[str, Any]) -> tuple[torch.Tensor, int]:
         """Decode and augment one stored sample."""
-        data = torch.frombuffer(bytearray(item["image"]), dtype=torch.uint8)
-        try:
+
+        def transform(data: torch.Tensor) -> torch.Tensor:
             if self.train:
                 g = fast_decode.sample_generator(self.augment_seed, self.current_epoch, int(item["index"]))
-                image = fast_decode.train_transform(data, self.resolution, g, self.scale, self.ratio)
-            else:
-                image = fast_decode.val_transform(data, self.resolution, self.crop_ratio)
-        except Exception as err:  # libjpeg-turbo reports corrupt data as RuntimeError
-            raise RuntimeError(
-                f"cannot decode sample {item['index']} ({item['name']}) of {self.source}: {err}"
-            ) from err
-        return image, int(item["label"])
+                return fast_decode.train_transform(data, self.resolution, g, self.scale, self.ratio)
+            return fast_decode.val_transform(data, self.resolution, self.crop_ratio)
+
+        return _decode_stored(item, transform, self.source)
 
     @override
     def __getitem__(self, index: Any) -> Any:
@@ -122,14 +131,9 @@ class RectValidationBatches(IterableDataset):
 
     def decode(self, item: dict[str, Any], shape: tuple[int, int]) -> tuple[torch.Tensor, int]:
         """Decode one stored sample and fit it to the batch's ``(height, width)``."""
-        data = torch.frombuffer(bytearray(item["image"]), dtype=torch.uint8)
-        try:
-            image = rect_val.resize_to_cover(fast_decode.decode_rgb(data), shape)
-        except Exception as err:  # libjpeg-turbo reports corrupt data as RuntimeError
-            raise RuntimeError(
-                f"cannot decode sample {item['index']} ({item['name']}) of {self.source}: {err}"
-            ) from err
-        return image, int(item["label"])
+        return _decode_stored(
+            item, lambda data: rect_val.resize_to_cover(fast_decode.decode_rgb(data), shape), self.source
+        )
 
     @override
     def __iter__(self) -> Any:
@@ -197,6 +201,7 @@ class StreamingDataModule(_ResizableDataModule):
     Examples:
         >>> dm = StreamingDataModule("/data/imagenet-512", resolution=176, batch_size=256)  # doctest: +SKIP
         >>> trainer.fit(model, datamodule=dm)  # doctest: +SKIP
+        >>> rect = StreamingDataModule("/data/imagenet-512", val_resolution=288, rect_val=True)  # doctest: +SKIP
     """
 
     dataset_class: type[DecodedStreamingDataset] = DecodedStreamingDataset
