@@ -18,7 +18,8 @@ that decodes them in full. The timed batches lie within one epoch (``bench_pipel
 otherwise). DALI runs where ``nvidia-dali`` imports; nvJPEG where CUDA is available (otherwise
 each is skipped with a message).
 
-``--autotune`` also runs the ``num_workers: auto`` probe and measures every worker count it
+``--decoders`` also times JPEG decoders alone on the source files (TorchCodec, torchvision and,
+where ``simplejpeg`` is installed, libjpeg-turbo's DCT-domain scaling). ``--autotune`` also runs the ``num_workers: auto`` probe and measures every worker count it
 tried again, to check the pick against the best measured count. ``--train-step`` times the
 end-to-end ``fastscale-train`` step (the Hydra config of ``train.py``, built with its
 ``build``) with ``data=streaming`` against ``data=imagefolder`` at equal settings, in
@@ -159,6 +160,44 @@ def decode_only_images_per_s(stream_root: Path, count: int) -> float:
     return len(datas) / (time.process_time() - start)
 
 
+def decoder_ms(tree: Path, files: int = 100, repeats: int = 5) -> dict[str, float]:
+    """Best-of-``repeats`` ms per image, one thread, of JPEG decoders on the source files:
+    TorchCodec and torchvision (the same libjpeg-turbo), and, where ``simplejpeg`` imports,
+    libjpeg-turbo's DCT-domain scaling at M/8 and its fast IDCT + upsampling."""
+    import warnings
+
+    from torchvision.io import decode_jpeg as torchvision_decode_jpeg
+
+    from lightning_fastscale.data import fast_decode
+
+    raw = [p.read_bytes() for p in sorted((tree / "train").rglob("*.JPEG"))[:files]]
+    datas = [torch.frombuffer(bytearray(r), dtype=torch.uint8) for r in raw]
+    cases: dict[str, Any] = {
+        "torchcodec decode_jpeg (decode_rgb)": lambda i: fast_decode.decode_rgb(datas[i]),
+        "torchvision decode_jpeg": lambda i: torchvision_decode_jpeg(datas[i]),
+    }
+    try:
+        import simplejpeg
+    except ImportError:
+        print("simplejpeg not installed: DCT-domain scaling rows skipped")
+    else:
+        sizes = [simplejpeg.decode_jpeg_header(r)[:2] for r in raw]
+        for num in (8, 7, 6, 5, 4):
+            cases[f"simplejpeg, DCT scale {num}/8"] = lambda i, num=num: simplejpeg.decode_jpeg(
+                raw[i], min_height=sizes[i][0] * num // 8, min_width=sizes[i][1] * num // 8)
+        cases["simplejpeg, fast IDCT + upsampling"] = lambda i: simplejpeg.decode_jpeg(raw[i], fastdct=True, fastupsample=True)
+    best = {name: math.inf for name in cases}
+    with warnings.catch_warnings():  # torchvision's decoders are deprecated from 0.29
+        warnings.simplefilter("ignore")
+        for _ in range(repeats):
+            for name, fn in cases.items():
+                start = time.process_time()
+                for i in range(len(raw)):
+                    fn(i)
+                best[name] = min(best[name], (time.process_time() - start) / len(raw) * 1e3)
+    return best
+
+
 def _measure(pipeline: str, root: Path, args: argparse.Namespace, workers: int, normalize: bool = True) -> float:
     # one process (workers=0): images per CPU-second of this process, robust to other load;
     # with workers: wall clock, since the work happens in the worker processes
@@ -240,6 +279,7 @@ def main() -> None:
     parser.add_argument("--autotune", action="store_true")
     parser.add_argument("--skip-table", action="store_true", help="only the --autotune / --train-step checks")
     parser.add_argument("--train-step", action="store_true")
+    parser.add_argument("--decoders", action="store_true", help="also time JPEG decoders alone (ms per image)")
     parser.add_argument("--step-resolution", type=int, default=128)
     parser.add_argument("--step-batch-size", type=int, default=32)
     parser.add_argument("--step-batches", type=int, default=12)
@@ -306,6 +346,10 @@ def main() -> None:
     print(f"| nvJPEG batched decode on the GPU @ source size | {'skipped' if rate is None else f'{rate:.0f}'} | | | |")
     print(f"\nmedians of {args.rounds} interleaved rounds; ratios are medians of per-round ratios")
 
+    if args.decoders:
+        print("\n| decoder, source files, 1 thread | ms per image (best of 5) |\n|---|---|")
+        for name, ms in decoder_ms(tree).items():
+            print(f"| {name} | {ms:.2f} |")
     if args.autotune:
         res = autotune_check(streams[args.max_sides[-1]], args)
         print(f"\nnum_workers auto: {json.dumps({k: v for k, v in res.items()}, default=str)}")
