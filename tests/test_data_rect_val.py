@@ -1,4 +1,5 @@
-"""Rectangular validation (fast.ai): ordering, batch shapes, rank split, no centre crop, DDP, old folders."""
+"""Rectangular validation (fast.ai): ordering, batch shapes, rank split, no centre crop, DDP, old folders;
+and the square validation batches, which share the plan and the loader."""
 import json
 import logging
 import math
@@ -18,7 +19,7 @@ from torchvision.transforms.v2 import functional as F
 from lightning_fastscale.data import StreamingDataModule
 from lightning_fastscale.data import fast_decode, rect_val
 from lightning_fastscale.data.convert import convert, stored_sample_count
-from lightning_fastscale.data.streaming import RectValidationBatches
+from lightning_fastscale.data.streaming import ValidationBatches
 
 from .data_streaming_utils import write_tree
 from .distributed import ReleaseProcessGroup
@@ -206,7 +207,7 @@ def test_bad_rect_val_settings_are_named(stream, tmp_path, monkeypatch):
 
 
 # -- two DDP ranks under a real Trainer ---------------------------------------------------------
-class _IndexLabelledBatches(RectValidationBatches):
+class _IndexLabelledBatches(ValidationBatches):
     """Real rectangular images, but each sample's litdata index as its label."""
 
     def decode(self, item, shape):
@@ -220,7 +221,7 @@ class _IndexLabelledBatches(RectValidationBatches):
 
 
 class _IndexDataModule(StreamingDataModule):
-    rect_val_dataset_class = _IndexLabelledBatches
+    val_batches_class = _IndexLabelledBatches
 
 
 class _ValRecorder(pl.LightningModule):
@@ -245,10 +246,11 @@ class _ValRecorder(pl.LightningModule):
         )
 
 
-def test_two_rank_ddp_validation_sees_every_sample_once(stream, tmp_path):
+@pytest.mark.parametrize("rect", [True, False], ids=["rect_val", "square"])
+def test_two_rank_ddp_validation_sees_every_sample_once(stream, tmp_path, rect):
     # A folder without recorded sizes: each rank reads them from the whole split, not its shard.
     old = _without_sizes(stream, tmp_path / "old")
-    dm = _IndexDataModule(str(old), resolution=32, batch_size=2, num_workers=0, rect_val=True)
+    dm = _IndexDataModule(str(old), resolution=32, batch_size=2, num_workers=0, rect_val=rect)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy="ddp_spawn", logger=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=tmp_path, callbacks=[ReleaseProcessGroup()],
@@ -259,11 +261,15 @@ def test_two_rank_ddp_validation_sees_every_sample_once(stream, tmp_path):
     assert [len(r["shapes"]) for r in ranks] == [3, 3]
     assert sorted(ranks[0]["seen"] + ranks[1]["seen"]) == list(range(9))
     assert len(ranks[0]["seen"]) + len(ranks[1]["seen"]) == 9
-    plan = rect_val.plan_batches(meta_sizes(stream), 2, 32, 2, 64)
-    for r in range(2):
-        mine = rect_val.rank_batches(plan, r, 2)
-        assert ranks[r]["seen"] == [i for b in mine for i in b.indices]
-        assert ranks[r]["shapes"] == [list(b.shape) for b in mine]
+    if rect:
+        plan = rect_val.plan_batches(meta_sizes(stream), 2, 32, 2, 64)
+        for r in range(2):
+            mine = rect_val.rank_batches(plan, r, 2)
+            assert ranks[r]["seen"] == [i for b in mine for i in b.indices]
+            assert ranks[r]["shapes"] == [list(b.shape) for b in mine]
+    else:  # square: each rank a contiguous range of the split
+        assert ranks[0]["seen"] == [0, 1, 2, 3, 4, 5] and ranks[1]["seen"] == [6, 7, 8]
+        assert all(shape == [32, 32] for r in ranks for shape in r["shapes"])
 
 
 def test_docstring_examples_pass():

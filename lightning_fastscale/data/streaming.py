@@ -10,13 +10,16 @@ centre crop), but
   in an epoch), from a local folder or object storage through a size-limited local cache
   (Tencent Cloud 2020 cache the data set locally); the loader's position is part of
   Lightning's checkpoint, so a run stopped mid-epoch resumes with the same next batches;
+* validation runs planned batches (:class:`ValidationBatches`): every sample exactly once
+  across ranks and the same number of batches on every rank, so a distributed validation
+  measures the whole split;
 * workers decode with libjpeg-turbo and augment in uint8 (:mod:`.fast_decode`), and the float
   conversion, normalisation and ``channels_last`` happen in :meth:`on_after_batch_transfer`,
   on the device, for any LightningModule;
 * on CUDA the next batch is copied ahead on a side stream (:mod:`.device_prefetch`);
 * ``num_workers="auto"`` measures and caches the worker count (:mod:`.worker_autotune`);
 * ``rect_val=True`` validates fast.ai-style on rectangles grouped by aspect ratio instead of
-  centre-cropped squares (:mod:`.rect_val`, :class:`RectValidationBatches`).
+  centre-cropped squares (:mod:`.rect_val`, :class:`ValidationBatches`).
 
 It implements the batch-size/resolution protocol (:mod:`.protocol`), so ``BatchSizeRamp`` and
 ``ProgressiveResizing`` work on it. Throughput against ImageFolder is in ``benchmarks/README.md``.
@@ -106,8 +109,13 @@ class DecodedStreamingDataset(StreamingDataset):
         return self.decode(item)
 
 
-class RectValidationBatches(IterableDataset):
-    """One rank's rectangular validation batches (:mod:`.rect_val`), yielded whole.
+class ValidationBatches(IterableDataset):
+    """One rank's planned validation batches, yielded whole.
+
+    The plan (:func:`.rect_val.split_batches`) gives every rank the same number of batches and
+    every sample to exactly one rank, so a distributed validation measures the whole split, as
+    one process would (litdata's own loader evens ranks out by dropping the remainder instead,
+    and Lightning's ``DistributedSampler`` by repeating samples).
 
     Each item is a finished ``(uint8 images (N, 3, H, W), labels (N,))`` batch of one shape, so
     the ``DataLoader`` runs with ``batch_size=None``; loader workers split the batches by
@@ -115,25 +123,29 @@ class RectValidationBatches(IterableDataset):
     in order again). Being an ``IterableDataset``, Lightning leaves it alone under DDP (it
     replaces the sampler of map-style loaders only), so the per-rank plan is what each rank
     runs. Samples are read by their litdata index through litdata's chunk reader and decoded
-    as the default validation does (``fast_decode.decode_rgb``), then resized to cover the
-    batch's shape (:func:`.rect_val.resize_to_cover`).
+    (``fast_decode.decode_rgb``). With ``crop_ratio=None`` (rectangular validation, :mod:`.rect_val`)
+    each is resized to cover its batch's shape (:func:`.rect_val.resize_to_cover`); otherwise
+    it gets the square resize + centre crop (:func:`.fast_decode.val_transform`).
     """
 
     def __init__(
-        self, input_dir: str, batches: list[rect_val.RectBatch], source: str, **dataset_kwargs: Any
+        self, input_dir: str, batches: list[rect_val.RectBatch], source: str,
+        crop_ratio: float | None = None, **dataset_kwargs: Any,
     ) -> None:
         super().__init__()
         self.samples = StreamingDataset(input_dir, shuffle=False, **dataset_kwargs)
-        self.batches, self.source = batches, source
+        self.batches, self.source, self.crop_ratio = batches, source, crop_ratio
 
     def __len__(self) -> int:
         return len(self.batches)
 
     def decode(self, item: dict[str, Any], shape: tuple[int, int]) -> tuple[torch.Tensor, int]:
         """Decode one stored sample and fit it to the batch's ``(height, width)``."""
-        return _decode_stored(
-            item, lambda data: rect_val.resize_to_cover(fast_decode.decode_rgb(data), shape), self.source
-        )
+        if self.crop_ratio is None:
+            return _decode_stored(
+                item, lambda data: rect_val.resize_to_cover(fast_decode.decode_rgb(data), shape), self.source
+            )
+        return _decode_stored(item, lambda data: fast_decode.val_transform(data, shape[0], self.crop_ratio), self.source)
 
     @override
     def __iter__(self) -> Any:
@@ -188,8 +200,8 @@ class StreamingDataModule(_ResizableDataModule):
             a model that accepts any input size (adaptive pooling, as the package's ResNets).
 
     ``dataset_class`` is the litdata dataset type both splits use; a subclass may override its
-    ``decode`` to return something else per stored sample. ``rect_val_dataset_class`` plays
-    that part for the rectangular validation batches.
+    ``decode`` to return something else per stored sample. ``val_batches_class`` plays that
+    part for the validation batches.
 
     Rectangular validation orders by the image sizes that ``fastscale-data convert`` records in
     ``dataset.json``. A folder converted before they were recorded is still served: the sizes
@@ -205,7 +217,7 @@ class StreamingDataModule(_ResizableDataModule):
     """
 
     dataset_class: type[DecodedStreamingDataset] = DecodedStreamingDataset
-    rect_val_dataset_class: type[RectValidationBatches] = RectValidationBatches
+    val_batches_class: type[ValidationBatches] = ValidationBatches
 
     def __init__(
         self,
@@ -385,19 +397,38 @@ class StreamingDataModule(_ResizableDataModule):
         )
         return mine
 
-    def _rect_val_loader(self) -> DataLoader:
-        input_dir, extra = self._split_source("val")
-        batches = self.rect_val_dataset_class(input_dir, self.rect_val_batches(), self.root, **extra)
-        return DataLoader(
-            batches, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
-            prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None,
-        )
+    def square_val_batches(self) -> list[rect_val.RectBatch]:
+        """This rank's square validation batches: a contiguous range of the split (each rank
+        reads its own chunks), the same number of batches on every rank."""
+        rank, world_size = self._rank_and_world_size()
+        count = self.metadata.split_size("val")
+        if 0 < count < world_size:
+            raise ValueError(
+                f"{self.root} has {count} validation samples for {world_size} ranks; every rank needs "
+                "at least one. Validate on fewer ranks, or set trainer.limit_val_batches=0"
+            )
+        if count == 0:
+            return []
+        batches = rect_val.split_batches(range(count), self.val_batch_size, world_size)
+        per_rank = len(batches) // world_size
+        shape = (self.val_resolution, self.val_resolution)
+        return [rect_val.RectBatch(tuple(b), shape) for b in batches[rank * per_rank : (rank + 1) * per_rank]]
 
     @override
     def val_dataloader(self) -> Any:
+        # Planned batches rather than litdata's loader: every sample exactly once across ranks.
+        input_dir, extra = self._split_source("val")
         if self.rect_val:
-            return self._wrap(self._rect_val_loader())
-        return self._wrap(self._streaming_loader(self.dataset("val"), self.val_batch_size, self.num_workers))
+            batches = self.val_batches_class(input_dir, self.rect_val_batches(), self.root, **extra)
+        else:
+            batches = self.val_batches_class(
+                input_dir, self.square_val_batches(), self.root, crop_ratio=self.crop_ratio, **extra
+            )
+        loader = DataLoader(
+            batches, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
+            prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None,
+        )
+        return self._wrap(loader)
 
     # -- num_workers: auto --------------------------------------------------------------
     @override
