@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import lightning.pytorch as pl
+import torch
 
 # A 2-rank fastscale-train job with the large-batch recipe, small enough for a test (CPU, gloo):
 RECIPE_RUN = [
@@ -47,6 +48,20 @@ def finish(proc: subprocess.Popen, timeout: float = 420) -> tuple[int, str]:
         out = kill_group(proc)
         raise AssertionError(f"run did not finish in {timeout} s:\n{out[-3000:]}")
     return proc.returncode, out
+
+
+def finish_all(*procs: subprocess.Popen, timeout: float = 420) -> list[str]:
+    """Each run's output once all have exited 0; on the first failure every run is killed."""
+    outputs = []
+    try:
+        for proc in procs:
+            code, out = finish(proc, timeout)
+            assert code == 0, out[-3000:]
+            outputs.append(out)
+    finally:  # a failure leaves no run behind
+        for proc in procs:
+            kill_group(proc)
+    return outputs
 
 
 def kill_group(proc: subprocess.Popen) -> str:
@@ -101,10 +116,12 @@ class StepLog(pl.Callback):
 
 
 class BatchLog(pl.Callback):
-    """Append ``<global_step> <labels> <sha1 of the images>`` to ``<folder>/rank<r>.batches``.
+    """Append ``<global_step> <shape> <labels> <sha1 of the images> <draw>`` to ``<folder>/rank<r>.batches``.
 
     One line per optimizer step, written after the step, so two runs can be compared batch by
-    batch: which samples each rank trained on at each step, and their pixels bit for bit.
+    batch: which samples each rank trained on at each step, their pixels bit for bit, and the
+    next number of the global torch generator (``<draw>``, as dropout would draw it), which
+    tells whether a resume put the generator back where the run was.
     """
 
     def __init__(self, folder: str) -> None:
@@ -115,7 +132,8 @@ class BatchLog(pl.Callback):
         digest = hashlib.sha1(images.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
         self.folder.mkdir(parents=True, exist_ok=True)
         with open(self.folder / f"rank{trainer.global_rank}.batches", "a") as f:
-            f.write(f"{trainer.global_step} {tuple(images.shape)} {','.join(map(str, labels.tolist()))} {digest}\n")
+            draw = torch.rand((), dtype=torch.float64).item().hex()
+            f.write(f"{trainer.global_step} {tuple(images.shape)} {','.join(map(str, labels.tolist()))} {digest} {draw}\n")
 
 
 def read_batch_log(folder: Path, rank: int) -> dict[int, str]:

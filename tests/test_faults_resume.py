@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.faults_helpers import finish, start
+from tests.faults_helpers import finish, finish_all, start
 
 # save_top_k=-1: last.ckpt follows every epoch (with a monitor, Lightning refreshes it only
 # when the metric improves). Epoch 0: global batch 32 (16 per rank), 8 steps; epoch 1: 64, 4 steps (steps 8..11).
@@ -18,14 +18,10 @@ PREEMPT = [
 
 def test_sigterm_mid_epoch_then_resume_auto_equals_the_uninterrupted_run(tmp_path):
     full_dir, preempted_dir = tmp_path / "full", tmp_path / "preempted"
-    full, preempted = start(full_dir), start(preempted_dir, *PREEMPT)  # side by side
-    code, out = finish(preempted)
-    assert code == 0, out[-3000:]
+    out, _ = finish_all(start(preempted_dir, *PREEMPT), start(full_dir))  # side by side
     assert "SIGTERM received; stopped after step 10 (epoch 1)" in out
     files = sorted(p.name for p in (preempted_dir / "checkpoints").iterdir())
     assert files == ["epoch000.ckpt", "last.ckpt", "preempted-epoch1-step10.ckpt"]
-    code, full_out = finish(full)
-    assert code == 0, full_out[-3000:]
 
     code, out = finish(start(preempted_dir, "resume=auto"))
     assert code == 0, out[-3000:]
