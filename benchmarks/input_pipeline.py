@@ -11,10 +11,15 @@ it with ``fastscale-data convert`` at each ``--max-sides``, then times the train
 
 and reports images/s and the ratio to today's ``ImageFolderDataModule`` measured in the same
 run. ``streaming @ source`` stores the images at their own size (max side 640): the same
-pixels as ImageFolder reads, re-encoded once. DALI runs where ``nvidia-dali`` imports; nvJPEG
-where CUDA is available (otherwise each is skipped with a message).
+pixels as ImageFolder reads, re-encoded once; its ``uint8 out`` row stops at the uint8 batch
+(on a GPU machine the normalisation runs on the device, so that is the CPU's share), and the
+``decode_jpeg alone`` row times just the decode of the same bytes: the ceiling of any pipeline
+that decodes them in full. The timed batches lie within one epoch (``bench_pipeline`` refuses
+otherwise). DALI runs where ``nvidia-dali`` imports; nvJPEG where CUDA is available (otherwise
+each is skipped with a message).
 
-``--autotune`` also runs the ``num_workers: auto`` probe and measures every worker count it
+``--decoders`` also times JPEG decoders alone on the source files (TorchCodec, torchvision and,
+where ``simplejpeg`` is installed, libjpeg-turbo's DCT-domain scaling). ``--autotune`` also runs the ``num_workers: auto`` probe and measures every worker count it
 tried again, to check the pick against the best measured count. ``--train-step`` times the
 end-to-end ``fastscale-train`` step (the Hydra config of ``train.py``, built with its
 ``build``) with ``data=streaming`` against ``data=imagefolder`` at equal settings, in
@@ -29,6 +34,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import os
 import statistics
 import time
@@ -53,7 +59,7 @@ def photo_like(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
         img += (np.asarray(small.resize((width, height), Image.Resampling.BICUBIC), np.float32) - 128) * (octave / 64) ** 0.5
     yy, xx = np.mgrid[0:height, 0:width]
     img += rng.uniform(-60, 60, 3) * (xx / width)[..., None] + rng.uniform(-60, 60, 3) * (yy / height)[..., None]
-    img += rng.uniform(60, 190, 3) + rng.normal(0, 13, img.shape)
+    img += rng.uniform(60, 190, 3) + rng.normal(0, 16, img.shape)
     return img.clip(0, 255).astype(np.uint8)
 
 
@@ -139,12 +145,65 @@ def nvjpeg_images_per_s(stream_root: Path, resolution: int, batch_size: int, bat
     return batches * batch_size / (time.perf_counter() - start)
 
 
-def _measure(pipeline: str, root: Path, args: argparse.Namespace, workers: int) -> float:
+def decode_only_images_per_s(stream_root: Path, count: int) -> float:
+    """Images per CPU-second of libjpeg-turbo ``decode_jpeg`` alone on stored bytes: the ceiling
+    of any CPU pipeline that fully decodes these files, whatever it does after the decode."""
+    from litdata import StreamingDataset
+
+    from lightning_fastscale.data import fast_decode
+
+    ds = StreamingDataset(str(stream_root / "train"))
+    datas = [torch.frombuffer(bytearray(ds[i]["image"]), dtype=torch.uint8) for i in range(min(len(ds), count))]
+    start = time.process_time()
+    for data in datas:
+        fast_decode.decode_rgb(data)
+    return len(datas) / (time.process_time() - start)
+
+
+def decoder_ms(tree: Path, files: int = 100, repeats: int = 5) -> dict[str, float]:
+    """Best-of-``repeats`` ms per image, one thread, of JPEG decoders on the source files:
+    TorchCodec and torchvision (the same libjpeg-turbo), and, where ``simplejpeg`` imports,
+    libjpeg-turbo's DCT-domain scaling at M/8 and its fast IDCT + upsampling."""
+    import warnings
+
+    from torchvision.io import decode_jpeg as torchvision_decode_jpeg
+
+    from lightning_fastscale.data import fast_decode
+
+    raw = [p.read_bytes() for p in sorted((tree / "train").rglob("*.JPEG"))[:files]]
+    datas = [torch.frombuffer(bytearray(r), dtype=torch.uint8) for r in raw]
+    cases: dict[str, Any] = {
+        "torchcodec decode_jpeg (decode_rgb)": lambda i: fast_decode.decode_rgb(datas[i]),
+        "torchvision decode_jpeg": lambda i: torchvision_decode_jpeg(datas[i]),
+    }
+    try:
+        import simplejpeg
+    except ImportError:
+        print("simplejpeg not installed: DCT-domain scaling rows skipped")
+    else:
+        sizes = [simplejpeg.decode_jpeg_header(r)[:2] for r in raw]
+        for num in (8, 7, 6, 5, 4):
+            cases[f"simplejpeg, DCT scale {num}/8"] = lambda i, num=num: simplejpeg.decode_jpeg(
+                raw[i], min_height=sizes[i][0] * num // 8, min_width=sizes[i][1] * num // 8)
+        cases["simplejpeg, fast IDCT + upsampling"] = lambda i: simplejpeg.decode_jpeg(raw[i], fastdct=True, fastupsample=True)
+    best = {name: math.inf for name in cases}
+    with warnings.catch_warnings():  # torchvision's decoders are deprecated from 0.29
+        warnings.simplefilter("ignore")
+        for _ in range(repeats):
+            for name, fn in cases.items():
+                start = time.process_time()
+                for i in range(len(raw)):
+                    fn(i)
+                best[name] = min(best[name], (time.process_time() - start) / len(raw) * 1e3)
+    return best
+
+
+def _measure(pipeline: str, root: Path, args: argparse.Namespace, workers: int, normalize: bool = True) -> float:
     # one process (workers=0): images per CPU-second of this process, robust to other load;
     # with workers: wall clock, since the work happens in the worker processes
     clock = "process" if workers == 0 else "wall"
     return bench_pipeline(pipeline, str(root), args.resolution, args.batch_size, workers, args.batches,
-                          warmup=max(2, workers), clock=clock)
+                          warmup=max(2, workers), clock=clock, normalize=normalize)
 
 
 def autotune_check(stream_root: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -211,7 +270,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/fastscale-input-bench"))
     parser.add_argument("--classes", type=int, default=8)
-    parser.add_argument("--train-per-class", type=int, default=32)
+    parser.add_argument("--train-per-class", type=int, default=64)
     parser.add_argument("--max-sides", type=int, nargs="+", default=[256, 320, 400])
     parser.add_argument("--resolution", type=int, default=224)
     parser.add_argument("--batch-size", type=int, default=32)
@@ -220,6 +279,7 @@ def main() -> None:
     parser.add_argument("--autotune", action="store_true")
     parser.add_argument("--skip-table", action="store_true", help="only the --autotune / --train-step checks")
     parser.add_argument("--train-step", action="store_true")
+    parser.add_argument("--decoders", action="store_true", help="also time JPEG decoders alone (ms per image)")
     parser.add_argument("--step-resolution", type=int, default=128)
     parser.add_argument("--step-batch-size", type=int, default=32)
     parser.add_argument("--step-batches", type=int, default=12)
@@ -248,6 +308,10 @@ def main() -> None:
     for side in [640, *args.max_sides]:
         label = "StreamingDataModule @ source size" if side == 640 else f"StreamingDataModule, max side {side}"
         pipelines[label] = lambda w, side=side: _measure("streaming", streams[side], args, w)
+    pipelines["StreamingDataModule @ source size, uint8 out (normalised on the GPU)"] = (
+        lambda w: _measure("streaming", streams[640], args, w, normalize=False))
+    pipelines["`decode_jpeg` alone @ source size (ceiling of a full decode)"] = (
+        lambda w: decode_only_images_per_s(streams[640], args.batches * args.batch_size) if w == 0 else math.nan)
     dali = "DALI CPU (decode+random crop fused)"
     pipelines[dali] = lambda w: dali_images_per_s(tree, args.resolution, args.batch_size, max(1, w), args.batches,
                                                    "process" if w == 0 else "wall")
@@ -265,6 +329,8 @@ def main() -> None:
         vals, base = results[(n, w)], results[(names[0], w)]
         if any(v is None for v in vals):
             return "skipped", ""
+        if any(v != v for v in vals):  # NaN: not measured in this column
+            return "", ""
         paired = statistics.median(v / b for v, b in zip(vals, base))  # per-round ratios
         return f"{statistics.median(vals):.0f}", f"{paired:.2f}"
 
@@ -280,6 +346,10 @@ def main() -> None:
     print(f"| nvJPEG batched decode on the GPU @ source size | {'skipped' if rate is None else f'{rate:.0f}'} | | | |")
     print(f"\nmedians of {args.rounds} interleaved rounds; ratios are medians of per-round ratios")
 
+    if args.decoders:
+        print("\n| decoder, source files, 1 thread | ms per image (best of 5) |\n|---|---|")
+        for name, ms in decoder_ms(tree).items():
+            print(f"| {name} | {ms:.2f} |")
     if args.autotune:
         res = autotune_check(streams[args.max_sides[-1]], args)
         print(f"\nnum_workers auto: {json.dumps({k: v for k, v in res.items()}, default=str)}")

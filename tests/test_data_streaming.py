@@ -1,8 +1,10 @@
 """StreamingDataModule: transforms, protocol, DDP sharding, mid-epoch resume, num_workers auto, errors."""
 import json
 import shutil
+import warnings
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -69,6 +71,24 @@ def test_crop_box_follows_random_resized_crop_rules():
     assert fast_decode.random_resized_crop_box(10, 1000, g)[2:] == (10, 13)  # fallback: clamp to 4/3
     a = fast_decode.random_resized_crop_box(300, 400, fast_decode.sample_generator(1, 2, 3))
     assert a == fast_decode.random_resized_crop_box(300, 400, fast_decode.sample_generator(1, 2, 3))
+
+
+def test_decode_gives_the_pixels_pil_and_torchvision_give(stream):
+    """The decoder behind ``decode_rgb`` (TorchCodec, or torchvision where it is missing) reads a
+    JPEG to the same pixels as PIL, the decoder of ImageFolderDataModule, and torchvision."""
+    from PIL import Image
+    from torchvision.io import decode_jpeg
+
+    files = sorted((stream.parent / "tree" / "train").rglob("*.JPEG"))[:6]
+    for path in files:
+        data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+        decoded = fast_decode.decode_rgb(data)
+        with Image.open(path) as image:
+            pil = torch.from_numpy(np.asarray(image.convert("RGB")).copy()).permute(2, 0, 1)
+        assert decoded.dtype == torch.uint8 and torch.equal(decoded, pil), path
+        with warnings.catch_warnings():  # torchvision's decoders are deprecated from 0.29
+            warnings.simplefilter("ignore")
+            assert torch.equal(decoded, decode_jpeg(data)), path
 
 
 def test_protocol_changes_batch_size_and_resolution_between_loaders(stream):
@@ -229,3 +249,18 @@ def test_docstring_examples_pass(name):
 
     result = doctest.testmod(importlib.import_module(f"lightning_fastscale.data.{name}"))
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_bench_cli_times_within_one_epoch_and_refuses_more(stream, capsys):
+    from lightning_fastscale.data.cli import main
+
+    common = ["--resolution", "32", "--batch-size", "4", "--warmup", "1"]
+    for pipeline, root, extra in (("streaming", stream, []), ("streaming", stream, ["--uint8"]),
+                                  ("imagefolder", stream.parent / "tree", [])):
+        assert main(["bench", str(root), "--pipeline", pipeline, "--batches", "4", *common, *extra]) == 0
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert result["pipeline"] == pipeline and result["images_per_s"] > 0
+    # 24 training images in batches of 4: 6 batches, fewer than 1 + 6
+    assert main(["bench", str(stream), "--batches", "6", *common]) == 2
+    err = capsys.readouterr().err
+    assert "--warmup 1 + --batches 6 is more than one epoch" in err and "(6 batches of 4)" in err

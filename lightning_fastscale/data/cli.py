@@ -39,15 +39,20 @@ def make_datamodule(pipeline: str, root: str, resolution: int, batch_size: int, 
 
 def bench_pipeline(
     pipeline: str, root: str, resolution: int = 224, batch_size: int = 64, num_workers: int = 0,
-    batches: int = 20, warmup: int = 2, clock: str = "wall",
+    batches: int = 20, warmup: int = 2, clock: str = "wall", normalize: bool = True,
 ) -> float:
     """Training images/s of a pipeline, up to a normalised float batch in this process.
 
     The streaming pipeline's device-side normalisation runs here too (on the CPU), so both
-    pipelines end at the same place: a float batch ready for the model. ``clock="process"``
-    divides by this process's CPU time instead of wall time: images per CPU-second, the
-    per-core figure that stays put on a loaded machine (meaningful with ``num_workers=0``,
-    where all the work happens in this process).
+    pipelines end at the same place: a float batch ready for the model. ``normalize=False``
+    stops the streaming pipeline at its uint8 batch instead: the CPU's share of the work on a
+    GPU machine, where the normalisation runs on the device. ``clock="process"`` divides by
+    this process's CPU time instead of wall time: images per CPU-second, the per-core figure
+    that stays put on a loaded machine (meaningful with ``num_workers=0``, where all the work
+    happens in this process).
+
+    The timed batches lie within one epoch: a loader restart (worker start-up, first chunk
+    read) once per short epoch would weigh far more than it does once per ImageNet epoch.
     """
     if warmup < 1:
         raise ValueError(f"warmup must be at least 1 batch, got {warmup}")
@@ -55,18 +60,23 @@ def bench_pipeline(
         raise ValueError(f"clock must be 'wall' or 'process', got {clock!r}")
     timer = time.process_time if clock == "process" else time.perf_counter
     dm = make_datamodule(pipeline, root, resolution, batch_size, num_workers)
-    after = getattr(dm, "on_after_batch_transfer", None)
-    seen, done, start = 0, 0, 0.0
-    while done < warmup + batches:
-        for batch in dm.train_dataloader():
-            images, _ = after(batch, 0) if after is not None else batch
-            done += 1
-            if done == warmup:
-                start = timer()
-            elif done > warmup:
-                seen += images.shape[0]
-            if done == warmup + batches:
-                break
+    after = dm.on_after_batch_transfer if normalize else None
+    loader = dm.train_dataloader()
+    if warmup + batches > len(loader):
+        raise ValueError(
+            f"--warmup {warmup} + --batches {batches} is more than one epoch of {root} "
+            f"({len(loader)} batches of {batch_size}); the timing would include a loader restart. "
+            f"Lower --batches or --batch-size, or measure on more images"
+        )
+    seen, start = 0, 0.0
+    for done, batch in enumerate(loader, start=1):
+        images, _ = after(batch, 0) if after is not None else batch
+        if done == warmup:
+            start = timer()
+        elif done > warmup:
+            seen += images.shape[0]
+        if done == warmup + batches:
+            break
     return seen / (timer() - start)
 
 
@@ -85,7 +95,7 @@ def _convert(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     rate = bench_pipeline(args.pipeline, args.root, args.resolution, args.batch_size, args.workers,
-                          args.batches, args.warmup, args.clock)
+                          args.batches, args.warmup, args.clock, normalize=not args.uint8)
     cores = max(1, args.workers)
     result = {"pipeline": args.pipeline, "root": args.root, "resolution": args.resolution,
               "workers": args.workers, "images_per_s": round(rate, 1), "images_per_s_per_core": round(rate / cores, 1)}
@@ -123,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=2)
     b.add_argument("--clock", choices=("wall", "process"), default="wall",
                    help="divide by wall time, or by this process's CPU time (per-core figure, --workers 0)")
+    b.add_argument("--uint8", action="store_true",
+                   help="stop at the uint8 batch (streaming): the CPU's share when normalising on a GPU")
     b.set_defaults(func=_bench)
     return parser
 

@@ -10,7 +10,12 @@ sorted in each class), ``name`` its path relative to the split folder, for error
 
 Beside the splits, ``dataset.json`` records the class list (sorted folder names, the same
 label order as :class:`~lightning_fastscale.data.ImageFolderDataModule`), per-class counts,
-``max_side`` and ``quality``. It is written last: a folder without it was not completely
+``max_side`` and ``quality``, and ``extra["sizes"]["val"]``: the ``[height, width]`` of every
+stored validation image, entry ``i`` for litdata sample ``i`` (rectangular validation,
+:mod:`.rect_val`, orders by these without decoding anything). litdata's sample ``i`` is not
+always the sample whose ``index`` is ``i``: with several writer processes, litdata may hand
+inputs to whichever process is free, so the sizes are read back from the written split in
+litdata's order. It is written last: a folder without it was not completely
 written, and :func:`read_metadata` says so.
 """
 from __future__ import annotations
@@ -37,6 +42,7 @@ SPLITS = ("train", "val")
 PROCEDURAL_SOURCE = "procedural"
 DEFAULT_MAX_SIDE = 512
 DEFAULT_QUALITY = 90
+SIZES_KEY = "sizes"
 
 
 @dataclass
@@ -221,6 +227,7 @@ def convert(
     try:
         for split in SPLITS:
             _optimize(fns[split], inputs[split], out / split, workers, chunk_bytes, verbose)
+        extra = {**extra, SIZES_KEY: {"val": stored_image_sizes(out / "val")}}
     except BaseException:
         # Nothing of the user's is in a folder this call created; a half-written one would
         # only mislead the next run, so it goes.
@@ -229,6 +236,30 @@ def convert(
     meta = StreamingMetadata(classes, counts, max_side, quality, source_text, extra=extra)
     (out / METADATA_FILE).write_text(json.dumps(asdict(meta), indent=1))
     return meta
+
+
+def stored_image_sizes(split_dir: str | os.PathLike[str], **dataset_kwargs: Any) -> list[list[int]]:
+    """``[height, width]`` of every image of a written split, in litdata's sample order.
+
+    Reads each sample by its litdata index (not the rank's shard, so the answer is the same on
+    every rank) and parses only the JPEG header: one sequential read of the split's bytes, no
+    decoding. ``dataset_kwargs`` go to litdata's ``StreamingDataset`` (a remote cache).
+    """
+    from litdata import StreamingDataset
+
+    from .fast_decode import jpeg_size
+
+    dataset = StreamingDataset(str(split_dir), **dataset_kwargs)
+    return [list(jpeg_size(dataset[i]["image"])) for i in range(stored_sample_count(dataset))]
+
+
+def stored_sample_count(dataset: Any) -> int:
+    """All samples of a litdata ``StreamingDataset``, whatever rank asks.
+
+    Its ``len()`` is the calling rank's shard under ``torch.distributed``, while an integer
+    index reads from the whole dataset; this is the range of such indices.
+    """
+    return sum(end - start for start, end in dataset.region_of_interest)
 
 
 def read_metadata(root: str | os.PathLike[str]) -> StreamingMetadata:

@@ -5,7 +5,9 @@ The records that trained ImageNet in minutes all fixed the input pipeline first 
 their three system changes; Mikami et al. 2018 used NVIDIA DALI). Here the workers do only
 what must happen per image on the CPU:
 
-* decode with torchvision's ``decode_jpeg`` (libjpeg-turbo), not PIL;
+* decode with TorchCodec's ``decode_jpeg`` (libjpeg-turbo), not PIL; TorchCodec's image
+  decoders supersede torchvision's, deprecated since torchvision 0.29, which remain the
+  fallback where TorchCodec (>= 0.16, torch >= 2.11) is not installed;
 * random-resized-crop and horizontal flip on the **uint8** tensor (the resize reads and
   writes a quarter of the bytes a float pipeline would);
 * leave the batch un-normalised: :func:`normalize_on_device` converts to float, normalises
@@ -25,10 +27,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
-from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2 import functional as F
+
+try:
+    from torchcodec.decoders import decode_jpeg as _torchcodec_decode_jpeg
+
+    def _decode_jpeg_rgb(data: torch.Tensor | list[torch.Tensor], device: torch.device | str = "cpu") -> Any:
+        return _torchcodec_decode_jpeg(data, mode="RGB", device=device)
+
+except (ImportError, OSError, RuntimeError):  # not installed, or built for another torch
+    from torchvision.io import ImageReadMode, decode_jpeg as _torchvision_decode_jpeg
+
+    def _decode_jpeg_rgb(data: torch.Tensor | list[torch.Tensor], device: torch.device | str = "cpu") -> Any:
+        return _torchvision_decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -87,7 +101,7 @@ def random_resized_crop_box(
 
 def decode_rgb(data: torch.Tensor) -> torch.Tensor:
     """Decode JPEG bytes (a 1-D uint8 tensor) to a ``(3, H, W)`` uint8 RGB tensor."""
-    return decode_jpeg(data, mode=ImageReadMode.RGB)
+    return _decode_jpeg_rgb(data)
 
 
 def jpeg_size(data: bytes | torch.Tensor) -> tuple[int, int]:
@@ -168,4 +182,4 @@ def decode_jpeg_batch_on_device(
     """
     if not torch.cuda.is_available():
         raise RuntimeError("nvJPEG decode needs a CUDA device; use decode_rgb on the CPU")
-    return decode_jpeg(list(datas), mode=ImageReadMode.RGB, device=device)
+    return _decode_jpeg_rgb(list(datas), device=device)

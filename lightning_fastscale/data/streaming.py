@@ -14,7 +14,9 @@ centre crop), but
   conversion, normalisation and ``channels_last`` happen in :meth:`on_after_batch_transfer`,
   on the device, for any LightningModule;
 * on CUDA the next batch is copied ahead on a side stream (:mod:`.device_prefetch`);
-* ``num_workers="auto"`` measures and caches the worker count (:mod:`.worker_autotune`).
+* ``num_workers="auto"`` measures and caches the worker count (:mod:`.worker_autotune`);
+* ``rect_val=True`` validates fast.ai-style on rectangles grouped by aspect ratio instead of
+  centre-cropped squares (:mod:`.rect_val`, :class:`RectValidationBatches`).
 
 It implements the batch-size/resolution protocol (:mod:`.protocol`), so ``BatchSizeRamp`` and
 ``ProgressiveResizing`` work on it. Throughput against ImageFolder is in ``benchmarks/README.md``.
@@ -25,15 +27,18 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from litdata import StreamingDataLoader, StreamingDataset
+from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 from typing_extensions import override
 
-from . import fast_decode
-from .convert import METADATA_FILE, StreamingMetadata, read_metadata
+from . import fast_decode, rect_val
+from .convert import METADATA_FILE, SIZES_KEY, StreamingMetadata, read_metadata, stored_image_sizes
 from .datamodules import _ResizableDataModule
 from .device_prefetch import DevicePrefetcher
 from .protocol import check_positive
@@ -42,6 +47,18 @@ from .worker_autotune import WorkerCountCache, candidate_worker_counts, probe_nu
 log = logging.getLogger(__name__)
 
 _REMOTE_PREFIXES = ("s3://", "gs://", "r2://", "azure://", "hf://", "local:")
+
+
+def _decode_stored(
+    item: dict[str, Any], transform: Callable[[torch.Tensor], torch.Tensor], source: str
+) -> tuple[torch.Tensor, int]:
+    """``(transform(JPEG bytes), label)`` of a stored sample; a decode error names the sample."""
+    data = torch.frombuffer(bytearray(item["image"]), dtype=torch.uint8)
+    try:
+        image = transform(data)
+    except Exception as err:  # libjpeg-turbo reports corrupt data as RuntimeError
+        raise RuntimeError(f"cannot decode sample {item['index']} ({item['name']}) of {source}: {err}") from err
+    return image, int(item["label"])
 
 
 class DecodedStreamingDataset(StreamingDataset):
@@ -72,18 +89,14 @@ class DecodedStreamingDataset(StreamingDataset):
 
     def decode(self, item: dict[str, Any]) -> tuple[torch.Tensor, int]:
         """Decode and augment one stored sample."""
-        data = torch.frombuffer(bytearray(item["image"]), dtype=torch.uint8)
-        try:
+
+        def transform(data: torch.Tensor) -> torch.Tensor:
             if self.train:
                 g = fast_decode.sample_generator(self.augment_seed, self.current_epoch, int(item["index"]))
-                image = fast_decode.train_transform(data, self.resolution, g, self.scale, self.ratio)
-            else:
-                image = fast_decode.val_transform(data, self.resolution, self.crop_ratio)
-        except Exception as err:  # libjpeg-turbo reports corrupt data as RuntimeError
-            raise RuntimeError(
-                f"cannot decode sample {item['index']} ({item['name']}) of {self.source}: {err}"
-            ) from err
-        return image, int(item["label"])
+                return fast_decode.train_transform(data, self.resolution, g, self.scale, self.ratio)
+            return fast_decode.val_transform(data, self.resolution, self.crop_ratio)
+
+        return _decode_stored(item, transform, self.source)
 
     @override
     def __getitem__(self, index: Any) -> Any:
@@ -91,6 +104,43 @@ class DecodedStreamingDataset(StreamingDataset):
         if isinstance(index, slice):
             return [self.decode(i) for i in item]
         return self.decode(item)
+
+
+class RectValidationBatches(IterableDataset):
+    """One rank's rectangular validation batches (:mod:`.rect_val`), yielded whole.
+
+    Each item is a finished ``(uint8 images (N, 3, H, W), labels (N,))`` batch of one shape, so
+    the ``DataLoader`` runs with ``batch_size=None``; loader workers split the batches by
+    position (worker ``k`` of ``n`` makes batches ``k, k + n, ...``, which the loader hands out
+    in order again). Being an ``IterableDataset``, Lightning leaves it alone under DDP (it
+    replaces the sampler of map-style loaders only), so the per-rank plan is what each rank
+    runs. Samples are read by their litdata index through litdata's chunk reader and decoded
+    as the default validation does (``fast_decode.decode_rgb``), then resized to cover the
+    batch's shape (:func:`.rect_val.resize_to_cover`).
+    """
+
+    def __init__(
+        self, input_dir: str, batches: list[rect_val.RectBatch], source: str, **dataset_kwargs: Any
+    ) -> None:
+        super().__init__()
+        self.samples = StreamingDataset(input_dir, shuffle=False, **dataset_kwargs)
+        self.batches, self.source = batches, source
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def decode(self, item: dict[str, Any], shape: tuple[int, int]) -> tuple[torch.Tensor, int]:
+        """Decode one stored sample and fit it to the batch's ``(height, width)``."""
+        return _decode_stored(
+            item, lambda data: rect_val.resize_to_cover(fast_decode.decode_rgb(data), shape), self.source
+        )
+
+    @override
+    def __iter__(self) -> Any:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        for batch in self.batches[worker::workers]:
+            yield default_collate([self.decode(self.samples[i], batch.shape) for i in batch.indices])
 
 
 class EpochAwareStreamingDataLoader(StreamingDataLoader):
@@ -130,16 +180,32 @@ class StreamingDataModule(_ResizableDataModule):
         max_cache_size: size limit of that cache, e.g. ``"50GB"``.
         max_workers: upper bound of the ``auto`` probe (default: cores / ranks on this machine).
         num_workers_cache: JSON file of ``auto`` picks (default: user cache dir).
+        rect_val: validate on rectangles (fast.ai, Howard et al. 2018): images sorted by aspect
+            ratio, each batch one shape with short side ``val_resolution`` and the long side of
+            its median ratio, nothing centre-cropped but the excess of each image's own ratio
+            (:mod:`.rect_val`). Every validation sample is seen exactly once across ranks and
+            every rank gets the same number of batches (of at most ``val_batch_size``). Needs
+            a model that accepts any input size (adaptive pooling, as the package's ResNets).
 
     ``dataset_class`` is the litdata dataset type both splits use; a subclass may override its
-    ``decode`` to return something else per stored sample.
+    ``decode`` to return something else per stored sample. ``rect_val_dataset_class`` plays
+    that part for the rectangular validation batches.
+
+    Rectangular validation orders by the image sizes that ``fastscale-data convert`` records in
+    ``dataset.json``. A folder converted before they were recorded is still served: the sizes
+    are then read once from the stored JPEG headers (one read of the validation split's bytes,
+    no decoding, cheaper than one validation pass), with a warning saying that a new
+    conversion records them; asking the user to convert a whole data set again for that would
+    cost far more.
 
     Examples:
         >>> dm = StreamingDataModule("/data/imagenet-512", resolution=176, batch_size=256)  # doctest: +SKIP
         >>> trainer.fit(model, datamodule=dm)  # doctest: +SKIP
+        >>> rect = StreamingDataModule("/data/imagenet-512", val_resolution=288, rect_val=True)  # doctest: +SKIP
     """
 
     dataset_class: type[DecodedStreamingDataset] = DecodedStreamingDataset
+    rect_val_dataset_class: type[RectValidationBatches] = RectValidationBatches
 
     def __init__(
         self,
@@ -159,6 +225,7 @@ class StreamingDataModule(_ResizableDataModule):
         max_cache_size: str = "50GB",
         max_workers: int | None = None,
         num_workers_cache: str | None = None,
+        rect_val: bool = False,
     ) -> None:
         auto = num_workers == "auto"
         if not auto and (isinstance(num_workers, bool) or not isinstance(num_workers, int)):
@@ -184,6 +251,12 @@ class StreamingDataModule(_ResizableDataModule):
         self.num_classes = len(self.classes)
         self._check_resolution("data.resolution", self.train_resolution)
         self._check_resolution("data.val_resolution", self.val_resolution)
+        if not isinstance(rect_val, bool):
+            raise ValueError(f"data.rect_val must be true or false, got {rect_val!r}")
+        self.rect_val = rect_val
+        self._val_sizes: list[list[int]] | None = None
+        if rect_val:
+            self._check_recorded_val_sizes()
 
     # -- metadata and checks ------------------------------------------------------------
     def _read_metadata(self) -> StreamingMetadata:
@@ -216,15 +289,46 @@ class StreamingDataModule(_ResizableDataModule):
         self._check_resolution("validation resolution", resolution)
         super().set_val_resolution(resolution)
 
+    def _check_recorded_val_sizes(self) -> None:
+        sizes = self.metadata.extra.get(SIZES_KEY, {}).get("val")
+        count = self.metadata.split_size("val")
+        if count == 0:
+            raise ValueError(f"data.rect_val=true but {self.root} has no validation samples")
+        if sizes is not None and len(sizes) != count:
+            raise ValueError(
+                f"data.rect_val=true: {self.root}/{METADATA_FILE} records {len(sizes)} validation "
+                f"image sizes for {count} samples; the folder was changed after conversion. "
+                "Convert again, or set data.rect_val=false"
+            )
+
+    def val_image_sizes(self) -> list[list[int]]:
+        """``[height, width]`` of each validation sample in litdata order (read once if not recorded)."""
+        if self._val_sizes is None:
+            sizes = self.metadata.extra.get(SIZES_KEY, {}).get("val")
+            if sizes is None:
+                log.warning(
+                    "data.rect_val: %s/%s records no image sizes (converted by an older version); "
+                    "reading them from the JPEG headers of the validation split once. Convert again "
+                    "to have them recorded", self.root, METADATA_FILE,
+                )
+                input_dir, extra = self._split_source("val")
+                sizes = stored_image_sizes(input_dir, **extra)
+            self._val_sizes = [list(map(int, hw)) for hw in sizes]
+        return self._val_sizes
+
     # -- datasets and loaders -----------------------------------------------------------
-    def dataset(self, split: str, resolution: int | None = None) -> DecodedStreamingDataset:
-        """A fresh litdata dataset of ``split`` at ``resolution`` (default: the current one)."""
-        train = split == "train"
-        res = resolution or (self.train_resolution if train else self.val_resolution)
+    def _split_source(self, split: str) -> tuple[str, dict[str, Any]]:
         input_dir = f"{self.root.rstrip('/')}/{split}" if _is_remote(self.root) else str(Path(self.root) / split)
         extra: dict[str, Any] = {}
         if _is_remote(self.root):
             extra = {"cache_dir": self.cache_dir, "max_cache_size": self.max_cache_size}
+        return input_dir, extra
+
+    def dataset(self, split: str, resolution: int | None = None) -> DecodedStreamingDataset:
+        """A fresh litdata dataset of ``split`` at ``resolution`` (default: the current one)."""
+        train = split == "train"
+        res = resolution or (self.train_resolution if train else self.val_resolution)
+        input_dir, extra = self._split_source(split)
         return self.dataset_class(
             input_dir, train=train, resolution=res, crop_ratio=self.crop_ratio, seed=self.seed,
             drop_last=True if train else None, **extra,
@@ -254,8 +358,45 @@ class StreamingDataModule(_ResizableDataModule):
         loader.current_epoch = trainer.current_epoch if trainer is not None else 0
         return self._wrap(loader)
 
+    def _rank_and_world_size(self) -> tuple[int, int]:
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None:
+            return trainer.global_rank, trainer.world_size
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+
+    def rect_val_batches(self) -> list[rect_val.RectBatch]:
+        """This rank's rectangular validation batches at the current resolution and batch size."""
+        rank, world_size = self._rank_and_world_size()
+        sizes = self.val_image_sizes()
+        if len(sizes) < world_size:
+            raise ValueError(
+                f"data.rect_val=true needs at least one validation sample per rank: {self.root} has "
+                f"{len(sizes)} for {world_size} ranks; set data.rect_val=false"
+            )
+        plan = rect_val.plan_batches(
+            sizes, self.val_batch_size, self.val_resolution, world_size, self.metadata.max_side
+        )
+        mine = rect_val.rank_batches(plan, rank, world_size)
+        log.info(
+            "data.rect_val: %d validation batches on rank %d of %d, %d shapes from %s to %s",
+            len(mine), rank, world_size, len({b.shape for b in plan}), plan[0].shape, plan[-1].shape,
+        )
+        return mine
+
+    def _rect_val_loader(self) -> DataLoader:
+        input_dir, extra = self._split_source("val")
+        batches = self.rect_val_dataset_class(input_dir, self.rect_val_batches(), self.root, **extra)
+        return DataLoader(
+            batches, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
+            prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None,
+        )
+
     @override
     def val_dataloader(self) -> Any:
+        if self.rect_val:
+            return self._wrap(self._rect_val_loader())
         return self._wrap(self._streaming_loader(self.dataset("val"), self.val_batch_size, self.num_workers))
 
     # -- num_workers: auto --------------------------------------------------------------

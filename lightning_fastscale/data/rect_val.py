@@ -1,0 +1,157 @@
+"""Rectangular validation: no centre crop, batches grouped by aspect ratio.
+
+fast.ai's DAWNBench ImageNet entry (Howard et al. 2018, "Now anyone can train Imagenet in 18
+minutes", fast.ai blog) validated on rectangles instead of centre-cropped squares: the
+validation images were sorted by aspect ratio and each batch was given one shape that follows
+its images' ratio, so almost nothing of an image is cut away and top-1 rises at equal
+resolution. This module is the pure part of that:
+
+* :func:`aspect_order`: sample positions sorted by width / height;
+* :func:`split_batches`: the sorted list cut into a multiple of ``world_size`` batches of
+  near-equal size (sizes differ by at most one, none above the batch size), so that every
+  rank gets the same number of batches (per-step ``sync_dist`` logging needs that) and every
+  sample is read exactly once across ranks; rank ``r`` takes batches ``r, r + W, ...``
+  (:func:`rank_batches`);
+* :func:`batch_shape`: one ``(H, W)`` per batch, short side = the validation resolution, long
+  side from the batch's median aspect ratio, rounded to a multiple of 8;
+* :func:`resize_to_cover`: an image resized (antialiased, uint8) to cover that shape, then
+  centre-cropped only by the excess its own ratio leaves over the batch's.
+
+Models whose classifier follows an adaptive pooling (the package's ResNets, torchvision's and
+timm's CNNs) accept any ``H, W``; a model with a fixed input size (a ViT without position
+embedding interpolation, a classifier on flattened features) does not, and must keep the
+square centre crop.
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torchvision.transforms.v2 import functional as F
+
+# Long sides are multiples of 8: convolution strides (a ResNet downsamples by 32 in steps of
+# 2) and tensor-core tiles (multiples of 8 in fp16/bf16) then fit without ragged edges.
+SHAPE_MULTIPLE = 8
+
+
+@dataclass(frozen=True)
+class RectBatch:
+    """One validation batch: sample positions and the ``(height, width)`` all its images get."""
+
+    indices: tuple[int, ...]
+    shape: tuple[int, int]
+
+
+def aspect_order(sizes: Sequence[Sequence[int]]) -> list[int]:
+    """Positions of ``sizes`` (``(height, width)`` each) sorted by width / height, ties by position.
+
+    Examples:
+        >>> aspect_order([(100, 200), (200, 100), (100, 100)])
+        [1, 2, 0]
+    """
+    return sorted(range(len(sizes)), key=lambda i: (sizes[i][1] / sizes[i][0], i))
+
+
+def split_batches(order: Sequence[int], batch_size: int, world_size: int = 1) -> list[list[int]]:
+    """Cut ``order`` into ``k * world_size`` consecutive batches of near-equal size.
+
+    ``k`` is the smallest count for which no batch exceeds ``batch_size``; batch sizes differ by
+    at most one. (Only with ``batch_size=1`` and a sample count that ``world_size`` does not
+    divide can no such ``k`` exist; then ``k`` is the largest that leaves no batch empty and
+    some batches hold two samples.) Raises ``ValueError`` when there are fewer samples than ranks (some rank would
+    get an empty batch).
+
+    Examples:
+        >>> [len(b) for b in split_batches(range(10), batch_size=4, world_size=2)]
+        [3, 3, 2, 2]
+    """
+    n = len(order)
+    if batch_size < 1 or world_size < 1:
+        raise ValueError(f"batch_size and world_size must be >= 1, got {batch_size} and {world_size}")
+    if n < world_size:
+        raise ValueError(f"{n} samples cannot fill one batch on each of {world_size} ranks")
+    per_rank = -(-n // (batch_size * world_size))  # ceil
+    count = per_rank * world_size
+    while n < count:  # tiny splits: fewer batches, still a multiple of world_size
+        count -= world_size
+    base, extra = divmod(n, count)
+    batches, start = [], 0
+    for b in range(count):
+        size = base + (1 if b < extra else 0)
+        batches.append(list(order[start : start + size]))
+        start += size
+    return batches
+
+
+def rank_batches(batches: Sequence[RectBatch], rank: int, world_size: int) -> list[RectBatch]:
+    """The batches rank ``rank`` of ``world_size`` validates: ``rank, rank + W, ...``."""
+    if len(batches) % world_size:
+        raise ValueError(f"{len(batches)} batches do not divide among {world_size} ranks")
+    return list(batches[rank::world_size])
+
+
+def batch_shape(
+    sizes: Sequence[Sequence[int]], resolution: int, max_long_side: int | None = None
+) -> tuple[int, int]:
+    """``(height, width)`` of a batch of images of ``sizes``: short side ``resolution``.
+
+    The long side is ``resolution`` times the batch's median aspect ratio (width / height, or
+    its inverse for portrait batches), rounded to a multiple of 8 and clamped to
+    ``[resolution, max_long_side]`` (the longest side stored, so no batch is blown up beyond
+    the stored pixels).
+
+    Examples:
+        >>> batch_shape([(300, 400), (300, 450), (300, 420)], 224)
+        (224, 312)
+        >>> batch_shape([(400, 300)], 224)
+        (296, 224)
+    """
+    ratio = statistics.median(w / h for h, w in sizes)
+    elongation = max(ratio, 1.0 / ratio)
+    long = SHAPE_MULTIPLE * round(resolution * elongation / SHAPE_MULTIPLE)
+    if max_long_side is not None:
+        long = min(long, max_long_side // SHAPE_MULTIPLE * SHAPE_MULTIPLE)
+    long = max(long, resolution)
+    return (resolution, long) if ratio >= 1.0 else (long, resolution)
+
+
+def plan_batches(
+    sizes: Sequence[Sequence[int]],
+    batch_size: int,
+    resolution: int,
+    world_size: int = 1,
+    max_long_side: int | None = None,
+) -> list[RectBatch]:
+    """All ranks' rectangular validation batches, in aspect-ratio order.
+
+    Examples:
+        >>> plan = plan_batches([(100, 100), (100, 150), (100, 100), (150, 100)], 2, 64)
+        >>> [(b.indices, b.shape) for b in plan]
+        [((3, 0), (80, 64)), ((2, 1), (64, 80))]
+    """
+    batches = split_batches(aspect_order(sizes), batch_size, world_size)
+    return [
+        RectBatch(tuple(b), batch_shape([sizes[i] for i in b], resolution, max_long_side)) for b in batches
+    ]
+
+
+def resize_to_cover(image: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """Resize a ``(C, h, w)`` uint8 image to cover ``shape`` and centre-crop the excess.
+
+    The scale is the smallest that makes both sides reach ``shape`` (bilinear, antialiased,
+    still uint8), so only the strip left over by the image's ratio differing from the batch's
+    is cut away, never a fixed border as in a square centre crop.
+
+    Examples:
+        >>> resize_to_cover(torch.zeros(3, 100, 150, dtype=torch.uint8), (64, 96)).shape
+        torch.Size([3, 64, 96])
+    """
+    h, w = image.shape[-2:]
+    height, width = shape
+    scale = max(height / h, width / w)
+    size = [max(height, round(h * scale)), max(width, round(w * scale))]
+    if size != [h, w]:
+        image = F.resize(image, size, antialias=True)
+    return F.center_crop(image, [height, width])
