@@ -9,14 +9,16 @@ position taken out of the checkpoint trains on other batches and ends elsewhere,
 comparison can fail. Four 2-rank runs, two at a time, about a minute on 2 cores (each process
 spends most of it importing the stack): marked slow (``make test-slow``).
 
-The one-process case (runs by default): a model with dropout resumes bitwise on streaming
-data with ``ExactResume`` and not without it.
+The one-process cases (run by default): a model with dropout resumes bitwise on streaming
+data with ``ExactResume`` and not without it; the generators are put back only at the step
+a mid-epoch checkpoint was saved at, and not across world sizes.
 """
 from __future__ import annotations
 
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 
 from lightning_fastscale.callbacks import ExactResume, PreemptionCheckpoint
+from lightning_fastscale.callbacks.exact_resume import collect_rng_states
 from lightning_fastscale.data import StreamingDataModule
 from lightning_fastscale.data.convert import convert
 from tests.faults_helpers import RECIPE_RUN, SignalAtStep, finish_all, read_batch_log, start
@@ -172,3 +175,22 @@ def test_streaming_resume_restores_the_generators_the_model_draws_from(small_str
                    ckpt_path=str(stopper.saved_path))
     equal = all(torch.equal(a, b) for a, b in zip(full.state_dict().values(), resumed.state_dict().values()))
     assert equal == exact
+
+
+def test_generators_are_restored_only_at_the_saved_mid_epoch_step():
+    torch.manual_seed(1)
+    saved = collect_rng_states()
+    expected = torch.rand(3)
+
+    def first_batch(state: dict, global_step: int = 9, world_size: int = 1) -> torch.Tensor:
+        callback = ExactResume()
+        callback.load_state_dict({"global_step": 9, "mid_epoch": True, "world_size": 1, "rng": [saved], **state})
+        torch.manual_seed(2)
+        callback.on_train_batch_start(SimpleNamespace(global_step=global_step, world_size=world_size), None, None, 0)
+        return torch.rand(3)
+
+    assert torch.equal(first_batch({}), expected)
+    assert not torch.equal(first_batch({"mid_epoch": False}), expected)  # an epoch boundary: left as is
+    assert not torch.equal(first_batch({}, global_step=10), expected)  # not the step it was saved at
+    with pytest.warns(UserWarning, match="written by 1 processes, this run has 2"):
+        assert not torch.equal(first_batch({}, world_size=2), expected)
