@@ -1,12 +1,18 @@
-"""Helpers for the fault tests and benchmarks/faults.py: signal a process at a given step, log steps."""
+"""Helpers for the fault tests and benchmarks/faults.py: launch a 2-rank run, signal a process
+at a given step, log steps and the batches they saw."""
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
+import subprocess
+import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import lightning.pytorch as pl
+import torch
 
 # A 2-rank fastscale-train job with the large-batch recipe, small enough for a test (CPU, gloo):
 RECIPE_RUN = [
@@ -18,6 +24,57 @@ RECIPE_RUN = [
     "callbacks.progressive_resizing.size_increment=2", "trainer.devices=2",
     "trainer.accelerator=cpu", "strategy=ddp", "logger=csv",
 ]
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def start(run_dir: Path, *extra: str, run: Sequence[str] = RECIPE_RUN) -> subprocess.Popen:
+    """Launch ``fastscale-train *run *extra`` in ``run_dir``, in a new process group."""
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1"}
+    env.pop("WANDB_API_KEY", None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "lightning_fastscale.train", *run, f"hydra.run.dir={run_dir}", *extra],
+        cwd=run_dir.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float = 420) -> tuple[int, str]:
+    """Wait for a run from :func:`start`; past ``timeout`` kill its process group and fail."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        out = kill_group(proc)
+        raise AssertionError(f"run did not finish in {timeout} s:\n{out[-3000:]}")
+    return proc.returncode, out
+
+
+def finish_all(*procs: subprocess.Popen, timeout: float = 420) -> list[str]:
+    """Each run's output once all have exited 0; on the first failure every run is killed."""
+    outputs = []
+    try:
+        for proc in procs:
+            code, out = finish(proc, timeout)
+            assert code == 0, out[-3000:]
+            outputs.append(out)
+    finally:  # a failure leaves no run behind
+        for proc in procs:
+            kill_group(proc)
+    return outputs
+
+
+def kill_group(proc: subprocess.Popen) -> str:
+    """SIGKILL the process group of a run from :func:`start` (the run and the ranks it started,
+    nothing else) and return what it printed; a no-op for a run already waited for."""
+    if proc.returncode is not None:
+        return ""  # reaped: its pid, hence the group id, is no longer ours to signal
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    out, _ = proc.communicate()
+    return out or ""
 
 
 class SignalAtStep(pl.Callback):
@@ -56,3 +113,34 @@ class StepLog(pl.Callback):
         self.folder.mkdir(parents=True, exist_ok=True)
         with open(self.folder / f"rank{trainer.global_rank}.steps", "a") as f:
             f.write(f"{trainer.global_step}\n")
+
+
+class BatchLog(pl.Callback):
+    """Append ``<global_step> <shape> <labels> <sha1 of the images> <draw>`` to ``<folder>/rank<r>.batches``.
+
+    One line per optimizer step, written after the step, so two runs can be compared batch by
+    batch: which samples each rank trained on at each step, their pixels bit for bit, and the
+    next number of the global torch generator (``<draw>``, as dropout would draw it), which
+    tells whether a resume put the generator back where the run was.
+    """
+
+    def __init__(self, folder: str) -> None:
+        self.folder = Path(folder)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
+        images, labels = batch
+        digest = hashlib.sha1(images.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with open(self.folder / f"rank{trainer.global_rank}.batches", "a") as f:
+            draw = torch.rand((), dtype=torch.float64).item().hex()
+            f.write(f"{trainer.global_step} {tuple(images.shape)} {','.join(map(str, labels.tolist()))} {digest} {draw}\n")
+
+
+def read_batch_log(folder: Path, rank: int) -> dict[int, str]:
+    """``{global_step: "<shape> <labels> <sha1>"}`` from a :class:`BatchLog` file; a step logged twice fails."""
+    steps: dict[int, str] = {}
+    for line in (folder / f"rank{rank}.batches").read_text().splitlines():
+        step, rest = line.split(" ", 1)
+        assert int(step) not in steps, f"step {step} ran twice on rank {rank}"
+        steps[int(step)] = rest
+    return steps

@@ -3,16 +3,9 @@ weights are bitwise those of the uninterrupted run (CPU, gloo), with the whole l
 recipe on (batch-size ramp, warmup + poly LR, progressive resizing, label smoothing)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import torch
 
-from tests.faults_helpers import RECIPE_RUN as RUN
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.faults_helpers import finish, finish_all, start
 
 # save_top_k=-1: last.ckpt follows every epoch (with a monitor, Lightning refreshes it only
 # when the metric improves). Epoch 0: global batch 32 (16 per rank), 8 steps; epoch 1: 64, 4 steps (steps 8..11).
@@ -23,37 +16,12 @@ PREEMPT = [
 ]
 
 
-def start(run_dir: Path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1"}
-    env.pop("WANDB_API_KEY", None)
-    return subprocess.Popen(
-        [sys.executable, "-m", "lightning_fastscale.train", *RUN, f"hydra.run.dir={run_dir}", *extra],
-        cwd=run_dir.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )
-
-
-def finish(proc: subprocess.Popen, timeout: float = 420) -> tuple[int, str]:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)  # the run and the rank it started, nothing else
-        out, _ = proc.communicate()
-        raise AssertionError(f"run did not finish in {timeout} s:\n{out[-3000:]}")
-    return proc.returncode, out
-
-
 def test_sigterm_mid_epoch_then_resume_auto_equals_the_uninterrupted_run(tmp_path):
     full_dir, preempted_dir = tmp_path / "full", tmp_path / "preempted"
-    full, preempted = start(full_dir), start(preempted_dir, *PREEMPT)  # side by side
-    code, out = finish(preempted)
-    assert code == 0, out[-3000:]
+    out, _ = finish_all(start(preempted_dir, *PREEMPT), start(full_dir))  # side by side
     assert "SIGTERM received; stopped after step 10 (epoch 1)" in out
     files = sorted(p.name for p in (preempted_dir / "checkpoints").iterdir())
     assert files == ["epoch000.ckpt", "last.ckpt", "preempted-epoch1-step10.ckpt"]
-    code, full_out = finish(full)
-    assert code == 0, full_out[-3000:]
 
     code, out = finish(start(preempted_dir, "resume=auto"))
     assert code == 0, out[-3000:]

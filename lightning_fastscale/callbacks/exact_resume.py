@@ -23,7 +23,10 @@ Not covered: random augmentation inside DataLoader worker processes (``num_worke
 restarts in the workers, so such a resume is statistically, not bitwise, the same; loaders
 that are not a ``torch.utils.data.DataLoader`` (or a collection of them) are left alone.
 A loader that already has ``state_dict`` (torchdata's ``StatefulDataLoader``, litdata's
-``StreamingDataLoader``) keeps its own state and is left alone. A resume from an epoch
+``StreamingDataLoader``) keeps its own position; for it the callback saves only every rank's
+generator states (in its own checkpoint entry) and puts them back as the first batch after a
+mid-epoch resume starts, so a model that draws random numbers (dropout) continues as in the
+uninterrupted run (tests/test_faults_resume_streaming.py). A resume from an epoch
 boundary starts the next epoch as Lightning does (``DistributedSampler``'s order depends only
 on seed and epoch, so multi-process runs see the same order; a single-device
 ``RandomSampler`` draws a new one).
@@ -211,10 +214,17 @@ class ExactResume(Callback):
         self._classes: dict[type, type] = {}
         self._epoch_start_rng: dict[str, Any] | None = None
         self._wrapped: list[tuple[Any, str]] = []
+        self._loader_keeps_position = False
+        self._generators_to_restore: dict[str, Any] | None = None
 
     # -- making the loader resumable ------------------------------------------------------
     def _resumable(self, loader: Any) -> Any:
-        if isinstance(loader, DataLoader) and not isinstance(loader, _Stateful):
+        if getattr(loader, "_fastscale_resumable", False):
+            return loader
+        if isinstance(loader, _Stateful):
+            self._loader_keeps_position = True  # Lightning restores it; the generators are ours
+            return loader
+        if isinstance(loader, DataLoader):
             base = type(loader)
             cls = self._classes.get(base)
             if cls is None:
@@ -242,6 +252,7 @@ class ExactResume(Callback):
         if stage != "fit":
             return
         self._trainer = trainer
+        self._loader_keeps_position, self._generators_to_restore = False, None  # restore comes after setup
         datamodule = trainer.datamodule
         if datamodule is not None and is_overridden("train_dataloader", datamodule, pl.LightningDataModule):
             self._wrap_hook(datamodule)
@@ -288,3 +299,40 @@ class ExactResume(Callback):
             return None, None, consumed
         mine = state["rng"][_rank()]
         return mine["epoch_start"], mine["at_save"], consumed
+
+    # -- loaders that keep their own position: only the generators ------------------------
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's generators, for a training loader with its own ``state_dict`` (else empty).
+
+        Called on every rank while a checkpoint is made (Lightning saves on all ranks).
+        """
+        trainer = self._trainer
+        if not self._loader_keeps_position or trainer is None:
+            return {}
+        consumed = int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+        return {
+            "global_step": trainer.global_step,
+            "mid_epoch": 0 < consumed < trainer.num_training_batches,
+            "world_size": trainer.world_size,
+            "rng": _gather(collect_rng_states()),
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._generators_to_restore = state_dict or None
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        state, self._generators_to_restore = self._generators_to_restore, None
+        if state is None or not state["mid_epoch"] or state["global_step"] != trainer.global_step:
+            return  # an epoch boundary: the new epoch draws as Lightning's would
+        if state["world_size"] != trainer.world_size or len(state["rng"]) != trainer.world_size:
+            rank_zero_warn(
+                f"ExactResume: the checkpoint was written by {state['world_size']} processes, this run "
+                f"has {trainer.world_size}; the random numbers after the resume differ from an "
+                "uninterrupted run"
+            )
+            return
+        # after the loader made its iterator (which draws worker seeds), before the step draws
+        set_rng_states(state["rng"][_rank()])
