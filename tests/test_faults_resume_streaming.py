@@ -45,7 +45,7 @@ PREEMPT = [
 def streaming_run(root: Path, run_dir: Path) -> list[str]:
     procedural_only = ("data.train_size=", "data.val_size=")
     return [a for a in RECIPE_RUN if not a.startswith(procedural_only)] + [
-        "data=streaming", f"data.root={root}", "data.num_workers=2", "data.val_batch_size=8",
+        "data=streaming", f"data.root={root}", "data.num_workers=2",
         "+callbacks.batch_log._target_=tests.faults_helpers.BatchLog",
         f"+callbacks.batch_log.folder={run_dir / 'batches'}",
     ]
