@@ -122,11 +122,53 @@ def _epoch_indices(rank, world_size, root):
     return {"indices": [i for idx, _ in loader for i in idx.tolist()], "len": len(loader)}
 
 
+@pytest.mark.slow  # the same sharding check under a Trainer: test_hier_ring_on_two_emulated_nodes_reads_each_sample_once
 def test_two_rank_ddp_epoch_sees_every_sample_once(stream):
     per_rank = run_distributed(_epoch_indices, 2, str(stream), timeout=180)
     seen = per_rank[0]["indices"] + per_rank[1]["indices"]
     assert sorted(seen) == list(range(24))  # 24 samples, 12 per rank: nothing dropped, nothing twice
     assert all(len(r["indices"]) == 3 * r["len"] == 12 for r in per_rank)
+
+
+class _IndexRecorder(pl.LightningModule):
+    """Records the sample indices of its training batches (a one-weight model, so DDP has a gradient)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(1))
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        indices, _ = batch
+        self.seen += indices.tolist()
+        return (self.w * indices.double().mean()).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def _hier_ring_epoch(rank, world_size, root, tmp):
+    import os
+
+    from lightning_fastscale.strategies import HierarchicalAllReduceStrategy
+
+    os.environ["LOCAL_RANK"] = str(rank)  # the Trainer joins this process group instead of launching
+    model = _IndexRecorder()
+    trainer = pl.Trainer(
+        strategy=HierarchicalAllReduceStrategy(ranks_per_node=1), accelerator="cpu", devices=world_size,
+        max_epochs=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp,
+    )
+    trainer.fit(model, datamodule=_IndexDataModule(root, resolution=16, batch_size=3, num_workers=0))
+    return {"seen": model.seen, "hook_iterations": trainer.strategy.hook_state.iteration,
+            "nodes": trainer.strategy.topology.num_nodes}
+
+
+def test_hier_ring_on_two_emulated_nodes_reads_each_sample_once(stream, tmp_path):
+    """The same sharding under the package's strategy, 2 processes as 2 nodes (ranks_per_node=1)."""
+    per_rank = run_distributed(_hier_ring_epoch, 2, str(stream), str(tmp_path), timeout=180)
+    assert all(r["nodes"] == 2 and r["hook_iterations"] == 4 for r in per_rank)  # 12 per rank / 3: hook ran
+    assert sorted(per_rank[0]["seen"] + per_rank[1]["seen"]) == list(range(24))
 
 
 class _Recorder(pl.LightningModule):

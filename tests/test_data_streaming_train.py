@@ -4,6 +4,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from lightning_fastscale.data.cli import main as fastscale_data
@@ -44,6 +45,7 @@ def test_fastscale_train_on_streaming_data(tmp_path):
     assert (tmp_path / "nw.json").is_file()
 
 
+@pytest.mark.slow  # the rectangular path is covered by tests/test_data_rect_val.py; this adds the CLI run
 def test_fastscale_train_with_rectangular_validation(tmp_path):
     data = convert_tree(tmp_path, max_side=64)  # 24 train, 6 val images of several aspect ratios
     out = _train(tmp_path, tmp_path / "run", [

@@ -32,7 +32,7 @@ from lightning_fastscale.data.convert import convert
 from tests.faults_helpers import RECIPE_RUN, SignalAtStep, finish_all, read_batch_log, start
 
 # RECIPE_RUN's job on converted data: 256 train samples at 16 px (the stored max side, which
-# progressive resizing reaches in epoch 1), 32 val samples in batches of 8 per rank.
+# progressive resizing reaches in epoch 1), 32 val samples.
 # Epoch 0: 16 per rank at 8 px, steps 0..7; epoch 1 (loaders rebuilt): 32 per rank at 16 px,
 # steps 8..11. SIGTERM reaches rank 1 as step 9 starts: every rank finishes it and stops.
 PROCEDURAL = {"num_classes": 10, "train_size": 256, "val_size": 32, "resolution": 16, "seed": 0}
