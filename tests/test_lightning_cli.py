@@ -64,6 +64,7 @@ def test_planner_given_as_a_class_path_is_built(tmp_path, monkeypatch):
     assert planner.backward_time_s == 0.01 and planner.params is not None
 
 
+@pytest.mark.slow  # the YAML-building tests above run by default; this adds two fit steps
 def test_fit_two_steps_from_the_yaml(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(

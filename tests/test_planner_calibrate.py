@@ -72,6 +72,7 @@ def _calibrate_2x2(rank, world_size):
     return result.params.as_dict(), half.params.as_dict(), half.inter.samples["allreduce"]["sizes"]
 
 
+@pytest.mark.slow  # 4 ranks, about 25 s; the fits above run by default
 def test_calibration_on_real_groups_agrees_across_ranks():
     results = run_distributed(_calibrate_2x2, 4, timeout=300)
     assert all(r == results[0] for r in results)

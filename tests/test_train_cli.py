@@ -109,6 +109,7 @@ def test_multirun_two_jobs_with_two_ddp_processes_each(tmp_path):
     assert lrs == {0, 1}  # each job ran its own learning rate
 
 
+@pytest.mark.slow  # 2-rank strategy=ddp fastscale-train also runs in tests/test_faults_resume.py
 def test_plain_ddp_run_on_two_cpu_processes(tmp_path):
     run_dir = tmp_path / "ddp"
     out = fastscale_train(
