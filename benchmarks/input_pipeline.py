@@ -323,28 +323,27 @@ def main() -> None:
             for n in order:
                 results[(n, w)].append(pipelines[n](w))
                 print(f"round {r} {n} workers={w}: {results[(n, w)][-1]}", flush=True)
-    rate = nvjpeg_images_per_s(streams[640], args.resolution, args.batch_size, args.batches)
 
     def summary(n: str, w: int) -> tuple[str, str]:
         vals, base = results[(n, w)], results[(names[0], w)]
         if any(v is None for v in vals):
             return "skipped", ""
-        if any(v != v for v in vals):  # NaN: not measured in this column
+        if any(math.isnan(v) for v in vals):  # not measured in this column
             return "", ""
         paired = statistics.median(v / b for v, b in zip(vals, base))  # per-round ratios
         return f"{statistics.median(vals):.0f}", f"{paired:.2f}"
 
-    if args.skip_table:
-        names = []
-    print(f"\n| pipeline ({args.resolution} px train) | images/CPU-s, 1 process 1 thread | x ImageFolder "
-          f"| images/s, {cores} workers | x ImageFolder |")
-    print("|---|---|---|---|---|")
-    for n in names:
-        o, oa = summary(n, 0)
-        a, aa = summary(n, cores)
-        print(f"| {n} | {o} | {oa} | {a} | {aa} |")
-    print(f"| nvJPEG batched decode on the GPU @ source size | {'skipped' if rate is None else f'{rate:.0f}'} | | | |")
-    print(f"\nmedians of {args.rounds} interleaved rounds; ratios are medians of per-round ratios")
+    if not args.skip_table:
+        rate = nvjpeg_images_per_s(streams[640], args.resolution, args.batch_size, args.batches)
+        print(f"\n| pipeline ({args.resolution} px train) | images/CPU-s, 1 process 1 thread | x ImageFolder "
+              f"| images/s, {cores} workers | x ImageFolder |")
+        print("|---|---|---|---|---|")
+        for n in names:
+            o, oa = summary(n, 0)
+            a, aa = summary(n, cores)
+            print(f"| {n} | {o} | {oa} | {a} | {aa} |")
+        print(f"| nvJPEG batched decode on the GPU @ source size | {'skipped' if rate is None else f'{rate:.0f}'} | | | |")
+        print(f"\nmedians of {args.rounds} interleaved rounds; ratios are medians of per-round ratios")
 
     if args.decoders:
         print("\n| decoder, source files, 1 thread | ms per image (best of 5) |\n|---|---|")

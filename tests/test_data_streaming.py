@@ -1,5 +1,6 @@
 """StreamingDataModule: transforms, protocol, DDP sharding, mid-epoch resume, num_workers auto, errors."""
 import json
+import os
 import shutil
 import warnings
 
@@ -14,6 +15,7 @@ from lightning_fastscale.data import ImageFolderDataModule, StreamingDataModule
 from lightning_fastscale.data import fast_decode
 from lightning_fastscale.data.device_prefetch import DevicePrefetcher
 from lightning_fastscale.data.streaming import DecodedStreamingDataset
+from lightning_fastscale.strategies import HierarchicalAllReduceStrategy
 from lightning_fastscale.data.worker_autotune import WorkerCountCache, pick_smallest_within
 
 from .data_streaming_utils import convert_tree
@@ -148,10 +150,6 @@ class _IndexRecorder(pl.LightningModule):
 
 
 def _hier_ring_epoch(rank, world_size, root, tmp):
-    import os
-
-    from lightning_fastscale.strategies import HierarchicalAllReduceStrategy
-
     os.environ["LOCAL_RANK"] = str(rank)  # the Trainer joins this process group instead of launching
     model = _IndexRecorder()
     trainer = pl.Trainer(
@@ -282,7 +280,7 @@ def test_remote_source_reads_through_a_size_limited_local_cache(stream, tmp_path
     assert n == 24
     cached = [p for p in cache.rglob("chunk-*.bin")]
     assert cached, "the remote chunks were not cached locally"
-    assert dm.dataset("train").max_cache_size == "1GB"
+    assert dm.train_dataset().max_cache_size == "1GB"
 
 
 @pytest.mark.parametrize("name", ["fast_decode", "device_prefetch", "worker_autotune"])

@@ -65,41 +65,35 @@ def _decode_stored(
 
 
 class DecodedStreamingDataset(StreamingDataset):
-    """A litdata ``StreamingDataset`` of converted JPEGs that yields ``(uint8 image, label)``.
+    """The training split as a shuffled litdata ``StreamingDataset`` of ``(uint8 image, label)``.
 
-    Training samples get a random resized crop + flip drawn from
+    Each sample gets a random resized crop + flip drawn from
     :func:`~lightning_fastscale.data.fast_decode.sample_generator` of ``(seed, epoch, index)``,
-    so the augmentation of a sample does not depend on which worker read it; validation
-    samples are resized and centre-cropped. A sample that fails to decode raises an error
-    naming its index, its source file and the data folder.
+    so the augmentation of a sample does not depend on which worker read it. The last
+    incomplete batch is dropped. A sample that fails to decode raises an error naming its
+    index, its source file and the data folder. (Validation reads by index instead:
+    :class:`ValidationBatches`.)
     """
 
     def __init__(
         self,
         input_dir: str,
-        train: bool,
         resolution: int,
-        crop_ratio: float = 0.875,
         seed: int = 0,
         scale: tuple[float, float] = fast_decode.DEFAULT_SCALE,
         ratio: tuple[float, float] = fast_decode.DEFAULT_RATIO,
         **kwargs: Any,
     ) -> None:
-        super().__init__(input_dir, shuffle=train, seed=seed, **kwargs)
-        self.train, self.resolution, self.crop_ratio = train, resolution, crop_ratio
-        self.augment_seed, self.scale, self.ratio = seed, tuple(scale), tuple(ratio)
+        super().__init__(input_dir, shuffle=True, seed=seed, drop_last=True, **kwargs)
+        self.resolution, self.augment_seed, self.scale, self.ratio = resolution, seed, tuple(scale), tuple(ratio)
         self.source = input_dir
 
     def decode(self, item: dict[str, Any]) -> tuple[torch.Tensor, int]:
         """Decode and augment one stored sample."""
-
-        def transform(data: torch.Tensor) -> torch.Tensor:
-            if self.train:
-                g = fast_decode.sample_generator(self.augment_seed, self.current_epoch, int(item["index"]))
-                return fast_decode.train_transform(data, self.resolution, g, self.scale, self.ratio)
-            return fast_decode.val_transform(data, self.resolution, self.crop_ratio)
-
-        return _decode_stored(item, transform, self.source)
+        g = fast_decode.sample_generator(self.augment_seed, self.current_epoch, int(item["index"]))
+        return _decode_stored(
+            item, lambda data: fast_decode.train_transform(data, self.resolution, g, self.scale, self.ratio), self.source
+        )
 
     @override
     def __getitem__(self, index: Any) -> Any:
@@ -141,11 +135,13 @@ class ValidationBatches(IterableDataset):
 
     def decode(self, item: dict[str, Any], shape: tuple[int, int]) -> tuple[torch.Tensor, int]:
         """Decode one stored sample and fit it to the batch's ``(height, width)``."""
-        if self.crop_ratio is None:
-            return _decode_stored(
-                item, lambda data: rect_val.resize_to_cover(fast_decode.decode_rgb(data), shape), self.source
-            )
-        return _decode_stored(item, lambda data: fast_decode.val_transform(data, shape[0], self.crop_ratio), self.source)
+
+        def transform(data: torch.Tensor) -> torch.Tensor:
+            if self.crop_ratio is None:
+                return rect_val.resize_to_cover(fast_decode.decode_rgb(data), shape)
+            return fast_decode.val_transform(data, shape[0], self.crop_ratio)
+
+        return _decode_stored(item, transform, self.source)
 
     @override
     def __iter__(self) -> Any:
@@ -199,8 +195,8 @@ class StreamingDataModule(_ResizableDataModule):
             every rank gets the same number of batches (of at most ``val_batch_size``). Needs
             a model that accepts any input size (adaptive pooling, as the package's ResNets).
 
-    ``dataset_class`` is the litdata dataset type both splits use; a subclass may override its
-    ``decode`` to return something else per stored sample. ``val_batches_class`` plays that
+    ``dataset_class`` is the litdata dataset type of the training split; a subclass may
+    override its ``decode`` to return something else per stored sample. ``val_batches_class`` plays that
     part for the validation batches.
 
     Rectangular validation orders by the image sizes that ``fastscale-data convert`` records in
@@ -336,15 +332,10 @@ class StreamingDataModule(_ResizableDataModule):
             extra = {"cache_dir": self.cache_dir, "max_cache_size": self.max_cache_size}
         return input_dir, extra
 
-    def dataset(self, split: str, resolution: int | None = None) -> DecodedStreamingDataset:
-        """A fresh litdata dataset of ``split`` at ``resolution`` (default: the current one)."""
-        train = split == "train"
-        res = resolution or (self.train_resolution if train else self.val_resolution)
-        input_dir, extra = self._split_source(split)
-        return self.dataset_class(
-            input_dir, train=train, resolution=res, crop_ratio=self.crop_ratio, seed=self.seed,
-            drop_last=True if train else None, **extra,
-        )
+    def train_dataset(self) -> DecodedStreamingDataset:
+        """A fresh litdata dataset of the training split at the current resolution."""
+        input_dir, extra = self._split_source("train")
+        return self.dataset_class(input_dir, resolution=self.train_resolution, seed=self.seed, **extra)
 
     def _streaming_loader(self, dataset: StreamingDataset, batch_size: int, num_workers: int) -> StreamingDataLoader:
         loader = EpochAwareStreamingDataLoader(
@@ -363,7 +354,7 @@ class StreamingDataModule(_ResizableDataModule):
 
     @override
     def train_dataloader(self) -> Any:
-        loader = self._streaming_loader(self.dataset("train"), self.train_batch_size, self.num_workers)
+        loader = self._streaming_loader(self.train_dataset(), self.train_batch_size, self.num_workers)
         # A new loader per reload (batch size or resolution changed) must still see the
         # trainer's epoch, which seeds litdata's shuffle and the augmentation.
         trainer = getattr(self, "trainer", None)
@@ -456,7 +447,7 @@ class StreamingDataModule(_ResizableDataModule):
             return int(hit["num_workers"])
 
         def make_loader(n: int) -> StreamingDataLoader:
-            return self._streaming_loader(self.dataset("train"), self.train_batch_size, n)
+            return self._streaming_loader(self.train_dataset(), self.train_batch_size, n)
 
         pick, curve = probe_num_workers(make_loader, candidate_worker_counts(max_workers), self.train_batch_size)
         cache.put(key, pick, curve)
