@@ -164,8 +164,11 @@ class ImageClassifier(pl.LightningModule):
             network = copy.deepcopy(self.model).to("meta")
             network._compiled_call_impl = None  # the copy shares the compiled callable of the original
             network.train(training)
-            x = torch.empty(1, *sample_shape, device="meta")
-            return measure_flops(network, lambda: network(x), loss_fn=torch.Tensor.sum if training else None)
+            # Two samples, not one: BatchNorm in training mode refuses a single value per channel
+            # (a 1x1 feature map, as AlexNet-BN's at 64 px). The count is linear in the batch.
+            x = torch.empty(2, *sample_shape, device="meta")
+            flops = measure_flops(network, lambda: network(x), loss_fn=torch.Tensor.sum if training else None)
+            return flops // 2
 
     @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:

@@ -4,6 +4,10 @@
 ``ROOT/val/<class>/*``), or the built-in procedural set when ROOT is ``procedural``, as litdata
 streaming data in the new folder OUT (see :mod:`.convert`).
 
+``fastscale-data verify OUT`` checks a converted folder: every chunk against litdata's
+``index.json`` and every stored JPEG decoded strictly; each damaged chunk file and sample is
+printed, and the exit status is 1 if there is any (see :mod:`.verify`).
+
 ``fastscale-data bench ROOT`` times a training pipeline (``--pipeline streaming`` on a
 converted folder, ``--pipeline imagefolder`` on an image tree) and prints images/s, the
 figure ``benchmarks/input_pipeline.py`` tabulates.
@@ -92,6 +96,19 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from .verify import verify
+
+    checked, problems = verify(args.out)
+    for problem in problems:
+        print(f"bad: {problem}")
+    chunks = len({p.chunk for p in problems})
+    print(f"{args.out}: {checked} samples read and decoded, {len(problems)} problem(s) in {chunks} chunk file(s)"
+          + (" (the samples of a chunk with a damaged size or header are not read)"
+             if any(p.sample is None for p in problems) else ""))
+    return 1 if problems else 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     rate = bench_pipeline(args.pipeline, args.root, args.resolution, args.batch_size, args.workers,
@@ -111,16 +128,23 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="image tree (or 'procedural') -> streaming format")
     c.add_argument("root", help="ImageNet-layout folder with train/ and val/, or 'procedural'")
     c.add_argument("out", help="new output folder (refused if it exists)")
-    c.add_argument("--max-side", type=int, default=DEFAULT_MAX_SIDE, help="longer side of stored images (px)")
-    c.add_argument("--quality", type=int, default=DEFAULT_QUALITY, help="JPEG quality of stored images")
+    c.add_argument("--max-side", type=int, default=DEFAULT_MAX_SIDE,
+                   help="longer side of stored images in px (default: %(default)s)")
+    c.add_argument("--quality", type=int, default=DEFAULT_QUALITY,
+                   help="JPEG quality of stored images (default: %(default)s)")
     c.add_argument("--workers", type=int, default=None, help="parallel encoders (default: all cores)")
     g = c.add_argument_group("procedural source")
-    g.add_argument("--num-classes", type=int, default=10)
-    g.add_argument("--train-size", type=int, default=10000)
-    g.add_argument("--val-size", type=int, default=2000)
-    g.add_argument("--resolution", type=int, default=64, help="rendered side of procedural images")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--num-classes", type=int, default=10, help="classes (default: %(default)s)")
+    g.add_argument("--train-size", type=int, default=10000, help="training images (default: %(default)s)")
+    g.add_argument("--val-size", type=int, default=2000, help="validation images (default: %(default)s)")
+    g.add_argument("--resolution", type=int, default=64,
+                   help="rendered side of procedural images (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=0, help="rendering seed (default: %(default)s)")
     c.set_defaults(func=_convert)
+
+    v = sub.add_parser("verify", help="check every chunk and decode every sample of a converted folder")
+    v.add_argument("out", help="folder written by `fastscale-data convert`")
+    v.set_defaults(func=_verify)
 
     b = sub.add_parser("bench", help="images/s of a training input pipeline")
     b.add_argument("root", help="converted folder (streaming) or image tree (imagefolder)")

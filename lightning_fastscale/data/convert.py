@@ -292,13 +292,19 @@ def read_metadata(root: str | os.PathLike[str]) -> StreamingMetadata:
 
 
 def _check_split_files(split_dir: Path) -> None:
-    index = split_dir / "index.json"
-    if not index.is_file():
-        raise FileNotFoundError(f"{index} is missing: the conversion of {split_dir} did not finish")
-    chunks = [c["filename"] for c in json.loads(index.read_text()).get("chunks", [])]
+    from .verify import CorruptDataError, check_split_files, read_index
+
+    chunks = [c["filename"] for c in read_index(split_dir)]
     missing = [c for c in chunks if not (split_dir / c).is_file()]
     if missing:
         raise FileNotFoundError(
             f"{split_dir} lacks {len(missing)} chunk file(s) listed in its index.json "
             f"({missing[0]}, ...): the folder is half-written or damaged; convert again"
+        )
+    problems = check_split_files(split_dir)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CorruptDataError(
+            f"damaged streaming data: {problems[0]}{more}. Run `fastscale-data verify "
+            f"{split_dir.parent}` for the full list, then convert again or restore the file(s)"
         )

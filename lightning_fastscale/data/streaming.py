@@ -45,22 +45,60 @@ from .convert import METADATA_FILE, SIZES_KEY, StreamingMetadata, read_metadata,
 from .datamodules import _ResizableDataModule
 from .device_prefetch import DevicePrefetcher
 from .protocol import check_positive
+from .verify import CorruptDataError, chunk_of, read_index, strict_decode
 from .worker_autotune import WorkerCountCache, candidate_worker_counts, probe_num_workers
 
 log = logging.getLogger(__name__)
 
 _REMOTE_PREFIXES = ("s3://", "gs://", "r2://", "azure://", "hf://", "local:")
+_VERIFY_HINT = "Run `fastscale-data verify <data.root>` to list every damaged chunk and sample"
+
+
+def _where(dataset: StreamingDataset, index: Any) -> str:
+    """``"<chunk file>: sample <i>"`` of a litdata index (an int or litdata's ``ChunkedIndex``)."""
+    sample = int(getattr(index, "index", index))
+    split_dir = Path(dataset.input_dir.path or dataset.input_dir.url or "")
+    try:
+        _, entry = chunk_of(read_index(split_dir), sample)
+    except (OSError, ValueError, IndexError):
+        return f"{split_dir}: sample {sample}"
+    return f"{split_dir / entry['filename']}: sample {sample}"
+
+
+def _read_stored(read: Callable[[Any], Any], index: Any) -> Any:
+    """``read(index)`` (litdata's item read); a failure is a ``CorruptDataError``."""
+    try:
+        return read(index)
+    except StopIteration:
+        raise
+    except Exception as err:  # litdata raises struct.error, ValueError, ... on damaged chunks
+        raise CorruptDataError(f"cannot read the stored sample ({type(err).__name__}: {err})") from err
+
+
+def _named(dataset: StreamingDataset, index: Any, read_and_decode: Callable[[], Any]) -> Any:
+    """``read_and_decode()``, a ``CorruptDataError`` prefixed with the chunk file and sample index."""
+    try:
+        return read_and_decode()
+    except CorruptDataError as err:
+        raise CorruptDataError(f"{_where(dataset, index)}: {err}. {_VERIFY_HINT}") from err.__cause__
 
 
 def _decode_stored(
     item: dict[str, Any], transform: Callable[[torch.Tensor], torch.Tensor], source: str
 ) -> tuple[torch.Tensor, int]:
-    """``(transform(JPEG bytes), label)`` of a stored sample; a decode error names the sample."""
+    """``(transform(JPEG bytes), label)`` of a stored sample; a decode error names the sample.
+
+    The decode is strict (:func:`.verify.strict_decode`): stored images were re-encoded by
+    ``fastscale-data convert``, so libjpeg's "Corrupt JPEG data" means damaged storage, and
+    training on the garbage it recovers would go unnoticed.
+    """
     data = torch.frombuffer(bytearray(item["image"]), dtype=torch.uint8)
     try:
-        image = transform(data)
+        image = strict_decode(transform, data)
     except Exception as err:  # libjpeg-turbo reports corrupt data as RuntimeError
-        raise RuntimeError(f"cannot decode sample {item['index']} ({item['name']}) of {source}: {err}") from err
+        raise CorruptDataError(
+            f"cannot decode stored image {item['index']} ({item['name']}) of {source}: {err}"
+        ) from err
     return image, int(item["label"])
 
 
@@ -70,8 +108,9 @@ class DecodedStreamingDataset(StreamingDataset):
     Each sample gets a random resized crop + flip drawn from
     :func:`~lightning_fastscale.data.fast_decode.sample_generator` of ``(seed, epoch, index)``,
     so the augmentation of a sample does not depend on which worker read it. The last
-    incomplete batch is dropped. A sample that fails to decode raises an error naming its
-    index, its source file and the data folder. (Validation reads by index instead:
+    incomplete batch is dropped. A sample that cannot be read or decoded raises a
+    :class:`~lightning_fastscale.data.verify.CorruptDataError` naming its chunk file, its
+    litdata index and its source file. (Validation reads by index instead:
     :class:`ValidationBatches`.)
     """
 
@@ -97,10 +136,10 @@ class DecodedStreamingDataset(StreamingDataset):
 
     @override
     def __getitem__(self, index: Any) -> Any:
-        item = super().__getitem__(index)
         if isinstance(index, slice):
-            return [self.decode(i) for i in item]
-        return self.decode(item)
+            return [self.decode(i) for i in super().__getitem__(index)]
+        read = super().__getitem__
+        return _named(self, index, lambda: self.decode(_read_stored(read, index)))
 
 
 class ValidationBatches(IterableDataset):
@@ -143,12 +182,15 @@ class ValidationBatches(IterableDataset):
 
         return _decode_stored(item, transform, self.source)
 
+    def _read_and_decode(self, index: int, shape: tuple[int, int]) -> tuple[torch.Tensor, int]:
+        return _named(self.samples, index, lambda: self.decode(_read_stored(self.samples.__getitem__, index), shape))
+
     @override
     def __iter__(self) -> Any:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         for batch in self.batches[worker::workers]:
-            yield default_collate([self.decode(self.samples[i], batch.shape) for i in batch.indices])
+            yield default_collate([self._read_and_decode(i, batch.shape) for i in batch.indices])
 
 
 class EpochAwareStreamingDataLoader(StreamingDataLoader):
@@ -459,13 +501,22 @@ class StreamingDataModule(_ResizableDataModule):
         return pick
 
     # -- on the device ------------------------------------------------------------------
+    def model_input(self, images: torch.Tensor) -> torch.Tensor:
+        """A uint8 image batch normalised to float on its device (``channels_last`` as set);
+        a float batch (already normalised) as it is."""
+        if images.dtype != torch.uint8:
+            return images
+        channels_last = images.is_cuda if self.channels_last is None else self.channels_last
+        return fast_decode.normalize_on_device(images, channels_last=channels_last)
+
     @override
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        # Lightning also hands this hook a bare input tensor: the module's
+        # ``example_input_array`` on its way to the model summary's forward pass.
+        if isinstance(batch, torch.Tensor):
+            return self.model_input(batch)
         images, labels = batch
-        if images.dtype == torch.uint8:
-            channels_last = images.is_cuda if self.channels_last is None else self.channels_last
-            images = fast_decode.normalize_on_device(images, channels_last=channels_last)
-        return images, labels
+        return self.model_input(images), labels
 
     @override
     def state_dict(self) -> dict[str, Any]:
