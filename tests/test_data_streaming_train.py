@@ -11,15 +11,15 @@ from lightning_fastscale.data.cli import main as fastscale_data
 
 from .data_streaming_utils import convert_tree
 
-_QUIET = ["model.kwargs.widths=[8,16,16]", "trainer.max_epochs=1", "trainer.enable_progress_bar=false",
-          "trainer.enable_model_summary=false", "callbacks.throughput=null", "logger=csv"]
+# Small-run limits only: the model summary, the throughput monitor and the progress bar stay on.
+_SMALL = ["model.kwargs.widths=[8,16,16]", "trainer.max_epochs=1", "logger=csv"]
 
 
 def _train(tmp_path, run_dir, overrides):
     """Run ``fastscale-train`` with ``overrides``; return its output after checking it succeeded."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "lightning_fastscale.train", *overrides, *_QUIET, f"hydra.run.dir={run_dir}"],
+        [sys.executable, "-m", "lightning_fastscale.train", *overrides, *_SMALL, f"hydra.run.dir={run_dir}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
     out = proc.stdout + proc.stderr

@@ -27,6 +27,7 @@ import multiprocessing
 import os
 import shutil
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -147,14 +148,59 @@ def _restore_start_method() -> Iterator[None]:
         multiprocessing.set_start_method(previous, force=True)
 
 
-def _optimize(fn: Any, inputs: list[Any], output_dir: Path, num_workers: int, chunk_bytes: str, verbose: bool) -> None:
+class _Counted:
+    """``fn`` that also counts finished items in shared memory (forked writers inherit it)."""
+
+    def __init__(self, fn: Any, counter: Any) -> None:
+        self.fn, self.counter = fn, counter
+
+    def __call__(self, item: Any) -> Any:
+        out = self.fn(item)
+        with self.counter.get_lock():
+            self.counter.value += 1
+        return out
+
+
+@contextlib.contextmanager
+def _progress(label: str, total: int, counter: Any | None) -> Iterator[None]:
+    """One labelled progress bar on stderr, fed from ``counter`` by a thread while the block runs."""
+    from tqdm.auto import tqdm
+
+    done = threading.Event()
+    with tqdm(desc=label, total=total, unit="img", mininterval=0.5) as bar:
+
+        def follow() -> None:
+            while not done.wait(0.5):
+                bar.update(counter.value - bar.n)
+
+        thread = threading.Thread(target=follow, daemon=True) if counter is not None else None
+        if thread is not None:
+            thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            if thread is not None:
+                thread.join()
+        bar.update(total - bar.n)
+
+
+def _optimize(
+    fn: Any, inputs: list[Any], output_dir: Path, num_workers: int, chunk_bytes: str, verbose: bool, label: str
+) -> None:
     import litdata
 
-    with _restore_start_method():
+    # litdata's own output (an account advert, its start method, per-worker lines and an
+    # unlabelled progress bar per call) stays off (verbose=False); this one labelled bar per
+    # split replaces it. Its count crosses processes only under fork (Linux).
+    fork = sys.platform == "linux"
+    counter = multiprocessing.get_context("fork").Value("l", 0) if verbose and fork else None
+    progress = _progress(label, len(inputs), counter) if verbose else contextlib.nullcontext()
+    with _restore_start_method(), progress:
         litdata.optimize(
-            fn=fn, inputs=inputs, output_dir=str(output_dir), num_workers=max(1, min(num_workers, len(inputs))),
-            chunk_bytes=chunk_bytes, reorder_files=False, verbose=verbose,
-            start_method="fork" if sys.platform == "linux" else None,
+            fn=_Counted(fn, counter) if counter is not None else fn, inputs=inputs, output_dir=str(output_dir),
+            num_workers=max(1, min(num_workers, len(inputs))), chunk_bytes=chunk_bytes, reorder_files=False,
+            verbose=False, start_method="fork" if fork else None,
         )
 
 
@@ -180,7 +226,7 @@ def convert(
         chunk_bytes: litdata chunk size.
         procedural: ``num_classes``, ``train_size``, ``val_size``, ``resolution``, ``seed`` for
             the procedural source.
-        verbose: show litdata's progress bar.
+        verbose: show one progress bar per split.
 
     Examples:
         >>> meta = convert("procedural", "/tmp/shapes", max_side=64,
@@ -226,7 +272,7 @@ def convert(
     out.mkdir(parents=True)
     try:
         for split in SPLITS:
-            _optimize(fns[split], inputs[split], out / split, workers, chunk_bytes, verbose)
+            _optimize(fns[split], inputs[split], out / split, workers, chunk_bytes, verbose, f"convert {split}")
         extra = {**extra, SIZES_KEY: {"val": stored_image_sizes(out / "val")}}
     except BaseException:
         # Nothing of the user's is in a folder this call created; a half-written one would

@@ -54,6 +54,15 @@ _REMOTE_PREFIXES = ("s3://", "gs://", "r2://", "azure://", "hf://", "local:")
 _VERIFY_HINT = "Run `fastscale-data verify <data.root>` to list every damaged chunk and sample"
 
 
+def _quiet_litdata_info() -> None:
+    # litdata logs INFO lines (its cache size, its mmap mode) for every dataset it opens: the
+    # loaders, their workers and every epoch repeat them a dozen times in a short run. Its
+    # warnings and errors still show; a level the user set on the "litdata" logger is kept.
+    litdata_log = logging.getLogger("litdata")
+    if litdata_log.level == logging.NOTSET:
+        litdata_log.setLevel(logging.WARNING)
+
+
 def _where(dataset: StreamingDataset, index: Any) -> str:
     """``"<chunk file>: sample <i>"`` of a litdata index (an int or litdata's ``ChunkedIndex``)."""
     sample = int(getattr(index, "index", index))
@@ -277,6 +286,7 @@ class StreamingDataModule(_ResizableDataModule):
         num_workers_cache: str | None = None,
         rect_val: bool = False,
     ) -> None:
+        _quiet_litdata_info()
         auto = num_workers == "auto"
         if not auto and (isinstance(num_workers, bool) or not isinstance(num_workers, int)):
             raise ValueError(f"data.num_workers must be an integer >= 0 or 'auto', got {num_workers!r}")
