@@ -254,8 +254,8 @@ def test_two_rank_ddp_validation_sees_every_sample_once(stream, tmp_path, rect):
     old = _without_sizes(stream, tmp_path / "old")
     dm = _IndexDataModule(str(old), resolution=32, batch_size=2, num_workers=0, rect_val=rect)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp_spawn", logger=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=tmp_path, callbacks=[ReleaseProcessGroup()],
+        accelerator="cpu", devices=2, strategy="ddp_spawn", logger=False,
+        default_root_dir=tmp_path, callbacks=[ReleaseProcessGroup()],
     )
     trainer.validate(_ValRecorder(str(tmp_path)), datamodule=dm)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
