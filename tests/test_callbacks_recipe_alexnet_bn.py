@@ -77,3 +77,36 @@ def test_bad_input_and_arguments_get_clear_errors(model) -> None:
         model(torch.randn(1, 3, 30, 30))
     with pytest.raises(ValueError, match="model.dropout=1.0"):
         AlexNetBN(dropout=1.0)
+
+
+def test_fastscale_train_runs_alexnet_bn_with_the_default_callbacks_at_its_smallest_maps(tmp_path) -> None:
+    """At 32 px conv3-5 see 1x1 maps; the throughput monitor's FLOP count runs the network in
+    training mode, where BatchNorm needs more than one value per channel: it must count on
+    more than one sample. Everything else is the default job (callbacks, summary, scheduler)."""
+    import os
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_fastscale.train", "model=alexnet_bn", "data.resolution=32",
+         "logger=csv", "data.batch_size=4", "+trainer.limit_train_batches=2", "trainer.max_epochs=1",
+         "+trainer.limit_val_batches=1", "trainer.log_every_n_steps=1", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]  # the monitor reads flops_per_batch after every batch
+    assert "final val/top1:" in out
+
+
+def test_flops_per_batch_of_alexnet_bn_at_31_px_is_linear_in_the_batch() -> None:
+    from lightning_fastscale import ImageClassifier
+
+    module = ImageClassifier("alexnet_bn", num_classes=10)
+    counts = {}
+    for batch in (1, 6):
+        module._last_batch_shape = (batch, 3, 31, 31)
+        counts[batch] = module.flops_per_batch
+    assert counts[1] > 0 and counts[6] == 6 * counts[1]
+    module.eval()
+    assert 0 < module.flops_per_batch < counts[6]  # forward only
