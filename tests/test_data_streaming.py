@@ -15,6 +15,7 @@ from lightning_fastscale.data import ImageFolderDataModule, StreamingDataModule
 from lightning_fastscale.data import fast_decode
 from lightning_fastscale.data.device_prefetch import DevicePrefetcher
 from lightning_fastscale.data.streaming import DecodedStreamingDataset
+from lightning_fastscale.data.verify import CorruptDataError
 from lightning_fastscale.strategies import HierarchicalAllReduceStrategy
 from lightning_fastscale.data.worker_autotune import WorkerCountCache, pick_smallest_within
 
@@ -267,7 +268,8 @@ def test_corrupt_jpeg_mid_epoch_names_index_and_file(stream, tmp_path):
     data[second : second + 2] = b"\x00\x00"
     chunk.write_bytes(bytes(data))
     dm = _dm(bad, val_batch_size=1)
-    with pytest.raises(RuntimeError, match=r"cannot decode sample \d+ \(n0\d/n0\d_\d\.JPEG\) of .*bad"):
+    with pytest.raises(CorruptDataError, match=rf"{chunk}: sample 1: cannot decode stored image \d+ "
+                                                r"\(n0\d/n0\d_\d\.JPEG\) of .*bad"):
         for _ in dm.val_dataloader():
             pass
 
@@ -305,3 +307,14 @@ def test_bench_cli_times_within_one_epoch_and_refuses_more(stream, capsys):
     assert main(["bench", str(stream), "--batches", "6", *common]) == 2
     err = capsys.readouterr().err
     assert "--warmup 1 + --batches 6 is more than one epoch" in err and "(6 batches of 4)" in err
+
+
+def test_batch_hook_takes_a_bare_input_tensor_as_the_model_summary_hands_it(stream):
+    """Lightning's model summary sends the module's example_input_array through this hook."""
+    dm = _dm(stream, num_workers=0)
+    example = torch.zeros(2, 3, 8, 8)
+    assert dm.on_after_batch_transfer(example, 0) is example  # a float input is left as it is
+    raw = torch.full((2, 3, 8, 8), 255, dtype=torch.uint8)
+    images, labels = dm.on_after_batch_transfer((raw, torch.tensor([0, 1])), 0)
+    assert torch.equal(dm.on_after_batch_transfer(raw, 0), images)
+    assert torch.allclose(images[:, 0], torch.full((2, 8, 8), (1 - 0.485) / 0.229)) and labels.tolist() == [0, 1]
