@@ -30,5 +30,5 @@ def convert_tree(tmp: Path, max_side: int = 64, **tree_kwargs) -> Path:
     """Write a tree under ``tmp/tree`` and convert it to ``tmp/stream``; return the latter."""
     write_tree(tmp / "tree", **tree_kwargs)
     out = tmp / "stream"
-    convert(tmp / "tree", out, max_side=max_side, quality=95, num_workers=1, verbose=False)
+    convert(tmp / "tree", out, max_side=max_side, quality=95, num_workers=1)
     return out

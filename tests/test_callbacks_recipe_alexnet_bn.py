@@ -79,6 +79,36 @@ def test_bad_input_and_arguments_get_clear_errors(model) -> None:
         AlexNetBN(dropout=1.0)
 
 
+def test_default_callbacks_run_alexnet_bn_at_its_smallest_maps(tmp_path) -> None:
+    """At 32 px conv3-5 see 1x1 maps; the throughput monitor's FLOP count runs the network in
+    training mode, where BatchNorm needs more than one value per channel: it must count on
+    more than one sample. The callbacks are the default job's, built from its config."""
+    from pathlib import Path
+
+    import lightning.pytorch as pl
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_fastscale import ImageClassifier
+    from lightning_fastscale.data import ProceduralDataModule
+
+    conf = str(Path(__file__).resolve().parents[1] / "lightning_fastscale" / "conf")
+    with initialize_config_dir(config_dir=conf, version_base="1.3"):
+        cfg = compose("train", overrides=["model=alexnet_bn"])
+    cfg.callbacks.model_checkpoint.dirpath = str(tmp_path / "checkpoints")  # hydra's run folder otherwise
+    callbacks = [instantiate(c) for c in cfg.callbacks.values() if c]
+    assert any(type(c).__name__ == "ThroughputMonitor" for c in callbacks)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=2, limit_val_batches=1,
+        log_every_n_steps=1, logger=CSVLogger(tmp_path), callbacks=callbacks, default_root_dir=tmp_path,
+    )
+    data = ProceduralDataModule(train_size=8, val_size=4, resolution=32, batch_size=4)
+    trainer.fit(ImageClassifier("alexnet_bn", num_classes=10), datamodule=data)
+    assert trainer.global_step == 2
+
+
+@pytest.mark.slow  # test_default_callbacks_run_alexnet_bn_at_its_smallest_maps is its fast sibling
 def test_fastscale_train_runs_alexnet_bn_with_the_default_callbacks_at_its_smallest_maps(tmp_path) -> None:
     """At 32 px conv3-5 see 1x1 maps; the throughput monitor's FLOP count runs the network in
     training mode, where BatchNorm needs more than one value per channel: it must count on

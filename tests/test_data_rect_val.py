@@ -31,7 +31,7 @@ def stream(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rect")
     write_tree(tmp / "tree", train_per_class=2, val_per_class=3)
     out = tmp / "stream"
-    convert(tmp / "tree", out, max_side=64, quality=95, num_workers=2, verbose=False)
+    convert(tmp / "tree", out, max_side=64, quality=95, num_workers=2)
     return out
 
 
@@ -157,7 +157,7 @@ def _is_red(columns):
 
 def test_rect_val_keeps_the_border_that_the_centre_crop_cuts(tmp_path):
     out = tmp_path / "stream"
-    convert(_striped_tree(tmp_path / "tree"), out, max_side=64, quality=95, num_workers=1, verbose=False)
+    convert(_striped_tree(tmp_path / "tree"), out, max_side=64, quality=95, num_workers=1)
     square, _ = next(iter(_dm(out, rect_val=False).val_dataloader()))
     rect, _ = next(iter(_dm(out).val_dataloader()))
     assert square.shape[2:] == (32, 32) and rect.shape[2:] == (32, 40)  # 32 x 32 * 4/3 rounded to 8

@@ -82,7 +82,7 @@ def drop_loader_state(run_dir: Path, name: str) -> None:
 @pytest.mark.slow  # about a minute on 2 cores (see the module docstring)
 def test_streaming_sigterm_mid_epoch_then_resume_auto_equals_the_uninterrupted_run(tmp_path):
     root = tmp_path / "stream"
-    convert("procedural", root, max_side=16, quality=95, num_workers=1, procedural=PROCEDURAL, verbose=False)
+    convert("procedural", root, max_side=16, quality=95, num_workers=1, procedural=PROCEDURAL)
     full_dir, preempted_dir, dropped_dir = tmp_path / "full", tmp_path / "preempted", tmp_path / "dropped"
     out, _ = finish_all(launch(root, preempted_dir, *PREEMPT), launch(root, full_dir), timeout=300)  # side by side
     assert "SIGTERM received; stopped after step 10 (epoch 1)" in out
@@ -155,7 +155,7 @@ def _fit(root: Path, folder: Path, callbacks, ckpt_path=None) -> pl.LightningMod
 @pytest.fixture(scope="module")
 def small_stream(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("small") / "stream"
-    convert("procedural", root, max_side=16, quality=95, num_workers=1, verbose=False,
+    convert("procedural", root, max_side=16, quality=95, num_workers=1,
             procedural={**PROCEDURAL, "train_size": 96, "val_size": 16})
     return root
 
