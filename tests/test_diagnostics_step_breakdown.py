@@ -251,3 +251,47 @@ def test_two_ranks_straggler_and_communication(tmp_path):
     assert c["phases"]["communication"] >= 0.8 * COMM_DELAY
     assert c["phases"]["compute"] < COMM_DELAY  # the late future is not counted as backward
     assert json.loads((tmp_path / "communication" / "step_breakdown.json").read_text())["summary"] == c
+
+
+class _FakeEvent:
+    """Stands in for ``torch.cuda.Event``: records the fake GPU clock, completes on request."""
+
+    clock = 0.0
+
+    def __init__(self) -> None:
+        self.t = _FakeEvent.clock
+        self.done = False
+
+    def elapsed_time(self, other: "_FakeEvent") -> float:
+        return (other.t - self.t) * 1e3  # milliseconds, as CUDA events report
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+def test_timer_on_cuda_reads_events_lazily_and_uses_the_gpu_timeline(monkeypatch):
+    monkeypatch.setattr(StepTimer, "_event", lambda self: _FakeEvent())
+    timer = StepTimer("cpu")
+    timer.cuda = True  # what StepTimer("cuda") sets on a GPU machine
+    param = nn.Parameter(torch.ones(2))
+    timer.attach([param])
+
+    def at(t: float) -> None:
+        _FakeEvent.clock = t
+
+    at(0.0), timer.reset_origin()
+    at(0.010), timer.mark("batch_start")
+    at(0.030), timer.mark("before_backward")
+    at(0.050), (param * 2).sum().backward()  # the gradient hook records the last_grad event
+    at(0.070), timer.mark("after_backward")
+    at(0.071), timer.mark("before_optimizer")
+    at(0.075), timer.mark("end")
+    timer.add_input(0.004)  # host fetch time: caps the GPU's 10 ms gap as input
+    timer.end_batch(samples=1)
+    assert timer.drain() == []  # the end event has not completed: nothing is read, nothing waits
+    (step,) = timer.drain(block=True)
+    expected = {"input": 0.004, "compute": 0.040, "communication": 0.020, "optimizer": 0.004, "rest": 0.007}
+    assert step.seconds == pytest.approx(expected, abs=1e-9)
