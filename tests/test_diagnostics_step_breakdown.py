@@ -195,6 +195,39 @@ def test_large_model_on_fast_data_is_compute(tmp_path):
     assert breakdown.summary.shares["compute"] > 0.5
 
 
+def test_fabric_api_slow_loader_is_input_and_adds_up(tmp_path):
+    from lightning.fabric import Fabric
+
+    from lightning_fastscale.diagnostics import FabricStepBreakdown
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(192, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = fabric.setup(model, optimizer)
+    batches = iter(fabric.setup_dataloaders(DataLoader(_SlowImages(8 * 7, delay=0.004), batch_size=8)))
+    breakdown = FabricStepBreakdown(fabric, model, every_n_steps=3)
+    clock = [time.perf_counter()]
+    for _ in range(7):
+        with breakdown.phase("input"):
+            x, y = next(batches)
+        with breakdown.phase("compute"):
+            fabric.backward(nn.functional.cross_entropy(model(x), y))
+        with breakdown.phase("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad()
+        breakdown.step_end(samples=len(x))
+        clock.append(time.perf_counter())
+    s = breakdown.finish()
+    assert s.bottleneck == "input", breakdown_table(s)
+    assert s.steps == 6 and [w.last_step for w in breakdown.windows] == [2, 5, 6]
+    # steps 1..6 (after the warm-up step) against the loop's own clock; the gather of a window
+    # happens inside step_end, after the step's end mark, and goes to the next step's rest
+    assert s.step_s * s.steps == pytest.approx(clock[-1] - clock[1], rel=0.05)
+    assert s.phases["compute"] > 0 and s.samples_per_s == pytest.approx(8 / s.step_s)
+    paths = breakdown.save(tmp_path)
+    assert json.loads(paths["json"].read_text())["summary"]["bottleneck"] == "input"
+
+
 # -- two ranks -----------------------------------------------------------------------------------
 COMM_DELAY = 0.15
 
