@@ -35,13 +35,18 @@ class _StepClock(pl.Callback):
 
 
 class _SelfTime:
-    """Wall seconds spent inside the callback's step hooks and its gradient hooks."""
+    """Seconds spent inside the callback's step hooks and its gradient hooks: wall and this thread's CPU.
+
+    The CPU time (``time.thread_time``) is what the hooks cost; their wall time on a loaded
+    machine also holds the time other jobs ran while a hook was on the CPU.
+    """
 
     HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
              "on_train_batch_end")
 
     def __init__(self, breakdown: StepBreakdown) -> None:
         self.seconds = 0.0
+        self.cpu_seconds = 0.0
         for name in self.HOOKS:
             setattr(breakdown, name, self._timed(getattr(breakdown, name)))
         on_train_start = breakdown.on_train_start
@@ -57,16 +62,17 @@ class _SelfTime:
 
     def _timed(self, fn):
         def timed(*args, **kwargs):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - t
+                self.cpu_seconds += time.thread_time() - c
         return timed
 
 
 def fit_once(with_breakdown: bool, steps: int, every: int, model_name: str, batch: int,
-             resolution: int) -> tuple[list[tuple[float, float]], float | None]:
+             resolution: int) -> tuple[list[tuple[float, float]], tuple[float, float] | None]:
     """(wall, CPU) seconds of each step after the first of one fit, and the callback's own seconds."""
     torch.manual_seed(0)
     clock = _StepClock()
@@ -82,7 +88,7 @@ def fit_once(with_breakdown: bool, steps: int, every: int, model_name: str, batc
                          limit_val_batches=0, default_root_dir="/tmp/step_breakdown_overhead")
     trainer.fit(ImageClassifier(model_name, num_classes=10), datamodule=data)
     steps = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(clock.t, clock.t[1:])]
-    return steps, (self_time.seconds if self_time is not None else None)
+    return steps, ((self_time.seconds, self_time.cpu_seconds) if self_time is not None else None)
 
 
 def main() -> None:
@@ -99,13 +105,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     times: dict[tuple[bool, int], list[float]] = {(arm, k): [] for arm in (False, True) for k in (0, 1)}
     ratios: dict[int, list[float]] = {0: [], 1: []}
-    self_shares = []
+    self_shares: dict[int, list[float]] = {0: [], 1: []}
     for r in range(args.repeats):
         medians = {}
         for arm in ((False, True) if r % 2 == 0 else (True, False)):
             all_steps, own = fit_once(arm, args.steps, args.every, args.model, args.batch, args.resolution)
             if own is not None:  # the callback's own time over the whole fit, against the fit's steps
-                self_shares.append(own / sum(s[0] for s in all_steps))
+                for k in (0, 1):
+                    self_shares[k].append(own[k] / sum(s[k] for s in all_steps))
             steps = all_steps[args.skip:]
             for k in (0, 1):
                 medians[arm, k] = statistics.median(s[k] for s in steps)
@@ -120,8 +127,9 @@ def main() -> None:
     for k, what in ((0, "wall"), (1, "CPU")):
         print(f"ratio with/without, {what} time: median of repeats {statistics.median(ratios[k]):.4f} "
               f"(min {min(ratios[k]):.4f}, max {max(ratios[k]):.4f})")
-    print(f"callback's own time (hooks, gradient hooks, gathers) as a share of the step: median "
-          f"{100 * statistics.median(self_shares):.2f} % (max {100 * max(self_shares):.2f} %)")
+    for k, what in ((0, "wall"), (1, "CPU")):
+        print(f"callback's own {what} time (hooks, gradient hooks, gathers) as a share of the step's {what} time: "
+              f"median {100 * statistics.median(self_shares[k]):.2f} % (max {100 * max(self_shares[k]):.2f} %)")
     print(f"{args.repeats} repeats x {args.steps - args.skip} steps, model {args.model}, batch {args.batch}, "
           f"{args.resolution} px, {args.threads} thread(s)")
 

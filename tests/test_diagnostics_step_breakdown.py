@@ -186,6 +186,33 @@ def test_slow_loader_is_input_and_parts_add_up_to_the_step(tmp_path):
     assert (tmp_path / "step_breakdown.png").exists() and (tmp_path / "step_breakdown.md").exists()
 
 
+class _SlowValidation(_Net):
+    def validation_step(self, batch, batch_idx):
+        time.sleep(0.1)
+
+
+class _ValidationClock(_StepEnds):
+    def on_validation_start(self, *args) -> None:
+        self.val_start = time.perf_counter()
+
+    def on_validation_end(self, *args) -> None:
+        self.val_s = time.perf_counter() - self.val_start
+
+
+def test_validation_inside_an_epoch_is_not_part_of_a_step(tmp_path):
+    data = TensorDataset(torch.randn(8 * 8, 3, 8, 8), torch.randint(0, 4, (8 * 8,)))
+    loader = DataLoader(data, batch_size=8)
+    breakdown, clock = StepBreakdown(every_n_steps=3, dirpath=tmp_path, print_table=False), _ValidationClock()
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[breakdown, clock],
+                         val_check_interval=4, limit_val_batches=3, num_sanity_val_steps=0)
+    trainer.fit(_SlowValidation(), loader, loader)
+    s = breakdown.summary
+    assert s.steps == 7 and clock.val_s >= 0.3  # one validation, after step 3 (steps 0-7)
+    # steps 1..7 by the independent clock, less the validation between steps 3 and 4
+    assert s.step_s * s.steps == pytest.approx(clock.t[-1] - clock.t[0] - clock.val_s, abs=0.03)
+
+
 def test_large_model_on_fast_data_is_compute(tmp_path):
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(6 * 128, 512), torch.randint(0, 4, (6 * 128,)))

@@ -256,7 +256,7 @@ class StepBreakdown(pl.Callback):
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.timer is not None and trainer.training:
+        if self.timer is not None:  # set only during fit, after the sanity check
             self.timer.reset_origin()  # validation inside an epoch is not part of any step
 
     @override
