@@ -104,8 +104,9 @@ class StepTimer:
         >>> for mark in ("batch_start", "before_backward", "after_backward", "end"):
         ...     timer.mark(mark)
         >>> timer.end_batch(samples=8)
-        >>> [s.samples for s in timer.drain()]
-        [8.0]
+        >>> (step,) = timer.drain()
+        >>> step.samples, sorted(step.seconds) == sorted(PHASES)
+        (8.0, True)
     """
 
     def __init__(self, device: torch.device | str | None = None) -> None:
