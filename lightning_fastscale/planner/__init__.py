@@ -1,14 +1,25 @@
 """Communication planner: alpha-beta-gamma cost model, fusion planning, scaling prediction.
 
 Answers before a run which all-reduce algorithm (flat, hierarchical, 2D torus) and which
-gradient buckets to use on a cluster, and how training will scale (``fastscale-plan``).
+gradient buckets to use on a cluster, and how training will scale (``fastscale-plan``), every
+algorithm held against the flat all-reduce plain DDP really runs (measured, or NCCL's ring and
+tree priced): :func:`compare_algorithms`, :func:`measure_flat_allreduce`.
 """
 from lightning_fastscale.planner.auto import AutoPlan, CostModelPlanner, auto_plan, best_chunk_plan, module_profile
+from lightning_fastscale.planner.baseline import (
+    PLAIN_DDP_TOLERANCE, compare_algorithms, crossover_table, format_crossover,
+)
+from lightning_fastscale.planner.calibrate import measure_flat_allreduce
 from lightning_fastscale.planner.cluster import Cluster, ClusterConfigError, available_clusters, load_cluster
 from lightning_fastscale.planner.cost_model import (
     ALGORITHMS,
+    BACKENDS,
     CommParams,
+    FlatMeasurement,
     Topology,
+    flat_allreduce_detail,
+    nccl_ring_time,
+    nccl_tree_time,
     wire_bytes_per_element,
     allreduce_time,
     bandwidth_bound,
@@ -23,6 +34,16 @@ from lightning_fastscale.strategies.options import DEFAULT_PIPELINE_CHUNK_MB
 
 __all__ = [
     "ALGORITHMS",
+    "BACKENDS",
+    "PLAIN_DDP_TOLERANCE",
+    "FlatMeasurement",
+    "compare_algorithms",
+    "crossover_table",
+    "flat_allreduce_detail",
+    "format_crossover",
+    "measure_flat_allreduce",
+    "nccl_ring_time",
+    "nccl_tree_time",
     "DEFAULT_PIPELINE_CHUNK_MB",
     "AutoPlan",
     "Cluster",
