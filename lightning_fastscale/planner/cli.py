@@ -97,7 +97,10 @@ def build_report(
     allreduce = predict_allreduce(numel, topology, params, wire, topk, chunk_numel=chunk_numel_for(chunk_mb, topology.num_nodes))
     auto = auto_plan(profile, topology, params, wire, topk, pipeline_chunk_mb=chunk_mb,
                      plain_ddp_tolerance=PLAIN_DDP_TOLERANCE)
-    cost = allreduce_cost(auto.algorithm, topology, params, wire, topk, pipeline_chunk_mb=chunk_mb)
+    if auto.plain_ddp:  # DDP's own all-reduce: flat, fp32, unchunked
+        cost = allreduce_cost("flat", topology, params, "fp32", None, pipeline_chunk_mb=None)
+    else:
+        cost = allreduce_cost(auto.algorithm, topology, params, wire, topk, pipeline_chunk_mb=chunk_mb)
     two = plan_two_segment(profile.grad_bytes, profile.backward_s, cost)
     cap_mb, cap_plan = best_uniform_cap(profile.grad_bytes, profile.backward_s, cost)
     compute = profile.forward_s + profile.backward_total_s
