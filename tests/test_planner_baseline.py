@@ -94,7 +94,7 @@ def _profile():
 
 
 def test_the_planner_picks_against_the_measured_flat_time():
-    model, profile = _profile()
+    _, profile = _profile()
     topo = Topology(2, 4)
     # gloo model: the flat ring sends 2(P-1)/P = 1.75x what hier sends across a slow NIC -> hier
     slow_nic = CommParams(1e-6, 1e-12, 1e-5, 1e-9, gamma_inter=0.0)
@@ -118,7 +118,7 @@ def test_the_planner_picks_against_the_measured_flat_time():
 
 
 def test_plain_ddp_only_within_the_tolerance():
-    model, profile = _profile()
+    _, profile = _profile()
     topo = Topology(2, 4)
     nccl = CommParams(1e-6, 1e-12, 1e-5, 1e-9, gamma_inter=0.0, backend="nccl")
     plan = auto_plan(profile, topo, nccl, plain_ddp_tolerance=0.05)

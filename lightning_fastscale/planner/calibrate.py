@@ -277,7 +277,6 @@ def measure_flat_allreduce(
         tensor = torch.ones(numel, dtype=dtype, device=device)
         seconds.append(_time(lambda: dist.all_reduce(tensor, group=group), group, reps, True, cuda))
         used.append(numel * element)
-        del tensor
     shared = [seconds]
     if world > 1:
         dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)

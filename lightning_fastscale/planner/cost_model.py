@@ -116,10 +116,10 @@ __all__ = [
     "nccl_ring_time",
     "nccl_tree_time",
     "predict_allreduce",
-    "stage_times",
     "reduce_scatter_time",
     "reduce_time",
     "ring_allreduce_time",
+    "stage_times",
     "wire_bytes_per_element",
 ]
 
