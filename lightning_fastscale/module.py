@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -210,4 +211,10 @@ class ImageClassifier(pl.LightningModule):
     def _total_scheduler_steps(self) -> int:
         if self.scheduler_interval == "epoch":
             return int(self.trainer.max_epochs or 1)
-        return int(self.trainer.estimated_stepping_batches)
+        steps = self.trainer.estimated_stepping_batches
+        if math.isinf(steps):
+            raise ValueError(
+                "the scheduler spreads the learning rate over the run, but Trainer(max_epochs=-1, "
+                "max_steps=-1) trains without end: set max_epochs or max_steps, or drop the scheduler"
+            )
+        return int(steps)

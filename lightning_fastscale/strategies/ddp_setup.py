@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_fastscale._validation import positive_number
 from lightning_fastscale.strategies.allreduce import TopKErrorFeedback
 from lightning_fastscale.strategies.comm_hooks import HOOKS, HierarchicalHookState
 from lightning_fastscale.strategies.options import (
@@ -122,6 +123,8 @@ class HierarchicalDDPSetup:
             raise ValueError(f"topk_start_iter={topk_start_iter} must be >= 1 (DDP rebuilds buckets after iteration 0).")
         if ranks_per_node is not None and ranks_per_node < 1:
             raise ValueError(f"ranks_per_node={ranks_per_node} must be >= 1 (or None to detect it).")
+        if bucket_cap_mb is not None:
+            positive_number("bucket_cap_mb", bucket_cap_mb, hint="DDP's bucket size in MB (None: 25)")
         if sum(x is not None for x in (bucket_cap_mb, fusion_plan, two_segment_split)) > 1:
             raise ValueError("set only one of bucket_cap_mb, fusion_plan and two_segment_split.")
         chunk_numel_for(pipeline_chunk_mb)  # validates it before any process starts
@@ -170,6 +173,21 @@ class HierarchicalDDPSetup:
     _timeout: Any
     root_device: torch.device
 
+    def check_topology(self) -> Topology:
+        """The topology the Trainer's devices and nodes give with ``ranks_per_node``; no launcher needed.
+
+        Callable right after the Trainer is built, before any process starts: raises
+        ``ValueError`` naming ``ranks_per_node`` and the devices when they do not divide.
+        """
+        world_size = self.num_nodes * self.num_processes
+        try:
+            return Topology.from_world(world_size, self.ranks_per_node or self.num_processes)
+        except ValueError as error:
+            raise ValueError(
+                f"{type(self).__name__}(ranks_per_node={self.ranks_per_node}) with "
+                f"{self._front}(devices={self.num_processes}, num_nodes={self.num_nodes}): {error}"
+            ) from None
+
     def _resolve_topology(self) -> Topology:
         world_size = self.num_nodes * self.num_processes
         launcher = detect_ranks_per_node(self.cluster_environment)
@@ -184,10 +202,7 @@ class HierarchicalDDPSetup:
                 f"{self._front}(num_nodes={self.num_nodes}, devices={self.num_processes}) gives {world_size} ranks "
                 f"but the launcher's world size is {env_world}: make num_nodes * devices match it."
             )
-        try:
-            return Topology.from_world(world_size, self.ranks_per_node or self.num_processes)
-        except ValueError as error:
-            raise ValueError(f"{type(self).__name__}(ranks_per_node=...): {error}") from None
+        return self.check_topology()
 
     def _check_nodes_uniform(self) -> None:
         # Every node must report the same local size, and ranks must be contiguous per node,
