@@ -275,6 +275,9 @@ class HierarchicalDDPSetup:
         if self.topology is None:  # Fabric's setup_module may be called without setup_environment
             self.topology = self._resolve_topology()
         self.resolved_algorithm, caps = self.resolve_comm_plan(model, self.topology)
+        if self.uses_ddp_allreduce:
+            # One node, no hook: every algorithm is then the one all-reduce DDP runs itself.
+            self.resolved_algorithm = "flat"
         if caps is not None:
             self._ddp_kwargs["bucket_cap_mb_list"] = caps
         if self.user_comm_hook is not None and self.topology.num_nodes > 1:
@@ -334,9 +337,31 @@ class HierarchicalDDPSetup:
             name = getattr(self.user_comm_hook, "__qualname__", repr(self.user_comm_hook))
             assert self.topology is not None
             return name if self.topology.num_nodes == 1 else f"hier (inter-node stage: {name})"
-        if self.uses_ddp_allreduce:
-            return "ddp_allreduce (one node)"
         return self.resolved_algorithm
+
+    @property
+    def comm_hook(self) -> str | None:
+        """Name of the communication hook on the DDP module; ``None`` when DDP's own all-reduce runs.
+
+        Known once the model is set up (``Trainer.fit`` / ``Fabric.setup``).
+        """
+        if self.topology is None or self.resolved_algorithm is None:
+            return None
+        if self.user_comm_hook is not None:
+            return getattr(self.user_comm_hook, "__qualname__", repr(self.user_comm_hook))
+        if self.uses_ddp_allreduce:
+            return None
+        hook = HOOKS[self.resolved_algorithm]
+        return getattr(hook, "__name__", repr(hook))
+
+    @property
+    def comm_hook_calls(self) -> int:
+        """Backward passes whose gradients went through this strategy's hook (0 when none is installed).
+
+        Counts each backward once, when its last DDP bucket is handed to the hook; a user's hook
+        on one node (registered as plain DDP would) is not counted.
+        """
+        return self.hook_state.iteration if self.hook_state is not None else 0
 
     def plan_summary(self) -> dict[str, Any]:
         """Topology, algorithm, wire dtype and bucket plan of this run (what rank 0 logs)."""
@@ -344,6 +369,7 @@ class HierarchicalDDPSetup:
         caps = self._ddp_kwargs.get("bucket_cap_mb_list") or [self._ddp_kwargs.get("bucket_cap_mb", 25)]
         return {
             "strategy/algorithm": self._algorithm_label(),
+            "strategy/comm_hook": self.comm_hook or "none (DDP's own all-reduce)",
             "strategy/num_nodes": self.topology.num_nodes,
             "strategy/ranks_per_node": self.topology.ranks_per_node,
             "strategy/world_size": self.topology.world_size,
