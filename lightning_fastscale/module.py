@@ -195,6 +195,21 @@ class ImageClassifier(pl.LightningModule):
         self.log("val/per_class_top1", self.val_per_class_top1)
 
     @override
+    @override
+    def setup(self, stage: str) -> None:
+        """Take one per-device training batch as ``example_input_array`` from the datamodule.
+
+        Only when none is set and the datamodule says its batch size and resolution
+        (``train_batch_size``, ``train_resolution``): the model summary and the communication
+        planner (FLOPs of backward) run the network on it; this hook runs before both.
+        """
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if self.example_input_array is None and datamodule is not None:
+            batch = getattr(datamodule, "train_batch_size", None)
+            side = getattr(datamodule, "train_resolution", None)
+            if isinstance(batch, int) and isinstance(side, int):
+                self.example_input_array = torch.zeros(batch, 3, side, side)
+
     def configure_optimizers(self) -> Any:
         optimizer = self.optimizer_factory(self.parameters())
         if self.scheduler_factory is None:

@@ -203,10 +203,6 @@ def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.
             compile=bool(model_cfg.get("compile", False)),
             compile_mode=model_cfg.get("compile_mode"),
         )
-    if hasattr(datamodule, "train_batch_size") and hasattr(datamodule, "train_resolution"):
-        # one per-device training batch: what the planner profiles backward on (FLOPs or timing)
-        side = datamodule.train_resolution
-        module.example_input_array = torch.zeros(datamodule.train_batch_size, 3, side, side)
     callbacks = []
     for name, node in (cfg.get("callbacks") or {}).items():
         if node:
