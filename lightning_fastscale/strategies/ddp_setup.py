@@ -377,7 +377,8 @@ class HierarchicalDDPSetup:
             "strategy/wire_dtype": self.wire_dtype,
             "strategy/compression": f"topk:{self.topk_ratio}" if self.compression else "none",
             "strategy/gradient_mb": round(self._gradient_bytes / _MB, 3),
-            "strategy/bucket_caps_mb": [round(float(c), 3) for c in caps],
+            # three significant digits: a cap of a few hundred bytes must not read as 0.0
+            "strategy/bucket_caps_mb": [float(f"{float(c):.3g}") for c in caps],
             "strategy/pipeline_chunk_mb": resolve_chunk_mb(self.pipeline_chunk_mb, self.topology.num_nodes),
         }
 
