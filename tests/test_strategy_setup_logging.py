@@ -75,7 +75,8 @@ def test_plan_logged_after_lightning_hparams(tmp_path: Path, caplog, release_pro
     assert hparams["strategy/comm_hook"] == "none (DDP's own all-reduce)"
     assert hparams["strategy/world_size"] == 1
     assert not any(key.startswith("strategy/") for key in seen_before_train_start), "plan written to the logger at setup"
-    assert "HierarchicalAllReduceStrategy: algorithm=flat, comm_hook=none (DDP's own all-reduce)" in caplog.text
+    assert "HierarchicalAllReduceStrategy: algorithm=flat, num_nodes=1" in caplog.text
+    assert "comm_hook=none (DDP's own all-reduce)" in caplog.text
 
 
 def test_plan_not_logged_when_module_opts_out(tmp_path: Path, caplog, release_process_group) -> None:

@@ -369,7 +369,6 @@ class HierarchicalDDPSetup:
         caps = self._ddp_kwargs.get("bucket_cap_mb_list") or [self._ddp_kwargs.get("bucket_cap_mb", 25)]
         return {
             "strategy/algorithm": self._algorithm_label(),
-            "strategy/comm_hook": self.comm_hook or "none (DDP's own all-reduce)",
             "strategy/num_nodes": self.topology.num_nodes,
             "strategy/ranks_per_node": self.topology.ranks_per_node,
             "strategy/world_size": self.topology.world_size,
@@ -380,6 +379,7 @@ class HierarchicalDDPSetup:
             # three significant digits: a cap of a few hundred bytes must not read as 0.0
             "strategy/bucket_caps_mb": [float(f"{float(c):.3g}") for c in caps],
             "strategy/pipeline_chunk_mb": resolve_chunk_mb(self.pipeline_chunk_mb, self.topology.num_nodes),
+            "strategy/comm_hook": self.comm_hook or "none (DDP's own all-reduce)",
         }
 
     def plan_message(self) -> str:
