@@ -141,7 +141,7 @@ def translate(error: BaseException, prefix: str, node: Any = None, extra: dict[s
 def setting_errors(prefix: str, node: Any = None, extra: dict[str, Any] | None = None) -> Iterator[None]:
     """Turn a library's refusal of an argument, raised inside the block, into a :class:`ConfigError`.
 
-    ``ValueError`` is the refusal of a value; a ``TypeError`` counts only when it is about the
+    ``ValueError`` (and Lightning's ``MisconfigurationException``) is the refusal of a value; a ``TypeError`` counts only when it is about the
     arguments themselves (an unknown or missing keyword), since elsewhere it marks a bug.
     """
     try:
@@ -149,8 +149,10 @@ def setting_errors(prefix: str, node: Any = None, extra: dict[str, Any] | None =
     except ConfigError:
         raise
     except Exception as error:  # noqa: BLE001 - re-raised unchanged unless it is a refusal
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
+
         root = _root_error(error)
-        is_refusal = isinstance(root, ValueError) or (
+        is_refusal = isinstance(root, (ValueError, MisconfigurationException)) or (
             isinstance(root, TypeError) and re.search(r"argument|takes \d+ positional", str(root)) is not None
         )
         if not is_refusal:
