@@ -451,7 +451,8 @@ def log_to_run_folder() -> list[logging.FileHandler]:
 def _log_to_file_only(files: list[logging.FileHandler], level: int, message: str, exc_info: Any = None) -> None:
     record = log.makeRecord(log.name, level, __file__, 0, message, (), exc_info)
     for handler in files:
-        handler.handle(record)
+        if handler in logging.getLogger().handlers:  # not one closed with a removed run folder
+            handler.handle(record)
 
 
 def remove_run_folder_if_unused(run_dir: Path, log_files: list[logging.FileHandler], log_was_empty: bool) -> bool:
@@ -466,7 +467,9 @@ def remove_run_folder_if_unused(run_dir: Path, log_files: list[logging.FileHandl
     log_names = {Path(h.baseFilename).name for h in log_files if Path(h.baseFilename).parent == run_dir}
     if any(entry.name not in HYDRA_FILES | log_names for entry in run_dir.iterdir()):
         return False
-    for handler in log_files:
+    for handler in log_files:  # nothing may log into the removed folder afterwards
+        for logger in (logging.getLogger(), *map(logging.getLogger, _LIBRARY_LOGGERS)):
+            logger.removeHandler(handler)
         handler.close()
     shutil.rmtree(run_dir, ignore_errors=True)
     return not run_dir.exists()
