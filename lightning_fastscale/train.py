@@ -32,7 +32,7 @@ from typing_extensions import override
 import lightning_fastscale  # noqa: F401  (registers strategies and models)
 
 from . import checkpointing
-from ._validation import positive_number
+from ._validation import positive_int, positive_number
 from .config_check import ConfigError, setting_errors, show
 from .module import ImageClassifier, batch_size_of
 
@@ -246,6 +246,10 @@ def check_parts(cfg: DictConfig, module: ImageClassifier, trainer: pl.Trainer) -
     if cfg.get("optimizer"):
         with setting_errors("optimizer", cfg.optimizer):
             module.optimizer_factory([torch.nn.Parameter(torch.zeros(1))])
+    # Lightning's Trainer takes 0 without a check, and divides by it at fit.
+    with setting_errors("trainer", cfg.trainer):
+        positive_int("accumulate_grad_batches", trainer.accumulate_grad_batches,
+                     hint="batches per optimizer step; 1 steps every batch")
     _check_training_length(cfg, trainer)
     _check_strategy(cfg, trainer)
 
