@@ -141,8 +141,9 @@ def translate(error: BaseException, prefix: str, node: Any = None, extra: dict[s
 def setting_errors(prefix: str, node: Any = None, extra: dict[str, Any] | None = None) -> Iterator[None]:
     """Turn a library's refusal of an argument, raised inside the block, into a :class:`ConfigError`.
 
-    ``ValueError`` (and Lightning's ``MisconfigurationException``) is the refusal of a value; a ``TypeError`` counts only when it is about the
-    arguments themselves (an unknown or missing keyword), since elsewhere it marks a bug.
+    ``ValueError`` (and Lightning's ``MisconfigurationException``) is the refusal of a value; a
+    ``TypeError`` counts only when it is about the arguments themselves (an unknown or missing
+    keyword), since elsewhere it marks a bug.
     """
     try:
         yield
