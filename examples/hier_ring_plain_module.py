@@ -69,11 +69,11 @@ def main() -> None:
     model = TinyClassifier()
     trainer.fit(model, DataLoader(synthetic_data(), batch_size=32))
     if trainer.global_rank == 0:
-        state = trainer.strategy.hook_state
+        strategy = trainer.strategy
         print(
             f"final train_loss={float(trainer.callback_metrics['train_loss']):.4f} "
-            f"topology={trainer.strategy.topology} algorithm={trainer.strategy.resolved_algorithm} "
-            f"hook_iterations={state.iteration}"
+            f"topology={strategy.topology} algorithm={strategy.resolved_algorithm} "
+            f"comm_hook={strategy.comm_hook} comm_hook_calls={strategy.comm_hook_calls}"
         )
 
 

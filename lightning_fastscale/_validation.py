@@ -34,3 +34,19 @@ def positive_int(setting: str, value: Any, *, minimum: int = 1, hint: str = "") 
         wanted = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
         raise ValueError(f"{setting}={value!r} must be {wanted}" + (f"; {hint}" if hint else ""))
     return value
+
+
+def positive_number(setting: str, value: Any, *, hint: str = "") -> float:
+    """Return ``value`` if it is a real number (not a bool) above 0, else raise ``ValueError``.
+
+    Examples:
+        >>> positive_number("bucket_cap_mb", 25)
+        25
+        >>> positive_number("bucket_cap_mb", -5, hint="DDP's bucket size in MB")
+        Traceback (most recent call last):
+        ...
+        ValueError: bucket_cap_mb=-5 must be a number > 0; DDP's bucket size in MB
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{setting}={value!r} must be a number > 0" + (f"; {hint}" if hint else ""))
+    return value

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -197,6 +198,21 @@ class ImageClassifier(pl.LightningModule):
         self.log("val/per_class_top1", self.val_per_class_top1)
 
     @override
+    @override
+    def setup(self, stage: str) -> None:
+        """Take one per-device training batch as ``example_input_array`` from the datamodule.
+
+        Only when none is set and the datamodule says its batch size and resolution
+        (``train_batch_size``, ``train_resolution``): the model summary and the communication
+        planner (FLOPs of backward) run the network on it; this hook runs before both.
+        """
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if self.example_input_array is None and datamodule is not None:
+            batch = getattr(datamodule, "train_batch_size", None)
+            side = getattr(datamodule, "train_resolution", None)
+            if isinstance(batch, int) and isinstance(side, int):
+                self.example_input_array = torch.zeros(batch, 3, side, side)
+
     def configure_optimizers(self) -> Any:
         optimizer = self.optimizer_factory(self.parameters())
         if self.scheduler_factory is None:
@@ -213,4 +229,10 @@ class ImageClassifier(pl.LightningModule):
     def _total_scheduler_steps(self) -> int:
         if self.scheduler_interval == "epoch":
             return int(self.trainer.max_epochs or 1)
-        return int(self.trainer.estimated_stepping_batches)
+        steps = self.trainer.estimated_stepping_batches
+        if math.isinf(steps):
+            raise ValueError(
+                "the scheduler spreads the learning rate over the run, but Trainer(max_epochs=-1, "
+                "max_steps=-1) trains without end: set max_epochs or max_steps, or drop the scheduler"
+            )
+        return int(steps)

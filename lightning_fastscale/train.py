@@ -9,7 +9,12 @@ Returns the monitored metric, so sweepers (Optuna) can optimise it.
 from __future__ import annotations
 
 import logging
+import math
 import os
+import shutil
+import sys
+import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +27,14 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ThroughputMonitor
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from typing_extensions import override
 
 import lightning_fastscale  # noqa: F401  (registers strategies and models)
 
 from . import checkpointing
-from .module import ImageClassifier
+from ._validation import positive_int, positive_number
+from .config_check import ConfigError, setting_errors, show
+from .module import ImageClassifier, batch_size_of
 
 log = logging.getLogger(__name__)
 
@@ -167,46 +175,216 @@ def resolve_resume(cfg: DictConfig) -> str | None:
 
 
 def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.Trainer]:
-    """Instantiate the datamodule, module and Trainer that ``cfg`` describes (no fitting)."""
-    datamodule = instantiate(cfg.data)
+    """Instantiate the datamodule, module and Trainer that ``cfg`` describes (no fitting).
+
+    Every part is built, and the parts checked against each other (:func:`check_parts`), before
+    anything is written or started: a bad setting raises :class:`ConfigError` naming its Hydra
+    key, its value and the fix.
+    """
+    with setting_errors("data", cfg.data):
+        datamodule = instantiate(cfg.data)
     num_classes = getattr(datamodule, "num_classes", None)
     if num_classes is None:
         raise ValueError(f"{type(datamodule).__name__} has no num_classes attribute; the classifier needs it")
     model_cfg = cfg.model
-    module = ImageClassifier(
-        model=model_cfg.name,
-        num_classes=num_classes,
-        optimizer=instantiate(cfg.optimizer) if cfg.get("optimizer") else None,
-        scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
-        model_kwargs=OmegaConf.to_container(model_cfg.kwargs, resolve=True) if model_cfg.get("kwargs") else {},
-        pretrained=model_cfg.get("pretrained", False),
-        channels_last=bool(model_cfg.get("channels_last", False)),
-        compile=bool(model_cfg.get("compile", False)),
-        compile_mode=model_cfg.get("compile_mode"),
-    )
-    if hasattr(datamodule, "train_batch_size") and hasattr(datamodule, "train_resolution"):
-        # one per-device training batch: what the planner profiles backward on (FLOPs or timing)
-        side = datamodule.train_resolution
-        module.example_input_array = torch.zeros(datamodule.train_batch_size, 3, side, side)
-    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
-    logger = build_logger(cfg)
+    with setting_errors("optimizer", cfg.get("optimizer")):
+        optimizer = instantiate(cfg.optimizer) if cfg.get("optimizer") else None
+    with setting_errors("scheduler", cfg.get("scheduler")):
+        scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
+    with setting_errors("model", model_cfg):
+        module = ImageClassifier(
+            model=model_cfg.name,
+            num_classes=num_classes,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            model_kwargs=OmegaConf.to_container(model_cfg.kwargs, resolve=True) if model_cfg.get("kwargs") else {},
+            pretrained=model_cfg.get("pretrained", False),
+            channels_last=bool(model_cfg.get("channels_last", False)),
+            compile=bool(model_cfg.get("compile", False)),
+            compile_mode=model_cfg.get("compile_mode"),
+        )
+    callbacks = []
+    for name, node in (cfg.get("callbacks") or {}).items():
+        if node:
+            with setting_errors(f"callbacks.{name}", node):
+                callbacks.append(instantiate(node))
+    callbacks.append(FitSummary())
+    with setting_errors("logger", cfg.get("logger")):
+        logger = build_logger(cfg)
     if not logger:  # these only report to a logger, and Lightning refuses them without one
         callbacks = [c for c in callbacks if not isinstance(c, (LearningRateMonitor, ThroughputMonitor))]
-    precision, plugins = build_precision(cfg)
+    with setting_errors("precision", cfg.get("precision")):
+        precision, plugins = build_precision(cfg)
+    with setting_errors("strategy", cfg.get("strategy")):
+        strategy = build_strategy(cfg, cfg.trainer.get("devices"))
     trainer_kwargs: dict[str, Any] = {
-        "strategy": build_strategy(cfg, cfg.trainer.get("devices")),
+        "strategy": strategy,
         "callbacks": callbacks,
         "logger": logger,
         "plugins": plugins or None,
     }
     if precision is not None:
         trainer_kwargs["precision"] = precision
-    trainer: pl.Trainer = instantiate(cfg.trainer, **trainer_kwargs)
+    # The Trainer's refusals of the precision and strategy name their Trainer arguments.
+    from_groups = {"precision": ("precision.value", precision), "strategy": ("strategy.name", strategy)}
+    with setting_errors("trainer", cfg.trainer, extra=from_groups):
+        trainer: pl.Trainer = instantiate(cfg.trainer, **trainer_kwargs)
+    check_parts(cfg, module, trainer)
     return datamodule, module, trainer
 
 
+# -- checks of the built parts against each other, before any side effect ---------------------
+
+
+def check_parts(cfg: DictConfig, module: ImageClassifier, trainer: pl.Trainer) -> None:
+    """What only the built parts together can refuse: raises :class:`ConfigError` by Hydra key.
+
+    The optimizer is built once on a stand-in parameter (torch checks its arguments there), the
+    training length is checked against what needs one (an LR schedule), and the strategy's
+    settings against the Trainer's devices and nodes.
+    """
+    if cfg.get("optimizer"):
+        with setting_errors("optimizer", cfg.optimizer):
+            module.optimizer_factory([torch.nn.Parameter(torch.zeros(1))])
+    # Lightning's Trainer takes 0 without a check, and divides by it at fit.
+    with setting_errors("trainer", cfg.trainer):
+        positive_int("accumulate_grad_batches", trainer.accumulate_grad_batches,
+                     hint="batches per optimizer step; 1 steps every batch")
+    _check_training_length(cfg, trainer)
+    _check_strategy(cfg, trainer)
+
+
+def _check_training_length(cfg: DictConfig, trainer: pl.Trainer) -> None:
+    if trainer.max_epochs not in (-1, None) or trainer.max_steps != -1:
+        return
+    needs = [f"scheduler={_choice('scheduler', cfg)}"] if cfg.get("scheduler") else []
+    needs += [f"callbacks.{name}" for name, node in (cfg.get("callbacks") or {}).items()
+              if node and str(node.get("_target_", "")).endswith(".WarmupDecayLR") and node.get("total_epochs") is None]
+    if needs:
+        raise ConfigError(
+            f"trainer.max_epochs={trainer.max_epochs} with trainer.max_steps=-1 trains without end, but "
+            f"{' and '.join(needs)} spread the learning rate over the run's length: set trainer.max_epochs to "
+            "a positive number of epochs (or trainer.max_steps), or use scheduler=none",
+            key="trainer.max_epochs",
+        )
+
+
+def _check_strategy(cfg: DictConfig, trainer: pl.Trainer) -> None:
+    strategy = trainer.strategy
+    node = cfg.get("strategy") if isinstance(cfg.get("strategy"), DictConfig) else None
+    ddp_kwargs = getattr(strategy, "_ddp_kwargs", None) or {}
+    if ddp_kwargs.get("bucket_cap_mb") is not None:
+        with setting_errors("strategy", node):
+            positive_number("bucket_cap_mb", ddp_kwargs["bucket_cap_mb"], hint="DDP's bucket size in MB (25 by default)")
+    check_topology = getattr(strategy, "check_topology", None)
+    if callable(check_topology):
+        try:
+            check_topology()
+        except ValueError as error:
+            ranks_per_node = getattr(strategy, "ranks_per_node", None)
+            world = trainer.num_devices * trainer.num_nodes
+            raise ConfigError(
+                f"strategy.ranks_per_node={show(ranks_per_node)} does not divide the {world} ranks of "
+                f"trainer.devices={trainer.num_devices} x trainer.num_nodes={trainer.num_nodes}: every node "
+                f"must hold the same number of ranks; set strategy.ranks_per_node to a divisor of {world} or "
+                "null (the devices of one machine), or change trainer.devices",
+                key="strategy.ranks_per_node",
+            ) from error
+
+
+def _choice(group: str, cfg: DictConfig) -> str:
+    """The option chosen for ``group`` (``cosine`` for ``scheduler=cosine``), as the user wrote it."""
+    if HydraConfig.initialized():
+        chosen = HydraConfig.get().runtime.choices.get(group)
+        if chosen:
+            return str(chosen)
+    return str(cfg[group].get("_target_", "?")).rsplit(".", 1)[-1]
+
+
+# -- the run's summary: samples/s, where the metrics went -----------------------------------------
+
+
+class FitSummary(pl.Callback):
+    """Log one line at the end of fit: samples trained, training seconds and samples/s.
+
+    Training time runs from the start to the end of each training epoch, less the validation
+    inside it; samples are the real batch sizes (``batch_size_of``) times the world size. Unlike
+    Lightning's ``ThroughputMonitor`` it needs no window, so a run of a few steps reports it too.
+    """
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.seconds = 0.0
+        self.steps = 0
+        self._epoch_start: float | None = None
+        self._val_start: float | None = None
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._epoch_start = time.perf_counter()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        try:
+            self.samples += batch_size_of(batch) * trainer.world_size
+        except (TypeError, IndexError):  # a batch of another shape: no sample count
+            pass
+        self.steps += 1
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking and self._epoch_start is not None:
+            self._val_start = time.perf_counter()
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._val_start is not None:
+            self.seconds -= time.perf_counter() - self._val_start
+            self._val_start = None
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._epoch_start is not None:
+            self.seconds += time.perf_counter() - self._epoch_start
+            self._epoch_start = None
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero and self.steps:
+            rate = self.samples / self.seconds if self.seconds > 0 else math.nan
+            _report(f"trained {self.samples} samples in {self.steps} batches, {self.seconds:.1f} s: {rate:.1f} samples/s")
+
+
+def _report(line: str) -> None:
+    """A summary line, to the console and the run folder's log (Hydra's handlers), else printed."""
+    if logging.getLogger().handlers:
+        log.info(line)
+    else:
+        print(line)
+
+
+def report_metric_locations(trainer: pl.Trainer) -> None:
+    """Name where each logger wrote the run's metrics (rank 0)."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
+
+    if not trainer.is_global_zero:
+        return
+    for logger in trainer.loggers:
+        if isinstance(logger, CSVLogger):
+            _report(f"metrics written to {Path(logger.log_dir) / 'metrics.csv'}")
+        elif isinstance(logger, TensorBoardLogger):
+            _report(f"metrics written to {logger.log_dir} (TensorBoard)")
+        elif not isinstance(logger, WandbLogger):  # W&B says where when its run finishes
+            _report(f"metrics written by {type(logger).__name__} to {logger.save_dir}")
+
+
 def train(cfg: DictConfig) -> float | None:
-    """Fit the configured model; return the final value of ``cfg.monitor`` (or None)."""
+    """Fit the configured model; return the final value of ``cfg.monitor`` (or None).
+
+    Raises:
+        ConfigError: a setting is wrong; raised before the logger, the process group or any
+            file of the run is started.
+    """
     pl.seed_everything(cfg.seed, workers=True)
     ckpt_path = resolve_resume(cfg)
     datamodule, module, trainer = build(cfg)
@@ -215,13 +393,14 @@ def train(cfg: DictConfig) -> float | None:
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     finally:
+        report_metric_locations(trainer)
         _finish_wandb(trainer)
     value = trainer.callback_metrics.get(cfg.monitor)
     if value is None:
         log.warning("metric %s was not logged; nothing to return", cfg.monitor)
         return None
     if trainer.is_global_zero:
-        print(f"final {cfg.monitor}: {float(value):.4f}")
+        _report(f"final {cfg.monitor}: {float(value):.4f}")
     return float(value)
 
 
@@ -233,14 +412,102 @@ def _finish_wandb(trainer: pl.Trainer) -> None:
 
         run = wandb.run
         if run is not None:
-            print(f"W&B run written to {Path(run.dir).parent}" + (" (offline)" if run.offline else ""))
+            _report(f"W&B run written to {Path(run.dir).parent}" + (" (offline)" if run.offline else ""))
         wandb.finish()
+
+
+# -- the console entry point: the run folder's log, user errors in one line -----------------------
+
+_LIBRARY_LOGGERS = ("lightning.pytorch", "lightning.fabric")
+"""Lightning's loggers keep their own console handler and do not propagate to the root logger."""
+
+HYDRA_FILES = frozenset({".hydra"})
+
+
+def log_to_run_folder() -> list[logging.FileHandler]:
+    """Send Lightning's log records to the run folder's log file too (Hydra's ``<job>.log``).
+
+    Hydra writes the root logger to the console and to the run folder's ``<job name>.log``; the
+    package's loggers propagate there, Lightning's do not (they print through their own handler),
+    so without this their lines (the strategy's plan, devices, checkpoint notes) never reach the
+    file. Python warnings still print as before and are written to the file too. Returns the file handlers found (none when Hydra's job logging is off).
+    """
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    for name in _LIBRARY_LOGGERS:
+        logger = logging.getLogger(name)
+        if logger.propagate:
+            continue
+        for handler in files:
+            if handler not in logger.handlers:
+                logger.addHandler(handler)
+    if files and not getattr(warnings.showwarning, "_to_run_folder", False):
+        shown = warnings.showwarning
+
+        def show_and_keep(message: Any, category: type[Warning], filename: str, lineno: int, *args: Any, **kwargs: Any) -> None:
+            shown(message, category, filename, lineno, *args, **kwargs)  # the console, as before
+            _log_to_file_only(files, logging.WARNING, f"{category.__name__}: {message} ({filename}:{lineno})")
+
+        show_and_keep._to_run_folder = True  # type: ignore[attr-defined]
+        warnings.showwarning = show_and_keep
+    return files
+
+
+def _log_to_file_only(files: list[logging.FileHandler], level: int, message: str, exc_info: Any = None) -> None:
+    record = log.makeRecord(log.name, level, __file__, 0, message, (), exc_info)
+    for handler in files:
+        if handler in logging.getLogger().handlers:  # not one closed with a removed run folder
+            handler.handle(record)
+
+
+def remove_run_folder_if_unused(run_dir: Path, log_files: list[logging.FileHandler], log_was_empty: bool) -> bool:
+    """Delete ``run_dir`` when it holds only what Hydra wrote for this very run; True if deleted.
+
+    A run refused for a bad setting has written nothing; its timestamped folder (Hydra's
+    ``.hydra/`` and an empty-at-start log) would only clutter ``outputs/``. A folder holding
+    anything else, or a log with lines from an earlier run, is left as it is.
+    """
+    if not run_dir.is_dir() or not log_was_empty:
+        return False
+    log_names = {Path(h.baseFilename).name for h in log_files if Path(h.baseFilename).parent == run_dir}
+    if any(entry.name not in HYDRA_FILES | log_names for entry in run_dir.iterdir()):
+        return False
+    for handler in log_files:  # nothing may log into the removed folder afterwards
+        for logger in (logging.getLogger(), *map(logging.getLogger, _LIBRARY_LOGGERS)):
+            logger.removeHandler(handler)
+        handler.close()
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return not run_dir.exists()
 
 
 @hydra.main(version_base="1.3", config_path="pkg://lightning_fastscale.conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    """Console entry point: ``fastscale-train [group=option ...] [key=value ...] [-m]``."""
-    return train(cfg)
+    """Console entry point: ``fastscale-train [group=option ...] [key=value ...] [-m]``.
+
+    A :class:`ConfigError` (a wrong setting) ends the run with its one-line message on stderr
+    and exit status 2, the run folder removed if nothing was written to it; set
+    ``HYDRA_FULL_ERROR=1`` to see its traceback. Any other error keeps its traceback, which also
+    goes to the run folder's log.
+    """
+    files = log_to_run_folder()
+    log_was_empty = all(os.path.getsize(h.baseFilename) == 0 for h in files if os.path.exists(h.baseFilename))
+    try:
+        return train(cfg)
+    except ConfigError as error:
+        if _is_multirun() or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        _log_to_file_only(files, logging.ERROR, f"fastscale-train: {error}")
+        where = ""
+        if HydraConfig.initialized():
+            run_dir = Path(HydraConfig.get().runtime.output_dir)
+            if remove_run_folder_if_unused(run_dir, files, log_was_empty):
+                where = f" (nothing was written: run folder {run_dir} removed)"
+            else:
+                where = f" (run folder: {run_dir})"
+        print(f"fastscale-train: error: {error}{where}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except Exception:
+        _log_to_file_only(files, logging.ERROR, "fastscale-train failed", exc_info=sys.exc_info())
+        raise
 
 
 if __name__ == "__main__":

@@ -102,6 +102,23 @@ def test_misuse_fails_before_training(tmp_path, prepare, kwargs, message) -> Non
     assert module.train_records == []
 
 
+class FunctionalLoss(TinyClassifier):
+    """Keeps ``self.criterion`` but computes the training loss with ``F.cross_entropy``."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+
+def test_a_criterion_that_training_step_never_calls_is_refused_before_the_first_backward(tmp_path) -> None:
+    module = FunctionalLoss()
+    before = [p.detach().clone() for p in module.parameters()]
+    with pytest.raises(RuntimeError, match=r"FunctionalLoss.criterion.*without calling it.*self.criterion\(logits, targets\)"):
+        make_trainer(tmp_path, [LabelSmoothing(0.1)], max_steps=2).fit(module, tensor_loader())
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))  # no step was taken
+    assert module.criterion.label_smoothing == 0.0  # and the criterion is left as it was
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

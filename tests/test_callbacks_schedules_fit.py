@@ -274,6 +274,49 @@ def test_warmup_follows_the_curve_and_the_ramp(tmp_path):
     assert cb.progress == pytest.approx(3.0)
 
 
+class MetricsInMemory(pl.loggers.Logger):
+    """A logger keeping every logged metric with its step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.metrics.append((step, dict(metrics)))
+
+
+def test_lr_monitor_logs_the_lr_each_step_applies(tmp_path):
+    """Lightning's LearningRateMonitor (listed first, so it reads the optimizer before this
+    callback's batch hooks run) logs at every step the LR that step applies, step 0 included,
+    across a batch-size change that rescales the LR at the epoch boundary."""
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    model, memory = TinyNet(lr=0.1), MetricsInMemory()
+    cb = WarmupDecayLR(warmup_epochs=1, total_epochs=3, decay="poly", reference_batch=16)
+    pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=3, logger=memory, log_every_n_steps=1, limit_val_batches=0,
+        callbacks=[LearningRateMonitor(logging_interval="step"), BatchSizeRamp({0: 16, 1: 32}), cb],
+        enable_progress_bar=False, enable_checkpointing=False, default_root_dir=tmp_path,
+    ).fit(model, ControllableDM())
+    monitored = [m["lr-SGD"] for _, m in memory.metrics if "lr-SGD" in m]
+    scheduled = [m["lr_schedule/lr"] for _, m in memory.metrics if "lr_schedule/lr" in m]
+    assert len(model.lrs) == 8 and model.lrs[0] == 0.0  # warmup from 0, 4 + 2 + 2 steps
+    assert monitored == pytest.approx(model.lrs)
+    assert scheduled == pytest.approx(model.lrs)
+    assert len(set(model.lrs)) == 7  # the LR moves at all but one step: a lag of one step would show
+
+
 class InfOnSteps(TinyNet):
     """Makes the loss infinite on chosen batches so the fp16 GradScaler skips those steps."""
 

@@ -48,20 +48,33 @@ def test_yaml_builds_strategy_plugin_callbacks_and_factories(tmp_path, monkeypat
     assert isinstance(scheduler, torch.optim.lr_scheduler.CosineAnnealingLR) and scheduler.T_max == 100
 
 
-def test_planner_given_as_a_class_path_is_built(tmp_path, monkeypatch):
+def test_planner_flags_as_documented_plan_without_a_backward_time(tmp_path, monkeypatch):
+    """The flags of docs/lightning_cli.md, exactly: no backward_time_s, so the planner prices
+    backward from the module's FLOPs on the batch the datamodule serves (the module takes it as
+    example_input_array at setup, before the strategy plans)."""
+    import lightning.pytorch as pl
+
+    from lightning_fastscale.strategies.topology import Topology
+
     monkeypatch.setattr(sys, "argv", [str(SCRIPT)])
     cli = _example_main()(
         ["--config", str(CONFIG), f"--trainer.default_root_dir={tmp_path}",
          "--trainer.strategy.init_args.algorithm=auto",
          "--trainer.strategy.init_args.planner=lightning_fastscale.planner.CostModelPlanner",
          "--trainer.strategy.init_args.planner.init_args.params=emulated_local",
-         "--trainer.strategy.init_args.planner.init_args.backward_time_s=0.01"],
+         "--data.train_size=64", "--data.val_size=64"],
         run=False,
     )
-    # the planner object was built from its class path, with the cluster file's parameters
     planner = cli.trainer.strategy.planner
-    assert isinstance(planner, CostModelPlanner)
-    assert planner.backward_time_s == 0.01 and planner.params is not None
+    assert isinstance(planner, CostModelPlanner) and planner.params is not None
+    assert planner.backward_time_s is None and planner.sustained_tflops  # from the cluster file
+    # the module's setup hook, as the 2-process fit runs it (one step on one process here)
+    pl.Trainer(accelerator="cpu", devices=1, max_steps=1, limit_val_batches=0, logger=False,
+               enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path,
+               ).fit(cli.model, cli.datamodule)
+    assert tuple(cli.model.example_input_array.shape) == (64, 3, 32, 32)  # the YAML's batch, 32 px
+    plan = planner.plan(cli.model, Topology(num_nodes=2, ranks_per_node=1))
+    assert plan.algorithm in ("flat", "hier", "torus2d") and 1 <= plan.plan.num_buckets <= 3
 
 
 @pytest.mark.slow  # the YAML-building tests above run by default; this adds two fit steps

@@ -24,7 +24,7 @@ def test_top1_is_fraction_of_correct_samples_with_unbalanced_classes():
     inputs = torch.randn(len(targets), 3, 4, 4)
     module = ImageClassifier(model=_fixed_ranking_model(num_classes), num_classes=num_classes)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False
     )
     # batches of 3 so the metric accumulates over uneven batches
     (metrics,) = trainer.validate(module, DataLoader(TensorDataset(inputs, targets), batch_size=3), verbose=False)

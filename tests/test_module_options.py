@@ -7,8 +7,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.loggers import CSVLogger
+from omegaconf import open_dict
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_fastscale import train
@@ -29,7 +31,7 @@ def _loader(n=16, side=16, classes=4, batch=8):
 
 def _trainer(tmp_path, **kwargs):
     defaults = dict(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
-                    enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                    enable_checkpointing=False, num_sanity_val_steps=0,
                     default_root_dir=tmp_path)
     return pl.Trainer(**{**defaults, **kwargs})
 
@@ -81,10 +83,19 @@ def test_compile_off_by_default_and_bad_mode_refused():
 
 def test_fastscale_train_wires_the_options(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
-    cfg = _compose(["model.channels_last=true", "model.compile=true", "model.compile_mode=reduce-overhead",
-                    "trainer.benchmark=true", "logger=none", "callbacks=none", "trainer.accelerator=cpu",
-                    f"trainer.default_root_dir={tmp_path}", "data.train_size=16", "data.val_size=16"])
-    _, module, trainer = train.build(cfg)
+    monkeypatch.setenv("WANDB_MODE", "offline")  # the default logger; build() starts no run
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="lightning_fastscale.conf", version_base="1.3"):
+        cfg = compose("train", return_hydra_config=True, overrides=[
+            "model.channels_last=true", "model.compile=true", "model.compile_mode=reduce-overhead",
+            "trainer.benchmark=true", "trainer.accelerator=cpu", "data.train_size=16", "data.val_size=16"])
+    with open_dict(cfg):  # the default callbacks and logger write into the run folder
+        cfg.hydra.runtime.output_dir = str(tmp_path)
+    HydraConfig.instance().set_config(cfg)
+    try:
+        _, module, trainer = train.build(cfg)
+    finally:
+        HydraConfig.instance().cfg = None
     assert module.channels_last and module.compile_network and module.compile_mode == "reduce-overhead"
     assert torch.backends.cudnn.benchmark is True  # Lightning's Trainer(benchmark=True) set it
 

@@ -62,6 +62,18 @@ def test_known_optima():
     assert simulate([2], [1, 1], [5.0, 5.0], affine(1.0, 5.0)).finish_s == pytest.approx(21.0)
 
 
+def test_fewest_buckets_among_equally_fast_plans():
+    # Without latency, sending each early gradient at once ends the first three soonest (at 4),
+    # but any split of them ends before the last gradient is ready (13), so every plan whose last
+    # bucket is the last gradient finishes at 13 + 1: the planner keeps the one of 2 buckets.
+    sizes, back, cost = [1, 1, 1, 1], [1.0, 1.0, 1.0, 10.0], affine(0.0, 1.0)
+    plan = plan_fusion(sizes, back, cost)
+    assert plan.finish_s == pytest.approx(14.0)
+    assert plan.ends == (3, 4)
+    fastest = {len(e) for e in all_bucketings(4) if simulate(e, sizes, back, cost).finish_s == 14.0}
+    assert fastest == {2, 3, 4}  # the tie the planner had to break
+
+
 def test_ddp_bucket_assignment_reproduces_plan():
     rng = np.random.default_rng(0)
     sizes = rng.integers(1, 50, 40) * 4096

@@ -49,7 +49,7 @@ def _fit(tmp_path: Path, model: BoringModel, caplog: pytest.LogCaptureFixture) -
     logger = CSVLogger(tmp_path, name="run", version=0)
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=HierarchicalAllReduceStrategy(), logger=logger, max_steps=1,
-        limit_val_batches=0, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, enable_checkpointing=False, enable_progress_bar=False,
     )
     seen_before_train_start: list[str] = []
 
@@ -71,10 +71,12 @@ def _fit(tmp_path: Path, model: BoringModel, caplog: pytest.LogCaptureFixture) -
 def test_plan_logged_after_lightning_hparams(tmp_path: Path, caplog, release_process_group) -> None:
     hparams, seen_before_train_start = _fit(tmp_path, _Opted(log_hparams=True), caplog)
     assert hparams["width"] == 32  # Lightning's own hyper-parameters are still there
-    assert hparams["strategy/algorithm"] == "ddp_allreduce (one node)"
+    assert hparams["strategy/algorithm"] == "flat"  # one node: the one all-reduce DDP runs itself
+    assert hparams["strategy/comm_hook"] == "none (DDP's own all-reduce)"
     assert hparams["strategy/world_size"] == 1
     assert not any(key.startswith("strategy/") for key in seen_before_train_start), "plan written to the logger at setup"
-    assert "HierarchicalAllReduceStrategy: algorithm=ddp_allreduce (one node)" in caplog.text
+    assert "HierarchicalAllReduceStrategy: algorithm=flat, num_nodes=1" in caplog.text
+    assert "comm_hook=none (DDP's own all-reduce)" in caplog.text
 
 
 def test_plan_not_logged_when_module_opts_out(tmp_path: Path, caplog, release_process_group) -> None:

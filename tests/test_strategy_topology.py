@@ -74,8 +74,11 @@ def test_setup_topology_from_devices_and_nodes() -> None:
 
 
 def test_world_not_multiple_of_ranks_per_node() -> None:
-    with pytest.raises(ValueError, match=r"ranks_per_node=\.\.\.\).*world size 3 is not a multiple of ranks_per_node=2"):
+    match = r"ranks_per_node=2\) with Trainer\(devices=3, num_nodes=1\): world size 3 is not a multiple"
+    with pytest.raises(ValueError, match=match):
         _strategy(3, ranks_per_node=2)._resolve_topology()
+    with pytest.raises(ValueError, match=match):  # the same check, callable before any process starts
+        _strategy(3, ranks_per_node=2).check_topology()
 
 
 def test_devices_disagree_with_launcher(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -59,7 +59,7 @@ def _fit(strategy, steps: int = STEPS, ckpt_path: str | None = None, **trainer_k
     model = _Net()
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=4, max_steps=steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **trainer_kw,
+        enable_checkpointing=False, enable_progress_bar=False, **trainer_kw,
     )
     trainer.fit(model, _data(), ckpt_path=ckpt_path)
     return trainer, model
@@ -143,7 +143,10 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict | None:
         "rel": _rel(_flat(model), reference), "hook_state": trainer.strategy.hook_state,
         "native": trainer.strategy.uses_ddp_allreduce, "fp16_native": one_fp16.strategy.uses_ddp_allreduce,
         "fp16_iterations": one_fp16.strategy.hook_state.iteration,
+        "fp16_hook": (one_fp16.strategy.comm_hook, one_fp16.strategy.comm_hook_calls),
         "summary": trainer.strategy.plan_summary()["strategy/algorithm"],
+        "resolved": trainer.strategy.resolved_algorithm, "comm_hook": trainer.strategy.comm_hook,
+        "hook_calls": trainer.strategy.comm_hook_calls,
     }
 
     # Gradient accumulation (no_sync micro-batches) with a precision plugin, against DDP doing the
@@ -232,9 +235,11 @@ def test_same_weights_as_ddp(results: dict, algorithm: str, wire: str) -> None:
 
 def test_one_node_keeps_ddp_allreduce(results: dict) -> None:
     r = results["one_node"]
-    assert r["native"] and r["hook_state"] is None and r["summary"].startswith("ddp_allreduce")
+    assert r["native"] and r["hook_state"] is None and r["summary"] == r["resolved"] == "flat"
+    assert r["comm_hook"] is None and r["hook_calls"] == 0
     assert r["rel"] <= TOLERANCE["fp32"], r["rel"]
     assert not r["fp16_native"] and r["fp16_iterations"] == STEPS
+    assert r["fp16_hook"][0] is not None and r["fp16_hook"][1] == STEPS  # a wire dtype needs the hook
 
 
 @pytest.mark.parametrize("algorithm", ["hier", "torus2d", "flat"])

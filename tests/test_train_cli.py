@@ -12,7 +12,7 @@ import torch
 TINY = [
     "data.train_size=192", "data.val_size=64", "data.batch_size=32",
     "model.kwargs.widths=[8,16,16]", "trainer.max_epochs=1", "trainer.enable_progress_bar=false",
-    "trainer.enable_model_summary=false", "trainer.log_every_n_steps=1", "callbacks.throughput=null",
+    "trainer.log_every_n_steps=1",
 ]
 
 
@@ -53,6 +53,11 @@ def test_single_run_wandb_offline_then_resume(tmp_path):
     assert "final val/top1:" in out
     assert "(offline)" in out  # no API key: W&B ran offline and said where
     assert "anonymous setting" not in out  # Lightning's anonymous=None is not handed to wandb.init
+    # The run folder's log holds Lightning's lines and the summary; samples/s even in 6 steps.
+    run_log = (run_dir / "train.log").read_text()
+    for line in ("GPU available", "trained 192 samples in 6 batches", "samples/s", "W&B run written to",
+                 "final val/top1:"):
+        assert line in run_log and line in out, line
 
     wandb_run = _only((run_dir / "wandb").glob("offline-run-*"))
     logged = wandb_logged_values(wandb_run, "val/top1")
@@ -74,11 +79,13 @@ def test_single_run_wandb_offline_then_resume(tmp_path):
     # Resuming writes into a new folder and continues at epoch 1, step 6. No LR schedule: two epochs
     # would stretch a cosine schedule, which CheckpointCheck refuses as a mismatch.
     resumed_dir = tmp_path / "resumed"
-    fastscale_train(
+    out2 = fastscale_train(
         [*TINY, "scheduler=none", "trainer.max_epochs=2", f"ckpt_path={last}", f"hydra.run.dir={resumed_dir}",
          "logger=csv"],
         tmp_path,
     )
+    metrics_csv = resumed_dir / "csv" / "version_0" / "metrics.csv"
+    assert f"metrics written to {metrics_csv}" in out2 and metrics_csv.is_file()  # the console says where
     resumed = torch.load(resumed_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert resumed["epoch"] == 1 and resumed["global_step"] == 12
     # the resumed run's breakdown is numbered by the global step: steps 6..11

@@ -14,6 +14,8 @@ end of the fit, so validation and test losses stay unsmoothed.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import lightning.pytorch as pl
 import torch
 from torch import nn
@@ -104,6 +106,8 @@ class LabelSmoothing(pl.Callback):
     named by ``attribute``): its ``label_smoothing`` is set at the start of every training epoch
     from :func:`smoothing_at_epoch`, set back to 0 during validation, and
     restored when the fit ends. The factor in use is logged as ``label_smoothing`` each epoch.
+    The first training loss must come from that submodule: a ``training_step`` that calls
+    ``F.cross_entropy`` instead is stopped before its first backward with an error naming the fix.
 
     Args:
         smoothing: factor at epoch 0 (MLPerf's ResNet-50 reference uses 0.1).
@@ -143,7 +147,11 @@ class LabelSmoothing(pl.Callback):
         self.anneal_epochs = anneal_epochs
         self.attribute = attribute
         self._criterion: nn.CrossEntropyLoss | None = None
+        self._criterion_name = ""
         self._outside_validation = 0.0
+        self._calls = 0
+        self._verified = False
+        self._hook: Any = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -158,7 +166,31 @@ class LabelSmoothing(pl.Callback):
                 "apply the smoothing, or remove the callback"
             )
         self._criterion = criterion
+        self._criterion_name = name
+        self._calls = 0
+        self._verified = False
+        self._hook = criterion.register_forward_hook(self._count_call)
 
+    def _count_call(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._calls += 1
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        """After the first training loss, check it came from the criterion this callback smooths.
+
+        A ``training_step`` calling ``F.cross_entropy`` directly would leave the smoothing a
+        silent no-op; it is refused here, before the first backward.
+        """
+        if self._verified or self._criterion is None:
+            return
+        if self._calls == 0:
+            raise RuntimeError(
+                f"LabelSmoothing acts on {type(pl_module).__name__}.{self._criterion_name}, but "
+                f"training_step computed its loss without calling it (e.g. F.cross_entropy), so no "
+                f"label would be smoothed; compute the training loss with self.{self._criterion_name}"
+                "(logits, targets), or remove the LabelSmoothing callback"
+            )
+        self._verified = True
     def _apply(self, trainer: pl.Trainer) -> float:
         value = smoothing_at_epoch(
             trainer.current_epoch, self.smoothing, self.final_smoothing, self.anneal_epochs
@@ -199,6 +231,9 @@ class LabelSmoothing(pl.Callback):
         self._restore()
 
     def _restore(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         if self._criterion is not None:
             self._criterion.label_smoothing = 0.0
             self._criterion = None

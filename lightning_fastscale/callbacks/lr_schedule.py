@@ -237,7 +237,7 @@ class WarmupDecayLR(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Fail before the first step if linear scaling cannot read the global batch."""
+        """Fail before the first step if linear scaling cannot read the global batch; set step 0's LR."""
         if self.reference_batch is not None:
             current_global_batch(trainer)
         if math.isinf(trainer.num_training_batches):
@@ -245,12 +245,14 @@ class WarmupDecayLR(Callback):
                 "WarmupDecayLR schedules by fractional epochs and needs a training dataloader "
                 "with a length (an IterableDataset without __len__ has none)"
             )
+        self._apply(trainer, recount=False)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Fold the finished epoch into the position."""
+        """Fold the finished epoch into the position; set the LR of the epoch's first step."""
         self._progress_before_epoch += self._applied_in_epoch / self._steps_in_epoch
         self._applied_in_epoch = 0
+        self._apply(trainer)
 
     def lr_now(self, trainer: pl.Trainer) -> list[float]:
         """The LR of each parameter group for the next optimizer step."""
@@ -267,15 +269,26 @@ class WarmupDecayLR(Callback):
             for base in self._base_lrs
         ]
 
+    def _apply(self, trainer: pl.Trainer, recount: bool = True) -> None:
+        """Write the next step's LR into the optimizer.
+
+        Done as soon as the position is known (train start, epoch start, after each step), not
+        only just before the step: Lightning's ``LearningRateMonitor`` reads the optimizer at the
+        start of each batch, and must see the LR that batch's step applies. ``recount=False``
+        keeps the steps of the epoch the position is in (at train start, a run resumed at an
+        epoch's end already holds the next epoch's loader; the fold at epoch start needs the old).
+        """
+        if recount:  # steps per epoch can change at epoch boundaries (BatchSizeRamp, resizing)
+            self._steps_in_epoch = max(
+                1, math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches)
+            )
+        for group, lr in zip(trainer.optimizers[0].param_groups, self.lr_now(trainer)):
+            group["lr"] = lr
+
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         """Set the LR for the step about to run; remember the loss scale to detect a skip."""
-        # Steps in this epoch can change at epoch boundaries (BatchSizeRamp, resizing).
-        self._steps_in_epoch = max(
-            1, math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches)
-        )
-        for group, lr in zip(optimizer.param_groups, self.lr_now(trainer)):
-            group["lr"] = lr
+        self._apply(trainer)  # unchanged unless a callback changed the loader since the batch began
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self._scale_before = scaler.get_scale() if scaler is not None else None
         self._step_ran = False
@@ -296,18 +309,20 @@ class WarmupDecayLR(Callback):
         if not self._step_pending:
             return
         self._step_pending = False
+        applied = trainer.optimizers[0].param_groups[0]["lr"]
         if self._last_step_skipped(trainer):
             self._skipped_steps += 1
         else:
             self._applied_in_epoch += 1
         pl_module.log_dict(
             {
-                "lr_schedule/lr": trainer.optimizers[0].param_groups[0]["lr"],
+                "lr_schedule/lr": applied,
                 "lr_schedule/epoch_progress": self.progress,
                 "lr_schedule/skipped_steps": float(self._skipped_steps),
             },
             on_step=True, on_epoch=False,
         )
+        self._apply(trainer, recount=False)  # the next step's LR, for whoever reads it before that step
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -160,32 +160,45 @@ def plan_fusion(
     n = sizes.size
     if max_buckets is not None and max_buckets < 1:
         raise ValueError(f"max_buckets={max_buckets} must be >= 1")
-    # Without a bucket limit one layer of the programme suffices (any count is allowed).
-    k_max = 1 if max_buckets is None else min(int(max_buckets), n)
     prefix = np.concatenate([[0], np.cumsum(sizes)]).astype(float)
-    # best[k][i]: earliest finish covering gradients [0, i) with k buckets (at most k when
-    # unbounded, where row 1 feeds on itself).
-    best = np.full((k_max + 1, n + 1), np.inf)
-    best[0, 0] = 0.0
-    arg = np.zeros((k_max + 1, n + 1), dtype=np.int64)
-    for i in range(1, n + 1):
-        segment = prefix[i] - prefix[:i]  # bytes of a last bucket starting at j, for j < i
-        durations = np.asarray(cost(segment), dtype=float)
-        for k in range(1, k_max + 1):
-            previous = best[k - 1, :i] if max_buckets is not None else np.minimum(best[0, :i], best[1, :i])
-            candidates = np.maximum(previous, ready[i - 1]) + durations
+    # durations[i - 1][j]: the all-reduce of a last bucket holding gradients [j, i)
+    durations = [np.asarray(cost(prefix[i] - prefix[:i]), dtype=float) for i in range(1, n + 1)]
+
+    def next_row(previous: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        # earliest finish covering gradients [0, i) with one bucket more than ``previous`` used
+        row, arg = np.full(n + 1, np.inf), np.zeros(n + 1, dtype=np.int64)
+        for i in range(1, n + 1):
+            candidates = np.maximum(previous[:i], ready[i - 1]) + durations[i - 1]
             j = int(np.argmin(candidates))
-            best[k, i], arg[k, i] = candidates[j], j
-    ends, i = [], n
+            row[i], arg[i] = candidates[j], j
+        return row, arg
+
+    # The earliest finish over any bucket count: one row that feeds on itself.
+    target = None
     if max_buckets is None:
-        while i > 0:
-            ends.append(i)
-            i = int(arg[1, i])
-    else:
-        k = int(np.argmin(best[1:, n])) + 1
-        while k > 0:
-            ends.append(i)
-            i, k = int(arg[k, i]), k - 1
+        unbounded = np.full(n + 1, np.inf)
+        unbounded[0] = 0.0
+        for i in range(1, n + 1):
+            unbounded[i] = np.min(np.maximum(unbounded[:i], ready[i - 1]) + durations[i - 1])
+        target = round(float(unbounded[n]), 12)
+    # Then the fewest buckets reaching it (or, bounded, the best count up to max_buckets): a link
+    # priced without latency makes every split before the end of backward free in the model,
+    # while DDP and the network still pay for each bucket.
+    k_max = n if max_buckets is None else min(int(max_buckets), n)
+    previous = np.full(n + 1, np.inf)
+    previous[0] = 0.0
+    rows, args = [], []
+    for _ in range(k_max):
+        previous, arg = next_row(previous)
+        rows.append(previous[n])
+        args.append(arg)
+        if target is not None and round(float(previous[n]), 12) <= target:
+            break
+    k = int(np.argmin(rows)) + 1
+    ends, i = [], n
+    while k > 0:
+        ends.append(i)
+        i, k = int(args[k - 1][i]), k - 1
     return simulate(sorted(ends), sizes, backward_s, cost)
 
 

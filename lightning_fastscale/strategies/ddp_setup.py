@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_fastscale._validation import positive_number
 from lightning_fastscale.strategies.allreduce import TopKErrorFeedback
 from lightning_fastscale.strategies.comm_hooks import HOOKS, HierarchicalHookState
 from lightning_fastscale.strategies.options import (
@@ -122,6 +123,8 @@ class HierarchicalDDPSetup:
             raise ValueError(f"topk_start_iter={topk_start_iter} must be >= 1 (DDP rebuilds buckets after iteration 0).")
         if ranks_per_node is not None and ranks_per_node < 1:
             raise ValueError(f"ranks_per_node={ranks_per_node} must be >= 1 (or None to detect it).")
+        if bucket_cap_mb is not None:
+            positive_number("bucket_cap_mb", bucket_cap_mb, hint="DDP's bucket size in MB (None: 25)")
         if sum(x is not None for x in (bucket_cap_mb, fusion_plan, two_segment_split)) > 1:
             raise ValueError("set only one of bucket_cap_mb, fusion_plan and two_segment_split.")
         chunk_numel_for(pipeline_chunk_mb)  # validates it before any process starts
@@ -171,6 +174,21 @@ class HierarchicalDDPSetup:
     _timeout: Any
     root_device: torch.device
 
+    def check_topology(self) -> Topology:
+        """The topology the Trainer's devices and nodes give with ``ranks_per_node``; no launcher needed.
+
+        Callable right after the Trainer is built, before any process starts: raises
+        ``ValueError`` naming ``ranks_per_node`` and the devices when they do not divide.
+        """
+        world_size = self.num_nodes * self.num_processes
+        try:
+            return Topology.from_world(world_size, self.ranks_per_node or self.num_processes)
+        except ValueError as error:
+            raise ValueError(
+                f"{type(self).__name__}(ranks_per_node={self.ranks_per_node}) with "
+                f"{self._front}(devices={self.num_processes}, num_nodes={self.num_nodes}): {error}"
+            ) from None
+
     def _resolve_topology(self) -> Topology:
         world_size = self.num_nodes * self.num_processes
         launcher = detect_ranks_per_node(self.cluster_environment)
@@ -185,10 +203,7 @@ class HierarchicalDDPSetup:
                 f"{self._front}(num_nodes={self.num_nodes}, devices={self.num_processes}) gives {world_size} ranks "
                 f"but the launcher's world size is {env_world}: make num_nodes * devices match it."
             )
-        try:
-            return Topology.from_world(world_size, self.ranks_per_node or self.num_processes)
-        except ValueError as error:
-            raise ValueError(f"{type(self).__name__}(ranks_per_node=...): {error}") from None
+        return self.check_topology()
 
     def _check_nodes_uniform(self) -> None:
         # Every node must report the same local size, and ranks must be contiguous per node,
@@ -267,6 +282,9 @@ class HierarchicalDDPSetup:
         if self.topology is None:  # Fabric's setup_module may be called without setup_environment
             self.topology = self._resolve_topology()
         self.resolved_algorithm, caps = self.resolve_comm_plan(model, self.topology)
+        if self.uses_ddp_allreduce:
+            # One node, no hook: every algorithm is then the one all-reduce DDP runs itself.
+            self.resolved_algorithm = "flat"
         if caps is not None:
             self._ddp_kwargs["bucket_cap_mb_list"] = caps
         if self.user_comm_hook is not None and self.topology.num_nodes > 1:
@@ -331,11 +349,31 @@ class HierarchicalDDPSetup:
             name = getattr(self.user_comm_hook, "__qualname__", repr(self.user_comm_hook))
             assert self.topology is not None
             return name if self.topology.num_nodes == 1 else f"hier (inter-node stage: {name})"
-        if self.plain_ddp_reason is not None:
-            return "ddp_allreduce (planner: plain DDP within tolerance of the best)"
-        if self.uses_ddp_allreduce:
-            return "ddp_allreduce (one node)"
         return self.resolved_algorithm
+
+    @property
+    def comm_hook(self) -> str | None:
+        """Name of the communication hook on the DDP module; ``None`` when DDP's own all-reduce runs.
+
+        Known once the model is set up (``Trainer.fit`` / ``Fabric.setup``).
+        """
+        if self.topology is None or self.resolved_algorithm is None:
+            return None
+        if self.user_comm_hook is not None:
+            return getattr(self.user_comm_hook, "__qualname__", repr(self.user_comm_hook))
+        if self.uses_ddp_allreduce:
+            return None
+        hook = HOOKS[self.resolved_algorithm]
+        return getattr(hook, "__name__", repr(hook))
+
+    @property
+    def comm_hook_calls(self) -> int:
+        """Backward passes whose gradients went through this strategy's hook (0 when none is installed).
+
+        Counts each backward once, when its last DDP bucket is handed to the hook; a user's hook
+        on one node (registered as plain DDP would) is not counted.
+        """
+        return self.hook_state.iteration if self.hook_state is not None else 0
 
     def plan_summary(self) -> dict[str, Any]:
         """Topology, algorithm, wire dtype and bucket plan of this run (what rank 0 logs)."""
@@ -351,8 +389,10 @@ class HierarchicalDDPSetup:
             "strategy/wire_dtype": self.wire_dtype,
             "strategy/compression": f"topk:{self.topk_ratio}" if self.compression else "none",
             "strategy/gradient_mb": round(self._gradient_bytes / _MB, 3),
-            "strategy/bucket_caps_mb": [round(float(c), 3) for c in caps],
+            # three significant digits: a cap of a few hundred bytes must not read as 0.0
+            "strategy/bucket_caps_mb": [float(f"{float(c):.3g}") for c in caps],
             "strategy/pipeline_chunk_mb": resolve_chunk_mb(self.pipeline_chunk_mb, self.topology.num_nodes),
+            "strategy/comm_hook": self.comm_hook or "none (DDP's own all-reduce)",
             **why,
         }
 
