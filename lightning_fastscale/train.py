@@ -9,11 +9,9 @@ Returns the monitored metric, so sweepers (Optuna) can optimise it.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import shutil
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -27,14 +25,13 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ThroughputMonitor
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
-from typing_extensions import override
 
 import lightning_fastscale  # noqa: F401  (registers strategies and models)
 
 from . import checkpointing
 from ._validation import positive_int, positive_number
 from .config_check import ConfigError, setting_errors, show
-from .module import ImageClassifier, batch_size_of
+from .module import ImageClassifier
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +205,6 @@ def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.
         if node:
             with setting_errors(f"callbacks.{name}", node):
                 callbacks.append(instantiate(node))
-    callbacks.append(FitSummary())
     with setting_errors("logger", cfg.get("logger")):
         logger = build_logger(cfg)
     if not logger:  # these only report to a logger, and Lightning refuses them without one
@@ -302,57 +298,6 @@ def _choice(group: str, cfg: DictConfig) -> str:
 
 
 # -- the run's summary: samples/s, where the metrics went -----------------------------------------
-
-
-class FitSummary(pl.Callback):
-    """Log one line at the end of fit: samples trained, training seconds and samples/s.
-
-    Training time runs from the start to the end of each training epoch, less the validation
-    inside it; samples are the real batch sizes (``batch_size_of``) times the world size. Unlike
-    Lightning's ``ThroughputMonitor`` it needs no window, so a run of a few steps reports it too.
-    """
-
-    def __init__(self) -> None:
-        self.samples = 0
-        self.seconds = 0.0
-        self.steps = 0
-        self._epoch_start: float | None = None
-        self._val_start: float | None = None
-
-    @override
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._epoch_start = time.perf_counter()
-
-    @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        try:
-            self.samples += batch_size_of(batch) * trainer.world_size
-        except (TypeError, IndexError):  # a batch of another shape: no sample count
-            pass
-        self.steps += 1
-
-    @override
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.sanity_checking and self._epoch_start is not None:
-            self._val_start = time.perf_counter()
-
-    @override
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._val_start is not None:
-            self.seconds -= time.perf_counter() - self._val_start
-            self._val_start = None
-
-    @override
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._epoch_start is not None:
-            self.seconds += time.perf_counter() - self._epoch_start
-            self._epoch_start = None
-
-    @override
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.is_global_zero and self.steps:
-            rate = self.samples / self.seconds if self.seconds > 0 else math.nan
-            _report(f"trained {self.samples} samples in {self.steps} batches, {self.seconds:.1f} s: {rate:.1f} samples/s")
 
 
 def _report(line: str) -> None:
