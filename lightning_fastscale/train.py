@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 import lightning_fastscale  # noqa: F401  (registers strategies and models)
 
 from . import checkpointing
+from .checkpoint_io import AtomicCheckpointIO
 from .module import ImageClassifier
 
 log = logging.getLogger(__name__)
@@ -143,7 +144,8 @@ def resolve_resume(cfg: DictConfig) -> str | None:
     ``resume=never`` (the default): a fresh run, or ``ckpt_path``; a run folder that already
     holds checkpoints is refused. ``resume=auto`` (requeued or restarted jobs, with a fixed
     ``hydra.run.dir``): continue from the newest checkpoint in the run's checkpoint folder,
-    or start fresh when there is none yet; an unreadable newest file is an error naming it.
+    or start fresh when there is none yet; an incomplete or unreadable file is skipped with a
+    warning naming it (see :func:`~lightning_fastscale.checkpointing.resume_point`).
     """
     mode = cfg.get("resume", "never")
     if mode not in RESUME_MODES:
@@ -156,14 +158,7 @@ def resolve_resume(cfg: DictConfig) -> str | None:
             f"resume=auto and ckpt_path={cfg.ckpt_path} both given; resume=auto picks the newest "
             "checkpoint of the run folder itself: drop one of them"
         )
-    folders = _checkpoint_folders(cfg)
-    newest = checkpointing.newest_checkpoint(folders)
-    if newest is None:
-        log.info("resume=auto: no checkpoint in %s yet; starting a fresh run", ", ".join(map(str, folders)) or "-")
-        return None
-    checkpointing.read_checkpoint(newest)  # a truncated newest file stops here, by name
-    log.info("resume=auto: continuing from %s", newest)
-    return str(newest)
+    return checkpointing.resume_point(_checkpoint_folders(cfg))
 
 
 def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.Trainer]:
@@ -197,7 +192,8 @@ def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.
         "strategy": build_strategy(cfg, cfg.trainer.get("devices")),
         "callbacks": callbacks,
         "logger": logger,
-        "plugins": plugins or None,
+        # every checkpoint written atomically beside its target (no partial file under a final name)
+        "plugins": [*plugins, AtomicCheckpointIO()],
     }
     if precision is not None:
         trainer_kwargs["precision"] = precision
