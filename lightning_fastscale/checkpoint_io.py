@@ -21,6 +21,7 @@ Lightning adapter: :class:`AtomicCheckpointIO`.
 """
 from __future__ import annotations
 
+import io
 import logging
 import os
 import tempfile
@@ -66,19 +67,26 @@ def save_atomically(obj: Any, path: str | os.PathLike) -> None:
         tensor([1., 1.])
     """
     path = Path(path)
+    # serialized in memory first (as Lightning does): a write error is then a plain OSError,
+    # not torch's zip writer failing on its own end-of-file record
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=PARTIAL_SUFFIX)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            f.write(buffer.getbuffer())
             f.flush()
             os.fsync(f.fileno())
         os.replace(temp_name, path)
-    except BaseException:
+    except BaseException as err:
         try:
             os.unlink(temp_name)
         except FileNotFoundError:
             pass
+        if isinstance(err, OSError) and err.errno is not None:
+            kept = " (the existing file is kept)" if path.exists() else ""
+            raise OSError(err.errno, f"{err.strerror}: cannot write checkpoint {path}{kept}") from err
         raise
     _fsync_folder(path.parent)
 
