@@ -167,3 +167,22 @@ def test_no_checkpoint_is_written_with_nan_weights(tmp_path) -> None:
     with pytest.raises(NonFiniteStepsError, match=r"not writing a checkpoint at trainer.global_step=2: net.0.weight"):
         tr.fit(NaNWeights(), data(n=80))
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch=0-step=1.ckpt"]
+
+
+def test_fastscale_train_diverging_in_fp32_fails_and_keeps_no_nan_checkpoint(tmp_path) -> None:
+    """``optimizer.lr=1e6`` under the default fp32, a run far shorter than the fp16 skip budget:
+    the run stops at the first non-finite loss with a non-zero status, prints no final
+    accuracy, and every checkpoint it left holds finite weights."""
+    from lightning_fastscale import checkpointing
+    from tests.faults_helpers import finish, start
+
+    run = ["data.train_size=64", "data.val_size=16", "data.batch_size=16", "data.resolution=16",
+           "model.kwargs.widths=[8,8,8]", "trainer.max_epochs=3", "trainer.enable_progress_bar=false",
+           "trainer.log_every_n_steps=1", "trainer.accelerator=cpu", "logger=csv", "optimizer.lr=1e6"]
+    code, out = finish(start(tmp_path / "run", run=run))
+    assert code != 0, out[-3000:]
+    assert "NonFiniteGuard: optimizer step" in out and "no loss scaler (fp32/bf16)" in out
+    assert "final val/top1" not in out
+    for path in (tmp_path / "run" / "checkpoints").glob("*.ckpt"):
+        state = checkpointing.read_checkpoint(path)["state_dict"]
+        assert all(bool(torch.isfinite(t).all()) for t in state.values() if t.is_floating_point()), path

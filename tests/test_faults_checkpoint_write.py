@@ -73,6 +73,7 @@ def test_rank_killed_while_writing_a_checkpoint_then_resume_auto(small_fs, tmp_p
     code, out = finish(start(run_dir, "resume=auto", run=RUN, env={"TMPDIR": str(tmpdir)}))
     assert code == 0, out[-3000:]
     assert f"removing {leftovers[0]}" in out and "continuing from" in out
+    assert "taking over the lock of pid" in out  # the killed run never released its run folder
     assert checkpointing.read_checkpoint(folder / "last.ckpt")["global_step"] == 8
     assert not partial_files([folder])
     assert_no_partial_checkpoint(folder, tmpdir)
