@@ -22,9 +22,10 @@ from lightning_fastscale.callbacks.exact_resume import WorldSizeChangeError
 from lightning_fastscale.data.convert import convert
 from tests.faults_helpers import finish, finish_all, read_batch_log, start
 
-# 256 samples, global batch 32: 8 steps per epoch (default callbacks: steps 0..15; large_batch
-# ramps the global batch to 64 in epoch 1: steps 8..11). SIGTERM on the last rank as step 9
-# starts: every rank finishes step 9 and stops with global_step 10, mid-epoch 1.
+# 256 samples, global batch 32 (large_batch: data.batch_size is the global batch; default
+# callbacks: the per-device batch, set to 32 / ranks): 8 steps per epoch (default callbacks:
+# steps 0..15; large_batch ramps the global batch to 64 in epoch 1: steps 8..11). SIGTERM on the
+# last rank as step 9 starts: every rank finishes step 9 and stops with global_step 10, mid-epoch 1.
 RUN = [
     "data.batch_size=32", "data.resolution=16", "model.kwargs.widths=[8,8,8]", "trainer.max_epochs=2",
     "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1", "trainer.accelerator=cpu", "logger=csv",
@@ -118,7 +119,11 @@ def stream_root(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("scheduler", ["none", "cosine"])
 @pytest.mark.parametrize("data", ["procedural", "streaming"])
 def test_exact_resume_matrix(tmp_path, request, data, scheduler, callbacks, ranks):
-    run = list(RUN) + (LARGE_BATCH if callbacks == "large_batch" else []) + [f"scheduler={scheduler}"]
+    run = list(RUN) + [f"scheduler={scheduler}"]
+    if callbacks == "large_batch":
+        run += LARGE_BATCH
+    else:
+        run += [f"data.batch_size={32 // ranks}"]
     if data == "procedural":
         run += PROCEDURAL
     else:
