@@ -169,6 +169,26 @@ def test_no_checkpoint_is_written_with_nan_weights(tmp_path) -> None:
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch=0-step=1.ckpt"]
 
 
+class NaNValidation(Tiny):
+    """Finite training; the monitored validation metric is NaN."""
+
+    def __init__(self) -> None:
+        super().__init__(make_net())
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/metric", torch.tensor(math.nan))
+
+
+def test_a_nan_monitored_metric_stops_before_it_is_kept_as_best(tmp_path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    tr = fit_trainer(tmp_path, {}, max_epochs=1, enable_checkpointing=True, num_sanity_val_steps=0, callbacks=[
+        NonFiniteGuard(), ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val/metric", mode="max")])
+    with pytest.raises(NonFiniteStepsError, match="monitored metric val/metric is NaN"):
+        tr.fit(NaNValidation(), data(n=16), data(n=8))
+    assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").iterdir())
+
+
 def test_fastscale_train_diverging_in_fp32_fails_and_keeps_no_nan_checkpoint(tmp_path) -> None:
     """``optimizer.lr=1e6`` under the default fp32, a run far shorter than the fp16 skip budget:
     the run stops at the first non-finite loss with a non-zero status, prints no final

@@ -27,7 +27,9 @@ step changes the weights; a step the LARS plugin skipped stops it too.
 A checkpoint is never written with non-finite weights or buffers: :meth:`NonFiniteGuard.
 on_save_checkpoint` refuses it, so a diverged run can neither keep a NaN checkpoint as the
 best one (Lightning's ``ModelCheckpoint`` ranks by the monitored metric, and accuracy stays
-finite on NaN weights) nor resume from one.
+finite on NaN weights) nor resume from one. A NaN in a metric a ``ModelCheckpoint`` monitors
+stops the run before that callback sees it (Lightning ranks a NaN as the worst value, but keeps
+it as the best when it is the first).
 """
 from __future__ import annotations
 
@@ -134,6 +136,28 @@ class NonFiniteGuard(Callback):
         budget = self.max_consecutive if scaler is not None else 0
         if self.consecutive > budget:
             raise NonFiniteStepsError(self._message(trainer, pl_module, scale))
+
+    def _check_monitors(self, trainer: pl.Trainer) -> None:
+        # ModelCheckpoint ranks a NaN as the worst value, but keeps it as the best when it is the
+        # first; Lightning runs checkpoint callbacks after the others, so this comes first
+        for callback in trainer.checkpoint_callbacks:
+            monitor = getattr(callback, "monitor", None)
+            value = trainer.callback_metrics.get(monitor) if monitor else None
+            if isinstance(value, Tensor) and bool(torch.isnan(value).any()):
+                raise NonFiniteStepsError(
+                    f"NonFiniteGuard: the monitored metric {monitor} is NaN at trainer.global_step="
+                    f"{trainer.global_step} (epoch {trainer.current_epoch}); the run diverged, and no checkpoint "
+                    "is kept as the best by a NaN. Lower the learning rate or lengthen the warmup"
+                )
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._check_monitors(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._check_monitors(trainer)
 
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
