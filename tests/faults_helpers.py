@@ -181,3 +181,15 @@ class FillDiskAtStep(pl.Callback):
         free = stat.f_bavail * stat.f_frsize
         with open(self.path, "wb") as f:
             f.write(b"\0" * max(0, free - self.leave_bytes))
+
+
+class FinalCheckpoint(pl.Callback):
+    """Write the run's final state to ``path`` when training ends (all ranks take part, as in any
+    ``Trainer.save_checkpoint``), outside the checkpoint folder ``resume=auto`` reads: a run to
+    compare, whatever ``ModelCheckpoint`` decided to keep."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)

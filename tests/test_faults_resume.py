@@ -47,11 +47,13 @@ def preempt(ranks: int, step: int = STOP_STEP) -> list[str]:
 
 
 def batch_log(run_dir: Path) -> list[str]:
-    return ["+callbacks.batch_log._target_=tests.faults_helpers.BatchLog", f"+callbacks.batch_log.folder={run_dir / 'batches'}"]
+    """Each step's batch per rank, and the final state (whatever ModelCheckpoint kept as last.ckpt)."""
+    return ["+callbacks.batch_log._target_=tests.faults_helpers.BatchLog", f"+callbacks.batch_log.folder={run_dir / 'batches'}",
+            "+callbacks.final._target_=tests.faults_helpers.FinalCheckpoint", f"+callbacks.final.path={run_dir / 'final.ckpt'}"]
 
 
-def load(run_dir: Path, name: str = "last.ckpt") -> dict:
-    return torch.load(run_dir / "checkpoints" / name, map_location="cpu", weights_only=True)
+def load(run_dir: Path) -> dict:
+    return torch.load(run_dir / "final.ckpt", map_location="cpu", weights_only=True)
 
 
 def assert_same_training_state(a: dict, b: dict) -> None:
