@@ -29,9 +29,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from typing_extensions import override
 
 log = logging.getLogger(__name__)
@@ -109,8 +109,12 @@ def remove_partial_files(folders: Iterable[str | os.PathLike]) -> list[Path]:
     """
     removed = []
     for path in partial_files(folders):
-        log.warning("removing %s (%d bytes): a checkpoint write cut short by a killed process", path, path.stat().st_size)
-        path.unlink(missing_ok=True)
+        try:  # ranks of one run may clear the same folder at once
+            size = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        log.warning("removing %s (%d bytes): a checkpoint write cut short by a killed process", path, size)
         removed.append(path)
     return removed
 
@@ -131,7 +135,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        if storage_options is not None or not _is_local_file_protocol(path):
+        if storage_options is not None or fsspec.utils.get_protocol(str(path)) != "file":
             super().save_checkpoint(checkpoint, path, storage_options=storage_options)
             return
         save_atomically(checkpoint, path)
