@@ -13,7 +13,12 @@ import sys
 import pytest
 import yaml
 
-from lightning_fastscale.run_folder import LOCK_NAME, RunFolderInUseError, claim, global_rank_from_env
+from lightning_fastscale.run_folder import (
+    LOCK_NAME,
+    RunFolderInUseError,
+    claim,
+    global_rank_from_env,
+)
 from tests.faults_helpers import finish, kill_group, start
 
 RUN = [
