@@ -13,11 +13,17 @@ same job measured in the same invocation:
   ``lightning_fastscale.emulation.faults`` and a non-finite-step guard are present (otherwise
   the row says it was not run).
 
+``--only-storage`` runs the rows of a smaller 1-process job (8 steps, default callbacks and
+cosine schedule), with the run folder on its own 4 MiB tmpfs (root only) and ``TMPDIR`` on
+another filesystem: a rank killed while it writes a checkpoint, the disk full during a write,
+the newest checkpoint truncated, two runs started together on one folder, and
+``optimizer.lr=1e6`` under fp32 (divergence).
+
 "Seconds to exit" runs from the signal (written by the test callback that sends it) to the
 exit of the launched process. "Steps redone" is counted from a per-step log: steps run by the
 interrupted and the resumed run together, minus the uninterrupted run's steps.
 
-    flock /tmp/cpu.lock nice -n 5 python benchmarks/faults.py [--out DIR]
+    flock /tmp/cpu.lock nice -n 5 python benchmarks/faults.py [--out DIR] [--only-comm | --only-storage]
 
 Results and the machine are in benchmarks/README.md.
 """
@@ -67,9 +73,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(run_dir: Path, *extra: str, torchrun: bool = False) -> subprocess.Popen:
+def launch(run_dir: Path, *extra: str, torchrun: bool = False, run: list[str] | None = None,
+           env: dict[str, str] | None = None) -> subprocess.Popen:
     steps = [f"+callbacks.step_log._target_=tests.faults_helpers.StepLog", f"+callbacks.step_log.folder={run_dir}/steps"]
-    train = ["-m", "lightning_fastscale.train", *RUN, f"hydra.run.dir={run_dir}", *steps, *extra]
+    train = ["-m", "lightning_fastscale.train", *(RUN if run is None else run), f"hydra.run.dir={run_dir}", *steps, *extra]
     if torchrun:
         launcher = ["-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
                     "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}"]
@@ -77,7 +84,7 @@ def launch(run_dir: Path, *extra: str, torchrun: bool = False) -> subprocess.Pop
     else:
         cmd = [sys.executable, *train]
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(cmd, cwd=run_dir.parent, env=_env(), stdout=subprocess.PIPE,
+    return subprocess.Popen(cmd, cwd=run_dir.parent, env={**_env(), **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -143,19 +150,22 @@ def preempt(root: Path, name: str, folder: str, reference: Path, *, torchrun: bo
     return Row(name, happened + "; resume=auto finished", seconds, lost)
 
 
-def truncated(root: Path, source: Path) -> Row:
+def truncated(root: Path, source: Path, run: list[str] | None = None) -> Row:
     run_dir = root / "truncated"
     shutil.copytree(source / "checkpoints", run_dir / "checkpoints")
     newest = max((run_dir / "checkpoints").glob("*.ckpt"), key=lambda p: p.stat().st_mtime_ns)
     data = newest.read_bytes()
     newest.write_bytes(data[: len(data) // 2])
     start = time.time()
-    code, out, ended = wait(launch(run_dir, "resume=auto"), timeout=300)
-    named = str(newest) in out
-    happened = f"exit {code}, error {'names the file' if named else 'does NOT name the file'}" + (
-        " and says truncated" if "truncated" in out else "")
-    return Row("truncated newest checkpoint, resume=auto", happened, f"{ended - start:.1f} (from start)",
-               f"{steps_run(run_dir)} steps run; the file is left as it was ({newest.stat().st_size} bytes)")
+    code, out, ended = wait(launch(run_dir, "resume=auto", run=run), timeout=300)
+    named = f"skipping {newest}" in out
+    resumed = next((line.split("continuing from ", 1)[1].strip() for line in out.splitlines() if "continuing from" in line), None)
+    happened = f"exit {code}; {'a warning names the file' if named else 'the file is NOT named'}" + (
+        " and says truncated" if "truncated" in out else "") + (
+        f"; continued from {Path(resumed).name}" if resumed else "; did not resume")
+    return Row("newest checkpoint truncated to half, `resume=auto`", happened, f"{ended - start:.1f} (from start)",
+               f"{steps_run(run_dir)} steps run after the resume; the truncated file is left as it was "
+               f"({newest.stat().st_size} bytes)")
 
 
 def comm_rows(root: Path) -> list[Row]:
@@ -177,6 +187,90 @@ def comm_rows(root: Path) -> list[Row]:
     return rows
 
 
+# the storage rows' job: 1 process, default callbacks and cosine schedule, 64 samples / 16 = 4 steps per epoch
+SMALL_RUN = [
+    "data.train_size=64", "data.val_size=16", "data.batch_size=16", "data.resolution=16",
+    "model.kwargs.widths=[8,8,8]", "trainer.max_epochs=2", "trainer.enable_progress_bar=false",
+    "trainer.log_every_n_steps=1", "trainer.accelerator=cpu", "logger=csv",
+]
+
+
+def _checkpoint_state(folder: Path, tmpdir: Path) -> str:
+    """Which checkpoint files are whole, partial leftovers beside them, and leaks into TMPDIR."""
+    from lightning_fastscale import checkpointing
+    from lightning_fastscale.checkpoint_io import partial_files
+
+    whole, broken = [], []
+    for path in sorted(folder.glob("*.ckpt")):
+        try:
+            whole.append(f"{path.name} (step {checkpointing.read_checkpoint(path)['global_step']})")
+        except checkpointing.CheckpointError:
+            broken.append(path.name)
+    leaked = [p for p in tmpdir.rglob("*") if p.is_file() and p.stat().st_size > 10_000]
+    return (f"whole: {', '.join(whole) or 'none'}; truncated under a final name: {', '.join(broken) or 'none'}; "
+            f"temporary files beside them: {len(partial_files([folder]))}; checkpoint-sized files in TMPDIR: {len(leaked)}")
+
+
+def _resume_text(code: int | None, out: str) -> str:
+    resumed = next((line.split("continuing from ", 1)[1].strip() for line in out.splitlines() if "continuing from" in line), None)
+    return f"`resume=auto`: exit {code}" + (f", continued from {Path(resumed).name}" if resumed else ", did not resume")
+
+
+def storage_rows(root: Path) -> list[Row]:
+    """Checkpoint writes cut short, a shared run folder, divergence: the 1-process job."""
+    rows: list[Row] = []
+    tmpdir = root / "tmpdir"
+    tmpdir.mkdir(parents=True, exist_ok=True)
+    env = {"TMPDIR": str(tmpdir)}
+    for name, fault in (("rank killed (SIGXFSZ) while writing the epoch-1 checkpoint", "kill"),
+                        ("disk full while writing the epoch-1 checkpoint", "fill")):
+        mount = root / f"fs-{fault}"
+        mount.mkdir(parents=True, exist_ok=True)
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True, text=True)
+        if mounted.returncode != 0:
+            rows.append(not_run(name, f"cannot mount a tmpfs ({mounted.stderr.strip()}); needs root"))
+            continue
+        try:
+            run_dir, filler = mount / "run", mount / "filler"
+            extra = (["+callbacks.kill._target_=tests.faults_helpers.KillDuringSave", "+callbacks.kill.step=8"]
+                     if fault == "kill" else
+                     ["+callbacks.fill._target_=tests.faults_helpers.FillDiskAtStep", "+callbacks.fill.step=8",
+                      f"+callbacks.fill.path={filler}"])
+            start = time.time()
+            code, out, ended = wait(launch(run_dir, *extra, run=SMALL_RUN, env=env), timeout=300)
+            happened = f"exit {code}; {_checkpoint_state(run_dir / 'checkpoints', tmpdir)}"
+            filler.unlink(missing_ok=True)
+            rcode, rout, _ = wait(launch(run_dir, "resume=auto", run=SMALL_RUN, env=env), timeout=300)
+            from lightning_fastscale import checkpointing
+
+            final = checkpointing.read_checkpoint(run_dir / "checkpoints" / "last.ckpt")["global_step"]
+            rows.append(Row(f"{name}, run folder on a 4 MiB tmpfs", happened, f"{ended - start:.1f} (from start)",
+                            f"{_resume_text(rcode, rout)}, ended at step {final} of 8; "
+                            f"{steps_run(run_dir) - 8} steps redone"))
+        finally:
+            subprocess.run(["umount", "-l", str(mount)], check=False)
+    source = root / "small"
+    code, out, _ = wait(launch(source, run=SMALL_RUN), timeout=300)
+    rows.append(truncated(root, source, run=SMALL_RUN) if code == 0 else not_run("truncated checkpoint", f"the reference run failed (exit {code})"))
+
+    shared = root / "shared"
+    procs = [launch(shared, f"seed={seed}", run=SMALL_RUN) for seed in (1, 2)]
+    results = [wait(proc, timeout=300) for proc in procs]
+    codes = [r[0] for r in results]
+    refused = next((line.strip() for r in results for line in r[1].splitlines() if "is in use by" in line), "no refusal")
+    rows.append(Row("two runs started together on one `hydra.run.dir`", f"exit codes {sorted(codes, key=str)}; {refused}",
+                    "-", "nothing: the refused run wrote nothing into the folder"))
+
+    start = time.time()
+    code, out, ended = wait(launch(root / "diverged", "optimizer.lr=1e6", run=SMALL_RUN), timeout=300)
+    stop = next((line.split("NonFiniteGuard: ", 1)[1][:60] for line in out.splitlines() if "NonFiniteGuard: " in line), "no stop")
+    state = _checkpoint_state(root / "diverged" / "checkpoints", tmpdir).split(";")[0]
+    rows.append(Row("`optimizer.lr=1e6` under fp32 (diverges)", f"exit {code}; stopped at: {stop}...; "
+                    f"final accuracy printed: {'yes' if 'final val/top1' in out else 'no'}; checkpoints {state}",
+                    f"{ended - start:.1f} (from start)", "the run, as it should: nothing after the divergence is kept"))
+    return rows
+
+
 def not_run(fault: str, why: str) -> Row:
     return Row(fault, f"not run: {why}", "-", "-")
 
@@ -185,11 +279,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temporary folder)")
     parser.add_argument("--only-comm", action="store_true", help="only the rank killed / hung rows")
+    parser.add_argument("--only-storage", action="store_true",
+                        help="only the 1-process rows: kill during save, disk full, truncated, shared folder, divergence")
     args = parser.parse_args()
     root = args.out or Path(tempfile.mkdtemp(prefix="faults-"))
     started = time.time()
     if args.only_comm:
         print_table(comm_rows(root), started, root)
+        return
+    if args.only_storage:
+        print_table(storage_rows(root), started, root)
         return
     code, out, _ = wait(launch(root / "uninterrupted"), timeout=300)
     if code != 0:
@@ -202,7 +301,7 @@ def main() -> None:
     ]
     rows.append(truncated(root, root / "rank1"))
     rows += comm_rows(root)
-    rows.append(not_run("overflow storm", "no non-finite-step guard on this branch"))
+    rows += storage_rows(root)
     print_table(rows, started, root)
 
 

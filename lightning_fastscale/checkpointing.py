@@ -9,13 +9,14 @@ file and the difference, not fail deep inside ``torch.load`` or ``load_state_dic
 on silently under a different schedule.
 
 Pure functions on checkpoint dictionaries (testable without a Trainer):
-:func:`newest_checkpoint`, :func:`read_checkpoint`, :func:`state_dict_mismatches`,
+:func:`newest_checkpoint`, :func:`newest_complete_checkpoint`, :func:`read_checkpoint`, :func:`state_dict_mismatches`,
 :func:`hparams_mismatches`, :func:`scheduler_mismatches`, :func:`optimizer_mismatches`.
 The Lightning adapter that runs them before any step is
 :class:`lightning_fastscale.callbacks.CheckpointCheck`.
 """
 from __future__ import annotations
 
+import logging
 import pickle
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -31,6 +32,8 @@ SCHEDULER_PROGRESS_KEYS = frozenset(
 
 _MAX_LISTED = 5
 
+log = logging.getLogger(__name__)
+
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed from; the message names the file and the reason."""
@@ -41,11 +44,11 @@ class CheckpointError(ValueError):
         super().__init__(f"checkpoint {self.path}: {reason}")
 
 
-def newest_checkpoint(folders: Iterable[str | Path]) -> Path | None:
-    """The most recently written ``*.ckpt`` file in ``folders`` (not recursive), or None.
+def checkpoints_newest_first(folders: Iterable[str | Path]) -> list[Path]:
+    """The ``*.ckpt`` files in ``folders`` (not recursive), the most recently written first.
 
     Newest means the latest modification time (a preemption checkpoint is written after the
-    last epoch's ``last.ckpt``); equal times are broken by the name, so the choice is stable.
+    last epoch's ``last.ckpt``); equal times are broken by the name, so the order is stable.
     Symbolic links (``last.ckpt`` may be one) count by their target's time.
     """
     candidates = []
@@ -53,9 +56,31 @@ def newest_checkpoint(folders: Iterable[str | Path]) -> Path | None:
         folder = Path(folder)
         if folder.is_dir():
             candidates += [p for p in folder.glob("*.ckpt") if p.is_file()]
-    if not candidates:
-        return None
-    return max(candidates, key=lambda p: (p.stat().st_mtime_ns, p.name))
+    return sorted(candidates, key=lambda p: (p.stat().st_mtime_ns, p.name), reverse=True)
+
+
+def newest_checkpoint(folders: Iterable[str | Path]) -> Path | None:
+    """The most recently written ``*.ckpt`` file in ``folders`` (see :func:`checkpoints_newest_first`), or None."""
+    candidates = checkpoints_newest_first(folders)
+    return candidates[0] if candidates else None
+
+
+def newest_complete_checkpoint(folders: Iterable[str | Path]) -> tuple[Path | None, list[CheckpointError]]:
+    """The newest checkpoint in ``folders`` that :func:`read_checkpoint` accepts, and the newer ones it refused.
+
+    A file cut short by a kill or a full disk (written by a tool without atomic writes, or
+    copied in by hand) is skipped, so a requeued job resumes from the last complete state
+    instead of failing on the same file at every restart; the caller names the skipped files.
+    """
+    skipped: list[CheckpointError] = []
+    for path in checkpoints_newest_first(folders):
+        try:
+            read_checkpoint(path)
+        except CheckpointError as err:
+            skipped.append(err)
+            continue
+        return path, skipped
+    return None, skipped
 
 
 def unreadable(path: str | Path, err: BaseException) -> CheckpointError:
@@ -207,3 +232,31 @@ def raise_if_mismatched(path: str | Path, problems: Sequence[str], what: str) ->
             + "\nResume with the settings it was written with, or start a new run "
             "(a fresh run folder) to train with these",
         )
+
+
+def resume_point(folders: Sequence[str | Path]) -> str | None:
+    """The checkpoint ``resume=auto`` continues from in ``folders``, or None for a fresh start.
+
+    Leftover temporary files of writes cut short by a kill are removed, incomplete or
+    unreadable checkpoints are skipped with a warning naming each, and the newest complete
+    one is chosen (:func:`newest_complete_checkpoint`). Checkpoints none of which is complete
+    are an error naming them: a run is not started over on top of them without a word.
+    """
+    from lightning_fastscale.checkpoint_io import remove_partial_files
+
+    remove_partial_files(folders)
+    newest, skipped = newest_complete_checkpoint(folders)
+    for err in skipped:
+        log.warning("resume=auto: skipping %s (%s)", err.path, err.reason)
+    if newest is None and skipped:
+        raise CheckpointError(
+            skipped[0].path,
+            f"resume=auto found no complete checkpoint in {', '.join(map(str, folders))}: "
+            + "; ".join(f"{err.path.name}: {err.reason}" for err in skipped)
+            + ". Delete them to start the run over, or resume from a copy you trust with ckpt_path=...",
+        )
+    if newest is None:
+        log.info("resume=auto: no complete checkpoint in %s yet; starting a fresh run", ", ".join(map(str, folders)) or "-")
+        return None
+    log.info("resume=auto: continuing from %s", newest)
+    return str(newest)

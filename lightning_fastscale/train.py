@@ -29,9 +29,11 @@ from omegaconf import DictConfig, OmegaConf
 import lightning_fastscale  # noqa: F401  (registers strategies and models)
 
 from . import checkpointing
+from .checkpoint_io import AtomicCheckpointIO
 from ._validation import positive_int, positive_number
 from .config_check import ConfigError, setting_errors, show
 from .module import ImageClassifier
+from .run_folder import LOCK_NAME
 
 log = logging.getLogger(__name__)
 
@@ -121,10 +123,11 @@ def _check_output_dir_is_fresh(cfg: DictConfig) -> None:
     dirpath = Path(ckpt_cfg.dirpath)
     existing = sorted(dirpath.glob("*.ckpt")) if dirpath.is_dir() else []
     if existing:
-        raise FileExistsError(
+        raise ConfigError(
             f"{dirpath} already holds checkpoints ({existing[0].name}, ...); refusing to overwrite "
             "them. Use a new hydra.run.dir (the default is a fresh timestamped folder), or resume "
-            "with ckpt_path=... which writes into a new run folder."
+            "with ckpt_path=... which writes into a new run folder, or continue this run with resume=auto.",
+            key="hydra.run.dir",
         )
 
 
@@ -148,27 +151,23 @@ def resolve_resume(cfg: DictConfig) -> str | None:
     ``resume=never`` (the default): a fresh run, or ``ckpt_path``; a run folder that already
     holds checkpoints is refused. ``resume=auto`` (requeued or restarted jobs, with a fixed
     ``hydra.run.dir``): continue from the newest checkpoint in the run's checkpoint folder,
-    or start fresh when there is none yet; an unreadable newest file is an error naming it.
+    or start fresh when there is none yet; an incomplete or unreadable file is skipped with a
+    warning naming it (see :func:`~lightning_fastscale.checkpointing.resume_point`).
     """
     mode = cfg.get("resume", "never")
     if mode not in RESUME_MODES:
-        raise ValueError(f"resume={mode!r} is not one of {RESUME_MODES}; use resume=auto to continue a run in its folder")
+        raise ConfigError(f"resume={mode!r} is not one of {RESUME_MODES}; use resume=auto to continue a run in its folder",
+                          key="resume")
     if mode == "never":
         _check_output_dir_is_fresh(cfg)
         return cfg.get("ckpt_path")
     if cfg.get("ckpt_path"):
-        raise ValueError(
+        raise ConfigError(
             f"resume=auto and ckpt_path={cfg.ckpt_path} both given; resume=auto picks the newest "
-            "checkpoint of the run folder itself: drop one of them"
+            "checkpoint of the run folder itself: drop one of them",
+            key="ckpt_path",
         )
-    folders = _checkpoint_folders(cfg)
-    newest = checkpointing.newest_checkpoint(folders)
-    if newest is None:
-        log.info("resume=auto: no checkpoint in %s yet; starting a fresh run", ", ".join(map(str, folders)) or "-")
-        return None
-    checkpointing.read_checkpoint(newest)  # a truncated newest file stops here, by name
-    log.info("resume=auto: continuing from %s", newest)
-    return str(newest)
+    return checkpointing.resume_point(_checkpoint_folders(cfg))
 
 
 def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.Trainer]:
@@ -217,7 +216,8 @@ def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.
         "strategy": strategy,
         "callbacks": callbacks,
         "logger": logger,
-        "plugins": plugins or None,
+        # every checkpoint written atomically beside its target (no partial file under a final name)
+        "plugins": [*plugins, AtomicCheckpointIO()],
     }
     if precision is not None:
         trainer_kwargs["precision"] = precision
@@ -366,7 +366,8 @@ def _finish_wandb(trainer: pl.Trainer) -> None:
 _LIBRARY_LOGGERS = ("lightning.pytorch", "lightning.fabric")
 """Lightning's loggers keep their own console handler and do not propagate to the root logger."""
 
-HYDRA_FILES = frozenset({".hydra"})
+HYDRA_FILES = frozenset({".hydra", LOCK_NAME})
+"""What a run writes into its folder before training starts: Hydra's config and the run's claim."""
 
 
 def log_to_run_folder() -> list[logging.FileHandler]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -18,8 +19,7 @@ import torch
 RECIPE_RUN = [
     "data.train_size=256", "data.val_size=32", "data.batch_size=32", "data.resolution=16",
     "model.kwargs.widths=[8,8,8]", "trainer.max_epochs=2", "trainer.enable_progress_bar=false",
-    "trainer.enable_model_summary=false", "trainer.log_every_n_steps=1", "callbacks=large_batch",
-    "callbacks.throughput=null", "callbacks.model_checkpoint.save_top_k=-1",
+    "trainer.log_every_n_steps=1", "callbacks=large_batch", "callbacks.model_checkpoint.save_top_k=-1",
     "callbacks.batch_size_ramp.lr_milestones=[1]",
     "callbacks.progressive_resizing.size_increment=2", "trainer.devices=2",
     "trainer.accelerator=cpu", "strategy=ddp", "logger=csv",
@@ -28,10 +28,10 @@ RECIPE_RUN = [
 REPO = Path(__file__).resolve().parents[1]
 
 
-def start(run_dir: Path, *extra: str, run: Sequence[str] = RECIPE_RUN) -> subprocess.Popen:
-    """Launch ``fastscale-train *run *extra`` in ``run_dir``, in a new process group."""
+def start(run_dir: Path, *extra: str, run: Sequence[str] = RECIPE_RUN, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Launch ``fastscale-train *run *extra`` in ``run_dir``, in a new process group (``env``: extra variables)."""
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", **(env or {})}
     env.pop("WANDB_API_KEY", None)
     return subprocess.Popen(
         [sys.executable, "-m", "lightning_fastscale.train", *run, f"hydra.run.dir={run_dir}", *extra],
@@ -144,3 +144,52 @@ def read_batch_log(folder: Path, rank: int) -> dict[int, str]:
         assert int(step) not in steps, f"step {step} ran twice on rank {rank}"
         steps[int(step)] = rest
     return steps
+
+
+class KillDuringSave(pl.Callback):
+    """Kill this process in the middle of writing the first checkpoint saved at or after ``step``.
+
+    Caps the size of any file the process writes (``RLIMIT_FSIZE``) at ``max_bytes`` just
+    before the checkpoint is written: the write that crosses it is killed by ``SIGXFSZ``, as a
+    node failure or the OOM killer would kill it, with part of the file on disk. Logs stay
+    below the cap. No core file is written.
+    """
+
+    def __init__(self, step: int, max_bytes: int = 20_000, rank: int = 0) -> None:
+        self.step, self.max_bytes, self.rank = step, max_bytes, rank
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        if trainer.global_step >= self.step and trainer.global_rank == self.rank:
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it: the write would only fail
+            resource.setrlimit(resource.RLIMIT_FSIZE, (self.max_bytes, self.max_bytes))
+
+
+class FillDiskAtStep(pl.Callback):
+    """Fill the filesystem of ``path`` (leaving ``leave_bytes``) before the first checkpoint
+    saved at or after ``step``, so that checkpoint's write runs out of space."""
+
+    def __init__(self, step: int, path: str, leave_bytes: int = 16_384) -> None:
+        self.step, self.path, self.leave_bytes = step, Path(path), leave_bytes
+        self.done = False
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        if self.done or trainer.global_step < self.step or trainer.global_rank != 0:
+            return
+        self.done = True
+        stat = os.statvfs(self.path.parent)
+        free = stat.f_bavail * stat.f_frsize
+        with open(self.path, "wb") as f:
+            f.write(b"\0" * max(0, free - self.leave_bytes))
+
+
+class FinalCheckpoint(pl.Callback):
+    """Write the run's final state to ``path`` when training ends (all ranks take part, as in any
+    ``Trainer.save_checkpoint``), outside the checkpoint folder ``resume=auto`` reads: a run to
+    compare, whatever ``ModelCheckpoint`` decided to keep."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)

@@ -1,6 +1,8 @@
-"""``NonFiniteGuard``: a storm of non-finite steps stops the run with a named error; isolated
-skips do not; every precision the package offers is covered (LARS plugin, Lightning's AMP
-with a scaler, bf16 and fp32 without one)."""
+"""``NonFiniteGuard``: with a loss scaler (fp16) a storm of skipped steps stops the run with a
+named error and isolated skips do not; without one (fp32, bf16) the first non-finite step
+stops it before the weights take it; no checkpoint is written with non-finite weights. Every
+precision the package offers is covered (LARS plugin, Lightning's AMP with a scaler, bf16
+and fp32 without one)."""
 from __future__ import annotations
 
 import math
@@ -52,30 +54,33 @@ def cases():
 def fit_trainer(tmp_path, kw: dict, **opts) -> pl.Trainer:
     settings = dict(
         accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=str(tmp_path),
+        default_root_dir=str(tmp_path),
     )
     return pl.Trainer(**{**settings, **kw, **opts})
 
 
 @pytest.mark.parametrize("kw, where, scaled", [c[1:] for c in cases()], ids=[c[0] for c in cases()])
 def test_overflow_storm_stops_with_named_error(tmp_path, kw, where, scaled) -> None:
-    """Bad steps from step 2 on, max_consecutive=3: the 4th bad step in a row (step 5) raises,
-    no further step starts; the error names the step, the scale and the parameter."""
+    """Bad steps from step 2 on, max_consecutive=3. With a loss scaler the 4th bad step in a row
+    (step 5) raises; without one step 2 itself does, and the weights stay finite. No further
+    step starts; the error names the step, the scale and the parameter."""
     module = Storm(bad_steps=range(2, 100), where=where)
     tr = fit_trainer(tmp_path, kw, max_steps=20, callbacks=[NonFiniteGuard(max_consecutive=3)])
     with pytest.raises(NonFiniteStepsError) as err:
         tr.fit(module, data(n=80))
     message = str(err.value)
-    # 0-based steps 2..5 were bad: optimizer steps 3 to 6 counted from 1, as trainer.global_step
-    assert "4 consecutive optimizer steps" in message and "optimizer steps 3 to 6" in message
-    assert "max_consecutive=3" in message
-    assert module.steps_started[-1] == 5 and len(module.steps_started) == 6, (module.steps_started, message)
     assert "net.0.weight" in message  # the inf (or the NaN loss's gradient) starts there
     if scaled:
+        # 0-based steps 2..5 were bad: optimizer steps 3 to 6 counted from 1, as trainer.global_step
+        assert "4 consecutive optimizer steps" in message and "optimizer steps 3 to 6" in message
+        assert "max_consecutive=3" in message
+        assert module.steps_started == [0, 1, 2, 3, 4, 5], (module.steps_started, message)
         # a fresh scale of 2**8 halved at each of the 4 skipped steps
         assert "loss scale 16" in message
     else:
-        assert "no loss scaler" in message
+        assert "optimizer step 3 (counted from 1)" in message and "no loss scaler" in message
+        assert module.steps_started == [0, 1, 2], (module.steps_started, message)
+        assert all(bool(torch.isfinite(p).all()) for p in module.parameters())  # the bad step never applied
 
 
 @pytest.mark.parametrize("kw", [dict(plugin="lars"), dict(plugin="lightning")], ids=["lars_16", "lightning_16"])
@@ -84,7 +89,7 @@ def test_isolated_skips_do_not_stop(tmp_path, kw) -> None:
     guard = NonFiniteGuard(max_consecutive=3)
     module = Storm(bad_steps=[1, 2, 3, 5, 6, 7], where="grad")
     common = dict(accelerator="cpu", devices=1, max_steps=9, logger=False, enable_checkpointing=False,
-                  enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                  enable_progress_bar=False, default_root_dir=str(tmp_path),
                   callbacks=[guard])
     if kw.get("plugin") == "lars":
         tr = pl.Trainer(plugins=[LARSMixedPrecision("16-mixed", "cpu", scaler=small_scaler())], **common)
@@ -117,9 +122,9 @@ class RecordingGuard(NonFiniteGuard):
         super().__init__(**kw)
         self.folder = folder
 
-    def _message(self, trainer, pl_module, scale):
+    def _message(self, trainer, pl_module, scale, step=None):
         (self.folder / f"rank{trainer.global_rank}").write_text(str(trainer.global_step))
-        return super()._message(trainer, pl_module, scale)
+        return super()._message(trainer, pl_module, scale, step=step)
 
 
 def test_two_ranks_stop_together(tmp_path) -> None:
@@ -136,6 +141,68 @@ def test_two_ranks_stop_together(tmp_path) -> None:
         strategy=DDPStrategy(start_method="fork", timeout=timedelta(seconds=30)),
         callbacks=[RecordingGuard(tmp_path, max_consecutive=2)],
     )
-    with pytest.raises(Exception, match="3 consecutive optimizer steps had a non-finite loss: optimizer steps 2 to 4"):
+    with pytest.raises(Exception, match=r"optimizer step 2 \(counted from 1\) had a non-finite loss"):
         tr.fit(module, data(n=160))
-    assert (tmp_path / "rank0").read_text() == (tmp_path / "rank1").read_text() == "4"
+    assert (tmp_path / "rank0").read_text() == (tmp_path / "rank1").read_text() == "1"
+
+
+class NaNWeights(Tiny):
+    """Weights set to NaN after the first step, the loss left finite (a checkpoint would still rank by accuracy)."""
+
+    def __init__(self) -> None:
+        super().__init__(make_net())
+
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_step == 1:
+            with torch.no_grad():
+                self.net[0].weight.fill_(math.nan)
+        return F.cross_entropy(self.net(batch[0]).float().nan_to_num(0.0), batch[1])
+
+
+def test_no_checkpoint_is_written_with_nan_weights(tmp_path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    tr = fit_trainer(tmp_path, {}, max_steps=4, enable_checkpointing=True, callbacks=[
+        NonFiniteGuard(), ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)])
+    with pytest.raises(NonFiniteStepsError, match=r"not writing a checkpoint at trainer.global_step=2: net.0.weight"):
+        tr.fit(NaNWeights(), data(n=80))
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch=0-step=1.ckpt"]
+
+
+class NaNValidation(Tiny):
+    """Finite training; the monitored validation metric is NaN."""
+
+    def __init__(self) -> None:
+        super().__init__(make_net())
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/metric", torch.tensor(math.nan))
+
+
+def test_a_nan_monitored_metric_stops_before_it_is_kept_as_best(tmp_path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    tr = fit_trainer(tmp_path, {}, max_epochs=1, enable_checkpointing=True, num_sanity_val_steps=0, callbacks=[
+        NonFiniteGuard(), ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val/metric", mode="max")])
+    with pytest.raises(NonFiniteStepsError, match="monitored metric val/metric is NaN"):
+        tr.fit(NaNValidation(), data(n=16), data(n=8))
+    assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").iterdir())
+
+
+def test_fastscale_train_diverging_in_fp32_fails_and_keeps_no_nan_checkpoint(tmp_path) -> None:
+    """``optimizer.lr=1e6`` under the default fp32, a run far shorter than the fp16 skip budget:
+    the run stops at the first non-finite loss with a non-zero status, prints no final
+    accuracy, and every checkpoint it left holds finite weights."""
+    from lightning_fastscale import checkpointing
+    from tests.faults_helpers import finish, start
+
+    run = ["data.train_size=64", "data.val_size=16", "data.batch_size=16", "data.resolution=16",
+           "model.kwargs.widths=[8,8,8]", "trainer.max_epochs=3", "trainer.enable_progress_bar=false",
+           "trainer.log_every_n_steps=1", "trainer.accelerator=cpu", "logger=csv", "optimizer.lr=1e6"]
+    code, out = finish(start(tmp_path / "run", run=run))
+    assert code != 0, out[-3000:]
+    assert "NonFiniteGuard: optimizer step" in out and "no loss scaler (fp32/bf16)" in out
+    assert "final val/top1" not in out
+    for path in (tmp_path / "run" / "checkpoints").glob("*.ckpt"):
+        state = checkpointing.read_checkpoint(path)["state_dict"]
+        assert all(bool(torch.isfinite(t).all()) for t in state.values() if t.is_floating_point()), path

@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import OmegaConf
 
 from lightning_fastscale import checkpointing
+from lightning_fastscale.config_check import ConfigError
 from lightning_fastscale.callbacks import BatchSizeRamp, CheckpointCheck
 from lightning_fastscale.checkpointing import CheckpointError
 from lightning_fastscale.data import ProceduralDataModule
@@ -51,7 +52,7 @@ def fit(tmp_path, module, callbacks=(), max_epochs=2, ckpt_path=None, checkpoint
         cbs.append(ModelCheckpoint(dirpath=checkpoint_dir, save_last=True))
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_epochs=max_epochs, logger=False, callbacks=cbs,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        enable_progress_bar=False, num_sanity_val_steps=0,
         limit_val_batches=0, enable_checkpointing=checkpoint_dir is not None, default_root_dir=tmp_path,
     )
     trainer.fit(module, tiny_data(), ckpt_path=ckpt_path)
@@ -148,12 +149,31 @@ def test_resume_modes(tmp_path, checkpoint):
     target = run_dir / "checkpoints" / "last.ckpt"
     target.write_bytes(checkpoint.read_bytes())
     assert resolve_resume(_cfg(run_dir, resume="auto")) == str(target)
-    with pytest.raises(FileExistsError, match="refusing to overwrite"):
+    with pytest.raises(ConfigError, match="refusing to overwrite"):
         resolve_resume(_cfg(run_dir))  # the default stays: a used folder is refused
     with pytest.raises(ValueError, match="both given"):
         resolve_resume(_cfg(run_dir, resume="auto", ckpt_path=str(target)))
     with pytest.raises(ValueError, match="resume='sometimes'"):
         resolve_resume(_cfg(run_dir, resume="sometimes"))
     target.write_bytes(checkpoint.read_bytes()[:1000])
-    with pytest.raises(CheckpointError, match=str(target)):
+    with pytest.raises(CheckpointError, match=f"{target}.*no complete checkpoint"):
         resolve_resume(_cfg(run_dir, resume="auto"))
+
+
+def test_resume_auto_skips_an_incomplete_newest_file_and_leftover_partial_writes(tmp_path, checkpoint, caplog):
+    """A file cut short (copied in, or by a writer without atomic writes) is skipped by name;
+    the newest complete one is resumed; a killed atomic write's temporary file is removed."""
+    folder = tmp_path / "run" / "checkpoints"
+    folder.mkdir(parents=True)
+    complete, truncated = folder / "epoch000.ckpt", folder / "last.ckpt"
+    complete.write_bytes(checkpoint.read_bytes())
+    truncated.write_bytes(checkpoint.read_bytes()[:1000])
+    partial = folder / ".preempted-epoch1-step9.ckpt.abc123.partial"
+    partial.write_bytes(b"cut short")
+    now = time.time()
+    os.utime(complete, (now - 10, now - 10))
+    with caplog.at_level("WARNING"):
+        assert resolve_resume(_cfg(tmp_path / "run", resume="auto")) == str(complete)
+    assert f"skipping {truncated}" in caplog.text and "truncated" in caplog.text
+    assert str(partial) in caplog.text and not partial.exists()
+    assert truncated.exists()  # a person may still want it: skipped, not deleted

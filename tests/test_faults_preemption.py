@@ -49,7 +49,7 @@ def run(tmp_path, callbacks, ckpt_path=None, max_epochs=2):
     model = DropoutNet()
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_epochs=max_epochs, logger=False, callbacks=callbacks,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        enable_progress_bar=False, num_sanity_val_steps=0,
         limit_val_batches=0, default_root_dir=tmp_path,
     )
     trainer.fit(model, data(), ckpt_path=ckpt_path)
@@ -167,7 +167,7 @@ def test_exact_resume_with_a_plain_loader_and_persistent_workers(tmp_path):
         model = DropoutNet()
         pl.Trainer(
             accelerator="cpu", devices=1, max_epochs=2, logger=False, callbacks=callbacks,
-            enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+            enable_progress_bar=False, default_root_dir=root,
             reload_dataloaders_every_n_epochs=0,
         ).fit(model, train_dataloaders=loader(), ckpt_path=ckpt_path)
         return model
@@ -209,7 +209,7 @@ def test_the_large_batch_recipe_resumes_bitwise_mid_epoch(tmp_path):
         ]
         trainer = pl.Trainer(
             accelerator="cpu", devices=1, max_epochs=2, logger=False, callbacks=callbacks,
-            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+            enable_progress_bar=False, num_sanity_val_steps=0,
             limit_val_batches=0, default_root_dir=root,
         )
         trainer.fit(module, data(), ckpt_path=ckpt_path)

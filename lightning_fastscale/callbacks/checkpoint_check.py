@@ -10,7 +10,9 @@ interface Lightning reads checkpoints through): a file that cannot be read becom
 naming it, and the dictionary read is checked (model, module hyper-parameters, schedule
 callbacks' state) before Lightning restores anything from it. At ``on_fit_start`` (after
 ``configure_optimizers``, before optimizer and scheduler states are restored) the optimizers'
-structure and the LR schedulers' settings are checked too.
+structure and the LR schedulers' settings are checked too. Lightning's default
+``TorchCheckpointIO`` is replaced by :class:`~lightning_fastscale.checkpoint_io.AtomicCheckpointIO`
+on the way, so checkpoints are also written atomically.
 """
 from __future__ import annotations
 
@@ -20,11 +22,12 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_fastscale import checkpointing
+from lightning_fastscale.checkpoint_io import AtomicCheckpointIO
 
 
 def _is_schedule_callback(cls: type) -> bool:
@@ -102,7 +105,10 @@ class CheckpointCheck(Callback):
         self._trainer, self._pending = trainer, None
         strategy = trainer.strategy
         self._original_io = strategy.checkpoint_io
-        strategy.checkpoint_io = _CheckingCheckpointIO(self._original_io, self._check)
+        inner = self._original_io
+        if type(inner) is TorchCheckpointIO:  # Lightning's default: its local writes are not atomic
+            inner = AtomicCheckpointIO()
+        strategy.checkpoint_io = _CheckingCheckpointIO(inner, self._check)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

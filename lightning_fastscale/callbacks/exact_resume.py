@@ -31,6 +31,18 @@ boundary starts the next epoch as Lightning does (``DistributedSampler``'s order
 on seed and epoch, so multi-process runs see the same order; a single-device
 ``RandomSampler`` draws a new one).
 
+Lightning 2.6 drops the saved loader state when the training loader is built before the
+checkpoint's loop state is restored, which ``trainer.estimated_stepping_batches`` does when
+``configure_optimizers`` sizes an LR schedule by it (the default cosine schedule does;
+Lightning issue #20550): the fit loop then never hands the state to the loader, and the
+resumed epoch re-runs its first batches. At ``on_train_start`` the callback gives the loader
+the pending state and makes its iterator again (:func:`restore_pending_loader_state`), as
+Lightning's own restore path does when it builds the loader after the restore.
+
+A checkpoint written by another number of processes cannot be resumed exactly (another
+global batch, another split of the samples over the ranks, other per-rank generators), so
+such a resume is refused before the first step unless ``allow_world_size_change=True``.
+
 Functional core: :func:`collect_rng_states`, :func:`set_rng_states`, :class:`SkipFirstBatches`.
 Lightning adapter: :class:`ExactResume`.
 """
@@ -174,6 +186,43 @@ def _resumable_class(base: type, owner: ExactResume) -> type:
     return type(f"Resumable{base.__name__}", (base,), namespace)
 
 
+class WorldSizeChangeError(RuntimeError):
+    """A resume from a checkpoint written by another number of processes, not allowed."""
+
+
+def saved_world_size(checkpoint: dict[str, Any]) -> int | None:
+    """The number of processes that wrote ``checkpoint`` (from ExactResume's entries), or None."""
+    for key, state in (checkpoint.get("callbacks") or {}).items():
+        if key.split("{", 1)[0] == "ExactResume" and isinstance(state, dict) and "world_size" in state:
+            return int(state["world_size"])
+    loop_state = ((checkpoint.get("loops") or {}).get("fit_loop") or {}).get("state_dict") or {}
+    for loader_state in loop_state.get("combined_loader") or []:
+        if isinstance(loader_state, dict) and "world_size" in loader_state and "batches_consumed" in loader_state:
+            return int(loader_state["world_size"])
+    return None
+
+
+def restore_pending_loader_state(trainer: pl.Trainer) -> bool:
+    """Hand the checkpoint's training-loader state to a loader built before it was restored.
+
+    Lightning's fit loop gives a resumed loader its saved state only when it builds the loader
+    after restoring the checkpoint. ``trainer.estimated_stepping_batches`` (called by
+    ``configure_optimizers`` to size an LR schedule) builds it earlier, and the state is then
+    never loaded (Lightning issue #20550). Called at ``on_train_start`` (after the restore,
+    before the first batch is fetched), this loads the pending state and makes the loader's
+    iterator again, as Lightning's own restore path does. Returns whether there was one.
+    """
+    fit_loop = trainer.fit_loop
+    pending = getattr(fit_loop, "_combined_loader_states_to_load", None)
+    combined = getattr(fit_loop, "_combined_loader", None)
+    fetcher = getattr(fit_loop, "_data_fetcher", None)
+    if not pending or combined is None or fetcher is None or not fit_loop.restarting:
+        return False
+    fit_loop._load_combined_loader_states()
+    iter(fetcher)  # the iterator made before the restore would start the epoch over
+    return True
+
+
 def _gather(obj: Any) -> list[Any]:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         out: list[Any] = [None] * dist.get_world_size()
@@ -197,8 +246,12 @@ class ExactResume(Callback):
     ``train_dataloader`` (or is the loader given to ``fit``); its class is extended, not
     replaced, so a DataLoader subclass keeps its behaviour.
 
-    Resuming with another world size still skips the consumed batches but cannot rebuild
-    the per-rank order or generators: a warning says so.
+    Args:
+        allow_world_size_change: resume a checkpoint written by another number of processes
+            anyway. Such a resume cannot be exact: the global batch (per-device batch times
+            processes), the steps per epoch, the samples each rank reads and the per-rank random
+            numbers all change; mid-epoch the consumed batches are still skipped. Off by
+            default, so the resume is refused before the first step with a message saying so.
 
     Examples:
         >>> import lightning.pytorch as pl
@@ -209,7 +262,12 @@ class ExactResume(Callback):
 
     schedule_neutral = True
 
-    def __init__(self) -> None:
+    def __init__(self, allow_world_size_change: bool = False) -> None:
+        if not isinstance(allow_world_size_change, bool):
+            raise ValueError(
+                f"ExactResume(allow_world_size_change={allow_world_size_change!r}) must be true or false"
+            )
+        self.allow_world_size_change = allow_world_size_change
         self._trainer: pl.Trainer | None = None
         self._classes: dict[type, type] = {}
         self._epoch_start_rng: dict[str, Any] | None = None
@@ -308,8 +366,10 @@ class ExactResume(Callback):
         Called on every rank while a checkpoint is made (Lightning saves on all ranks).
         """
         trainer = self._trainer
-        if not self._loader_keeps_position or trainer is None:
+        if trainer is None:
             return {}
+        if not self._loader_keeps_position:
+            return {"world_size": trainer.world_size}
         consumed = int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
         return {
             "global_step": trainer.global_step,
@@ -320,12 +380,36 @@ class ExactResume(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._generators_to_restore = state_dict or None
+        self._generators_to_restore = state_dict if state_dict and "rng" in state_dict else None
+
+    @override
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        """Refuse a checkpoint of another world size (before any state is restored), unless allowed."""
+        saved = saved_world_size(checkpoint)
+        if saved is None or saved == trainer.world_size:
+            return
+        what_changes = (
+            f"the checkpoint {trainer.ckpt_path or ''} was written by {saved} processes, this run has "
+            f"{trainer.world_size}: the global batch (per-device batch x processes), the steps per epoch, "
+            "the samples each rank reads and the per-rank random numbers change, so the run does not "
+            "continue as it would have"
+        )
+        if not self.allow_world_size_change:
+            raise WorldSizeChangeError(
+                f"ExactResume: {what_changes}. Resume with {saved} processes (trainer.devices x "
+                "trainer.num_nodes), or set callbacks.exact_resume.allow_world_size_change=true "
+                "(ExactResume(allow_world_size_change=True)) to continue anyway"
+            )
+        rank_zero_warn(f"ExactResume: {what_changes} (allow_world_size_change=True)")
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        restore_pending_loader_state(trainer)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         state, self._generators_to_restore = self._generators_to_restore, None
-        if state is None or not state["mid_epoch"] or state["global_step"] != trainer.global_step:
+        if state is None or not state.get("mid_epoch") or state["global_step"] != trainer.global_step:
             return  # an epoch boundary: the new epoch draws as Lightning's would
         if state["world_size"] != trainer.world_size or len(state["rng"]) != trainer.world_size:
             rank_zero_warn(

@@ -1,4 +1,4 @@
-"""``NonFiniteGuard``: stop a run whose optimizer steps keep failing on non-finite numbers.
+"""``NonFiniteGuard``: stop a run whose optimizer steps fail on non-finite numbers.
 
 Dynamic loss scaling (Micikevicius et al. 2018, "Mixed Precision Training") skips a step
 whose gradients overflowed and halves the scale; a few skips are normal while the scale
@@ -9,15 +9,27 @@ rates where this happens. The guard counts consecutive bad optimizer steps and r
 :class:`NonFiniteStepsError` once there are more than ``max_consecutive`` of them, naming the
 step, the loss scale and the first parameter with a non-finite gradient.
 
-A step counts as bad:
+The skip budget belongs to loss scaling only. With a loss scaler (fp16) a step counts as bad:
 
 * with a plugin that skips non-finite steps itself and reports them
-  (:class:`~lightning_fastscale.precision.LARSMixedPrecision`, any scaler or none): when the
-  plugin skipped it (its own ``consecutive_skipped_steps`` counter);
+  (:class:`~lightning_fastscale.precision.LARSMixedPrecision`): when the plugin skipped it
+  (its own ``consecutive_skipped_steps`` counter);
 * with Lightning's ``16-mixed`` (a ``GradScaler``): when the scaler skipped it, seen as a
-  lower scale after the step than before (the scaler lowers it only after an overflow);
-* without a scaler (Lightning's ``bf16-mixed`` and ``32-true``, which step whatever the
-  gradient is): when a loss of the step was non-finite, decided on all ranks together.
+  lower scale after the step than before (the scaler lowers it only after an overflow).
+
+Without a loss scaler (fp32, bf16: Lightning's ``32-true`` and ``bf16-mixed``, or the LARS
+plugin without a scaler) nothing recovers a non-finite step: a lower scale cannot help, and
+Lightning's plugins step whatever the gradient is, so the weights turn NaN and the run trains
+on garbage (and a short run ends "successfully" with chance accuracy). The first non-finite
+loss, decided on all ranks together before the optimizer step, stops the run before that
+step changes the weights; a step the LARS plugin skipped stops it too.
+
+A checkpoint is never written with non-finite weights or buffers: :meth:`NonFiniteGuard.
+on_save_checkpoint` refuses it, so a diverged run can neither keep a NaN checkpoint as the
+best one (Lightning's ``ModelCheckpoint`` ranks by the monitored metric, and accuracy stays
+finite on NaN weights) nor resume from one. A NaN in a metric a ``ModelCheckpoint`` monitors
+stops the run before that callback sees it (Lightning ranks a NaN as the worst value, but keeps
+it as the best when it is the first).
 """
 from __future__ import annotations
 
@@ -43,13 +55,22 @@ def first_nonfinite_gradient(module: torch.nn.Module) -> str | None:
     return None
 
 
+def first_nonfinite_tensor(module: torch.nn.Module) -> str | None:
+    """Name of the first floating-point entry of ``module.state_dict()`` with an inf or NaN."""
+    for name, tensor in module.state_dict().items():
+        if isinstance(tensor, Tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return name
+    return None
+
+
 class NonFiniteGuard(Callback):
-    """Stop training after more than ``max_consecutive`` non-finite optimizer steps in a row.
+    """Stop training on non-finite steps: at once without a loss scaler, after a budget with one.
 
     Args:
-        max_consecutive: how many consecutive bad steps are tolerated; one more raises
-            :class:`NonFiniteStepsError`. A loss scaler that starts at 2**16 needs a handful of
-            skips to settle; 100 leaves room for that and for a rare bad batch.
+        max_consecutive: with a loss scaler (fp16), how many consecutive skipped steps are
+            tolerated; one more raises :class:`NonFiniteStepsError`. A loss scaler that starts
+            at 2**16 needs a handful of skips to settle; 100 leaves room for that and for a rare
+            bad batch. Without a scaler (fp32, bf16) the first non-finite step raises.
 
     Examples:
         >>> import lightning.pytorch as pl
@@ -83,6 +104,17 @@ class NonFiniteGuard(Callback):
         self._stepped = True
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self._scale_before = float(scaler.get_scale()) if scaler is not None else None
+        if scaler is not None:
+            return
+        # no scaler: a non-finite loss is decided here, before the optimizer step uses its gradients
+        bad = bool(self._losses) and not bool(torch.stack(self._losses).all())
+        if trainer.world_size > 1:
+            # each rank has its own loss: stop on all of them at the same step, or the ranks
+            # still running would wait in the next collective
+            bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
+        if bad:
+            self.consecutive = 1
+            raise NonFiniteStepsError(self._message(trainer, pl_module, None, step=trainer.global_step + 1))
 
     @override
     def on_train_batch_end(
@@ -95,38 +127,72 @@ class NonFiniteGuard(Callback):
         scaler = getattr(plugin, "scaler", None)
         scale = float(scaler.get_scale()) if scaler is not None else None
         losses, self._losses = self._losses, []
+        del losses  # decided before the step (no scaler); a scaler reports through the scale
         if hasattr(plugin, "consecutive_skipped_steps"):
             self.consecutive = int(plugin.consecutive_skipped_steps)
-        else:
-            if scaler is not None:
-                bad = self._scale_before is not None and scale is not None and scale < self._scale_before
-            else:
-                bad = bool(losses) and not bool(torch.stack(losses).all())
-                if trainer.world_size > 1:
-                    # each rank has its own loss: stop on all of them at the same step, or the
-                    # ranks still running would wait in the next collective
-                    bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
+        elif scaler is not None:
+            bad = self._scale_before is not None and scale is not None and scale < self._scale_before
             self.consecutive = self.consecutive + 1 if bad else 0
-        if self.consecutive > self.max_consecutive:
+        budget = self.max_consecutive if scaler is not None else 0
+        if self.consecutive > budget:
             raise NonFiniteStepsError(self._message(trainer, pl_module, scale))
 
-    def _message(self, trainer: pl.Trainer, pl_module: pl.LightningModule, scale: float | None) -> str:
+    def _check_monitors(self, trainer: pl.Trainer) -> None:
+        # ModelCheckpoint ranks a NaN as the worst value, but keeps it as the best when it is the
+        # first; Lightning runs checkpoint callbacks after the others, so this comes first
+        for callback in trainer.checkpoint_callbacks:
+            monitor = getattr(callback, "monitor", None)
+            value = trainer.callback_metrics.get(monitor) if monitor else None
+            if isinstance(value, Tensor) and bool(torch.isnan(value).any()):
+                raise NonFiniteStepsError(
+                    f"NonFiniteGuard: the monitored metric {monitor} is NaN at trainer.global_step="
+                    f"{trainer.global_step} (epoch {trainer.current_epoch}); the run diverged, and no checkpoint "
+                    "is kept as the best by a NaN. Lower the learning rate or lengthen the warmup"
+                )
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._check_monitors(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._check_monitors(trainer)
+
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        """Refuse to write a checkpoint whose weights or buffers hold an inf or NaN."""
+        name = first_nonfinite_tensor(pl_module)
+        if name is not None:
+            raise NonFiniteStepsError(
+                f"NonFiniteGuard: not writing a checkpoint at trainer.global_step={trainer.global_step}: {name} "
+                "holds inf/NaN values (the run diverged). Lower the learning rate or lengthen the warmup, and "
+                "resume from an earlier checkpoint or start over"
+            )
+
+    def _message(self, trainer: pl.Trainer, pl_module: pl.LightningModule, scale: float | None, step: int | None = None) -> str:
         plugin = trainer.precision_plugin
         name = getattr(plugin, "first_nonfinite_parameter", None) or first_nonfinite_gradient(pl_module)
-        if scale is None:
-            scale_text = "no loss scaler"
-        else:
-            scale_text = f"loss scale {scale:g}" + (" (underflowed to 0)" if scale == 0 or not math.isfinite(scale) else "")
-        what = "skipped for non-finite gradients" if getattr(plugin, "scaler", None) is not None or hasattr(
-            plugin, "consecutive_skipped_steps") else "had a non-finite loss"
+        fix = ("The run diverged or a layer produces inf/NaN: lower the learning rate or lengthen the warmup, "
+               "check the data and that layer")
+        if getattr(plugin, "scaler", None) is None:
+            last = step if step is not None else trainer.global_step
+            what = "had a non-finite loss" if step is not None else "was skipped for non-finite gradients"
+            return (
+                f"NonFiniteGuard: optimizer step {last} (counted from 1) {what}; no loss scaler (fp32/bf16), so "
+                "nothing recovers it and the run stops before the weights take it; "
+                f"first parameter with a non-finite gradient: {name or 'none found on this rank'}. {fix} "
+                "(callbacks.non_finite_guard.max_consecutive is the skip budget of fp16 loss scaling only)"
+            )
+        assert scale is not None
+        scale_text = f"loss scale {scale:g}" + (" (underflowed to 0)" if scale == 0 or not math.isfinite(scale) else "")
         last = trainer.global_step  # optimizer steps taken, so the last one's number counted from 1
         return (
-            f"NonFiniteGuard: {self.consecutive} consecutive optimizer steps {what}: optimizer steps "
-            f"{last - self.consecutive + 1} to {last} (trainer.global_step={last}), more than "
+            f"NonFiniteGuard: {self.consecutive} consecutive optimizer steps skipped for non-finite gradients: "
+            f"optimizer steps {last - self.consecutive + 1} to {last} (trainer.global_step={last}), more than "
             f"max_consecutive={self.max_consecutive}; {scale_text}; "
-            f"first parameter with a non-finite gradient: {name or 'none found on this rank'}. The run "
-            "diverged or a layer produces inf/NaN: lower the learning rate or lengthen the warmup, check the "
-            "data and that layer, or raise callbacks.non_finite_guard.max_consecutive"
+            f"first parameter with a non-finite gradient: {name or 'none found on this rank'}. {fix}, "
+            "or raise callbacks.non_finite_guard.max_consecutive"
         )
 
     @override

@@ -1,0 +1,141 @@
+"""Atomic checkpoint writes on the destination's own filesystem.
+
+A job killed while it writes a checkpoint, or a disk that fills up during the write, must not
+leave a truncated file under a checkpoint's final name: ``resume=auto`` would pick it as the
+newest and the requeued job would fail again and again. Lightning's ``TorchCheckpointIO``
+writes through an fsspec transaction whose temporary file lives in ``TMPDIR``; when the run
+folder is on another filesystem (a local scratch disk, a shared output disk: the usual
+cluster layout) the final move is a copy, which a kill or a full disk cuts short under the
+final name, and the checkpoint-sized temporary file stays behind in ``TMPDIR``.
+
+Here the checkpoint is written to a temporary file beside the target (same folder, so same
+filesystem), flushed and ``fsync``-ed, then renamed over the target with ``os.replace``
+(atomic on POSIX), and the folder is ``fsync``-ed so the rename survives a power loss. A
+failed write removes its temporary file; a process killed mid-write leaves one, named
+``.<target>.<random>.partial`` (not ``*.ckpt``, so never taken for a checkpoint), which
+:func:`remove_partial_files` clears when the run folder is resumed. Remote paths (``s3://``
+and other fsspec URLs) keep Lightning's own upload.
+
+Functional core: :func:`save_atomically`, :func:`partial_files`, :func:`remove_partial_files`.
+Lightning adapter: :class:`AtomicCheckpointIO`.
+"""
+from __future__ import annotations
+
+import io
+import logging
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from typing_extensions import override
+
+log = logging.getLogger(__name__)
+
+PARTIAL_SUFFIX = ".partial"
+
+
+def _fsync_folder(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # a folder that cannot be opened (some network filesystems): best effort
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_atomically(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save(obj, path)`` such that ``path`` is either the old file or the whole new one.
+
+    The bytes go to a temporary file in ``path``'s folder, are flushed to disk, and the file is
+    renamed to ``path``. On any error (a full disk, a serialization error) the temporary file
+    is removed and the error raised; an existing ``path`` is left as it was.
+
+    Examples:
+        >>> import tempfile, torch
+        >>> folder = tempfile.mkdtemp()
+        >>> save_atomically({"w": torch.ones(2)}, f"{folder}/last.ckpt")
+        >>> torch.load(f"{folder}/last.ckpt")["w"]
+        tensor([1., 1.])
+    """
+    path = Path(path)
+    # serialized in memory first (as Lightning does): a write error is then a plain OSError,
+    # not torch's zip writer failing on its own end-of-file record
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=PARTIAL_SUFFIX)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(buffer.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp_name, path)
+    except BaseException as err:
+        try:
+            os.unlink(temp_name)
+        except FileNotFoundError:
+            pass
+        if isinstance(err, OSError) and err.errno is not None:
+            kept = " (the existing file is kept)" if path.exists() else ""
+            raise OSError(err.errno, f"{err.strerror}: cannot write checkpoint {path}{kept}") from err
+        raise
+    _fsync_folder(path.parent)
+
+
+def partial_files(folders: Iterable[str | os.PathLike]) -> list[Path]:
+    """Temporary files of :func:`save_atomically` left in ``folders`` by a killed writer."""
+    found: list[Path] = []
+    for folder in folders:
+        folder = Path(folder)
+        if folder.is_dir():
+            found += sorted(p for p in folder.glob(f".*{PARTIAL_SUFFIX}") if p.is_file())
+    return found
+
+
+def remove_partial_files(folders: Iterable[str | os.PathLike]) -> list[Path]:
+    """Delete the leftovers :func:`partial_files` finds (with a warning naming each); return them.
+
+    Only for a run folder this process owns (see :mod:`lightning_fastscale.run_folder`): a
+    temporary file there is a write that a killed process never finished.
+    """
+    removed = []
+    for path in partial_files(folders):
+        try:  # ranks of one run may clear the same folder at once
+            size = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        log.warning("removing %s (%d bytes): a checkpoint write cut short by a killed process", path, size)
+        removed.append(path)
+    return removed
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's ``TorchCheckpointIO`` with atomic local writes (:func:`save_atomically`).
+
+    Every checkpoint the Trainer writes (``ModelCheckpoint``, ``Trainer.save_checkpoint``,
+    :class:`~lightning_fastscale.callbacks.PreemptionCheckpoint`) goes through the strategy's
+    ``CheckpointIO``; ``fastscale-train`` installs this one. Loading is Lightning's.
+
+    Examples:
+        >>> import lightning.pytorch as pl
+        >>> trainer = pl.Trainer(plugins=[AtomicCheckpointIO()], accelerator="cpu", logger=False)
+        >>> type(trainer.strategy.checkpoint_io).__name__
+        'AtomicCheckpointIO'
+    """
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None or fsspec.utils.get_protocol(str(path)) != "file":
+            super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
+        save_atomically(checkpoint, path)
