@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from tests.faults_helpers import finish, finish_all, start
+from benchmarks.fault_helpers import finish, finish_all, start
 
 # save_top_k=-1: last.ckpt follows every epoch (with a monitor, Lightning refreshes it only
 # when the metric improves). Epoch 0: global batch 32 (16 per rank), 8 steps; epoch 1: 64, 4 steps (steps 8..11).
 # SIGTERM reaches rank 1 only, as step 9 starts: every rank finishes step 9, then stops.
 PREEMPT = [
-    "+callbacks.preempt_test._target_=tests.faults_helpers.SignalAtStep",
+    "+callbacks.preempt_test._target_=benchmarks.fault_helpers.SignalAtStep",
     "+callbacks.preempt_test.step=9", "+callbacks.preempt_test.rank=1",
 ]
 
