@@ -68,7 +68,7 @@ def _free_port() -> int:
 
 
 def launch(run_dir: Path, *extra: str, torchrun: bool = False) -> subprocess.Popen:
-    steps = [f"+callbacks.step_log._target_=benchmarks.fault_helpers.StepLog", f"+callbacks.step_log.folder={run_dir}/steps"]
+    steps = ["+callbacks.step_log._target_=benchmarks.fault_helpers.StepLog", f"+callbacks.step_log.folder={run_dir}/steps"]
     train = ["-m", "lightning_fastscale.train", *RUN, f"hydra.run.dir={run_dir}", *steps, *extra]
     if torchrun:
         launcher = ["-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",

@@ -211,7 +211,7 @@ class CostModelPlanner:
 
     Examples:
         >>> from torch import nn
-        >>> from lightning_fastscale.strategies import Topology
+        >>> from lightning_fastscale.strategies.topology import Topology
         >>> planner = CostModelPlanner("tencent_cloud_25g_vpc", backward_time_s=0.15)
         >>> model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 10))
         >>> planner.plan(model, Topology(num_nodes=16, ranks_per_node=8), wire_dtype="fp16").algorithm in ALGORITHMS
