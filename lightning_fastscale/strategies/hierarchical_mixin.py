@@ -225,7 +225,9 @@ class HierarchicalAllReduceMixin:
         best sets :attr:`plain_ddp_reason`: the flat path then runs as DDP's own all-reduce, no hook.
         """
         self.plain_ddp_reason = None
-        planner = self.planner if self.planner is not None else NodeCountPlanner() if self.algorithm == "auto" else None
+        planner = self.planner
+        if planner is None and self.algorithm == "auto":
+            planner = NodeCountPlanner()
         plan: CommPlan | None = None
         if planner is not None:
             plan = planner.plan_comm(self.plan_request(model, topology))
