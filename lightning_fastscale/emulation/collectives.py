@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from lightning_fastscale.strategies.options import ALGORITHMS, WIRE_DTYPES, check_algorithm, chunk_numel_for
+from lightning_fastscale.strategies.options import ALGORITHMS, WIRE_DTYPES, chunk_numel_for
 
 __all__ = ["measure_allreduce", "bandwidth_bound_s", "parse_algorithm", "rotated", "WIRE_DTYPES"]
 
@@ -55,10 +55,7 @@ def parse_algorithm(spec: str) -> tuple[str, str, int | float]:
     name, _, dtype = head.partition(":")
     dtype = dtype or "fp32"
     if name not in _ALGORITHMS:
-        try:
-            name = check_algorithm(name, "algorithm spec")
-        except ValueError:
-            raise ValueError(f"unknown algorithm {name!r} in {spec!r}; choose from {', '.join(_ALGORITHMS)}") from None
+        raise ValueError(f"unknown algorithm {name!r} in {spec!r}; choose from {', '.join(_ALGORITHMS)}")
     if dtype not in WIRE_DTYPES:
         raise ValueError(f"unknown wire dtype {dtype!r} in {spec!r}; choose from {', '.join(WIRE_DTYPES)}")
     if chunks.lower().endswith("mb"):

@@ -29,7 +29,7 @@ from lightning_fastscale.planner.fusion import MB, best_uniform_cap, plan_two_se
 from lightning_fastscale.planner.profile import profile_model
 from lightning_fastscale.planner.scaling import allreduce_cost, default_gpu_counts, scaling_curve
 from lightning_fastscale.strategies.options import (
-    AUTO_CHUNK_MB_PER_NODE, DEFAULT_PIPELINE_CHUNK_MB, chunk_numel_for, resolve_chunk_mb,
+    AUTO_CHUNK_MB_PER_NODE, DEFAULT_PIPELINE_CHUNK_MB, WIRE_DTYPES, chunk_numel_for, resolve_chunk_mb,
 )
 
 __all__ = ["build_report", "main"]
@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpus", type=int, help="GPU count to plan for (default: the cluster's)")
     parser.add_argument("--per-gpu-batch", type=int, help="per-GPU batch (default: the cluster's workload)")
     parser.add_argument("--input-size", type=int, help="image side or sequence length (default: the workload's)")
-    parser.add_argument("--wire-dtype", choices=["fp32", "fp16", "bf16"], help="dtype on the wire")
+    parser.add_argument("--wire-dtype", choices=list(WIRE_DTYPES), help="dtype on the wire")
     parser.add_argument("--topk-ratio", type=float, help="top-k ratio for the inter-node stage (hier/torus2d)")
     parser.add_argument("--pipeline-chunk-mb", type=_pipeline_chunk_mb, default=DEFAULT_PIPELINE_CHUNK_MB,
                         help="the strategy's pipeline_chunk_mb: buckets flow through the stages in chunks "
