@@ -118,10 +118,11 @@ def test_two_segment_caps() -> None:
 def test_strategy_configs_instantiate(name: str, algorithm: str) -> None:
     from pathlib import Path
 
+    from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
-    from omegaconf import OmegaConf
 
-    node = OmegaConf.load(Path(__file__).parents[1] / "lightning_fastscale" / "conf" / "strategy" / f"{name}.yaml")
+    with initialize_config_dir(str(Path(__file__).parents[1] / "lightning_fastscale" / "conf"), version_base="1.3"):
+        node = compose("train", overrides=[f"strategy={name}"]).strategy  # hier_torus extends hier_ring
     strategy = instantiate(node, start_method="spawn")  # what fastscale-train does inside a multirun
     assert isinstance(strategy, HierarchicalAllReduceStrategy)
     assert (strategy.algorithm, strategy.wire_dtype, strategy._start_method) == (algorithm, "fp32", "spawn")
