@@ -44,7 +44,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.faults_helpers import RECIPE_RUN  # noqa: E402  (the job the fault tests run)
+from benchmarks.fault_helpers import RECIPE_RUN  # noqa: E402  (the job the fault tests run)
 
 
 RUN = RECIPE_RUN
@@ -75,7 +75,7 @@ def _free_port() -> int:
 
 def launch(run_dir: Path, *extra: str, torchrun: bool = False, run: list[str] | None = None,
            env: dict[str, str] | None = None) -> subprocess.Popen:
-    steps = [f"+callbacks.step_log._target_=tests.faults_helpers.StepLog", f"+callbacks.step_log.folder={run_dir}/steps"]
+    steps = [f"+callbacks.step_log._target_=benchmarks.fault_helpers.StepLog", f"+callbacks.step_log.folder={run_dir}/steps"]
     train = ["-m", "lightning_fastscale.train", *(RUN if run is None else run), f"hydra.run.dir={run_dir}", *steps, *extra]
     if torchrun:
         launcher = ["-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
@@ -117,7 +117,7 @@ def preempt(root: Path, name: str, folder: str, reference: Path, *, torchrun: bo
     run_dir = root / folder
     stamp = root / f"{folder}.signal"
     sender = [
-        "+callbacks.preempt_test._target_=tests.faults_helpers.SignalAtStep",
+        "+callbacks.preempt_test._target_=benchmarks.fault_helpers.SignalAtStep",
         f"+callbacks.preempt_test.step={SIGNAL_STEP}", f"+callbacks.preempt_test.stamp={stamp}",
         # torchrun: rank 0 signals the agent; otherwise rank 1 signals itself (one node's notice)
         f"+callbacks.preempt_test.rank={0 if torchrun else 1}",
@@ -232,9 +232,9 @@ def storage_rows(root: Path) -> list[Row]:
             continue
         try:
             run_dir, filler = mount / "run", mount / "filler"
-            extra = (["+callbacks.kill._target_=tests.faults_helpers.KillDuringSave", "+callbacks.kill.step=8"]
+            extra = (["+callbacks.kill._target_=benchmarks.fault_helpers.KillDuringSave", "+callbacks.kill.step=8"]
                      if fault == "kill" else
-                     ["+callbacks.fill._target_=tests.faults_helpers.FillDiskAtStep", "+callbacks.fill.step=8",
+                     ["+callbacks.fill._target_=benchmarks.fault_helpers.FillDiskAtStep", "+callbacks.fill.step=8",
                       f"+callbacks.fill.path={filler}"])
             start = time.time()
             code, out, ended = wait(launch(run_dir, *extra, run=SMALL_RUN, env=env), timeout=300)

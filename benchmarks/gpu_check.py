@@ -2,7 +2,7 @@
 
 1. communication hooks on CUDA tensors: 4 ranks sharing the one GPU over gloo (NCCL refuses two
    ranks on one device), hierarchical / 2D-torus / flat hooks trained against plain DDP
-   (``lightning_fastscale.strategies.hook_check.check_hooks_on_cuda``);
+   (``benchmarks/hook_check.py``, ``check_hooks_on_cuda``);
 2. ``LARSMixedPrecision`` on the GPU: 16-mixed and bf16-mixed first step equal to the float64
    formula (fused SGD path), an injected inf skips the step (16-mixed: scale halved), fused ==
    generic path over 5 steps, then ``benchmarks/lars_step.py --device cuda --clock wall``:
@@ -206,7 +206,8 @@ def check_lars(device: str, repeats: int) -> None:
 
 
 def check_hooks() -> None:
-    from lightning_fastscale.strategies.hook_check import check_hooks_on_cuda
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from hook_check import check_hooks_on_cuda
 
     result = check_hooks_on_cuda(world_size=4, ranks_per_node=2, timeout_s=150)
     for case, r in result["cases"].items():

@@ -194,7 +194,7 @@ def test_fastscale_train_diverging_in_fp32_fails_and_keeps_no_nan_checkpoint(tmp
     the run stops at the first non-finite loss with a non-zero status, prints no final
     accuracy, and every checkpoint it left holds finite weights."""
     from lightning_fastscale import checkpointing
-    from tests.faults_helpers import finish, start
+    from benchmarks.fault_helpers import finish, start
 
     run = ["data.train_size=64", "data.val_size=16", "data.batch_size=16", "data.resolution=16",
            "model.kwargs.widths=[8,8,8]", "trainer.max_epochs=3", "trainer.enable_progress_bar=false",

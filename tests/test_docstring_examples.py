@@ -22,6 +22,7 @@ MODULES = [
     "lightning_fastscale.diagnostics.step_timer",
     "lightning_fastscale.checkpoint_io",
     "lightning_fastscale.run_folder",
+    "lightning_fastscale.strategies.planning",
 ]
 
 

@@ -16,7 +16,7 @@ import torch
 
 from lightning_fastscale import checkpointing
 from lightning_fastscale.checkpoint_io import partial_files, save_atomically
-from tests.faults_helpers import finish, start
+from benchmarks.fault_helpers import finish, start
 
 # 1 rank, 64 samples / 16: 4 steps per epoch; checkpoints at the end of epochs 0 and 1 (about 94 kB each)
 RUN = [
@@ -61,7 +61,7 @@ def test_disk_full_during_a_write_keeps_the_previous_file(small_fs):
 def test_rank_killed_while_writing_a_checkpoint_then_resume_auto(small_fs, tmp_path):
     run_dir, tmpdir = small_fs / "run", tmp_path / "tmpdir"
     tmpdir.mkdir()
-    kill = ["+callbacks.kill._target_=tests.faults_helpers.KillDuringSave", "+callbacks.kill.step=8"]
+    kill = ["+callbacks.kill._target_=benchmarks.fault_helpers.KillDuringSave", "+callbacks.kill.step=8"]
     code, out = finish(start(run_dir, *kill, run=RUN, env={"TMPDIR": str(tmpdir)}))
     assert code == -25, out[-3000:]  # SIGXFSZ: killed mid-write, at the end of epoch 1
     folder = run_dir / "checkpoints"
@@ -83,7 +83,7 @@ def test_rank_killed_while_writing_a_checkpoint_then_resume_auto(small_fs, tmp_p
 def test_disk_full_while_writing_a_checkpoint_then_resume_auto(small_fs, tmp_path):
     run_dir, tmpdir, filler = small_fs / "run", tmp_path / "tmpdir", small_fs / "filler"
     tmpdir.mkdir()
-    fill = ["+callbacks.fill._target_=tests.faults_helpers.FillDiskAtStep", "+callbacks.fill.step=8",
+    fill = ["+callbacks.fill._target_=benchmarks.fault_helpers.FillDiskAtStep", "+callbacks.fill.step=8",
             f"+callbacks.fill.path={filler}"]
     code, out = finish(start(run_dir, *fill, run=RUN, env={"TMPDIR": str(tmpdir)}))
     assert code != 0 and "No space left on device" in out, out[-3000:]

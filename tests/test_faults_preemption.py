@@ -16,7 +16,7 @@ from lightning_fastscale.callbacks import ExactResume, PreemptionCheckpoint
 from lightning_fastscale.callbacks.exact_resume import SkipFirstBatches
 from lightning_fastscale.callbacks.preemption import parse_signals, slurm_job_id
 from lightning_fastscale.data import ProceduralDataModule
-from tests.faults_helpers import SignalAtStep
+from benchmarks.fault_helpers import SignalAtStep
 
 
 class DropoutNet(pl.LightningModule):

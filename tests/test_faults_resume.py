@@ -20,7 +20,7 @@ import torch
 from lightning_fastscale.callbacks import ExactResume
 from lightning_fastscale.callbacks.exact_resume import WorldSizeChangeError
 from lightning_fastscale.data.convert import convert
-from tests.faults_helpers import finish, finish_all, read_batch_log, start
+from benchmarks.fault_helpers import finish, finish_all, read_batch_log, start
 
 # 256 samples, global batch 32 (large_batch: data.batch_size is the global batch; default
 # callbacks: the per-device batch, set to 32 / ranks): 8 steps per epoch (default callbacks:
@@ -41,15 +41,15 @@ STEPS = {"default": 16, "large_batch": 12}
 
 def preempt(ranks: int, step: int = STOP_STEP) -> list[str]:
     return [
-        "+callbacks.preempt_test._target_=tests.faults_helpers.SignalAtStep",
+        "+callbacks.preempt_test._target_=benchmarks.fault_helpers.SignalAtStep",
         f"+callbacks.preempt_test.step={step}", f"+callbacks.preempt_test.rank={ranks - 1}",
     ]
 
 
 def batch_log(run_dir: Path) -> list[str]:
     """Each step's batch per rank, and the final state (whatever ModelCheckpoint kept as last.ckpt)."""
-    return ["+callbacks.batch_log._target_=tests.faults_helpers.BatchLog", f"+callbacks.batch_log.folder={run_dir / 'batches'}",
-            "+callbacks.final._target_=tests.faults_helpers.FinalCheckpoint", f"+callbacks.final.path={run_dir / 'final.ckpt'}"]
+    return ["+callbacks.batch_log._target_=benchmarks.fault_helpers.BatchLog", f"+callbacks.batch_log.folder={run_dir / 'batches'}",
+            "+callbacks.final._target_=benchmarks.fault_helpers.FinalCheckpoint", f"+callbacks.final.path={run_dir / 'final.ckpt'}"]
 
 
 def load(run_dir: Path) -> dict:

@@ -29,7 +29,7 @@ from lightning_fastscale.callbacks import ExactResume, PreemptionCheckpoint
 from lightning_fastscale.callbacks.exact_resume import collect_rng_states
 from lightning_fastscale.data import StreamingDataModule
 from lightning_fastscale.data.convert import convert
-from tests.faults_helpers import RECIPE_RUN, SignalAtStep, finish_all, read_batch_log, start
+from benchmarks.fault_helpers import RECIPE_RUN, SignalAtStep, finish_all, read_batch_log, start
 
 # RECIPE_RUN's job on converted data: 256 train samples at 16 px (the stored max side, which
 # progressive resizing reaches in epoch 1), 32 val samples.
@@ -37,7 +37,7 @@ from tests.faults_helpers import RECIPE_RUN, SignalAtStep, finish_all, read_batc
 # steps 8..11. SIGTERM reaches rank 1 as step 9 starts: every rank finishes it and stops.
 PROCEDURAL = {"num_classes": 10, "train_size": 256, "val_size": 32, "resolution": 16, "seed": 0}
 PREEMPT = [
-    "+callbacks.preempt_test._target_=tests.faults_helpers.SignalAtStep",
+    "+callbacks.preempt_test._target_=benchmarks.fault_helpers.SignalAtStep",
     "+callbacks.preempt_test.step=9", "+callbacks.preempt_test.rank=1",
 ]
 
@@ -46,7 +46,7 @@ def streaming_run(root: Path, run_dir: Path) -> list[str]:
     procedural_only = ("data.train_size=", "data.val_size=")
     return [a for a in RECIPE_RUN if not a.startswith(procedural_only)] + [
         "data=streaming", f"data.root={root}", "data.num_workers=2",
-        "+callbacks.batch_log._target_=tests.faults_helpers.BatchLog",
+        "+callbacks.batch_log._target_=benchmarks.fault_helpers.BatchLog",
         f"+callbacks.batch_log.folder={run_dir / 'batches'}",
     ]
 

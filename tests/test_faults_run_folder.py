@@ -19,7 +19,7 @@ from lightning_fastscale.run_folder import (
     claim,
     global_rank_from_env,
 )
-from tests.faults_helpers import finish, kill_group, start
+from benchmarks.fault_helpers import finish, kill_group, start
 
 RUN = [
     "data.train_size=64", "data.val_size=16", "data.batch_size=16", "data.resolution=16",

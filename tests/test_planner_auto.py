@@ -8,6 +8,7 @@ from lightning_fastscale.planner import (
 )
 from lightning_fastscale.planner.fusion import MB
 from lightning_fastscale.planner.scaling import DEFAULT_PIPELINE_CHUNK_MB
+from lightning_fastscale.strategies.planning import PlanRequest
 
 SLOW_NIC = CommParams(alpha_intra=5e-6, beta_intra=1e-11, alpha_inter=2e-5, beta_inter=8e-9, gamma=0.0)
 FLAT = CommParams(alpha_intra=1e-6, beta_intra=1e-9, alpha_inter=1e-6, beta_inter=1e-9, gamma=0.0)
@@ -62,10 +63,13 @@ def test_cost_model_planner_plans_what_it_is_told_to_send():
         got = planner.plan(model, topo, pipeline_chunk_mb=chunk_mb)
         assert got.algorithm == expected.algorithm
         assert got.plan.ddp_bucket_cap_mb_list() == expected.plan.ddp_bucket_cap_mb_list()
-    # standalone callables use the defaults: fp32, no top-k, the strategy's default chunking
-    default = auto_plan(profile, Topology(4, 8), SLOW_NIC, pipeline_chunk_mb=DEFAULT_PIPELINE_CHUNK_MB)
-    assert planner.select_algorithm(model, topo) == default.algorithm
-    assert planner.fusion_caps(model, topo) == default.plan.ddp_bucket_cap_mb_list()
+    # the strategy's question with its defaults (fp32, no top-k, its default chunking) gets the same plan
+    default = auto_plan(profile, Topology(4, 8), SLOW_NIC, pipeline_chunk_mb=DEFAULT_PIPELINE_CHUNK_MB,
+                        plain_ddp_tolerance=planner.plain_ddp_tolerance)
+    answer = planner.plan_comm(PlanRequest(model, topo))
+    assert answer.algorithm == default.algorithm
+    assert answer.bucket_caps_mb == tuple(default.plan.ddp_bucket_cap_mb_list())
+    assert answer.plain_ddp_reason == (default.reason if default.plain_ddp else None)
     with pytest.raises(ValueError, match="pipeline_chunk_mb"):
         planner.plan(model, topo, pipeline_chunk_mb=0)
     # from a shipped cluster, with FLOP-based backward times from an example input
@@ -78,20 +82,6 @@ def test_cost_model_planner_plans_what_it_is_told_to_send():
         CostModelPlanner(SLOW_NIC).plan(model, topo)
     with pytest.raises(ValueError, match="calibrate=True"):
         CostModelPlanner()
-
-
-def test_old_planner_settings_warn_and_still_apply():
-    model, topo = net(), Topology(4, 8)
-    with pytest.warns(DeprecationWarning, match="pipeline_chunk_mb"):
-        old = CostModelPlanner(SLOW_NIC, backward_time_s=0.01, pipeline_chunk_mb=0.25)
-    new = CostModelPlanner(SLOW_NIC, backward_time_s=0.01)
-    assert old.plan(model, topo).summary() == new.plan(model, topo, pipeline_chunk_mb=0.25).summary()
-    with pytest.warns(DeprecationWarning, match="chunk_mb"):
-        renamed = auto_plan(module_profile(model, backward_time_s=0.01), topo, SLOW_NIC, chunk_mb=0.25,
-                            plain_ddp_tolerance=0.05)
-    assert renamed.summary() == new.plan(model, topo, pipeline_chunk_mb=0.25).summary()
-    with pytest.warns(DeprecationWarning, match="'flat'"):
-        assert CostModelPlanner(SLOW_NIC, backward_time_s=0.01, algorithms=("ring", "hier")).algorithms == ("flat", "hier")
 
 
 def test_best_chunk_follows_latency():

@@ -1,7 +1,7 @@
 """The paired (round-by-round) verdict of the planner validation on known repetitions."""
 import pytest
 
-from lightning_fastscale.planner.validation import format_across, paired_stats, predict_rows
+from benchmarks.planner_verdicts import format_across, paired_stats, predict_rows
 
 
 def test_miss_is_beyond_noise_only_if_the_fastest_won_every_round() -> None:
@@ -20,10 +20,10 @@ def test_miss_is_beyond_noise_only_if_the_fastest_won_every_round() -> None:
     assert paired_stats(reps, picked="hier", fastest="hier")["miss_beyond_noise"] is False
 
 
-def _run(fastest: str, flat_name: str = "flat") -> list[dict]:
+def _run(fastest: str) -> list[dict]:
     """One run of one case (2 x 4, 1M elements, unchunked), ``fastest`` measured fastest."""
     params = dict(alpha_intra=1e-4, beta_intra=1e-9, alpha_inter=0.0, beta_inter=1.6e-8, gamma=2e-9)
-    times = {a: 0.10 for a in (flat_name, "hier", "torus2d")} | {fastest: 0.09}
+    times = {a: 0.10 for a in ("flat", "hier", "torus2d")} | {fastest: 0.09}
     return [dict(nodes=2, ranks_per_node=4, cap_mbit=500.0, numel=1_000_000, chunks=1, chunk_numel=None,
                  wire_dtype="fp32", default_chunking=True, algorithm=a, measured_s=t, times_s=[t] * 5,
                  interleaved=True, params=params) for a, t in times.items()]
@@ -40,8 +40,3 @@ def test_across_runs_counts_changes_of_the_fastest_and_the_best_fixed_choice() -
     steady = format_across([_run(other)] * 2)
     assert steady.endswith("changed between runs in 0; (case, run) pairs right: best fixed choice per case 2/2, planner 0/2")
 
-
-def test_rows_stored_with_the_old_flat_name_are_read_as_flat() -> None:
-    rows = predict_rows(_run("ring", flat_name="ring"))
-    assert {r["algorithm"] for r in rows} == {"flat", "hier", "torus2d"}
-    assert rows[0]["measured_fastest"] == "flat"

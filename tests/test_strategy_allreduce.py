@@ -15,7 +15,7 @@ from tests.distributed import run_distributed
 # fp32: only the summation order differs from the reference. Wire dtypes: relative L2 error of
 # the sum of 4 standard normals; fp16 keeps 11 significant bits (2^-11 ~ 4.9e-4 per rounding,
 # a few roundings), bf16 keeps 8 (2^-8 ~ 3.9e-3).
-WIRE_TOLERANCE = {None: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+WIRE_TOLERANCE = {"fp32": 1e-6, "fp16": 2e-3, "bf16": 1.6e-2}
 SIZES = (10007, 3, 1)  # odd: uneven torus shards; 3 and 1: fewer elements than ranks per node
 pytestmark = pytest.mark.timeout(600)
 # The torus's NCCL path (native reduce-scatter / all-gather on a padded buffer) forced on gloo.
@@ -65,7 +65,7 @@ def _wire_stage(rank: int, groups) -> dict:
     deviation = {}
     for name in ("hier", "torus2d"):
         for chunk in (None, 1000):
-            out = ALLREDUCE_FUNCTIONS[name](inputs[rank].clone(), groups, wire_dtype=torch.float16, chunk_numel=chunk)
+            out = ALLREDUCE_FUNCTIONS[name](inputs[rank].clone(), groups, wire_dtype="fp16", chunk_numel=chunk)
             deviation[(name, chunk)] = ((out - model).abs().max() / model.abs().max()).item()
     return deviation
 

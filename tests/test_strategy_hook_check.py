@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_fastscale.strategies.hook_check import check_hooks, check_hooks_on_cuda
+from benchmarks.hook_check import check_hooks, check_hooks_on_cuda
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -4,7 +4,7 @@ import pytest
 from torch import nn
 
 from lightning_fastscale.planner import CommParams, CostModelPlanner
-from lightning_fastscale.strategies import HierarchicalAllReduceStrategy, Topology
+from lightning_fastscale.strategies import CommPlan, HierarchicalAllReduceStrategy, PlanRequest, Topology
 
 TWO_BY_FOUR = Topology(num_nodes=2, ranks_per_node=4)
 # In-node links 100x faster than the node link unless said otherwise; 1 ms messages across nodes.
@@ -40,7 +40,9 @@ def test_strategy_hands_its_own_settings_to_the_planner() -> None:
     params = CommParams(**FAST_NODE)
     model = _model()
     strategy = _strategy(params, wire_dtype="fp16", compression="topk", topk_ratio=0.05, pipeline_chunk_mb=1.0)
-    assert strategy.planner_settings() == {"wire_dtype": "fp16", "topk_ratio": 0.05, "pipeline_chunk_mb": 1.0}
+    request = strategy.plan_request(model, TWO_BY_FOUR)
+    assert (request.module, request.topology, request.wire_dtype, request.topk_ratio, request.pipeline_chunk_mb,
+            request.algorithms) == (model, TWO_BY_FOUR, "fp16", 0.05, 1.0, None)
     algorithm, caps = strategy.resolve_comm_plan(model, TWO_BY_FOUR)
     told = strategy.planner.plan(model, TWO_BY_FOUR, wire_dtype="fp16", topk_ratio=0.05, pipeline_chunk_mb=1.0)
     assert (algorithm, caps) == (told.algorithm, told.plan.ddp_bucket_cap_mb_list())
@@ -59,3 +61,32 @@ def test_explicit_settings_win_over_the_planner() -> None:
         _model(), TWO_BY_FOUR)
     assert algorithm == "hier"
     assert caps == planner.plan(_model(), TWO_BY_FOUR, algorithms=("hier",)).plan.ddp_bucket_cap_mb_list()
+
+
+class _Recorder:
+    """A planner of its own: any object with plan_comm plugs in."""
+
+    def __init__(self, answer: CommPlan) -> None:
+        self.answer, self.requests = answer, []
+
+    def plan_comm(self, request: PlanRequest) -> CommPlan:
+        self.requests.append(request)
+        return self.answer
+
+
+def test_any_comm_planner_plugs_in_and_is_asked_once() -> None:
+    model = _model()
+    planner = _Recorder(CommPlan("torus2d", (2.0, 30.0)))
+    strategy = HierarchicalAllReduceStrategy(algorithm="auto", planner=planner, wire_dtype="bf16")
+    assert strategy.resolve_comm_plan(model, TWO_BY_FOUR) == ("torus2d", [2.0, 30.0])
+    assert [(r.wire_dtype, r.algorithms) for r in planner.requests] == [("bf16", None)]
+    plain = HierarchicalAllReduceStrategy(algorithm="auto", planner=_Recorder(CommPlan("flat", None, "cheap enough")))
+    assert plain.resolve_comm_plan(model, TWO_BY_FOUR) == ("flat", None) and plain.plain_ddp_reason == "cheap enough"
+    # without a planner, "auto" is hier across nodes and flat in one, with DDP's buckets
+    auto = HierarchicalAllReduceStrategy(algorithm="auto")
+    assert auto.resolve_comm_plan(model, TWO_BY_FOUR) == ("hier", None)
+    assert auto.resolve_comm_plan(model, Topology(1, 4)) == ("flat", None)
+    with pytest.raises(TypeError, match="plan_comm"):
+        HierarchicalAllReduceStrategy(algorithm="auto", planner=lambda module, topology: "hier")
+    with pytest.raises(ValueError, match="choose one of"):
+        CommPlan("ring")

@@ -30,26 +30,11 @@ def test_topology_errors(world: int, per_node: int, match: str) -> None:
         Topology(0, 2)
 
 
-def test_old_topology_spellings_warn_and_mean_the_same() -> None:
-    with pytest.warns(DeprecationWarning, match="from_world"):
-        assert Topology(world_size=8, ranks_per_node=4) == Topology(2, 4)
-    with pytest.warns(DeprecationWarning, match="num_nodes"):
-        assert Topology(nodes=3, ranks_per_node=2).world_size == 6
-    with pytest.warns(DeprecationWarning, match="num_nodes"):
-        assert Topology(3, 2).nodes == 3
-
-
-def test_old_option_names_warn_and_still_work() -> None:
-    with pytest.warns(DeprecationWarning, match="'flat'"):
-        assert HierarchicalAllReduceStrategy(algorithm="ring").algorithm == "flat"
-    with pytest.warns(DeprecationWarning, match="wire_dtype"):
-        assert HierarchicalAllReduceStrategy(comm_dtype="fp16").wire_dtype == "fp16"
-    with pytest.raises(ValueError, match="disagree"), pytest.warns(DeprecationWarning):
-        HierarchicalAllReduceStrategy(comm_dtype="fp16", wire_dtype="bf16")
-    import lightning_fastscale.strategies as strategies
-
-    with pytest.warns(DeprecationWarning, match="flat_allreduce_"):
-        assert strategies.ring_allreduce_ is strategies.flat_allreduce_
+def test_one_spelling_per_option() -> None:
+    with pytest.raises(ValueError, match=r"algorithm='ring': choose one of \['flat', 'hier', 'torus2d', 'auto'\]"):
+        HierarchicalAllReduceStrategy(algorithm="ring")
+    with pytest.raises(ValueError, match=r"wire_dtype='float16': choose one of \['fp32', 'fp16', 'bf16'\]"):
+        HierarchicalAllReduceStrategy(wire_dtype="float16")
 
 
 def test_detect_ranks_per_node() -> None:
@@ -136,10 +121,11 @@ def test_two_segment_caps() -> None:
 def test_strategy_configs_instantiate(name: str, algorithm: str) -> None:
     from pathlib import Path
 
+    from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
-    from omegaconf import OmegaConf
 
-    node = OmegaConf.load(Path(__file__).parents[1] / "lightning_fastscale" / "conf" / "strategy" / f"{name}.yaml")
+    with initialize_config_dir(str(Path(__file__).parents[1] / "lightning_fastscale" / "conf"), version_base="1.3"):
+        node = compose("train", overrides=[f"strategy={name}"]).strategy  # hier_torus extends hier_ring
     strategy = instantiate(node, start_method="spawn")  # what fastscale-train does inside a multirun
     assert isinstance(strategy, HierarchicalAllReduceStrategy)
     assert (strategy.algorithm, strategy.wire_dtype, strategy._start_method) == (algorithm, "fp32", "spawn")

@@ -24,7 +24,7 @@ strategy's ``pipeline_chunk_mb``). Names:
 
 - ``flat``, ``hier``, ``torus2d``: the strategy's functions in
   :mod:`lightning_fastscale.strategies.allreduce` (``flat`` in fp32 unchunked is one
-  ``all_reduce`` over all ranks, what plain DDP does). ``ring`` is the deprecated name of ``flat``.
+  ``all_reduce`` over all ranks, what plain DDP does).
 - ``hier_topk``, ``torus2d_topk``: the same with top-k compression of the inter-node stage
   (``topk_ratio``, error feedback carried across rounds).
 """
@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from lightning_fastscale.strategies.options import ALGORITHMS, WIRE_DTYPES, canonical_algorithm
+from lightning_fastscale.strategies.options import ALGORITHMS, WIRE_DTYPES, chunk_numel_for
 
 __all__ = ["measure_allreduce", "bandwidth_bound_s", "parse_algorithm", "rotated", "WIRE_DTYPES"]
 
@@ -55,10 +55,7 @@ def parse_algorithm(spec: str) -> tuple[str, str, int | float]:
     name, _, dtype = head.partition(":")
     dtype = dtype or "fp32"
     if name not in _ALGORITHMS:
-        try:
-            name = canonical_algorithm(name, "algorithm spec")
-        except ValueError:
-            raise ValueError(f"unknown algorithm {name!r} in {spec!r}; choose from {', '.join(_ALGORITHMS)}") from None
+        raise ValueError(f"unknown algorithm {name!r} in {spec!r}; choose from {', '.join(_ALGORITHMS)}")
     if dtype not in WIRE_DTYPES:
         raise ValueError(f"unknown wire dtype {dtype!r} in {spec!r}; choose from {', '.join(WIRE_DTYPES)}")
     if chunks.lower().endswith("mb"):
@@ -148,17 +145,16 @@ def _make_algorithm(spec: str, numel: int, groups, cfg: dict) -> Callable:
     from lightning_fastscale.strategies import allreduce
 
     name, dtype, chunks = parse_algorithm(spec)
-    wire = None if dtype == "fp32" else WIRE_DTYPES[dtype]
     if isinstance(chunks, float):
-        chunk_numel = allreduce.chunk_numel_for(chunks)
+        chunk_numel = chunk_numel_for(chunks)
     else:
         chunk_numel = None if chunks == 1 else -(-numel // chunks)
     if name.endswith("_topk"):
         fn = allreduce.ALLREDUCE_FUNCTIONS[name.removesuffix("_topk")]
         topk = allreduce.TopKErrorFeedback(cfg["topk_ratio"])
-        return lambda t: fn(t, groups, wire_dtype=wire, topk=topk, chunk_numel=chunk_numel)
+        return lambda t: fn(t, groups, wire_dtype=dtype, topk=topk, chunk_numel=chunk_numel)
     fn = allreduce.ALLREDUCE_FUNCTIONS[name]
-    return lambda t: fn(t, groups, wire_dtype=wire, chunk_numel=chunk_numel)
+    return lambda t: fn(t, groups, wire_dtype=dtype, chunk_numel=chunk_numel)
 
 
 def rotated(items: Sequence[str], shift: int) -> list[str]:

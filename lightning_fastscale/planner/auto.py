@@ -12,7 +12,6 @@ overhead and a cast wire dtype are not worth a gain that small.
 """
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,9 +24,8 @@ from lightning_fastscale.planner.cost_model import ALGORITHMS, CommParams, Topol
 from lightning_fastscale.planner.fusion import FusionPlan, plan_fusion
 from lightning_fastscale.planner.profile import GradientProfile, measure_backward_profile, profile_module
 from lightning_fastscale.planner.scaling import allreduce_cost
-from lightning_fastscale.strategies.options import (
-    DEFAULT_PIPELINE_CHUNK_MB, NOT_GIVEN, canonical_algorithms, chunk_numel_for, renamed_option,
-)
+from lightning_fastscale.strategies.options import DEFAULT_PIPELINE_CHUNK_MB, check_algorithms, chunk_numel_for
+from lightning_fastscale.strategies.planning import CommPlan, PlanRequest
 
 __all__ = ["CHUNK_CANDIDATES_MB", "AutoPlan", "CostModelPlanner", "auto_plan", "best_chunk_plan", "module_profile"]
 
@@ -64,6 +62,11 @@ class AutoPlan:
             "predicted_finish_s": {a: p.finish_s for a, p in self.candidates.items()},
             "plain_ddp_finish_s": None if self.baseline is None else self.baseline.finish_s,
         }
+
+    def comm_plan(self) -> CommPlan:
+        """The strategy's view of this plan: algorithm, DDP bucket caps, and why plain DDP if it is kept."""
+        return CommPlan(self.algorithm, tuple(self.plan.ddp_bucket_cap_mb_list()),
+                        self.reason if self.plain_ddp else None)
 
 
 def module_profile(
@@ -114,22 +117,20 @@ def auto_plan(
     topk_ratio: float | None = None,
     algorithms: Sequence[str] = ALGORITHMS,
     max_buckets: int | None = None,
-    pipeline_chunk_mb: float | str | None = None,
+    pipeline_chunk_mb: float | str | None = DEFAULT_PIPELINE_CHUNK_MB,
     *,
-    chunk_mb: float | str | None = NOT_GIVEN,
     plain_ddp_tolerance: float | None = None,
 ) -> AutoPlan:
     """Choose the algorithm and the buckets with the earliest predicted end of communication.
 
     Ties go to the earlier entry of ``algorithms`` (flat, hier, torus2d: the simpler one).
-    ``pipeline_chunk_mb``: the strategy's option of that name (buckets pipelined in chunks);
-    ``chunk_mb`` is its deprecated name. On one node only ``flat`` is considered (all
+    ``pipeline_chunk_mb``: the strategy's option of that name (buckets pipelined in chunks;
+    ``"auto"`` by default, as in the strategy). On one node only ``flat`` is considered (all
     algorithms are then one in-node all-reduce). ``plain_ddp_tolerance`` (a fraction, e.g.
     0.05; ``None``: off) also plans plain DDP (flat, fp32, unchunked: DDP's own all-reduce)
     and keeps it where its plan ends within that fraction of the best.
     """
-    pipeline_chunk_mb = renamed_option("auto_plan", "chunk_mb", chunk_mb, "pipeline_chunk_mb", pipeline_chunk_mb)
-    algorithms = canonical_algorithms(algorithms)
+    algorithms = check_algorithms(algorithms)
     if plain_ddp_tolerance is not None and not plain_ddp_tolerance >= 0:
         raise ValueError(f"plain_ddp_tolerance={plain_ddp_tolerance!r} must be a fraction >= 0 (0.05 is 5 %) or None")
     if topology.num_nodes == 1:
@@ -184,9 +185,10 @@ def best_chunk_plan(
 class CostModelPlanner:
     """Chooses the all-reduce algorithm and the DDP buckets of a run from the communication cost model.
 
-    Give it to ``HierarchicalAllReduceStrategy(algorithm="auto", planner=...)``: at setup the
-    strategy calls :meth:`plan` with its own wire dtype, top-k ratio and pipeline chunk size,
-    so the plan prices exactly what the strategy will send. :meth:`plan` also works on its own.
+    A :class:`~lightning_fastscale.strategies.planning.CommPlanner`: give it to
+    ``HierarchicalAllReduceStrategy(algorithm="auto", planner=...)`` and at setup the strategy
+    asks :meth:`plan_comm` with its own wire dtype, top-k ratio and pipeline chunk size, so the
+    plan prices exactly what the strategy will send. :meth:`plan` also works on its own.
 
     ``params``: a :class:`CommParams`, a :class:`~lightning_fastscale.planner.cluster.Cluster`
     or the name/path of a cluster description; ``None`` with ``calibrate=True`` measures them
@@ -205,14 +207,11 @@ class CostModelPlanner:
     ``algorithms``), plain DDP is kept, without a hook, when its plan ends within this
     fraction of the best (:func:`auto_plan`); ``None`` always takes the best algorithm.
 
-    ``wire_dtype``, ``topk_ratio`` and ``pipeline_chunk_mb`` given here are deprecated: they are
-    only defaults for calls of :meth:`plan` that do not give them (the strategy always does);
-    ``None`` keeps the built-in default (to plan unchunked, pass ``pipeline_chunk_mb=None`` to
-    :meth:`plan`). Every constructor default is a plain value, so LightningCLI can build it.
+    Every constructor default is a plain value, so LightningCLI can build it.
 
     Examples:
         >>> from torch import nn
-        >>> from lightning_fastscale.strategies import Topology
+        >>> from lightning_fastscale.strategies.topology import Topology
         >>> planner = CostModelPlanner("tencent_cloud_25g_vpc", backward_time_s=0.15)
         >>> model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 10))
         >>> planner.plan(model, Topology(num_nodes=16, ranks_per_node=8), wire_dtype="fp16").algorithm in ALGORITHMS
@@ -234,9 +233,6 @@ class CostModelPlanner:
         example_input: torch.Tensor | None = None,
         measure_backward: bool = False,
         algorithms: Sequence[str] = ALGORITHMS,
-        wire_dtype: str | None = None,
-        topk_ratio: float | None = None,
-        pipeline_chunk_mb: float | str | None = None,
         plain_ddp_tolerance: float | None = PLAIN_DDP_TOLERANCE,
     ) -> None:
         from lightning_fastscale.planner.cluster import Cluster, load_cluster
@@ -255,22 +251,11 @@ class CostModelPlanner:
         self.sustained_tflops = sustained_tflops
         self.example_input = example_input
         self.measure_backward = measure_backward
-        self.algorithms = canonical_algorithms(algorithms)
+        self.algorithms = check_algorithms(algorithms)
         if plain_ddp_tolerance is not None and not plain_ddp_tolerance >= 0:
             raise ValueError(f"CostModelPlanner(plain_ddp_tolerance={plain_ddp_tolerance!r}) must be a fraction "
                              ">= 0 (0.05 is 5 %) or None")
         self.plain_ddp_tolerance = plain_ddp_tolerance
-        self._defaults: dict = {"wire_dtype": "fp32", "topk_ratio": None, "pipeline_chunk_mb": DEFAULT_PIPELINE_CHUNK_MB}
-        for name, value in (("wire_dtype", wire_dtype), ("topk_ratio", topk_ratio),
-                            ("pipeline_chunk_mb", pipeline_chunk_mb)):
-            if value is not None:
-                warnings.warn(
-                    f"CostModelPlanner({name}=...) is deprecated: pass it to plan(); with "
-                    f"HierarchicalAllReduceStrategy(planner=...) the strategy hands the planner its own {name}.",
-                    DeprecationWarning, stacklevel=2,
-                )
-                self._defaults[name] = value
-        chunk_numel_for(self._defaults["pipeline_chunk_mb"])  # validates it now, before any process starts
         self._plans: dict[tuple, AutoPlan] = {}
 
     def _params(
@@ -316,9 +301,9 @@ class CostModelPlanner:
         module: nn.Module,
         topology: Topology,
         *,
-        wire_dtype: str | None = None,
-        topk_ratio: float | None = NOT_GIVEN,
-        pipeline_chunk_mb: float | str | None = NOT_GIVEN,
+        wire_dtype: str = "fp32",
+        topk_ratio: float | None = None,
+        pipeline_chunk_mb: float | str | None = DEFAULT_PIPELINE_CHUNK_MB,
         algorithms: Sequence[str] | None = None,
         timeout: timedelta | None = None,
     ) -> AutoPlan:
@@ -328,11 +313,8 @@ class CostModelPlanner:
         within ``plain_ddp_tolerance`` of the best; given: the best of them, no plain-DDP
         fallback); ``timeout``: of the process groups a calibration creates.
         """
-        wire_dtype = self._defaults["wire_dtype"] if wire_dtype is None else wire_dtype
-        topk_ratio = self._defaults["topk_ratio"] if topk_ratio is NOT_GIVEN else topk_ratio
-        if pipeline_chunk_mb is NOT_GIVEN:
-            pipeline_chunk_mb = self._defaults["pipeline_chunk_mb"]
-        candidates = self.algorithms if algorithms is None else canonical_algorithms(algorithms)
+        chunk_numel_for(pipeline_chunk_mb)  # validates it before a calibration starts
+        candidates = self.algorithms if algorithms is None else check_algorithms(algorithms)
         key = (id(module), topology, wire_dtype, topk_ratio, pipeline_chunk_mb, candidates)
         if key not in self._plans:
             profile = self._profile(module)
@@ -342,10 +324,8 @@ class CostModelPlanner:
                                          pipeline_chunk_mb=pipeline_chunk_mb, plain_ddp_tolerance=tolerance)
         return self._plans[key]
 
-    def select_algorithm(self, module: nn.Module, topology: Topology) -> str:
-        """An ``algorithm_selector`` (``(module, topology) -> name``): the planned algorithm."""
-        return self.plan(module, topology).algorithm
-
-    def fusion_caps(self, module: nn.Module, topology: Topology) -> list[float]:
-        """A callable ``fusion_plan``: DDP ``bucket_cap_mb_list`` of the planned buckets."""
-        return self.plan(module, topology).plan.ddp_bucket_cap_mb_list()
+    def plan_comm(self, request: PlanRequest) -> CommPlan:
+        """The strategy's question (:class:`~lightning_fastscale.strategies.planning.CommPlanner`): :meth:`plan` of the request."""
+        return self.plan(request.module, request.topology, wire_dtype=request.wire_dtype,
+                         topk_ratio=request.topk_ratio, pipeline_chunk_mb=request.pipeline_chunk_mb,
+                         algorithms=request.algorithms, timeout=request.timeout).comm_plan()

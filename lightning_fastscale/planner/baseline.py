@@ -23,7 +23,7 @@ from lightning_fastscale.planner.cost_model import (
     CommParams, Topology, allreduce_time, flat_allreduce_detail,
 )
 from lightning_fastscale.strategies.options import (
-    ALGORITHMS, DEFAULT_PIPELINE_CHUNK_MB, canonical_algorithms, chunk_numel_for, wire_bytes_per_element,
+    ALGORITHMS, DEFAULT_PIPELINE_CHUNK_MB, check_algorithms, chunk_numel_for, wire_bytes_per_element,
 )
 
 __all__ = [
@@ -83,7 +83,7 @@ def compare_algorithms(
     """
     if not tolerance >= 0:
         raise ValueError(f"tolerance={tolerance!r} must be >= 0 (a fraction: 0.05 is 5 %)")
-    algorithms = canonical_algorithms(algorithms)
+    algorithms = check_algorithms(algorithms)
     for wire in wire_dtypes:
         wire_bytes_per_element(wire)
     measured = dict(measured or {})

@@ -29,13 +29,13 @@ from lightning_fastscale.planner.fusion import MB, best_uniform_cap, plan_two_se
 from lightning_fastscale.planner.profile import profile_model
 from lightning_fastscale.planner.scaling import allreduce_cost, default_gpu_counts, scaling_curve
 from lightning_fastscale.strategies.options import (
-    AUTO_CHUNK_MB_PER_NODE, DEFAULT_PIPELINE_CHUNK_MB, NOT_GIVEN, chunk_numel_for, renamed_option, resolve_chunk_mb,
+    AUTO_CHUNK_MB_PER_NODE, DEFAULT_PIPELINE_CHUNK_MB, WIRE_DTYPES, chunk_numel_for, resolve_chunk_mb,
 )
 
 __all__ = ["build_report", "main"]
 
 
-def _chunk_mb(text: str) -> float | str:
+def _pipeline_chunk_mb(text: str) -> float | str:
     """``--pipeline-chunk-mb`` value: ``auto`` or a number of MiB (0: unchunked)."""
     return text if text == "auto" else float(text)
 
@@ -52,9 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpus", type=int, help="GPU count to plan for (default: the cluster's)")
     parser.add_argument("--per-gpu-batch", type=int, help="per-GPU batch (default: the cluster's workload)")
     parser.add_argument("--input-size", type=int, help="image side or sequence length (default: the workload's)")
-    parser.add_argument("--wire-dtype", choices=["fp32", "fp16", "bf16"], help="dtype on the wire")
+    parser.add_argument("--wire-dtype", choices=list(WIRE_DTYPES), help="dtype on the wire")
     parser.add_argument("--topk-ratio", type=float, help="top-k ratio for the inter-node stage (hier/torus2d)")
-    parser.add_argument("--pipeline-chunk-mb", type=_chunk_mb, default=DEFAULT_PIPELINE_CHUNK_MB,
+    parser.add_argument("--pipeline-chunk-mb", type=_pipeline_chunk_mb, default=DEFAULT_PIPELINE_CHUNK_MB,
                         help="the strategy's pipeline_chunk_mb: buckets flow through the stages in chunks "
                         f"of this many MiB ('auto', the default: {AUTO_CHUNK_MB_PER_NODE:g} MiB per node; "
                         "0 = unchunked)")
@@ -74,14 +74,12 @@ def build_report(
     cluster: Cluster, model: str | None = None, gpus: int | None = None, per_gpu_batch: int | None = None,
     input_size: int | None = None, wire_dtype: str | None = None, topk_ratio: float | None = None,
     fusion: str = "auto", max_gpus: int = 4096, pipeline_chunk_mb: float | str | None = DEFAULT_PIPELINE_CHUNK_MB,
-    *, chunk_mb: float | str | None = NOT_GIVEN,
 ) -> dict:
     """Everything the CLI prints, as a dict (the ``--json`` document).
 
     ``pipeline_chunk_mb``: the strategy's option (MiB, ``"auto"`` or ``None``: buckets sent in
-    one piece); ``chunk_mb`` is its deprecated name.
+    one piece).
     """
-    chunk_mb = renamed_option("build_report", "chunk_mb", chunk_mb, "pipeline_chunk_mb", pipeline_chunk_mb)
     work = cluster.workload
     model = model or work.model
     batch = per_gpu_batch or work.per_gpu_batch
@@ -94,18 +92,18 @@ def build_report(
     params = cluster.comm_params()
     profile = profile_model(model, batch, size, cluster.device.sustained_tflops)
     numel = profile.numel
-    allreduce = predict_allreduce(numel, topology, params, wire, topk, chunk_numel=chunk_numel_for(chunk_mb, topology.num_nodes))
-    auto = auto_plan(profile, topology, params, wire, topk, pipeline_chunk_mb=chunk_mb,
+    allreduce = predict_allreduce(numel, topology, params, wire, topk, chunk_numel=chunk_numel_for(pipeline_chunk_mb, topology.num_nodes))
+    auto = auto_plan(profile, topology, params, wire, topk, pipeline_chunk_mb=pipeline_chunk_mb,
                      plain_ddp_tolerance=PLAIN_DDP_TOLERANCE)
     if auto.plain_ddp:  # DDP's own all-reduce: flat, fp32, unchunked
         cost = allreduce_cost("flat", topology, params, "fp32", None, pipeline_chunk_mb=None)
     else:
-        cost = allreduce_cost(auto.algorithm, topology, params, wire, topk, pipeline_chunk_mb=chunk_mb)
+        cost = allreduce_cost(auto.algorithm, topology, params, wire, topk, pipeline_chunk_mb=pipeline_chunk_mb)
     two = plan_two_segment(profile.grad_bytes, profile.backward_s, cost)
     cap_mb, cap_plan = best_uniform_cap(profile.grad_bytes, profile.backward_s, cost)
     compute = profile.forward_s + profile.backward_total_s
     counts = sorted(set(default_gpu_counts(rpn, max_gpus)) | {gpus})
-    curve = scaling_curve(profile, counts, rpn, params, ALGORITHMS, wire, topk, fusion, chunk_mb)
+    curve = scaling_curve(profile, counts, rpn, params, ALGORITHMS, wire, topk, fusion, pipeline_chunk_mb)
     split = two.ends[0] if two.num_buckets == 2 else None
     best_chunk, _, chunk_finish = best_chunk_plan(profile, topology, params, wire, topk)
     return {
@@ -119,7 +117,7 @@ def build_report(
             "model": model, "parameters": numel, "gradient_mb": sum(profile.grad_bytes) / MB,
             "gradients": len(profile.grad_bytes), "per_gpu_batch": batch, "input_size": size,
             "wire_dtype": wire, "topk_ratio": topk,
-            "pipeline_chunk_mb": resolve_chunk_mb(chunk_mb, topology.num_nodes), "pipeline_chunk_setting": chunk_mb,
+            "pipeline_chunk_mb": resolve_chunk_mb(pipeline_chunk_mb, topology.num_nodes), "pipeline_chunk_setting": pipeline_chunk_mb,
         },
         "allreduce_s": allreduce,
         "flat_baseline": {"what": "plain DDP's flat fp32 all-reduce of the whole gradient",
@@ -137,7 +135,7 @@ def build_report(
             "per_algorithm_finish_s": {a: p.finish_s for a, p in auto.candidates.items()},
         },
         "pipeline_chunk": {
-            "used_mb": resolve_chunk_mb(chunk_mb, topology.num_nodes), "best_mb": best_chunk,
+            "used_mb": resolve_chunk_mb(pipeline_chunk_mb, topology.num_nodes), "best_mb": best_chunk,
             "finish_s_by_chunk_mb": {("none" if c is None else f"{c:g}"): t for c, t in chunk_finish.items()},
         },
         "step": {

@@ -97,7 +97,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 from lightning_fastscale.strategies.options import (
-    ALGORITHMS, canonical_algorithm, canonical_algorithms, wire_bytes_per_element,
+    ALGORITHMS, check_algorithm, check_algorithms, wire_bytes_per_element,
 )
 from lightning_fastscale.strategies.topology import Topology
 
@@ -438,7 +438,7 @@ def stage_times(
     element); the inter-node stage (and a single-level all-reduce) moves ``wire_dtype``.
     ``numel`` may be a numpy array; zero elements give each stage's pure latency.
     """
-    algorithm = canonical_algorithm(algorithm)
+    algorithm = check_algorithm(algorithm)
     if topk_ratio is not None and not 0 < topk_ratio <= 1:
         raise ValueError(f"topk_ratio={topk_ratio!r} must be in (0, 1]")
     wire = wire_bytes_per_element(wire_dtype)
@@ -494,7 +494,7 @@ def allreduce_time(
     stage of ``hier`` / ``torus2d`` only. ``chunk_numel`` pipelines the stages in chunks of
     that many elements (``None``: one piece); see the module docstring for the formula.
     """
-    algorithm = canonical_algorithm(algorithm)
+    algorithm = check_algorithm(algorithm)
     stages = stage_times(algorithm, numel, topology, params, wire_dtype, topk_ratio)
     if np.ndim(numel) == 0 and (topology.world_size <= 1 or numel <= 0):
         return 0.0
@@ -532,7 +532,7 @@ def predict_allreduce(
     chunk_numel: float | None = None,
 ) -> dict[str, float]:
     """Predicted all-reduce seconds of ``numel`` elements for each algorithm."""
-    algorithms = canonical_algorithms(algorithms)
+    algorithms = check_algorithms(algorithms)
     return {a: allreduce_time(a, numel, topology, params, wire_dtype, topk_ratio, chunk_numel) for a in algorithms}
 
 
@@ -560,7 +560,7 @@ def choose_algorithm(
         topology = topology or cluster.topology()  # type: ignore[attr-defined]
     if topology is None:
         raise ValueError("choose_algorithm needs `topology` when given bare CommParams")
-    algorithms = canonical_algorithms(algorithms)
+    algorithms = check_algorithms(algorithms)
     if topology.num_nodes == 1:
         return "flat"
     times = predict_allreduce(message_bytes / 4, topology, params, wire_dtype, topk_ratio, algorithms, chunk_numel)

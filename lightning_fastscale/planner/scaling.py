@@ -18,7 +18,7 @@ from lightning_fastscale.planner.cost_model import ALGORITHMS, CommParams, Topol
 from lightning_fastscale.planner.fusion import FusionPlan, ddp_buckets, plan_fusion, simulate
 from lightning_fastscale.planner.profile import GradientProfile
 from lightning_fastscale.strategies.options import (
-    DEFAULT_PIPELINE_CHUNK_MB, NOT_GIVEN, canonical_algorithm, canonical_algorithms, chunk_numel_for, renamed_option,
+    DEFAULT_PIPELINE_CHUNK_MB, check_algorithm, check_algorithms, chunk_numel_for,
 )
 
 __all__ = [
@@ -29,16 +29,15 @@ __all__ = [
 
 def allreduce_cost(
     algorithm: str, topology: Topology, params: CommParams, wire_dtype: str = "fp32",
-    topk_ratio: float | None = None, grad_element_bytes: int = 4, pipeline_chunk_mb: float | str | None = None,
-    *, chunk_mb: float | str | None = NOT_GIVEN,
+    topk_ratio: float | None = None, grad_element_bytes: int = 4,
+    pipeline_chunk_mb: float | str | None = DEFAULT_PIPELINE_CHUNK_MB,
 ):
     """A vectorised cost function for the fusion planner: bucket bytes (as held) -> seconds.
 
-    ``pipeline_chunk_mb``: each bucket is pipelined in chunks of that many MiB (``None``: one
-    piece). ``chunk_mb`` is its deprecated name.
+    ``pipeline_chunk_mb``: the strategy's option (each bucket pipelined in chunks of that many
+    MiB; ``"auto"``, the default, as the strategy; ``None``: one piece).
     """
-    pipeline_chunk_mb = renamed_option("allreduce_cost", "chunk_mb", chunk_mb, "pipeline_chunk_mb", pipeline_chunk_mb)
-    algorithm = canonical_algorithm(algorithm)
+    algorithm = check_algorithm(algorithm)
     chunk_numel = chunk_numel_for(pipeline_chunk_mb, topology.num_nodes, grad_element_bytes)
 
     def cost(nbytes: np.ndarray) -> np.ndarray:
@@ -84,16 +83,14 @@ def topology_for(gpus: int, ranks_per_node: int) -> Topology:
 def predict_step(
     profile: GradientProfile, gpus: int, ranks_per_node: int, params: CommParams, algorithm: str,
     wire_dtype: str = "fp32", topk_ratio: float | None = None, fusion: str = "auto",
-    pipeline_chunk_mb: float | str | None = None, *, chunk_mb: float | str | None = NOT_GIVEN,
+    pipeline_chunk_mb: float | str | None = DEFAULT_PIPELINE_CHUNK_MB,
 ) -> StepPrediction:
     """Predicted step on ``gpus`` ranks (``ranks_per_node`` to a node) with ``algorithm``.
 
     ``fusion``: ``"auto"`` (optimal buckets), ``"two"`` (two segments), ``"single"`` (one
     bucket after backward, no overlap) or ``"ddp25"`` (DDP's default 25 MiB cap).
-    ``pipeline_chunk_mb``: buckets pipelined in chunks of that many MiB (``None``: unchunked);
-    ``chunk_mb`` is its deprecated name.
+    ``pipeline_chunk_mb``: the strategy's option (``None``: unchunked).
     """
-    pipeline_chunk_mb = renamed_option("predict_step", "chunk_mb", chunk_mb, "pipeline_chunk_mb", pipeline_chunk_mb)
     topology = topology_for(gpus, ranks_per_node)
     cost = allreduce_cost(algorithm, topology, params, wire_dtype, topk_ratio, pipeline_chunk_mb=pipeline_chunk_mb)
     grad, back = profile.grad_bytes, profile.backward_s
@@ -124,13 +121,10 @@ def default_gpu_counts(ranks_per_node: int, up_to: int = 4096) -> list[int]:
 def scaling_curve(
     profile: GradientProfile, gpu_counts: Sequence[int], ranks_per_node: int, params: CommParams,
     algorithms: Sequence[str] = ALGORITHMS, wire_dtype: str = "fp32", topk_ratio: float | None = None,
-    fusion: str = "auto", pipeline_chunk_mb: float | str | None = None, *,
-    chunk_mb: float | str | None = NOT_GIVEN,
+    fusion: str = "auto", pipeline_chunk_mb: float | str | None = DEFAULT_PIPELINE_CHUNK_MB,
 ) -> list[StepPrediction]:
-    """:func:`predict_step` for every GPU count and algorithm (``chunk_mb``: deprecated name of
-    ``pipeline_chunk_mb``)."""
-    pipeline_chunk_mb = renamed_option("scaling_curve", "chunk_mb", chunk_mb, "pipeline_chunk_mb", pipeline_chunk_mb)
-    algorithms = canonical_algorithms(algorithms)
+    """:func:`predict_step` for every GPU count and algorithm."""
+    algorithms = check_algorithms(algorithms)
     predict = partial(predict_step, profile, ranks_per_node=ranks_per_node, params=params, wire_dtype=wire_dtype,
                       topk_ratio=topk_ratio, fusion=fusion, pipeline_chunk_mb=pipeline_chunk_mb)
     return [predict(gpus=g, algorithm=a) for g in gpu_counts for a in algorithms]

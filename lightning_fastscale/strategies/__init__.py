@@ -3,9 +3,6 @@
 Importing this package registers ``"hier_ring"``, ``"hier_torus"`` and their ``_spawn``
 variants in Lightning's ``StrategyRegistry`` (for the Trainer) and in Fabric's strategy registry.
 """
-import warnings
-from typing import Any
-
 from lightning_fastscale.strategies.allreduce import (
     ALLREDUCE_FUNCTIONS,
     STAGES,
@@ -24,22 +21,18 @@ from lightning_fastscale.strategies.comm_hooks import (
     torus2d_hook,
 )
 from lightning_fastscale.strategies.fabric import FabricHierarchicalAllReduceStrategy, register_fabric_strategies
-from lightning_fastscale.strategies.hierarchical import (
-    HierarchicalAllReduceStrategy,
-    default_algorithm_selector,
-    register_strategies,
-    two_segment_caps_mb,
-)
-from lightning_fastscale.strategies.hook_check import check_hooks, check_hooks_on_cuda
+from lightning_fastscale.strategies.hierarchical import HierarchicalAllReduceStrategy, register_strategies
+from lightning_fastscale.strategies.hierarchical_mixin import HierarchicalAllReduceMixin, two_segment_caps_mb
 from lightning_fastscale.strategies.options import (
     ALGORITHMS,
     DEFAULT_PIPELINE_CHUNK_MB,
     WIRE_DTYPES,
-    canonical_algorithm,
+    check_algorithm,
     chunk_numel_for,
     resolve_chunk_mb,
     wire_bytes_per_element,
 )
+from lightning_fastscale.strategies.planning import CommPlan, CommPlanner, NodeCountPlanner, PlanRequest
 from lightning_fastscale.strategies.topology import (
     ProcessGroups,
     Topology,
@@ -50,18 +43,6 @@ from lightning_fastscale.strategies.topology import (
 register_strategies()
 register_fabric_strategies()
 
-_RENAMED = {"ring_allreduce_": "flat_allreduce_", "ring_hook": "flat_hook"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _RENAMED:
-        new = _RENAMED[name]
-        warnings.warn(f"lightning_fastscale.strategies.{name} is deprecated: use {new}", DeprecationWarning,
-                      stacklevel=2)
-        return globals()[new]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = [
     "ALGORITHMS",
     "ALLREDUCE_FUNCTIONS",
@@ -71,18 +52,20 @@ __all__ = [
     "WIRE_DTYPES",
     "CollectiveStageError",
     "CommHookError",
+    "CommPlan",
+    "CommPlanner",
     "FabricHierarchicalAllReduceStrategy",
+    "HierarchicalAllReduceMixin",
     "HierarchicalAllReduceStrategy",
     "HierarchicalHookState",
+    "NodeCountPlanner",
+    "PlanRequest",
     "ProcessGroups",
     "Topology",
     "TopKErrorFeedback",
     "build_process_groups",
-    "canonical_algorithm",
-    "check_hooks",
-    "check_hooks_on_cuda",
+    "check_algorithm",
     "chunk_numel_for",
-    "default_algorithm_selector",
     "detect_ranks_per_node",
     "flat_allreduce_",
     "flat_hook",

@@ -14,8 +14,9 @@ same values. They need only a :class:`~lightning_fastscale.strategies.topology.P
 
 Options shared by all three:
 
-- ``wire_dtype``: dtype on the inter-node wire (fp16/bf16 halve the bytes that cross the slow
-  links). Hierarchical and torus cast only what crosses nodes, chunk by chunk, and copy the
+- ``wire_dtype``: name of the dtype on the inter-node wire, one of
+  :data:`~lightning_fastscale.strategies.options.WIRE_DTYPES` (fp16/bf16 halve the bytes that
+  cross the slow links; ``"fp32"`` casts nothing). Hierarchical and torus cast only what crosses nodes, chunk by chunk, and copy the
   sum back: the in-node stages stay in the gradient's dtype, which is more accurate, and the
   in-node links are not the bottleneck. The flat all-reduce, and one node, cast the whole tensor.
 - ``chunk_numel``: split the tensor into chunks and pipeline them through the stages with
@@ -45,12 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_fastscale.strategies.options import (  # noqa: F401  (re-exported for old imports)
-    AUTO_CHUNK_MB_PER_NODE,
-    DEFAULT_PIPELINE_CHUNK_MB,
-    chunk_numel_for,
-    resolve_chunk_mb,
-)
+from lightning_fastscale.strategies.options import wire_torch_dtype
 from lightning_fastscale.strategies.topology import ProcessGroups
 
 # Backends whose native reduce-scatter / all-gather beat per-shard reduce / broadcast.
@@ -124,11 +120,11 @@ class TopKErrorFeedback:
         """How many entries of a ``numel``-long tensor are sent."""
         return max(1, min(numel, round(self.ratio * numel)))
 
-    def select(self, key: Hashable, tensor: Tensor, wire_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """Return ``(indices int32, values in wire_dtype)`` of the top-k of ``tensor + residual``.
+    def select(self, key: Hashable, tensor: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Return ``(indices int32, values in dtype)`` of the top-k of ``tensor + residual``.
 
         Updates the residual to exactly what was not transmitted, including the rounding of the
-        values to ``wire_dtype``.
+        values to ``dtype``.
         """
         error = self.errors.get(key)
         if error is None or error.shape != tensor.shape or error.dtype != tensor.dtype:
@@ -144,10 +140,16 @@ class TopKErrorFeedback:
             error = torch.zeros_like(tensor)
         error.add_(tensor)
         indices = error.abs().topk(self.num_selected(tensor.numel()), sorted=False).indices
-        values = error[indices].to(wire_dtype)
+        values = error[indices].to(dtype)
         error[indices] -= values.to(error.dtype)
         self.errors[key] = error
         return indices.to(torch.int32), values
+
+
+def _cast_dtype(wire_dtype: str) -> torch.dtype | None:
+    """The dtype the wire stage casts to; ``None`` for ``"fp32"`` (every gradient keeps its own)."""
+    dtype = wire_torch_dtype(wire_dtype)
+    return None if dtype == torch.float32 else dtype
 
 
 def _to_wire(tensor: Tensor, wire_dtype: torch.dtype | None) -> Tensor:
@@ -177,11 +179,11 @@ def _shard_sizes(numel: int, parts: int) -> list[int]:
 
 def _sparse_allreduce_(
     tensor: Tensor, group: dist.ProcessGroup, topk: TopKErrorFeedback,
-    key: Hashable, wire_dtype: torch.dtype, acc_dtype: torch.dtype,
+    key: Hashable, cast: torch.dtype, acc_dtype: torch.dtype,
 ) -> None:
     """Sum ``tensor`` over ``group`` sending only its top-k (plus residual) as index/value pairs."""
     acc = tensor.to(acc_dtype)
-    indices, values = topk.select(key, acc, wire_dtype)
+    indices, values = topk.select(key, acc, cast)
     size = dist.get_world_size(group)
     all_indices = [torch.empty_like(indices) for _ in range(size)]
     all_values = [torch.empty_like(values) for _ in range(size)]
@@ -208,10 +210,10 @@ class _Crossing:
 
 
 def _inter_stage(
-    pieces: list[Tensor], groups: ProcessGroups, wire_dtype: torch.dtype | None,
+    pieces: list[Tensor], groups: ProcessGroups, cast: torch.dtype | None,
     topk: TopKErrorFeedback | None, key: Hashable, after: list[_Pending | None] | None = None,
 ) -> list[_Crossing | None]:
-    """All-reduce each piece over ``groups.inter`` in ``wire_dtype``; wait for ``after[i]`` first.
+    """All-reduce each piece over ``groups.inter`` in ``cast``; wait for ``after[i]`` first.
 
     Only this stage is cast to the wire dtype: sums inside a node stay in the gradient's own
     precision, and the cast of a chunk overlaps the transfer of the previous one.
@@ -223,10 +225,10 @@ def _inter_stage(
         if piece.numel() == 0:
             crossings.append(None)
         elif topk is not None:
-            _sparse_allreduce_(piece, groups.inter, topk, (key, i), wire_dtype or piece.dtype, piece.dtype)
+            _sparse_allreduce_(piece, groups.inter, topk, (key, i), cast or piece.dtype, piece.dtype)
             crossings.append(None)
         else:
-            wire = _to_wire(piece, wire_dtype)
+            wire = _to_wire(piece, cast)
             work = _issue("inter-node all-reduce", dist.all_reduce, wire, group=groups.inter, async_op=True)
             crossings.append(_Crossing(piece, wire, work))
     return crossings
@@ -239,7 +241,7 @@ def _wait(works: list[_Pending | _Crossing | None]) -> None:
 
 
 def flat_allreduce_(
-    tensor: Tensor, groups: ProcessGroups, wire_dtype: torch.dtype | None = None,
+    tensor: Tensor, groups: ProcessGroups, wire_dtype: str = "fp32",
     chunk_numel: int | None = None,
 ) -> Tensor:
     """Flat all-reduce over every rank (the baseline the two-level algorithms are measured against).
@@ -247,14 +249,14 @@ def flat_allreduce_(
     Runs on ``groups.world``, a private group, so it never interleaves with collectives that
     others issue on the default group during backward (e.g. SyncBatchNorm).
     """
-    wire = _to_wire(tensor, wire_dtype)
+    wire = _to_wire(tensor, _cast_dtype(wire_dtype))
     _wait([_issue("flat all-reduce", dist.all_reduce, piece, group=groups.world, async_op=True)
            for piece in _chunks(wire, chunk_numel)])
     return _finish(tensor, wire)
 
 
 def hierarchical_allreduce_(
-    tensor: Tensor, groups: ProcessGroups, wire_dtype: torch.dtype | None = None,
+    tensor: Tensor, groups: ProcessGroups, wire_dtype: str = "fp32",
     topk: TopKErrorFeedback | None = None, key: Hashable = 0, chunk_numel: int | None = None,
 ) -> Tensor:
     """Reduce in the node to its leader, all-reduce among leaders, broadcast in the node.
@@ -266,21 +268,22 @@ def hierarchical_allreduce_(
     ``wire_dtype``, its only link); with one rank per node, an all-reduce among nodes.
     """
     topo = groups.topology
+    cast = _cast_dtype(wire_dtype)
     if topo.num_nodes == 1:
-        wire = _to_wire(tensor, wire_dtype)
+        wire = _to_wire(tensor, cast)
         _wait([_issue("in-node all-reduce", dist.all_reduce, piece, group=groups.intra, async_op=True)
                for piece in _chunks(wire, chunk_numel)])
         return _finish(tensor, wire)
     pieces = _chunks(tensor, chunk_numel)
     if topo.ranks_per_node == 1:
-        _wait(_inter_stage(pieces, groups, wire_dtype, topk, key))
+        _wait(_inter_stage(pieces, groups, cast, topk, key))
         return tensor
 
     leader = groups.intra_ranks[0]
     inbound = [_issue("in-node reduce", dist.reduce, piece, dst=leader, group=groups.intra, async_op=True)
                for piece in pieces]
     if groups.is_leader:
-        crossed = _inter_stage(pieces, groups, wire_dtype, topk, key, after=inbound)
+        crossed = _inter_stage(pieces, groups, cast, topk, key, after=inbound)
     else:
         # gloo may use a non-root's buffer as scratch: receive into it only once the reduce is done
         _wait(inbound)
@@ -296,7 +299,7 @@ def hierarchical_allreduce_(
 
 
 def torus2d_allreduce_(
-    tensor: Tensor, groups: ProcessGroups, wire_dtype: torch.dtype | None = None,
+    tensor: Tensor, groups: ProcessGroups, wire_dtype: str = "fp32",
     topk: TopKErrorFeedback | None = None, key: Hashable = 0, chunk_numel: int | None = None,
     native_scatter_gather: bool | None = None,
 ) -> Tensor:
@@ -315,14 +318,14 @@ def torus2d_allreduce_(
     if native_scatter_gather is None:
         native_scatter_gather = groups.backend in _NATIVE_SCATTER_GATHER_BACKENDS
     if native_scatter_gather:
-        _torus_native(pieces, groups, wire_dtype, topk, key)
+        _torus_native(pieces, groups, _cast_dtype(wire_dtype), topk, key)
     else:
-        _torus_per_shard(pieces, groups, wire_dtype, topk, key)
+        _torus_per_shard(pieces, groups, _cast_dtype(wire_dtype), topk, key)
     return tensor
 
 
 def _torus_per_shard(
-    pieces: list[Tensor], groups: ProcessGroups, wire_dtype: torch.dtype | None,
+    pieces: list[Tensor], groups: ProcessGroups, cast: torch.dtype | None,
     topk: TopKErrorFeedback | None, key: Hashable,
 ) -> None:
     parts = groups.topology.ranks_per_node
@@ -340,7 +343,7 @@ def _torus_per_shard(
         inbound.append(works)
     # The inter stage of a piece starts as soon as this rank's own shard of it is reduced.
     crossed = _inter_stage(
-        [s[me] for s in shards], groups, wire_dtype, topk, key, after=[works[me] for works in inbound]
+        [s[me] for s in shards], groups, cast, topk, key, after=[works[me] for works in inbound]
     )
     outbound = []
     for piece_shards, works, crossing in zip(shards, inbound, crossed):
@@ -355,7 +358,7 @@ def _torus_per_shard(
 
 
 def _torus_native(
-    pieces: list[Tensor], groups: ProcessGroups, wire_dtype: torch.dtype | None,
+    pieces: list[Tensor], groups: ProcessGroups, cast: torch.dtype | None,
     topk: TopKErrorFeedback | None, key: Hashable,
 ) -> None:
     parts = groups.topology.ranks_per_node
@@ -364,7 +367,7 @@ def _torus_native(
         buffer = piece if pad == 0 else torch.cat([piece, piece.new_zeros(pad)])
         shard = buffer.new_empty(buffer.numel() // parts)
         _issue("in-node reduce-scatter", _reduce_scatter, shard, buffer, group=groups.intra)
-        _wait(_inter_stage([shard], groups, wire_dtype, topk, (key, i)))
+        _wait(_inter_stage([shard], groups, cast, topk, (key, i)))
         _issue("in-node all-gather", _all_gather, buffer, shard, group=groups.intra_out)
         if pad:
             piece.copy_(buffer[: piece.numel()])

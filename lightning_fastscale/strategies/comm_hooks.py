@@ -97,8 +97,9 @@ class _CommWorker:
 class HierarchicalHookState:
     """Everything the hooks need, created once at setup.
 
-    ``wire_dtype``: inter-node wire dtype (``None`` keeps the gradient dtype). ``topk``: top-k compression
-    of the inter-node stage with its per-bucket residuals, used from hook iteration
+    ``wire_dtype``: inter-node wire dtype, a name of
+    :data:`~lightning_fastscale.strategies.options.WIRE_DTYPES` (``"fp32"`` keeps the gradient's
+    dtype). ``topk``: top-k compression of the inter-node stage with its per-bucket residuals, used from hook iteration
     ``topk_start_iter`` on (DDP rebuilds buckets after iteration 0; starting later keeps the
     residuals on the final layout, the PowerSGD practice). ``chunk_numel``: pipeline chunk
     size inside a bucket. ``iteration``: completed hook iterations (decides when top-k starts).
@@ -109,7 +110,7 @@ class HierarchicalHookState:
     """
 
     groups: ProcessGroups
-    wire_dtype: Optional[torch.dtype] = None
+    wire_dtype: str = "fp32"
     topk: Optional[TopKErrorFeedback] = None
     topk_start_iter: int = 2
     chunk_numel: Optional[int] = None

@@ -2,7 +2,7 @@
 
 The Fabric counterpart of :class:`~lightning_fastscale.strategies.HierarchicalAllReduceStrategy`:
 the same options, validation, topology checks, bucket plan and communication hooks (all in
-:class:`~lightning_fastscale.strategies.ddp_setup.HierarchicalDDPSetup`), called from Fabric's
+:class:`~lightning_fastscale.strategies.hierarchical_mixin.HierarchicalAllReduceMixin`), called from Fabric's
 ``DDPStrategy`` hooks instead of the Trainer's. Hierarchical all-reduce after Jia et al. 2018
 (arXiv:1807.11205), 2D torus after Mikami et al. 2018 (arXiv:1811.05233). Registered in Fabric's
 strategy registry under the Trainer's names, ``"hier_ring"`` and ``"hier_torus"`` (plus
@@ -19,10 +19,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_fastscale.strategies.ddp_setup import HierarchicalDDPSetup
+from lightning_fastscale.strategies.hierarchical_mixin import HierarchicalAllReduceMixin
 
 
-class FabricHierarchicalAllReduceStrategy(HierarchicalDDPSetup, DDPStrategy):
+class FabricHierarchicalAllReduceStrategy(HierarchicalAllReduceMixin, DDPStrategy):
     """Fabric's DDP whose gradient buckets are all-reduced hierarchically, as a 2D torus, or flat.
 
     Takes the arguments of :class:`~lightning_fastscale.strategies.HierarchicalAllReduceStrategy`

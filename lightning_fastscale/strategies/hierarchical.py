@@ -19,16 +19,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_fastscale.strategies.ddp_setup import (  # noqa: F401  (public names kept here)
-    AlgorithmSelector,
-    FusionPlanner,
-    HierarchicalDDPSetup,
-    default_algorithm_selector,
-    two_segment_caps_mb,
-)
+from lightning_fastscale.strategies.hierarchical_mixin import HierarchicalAllReduceMixin
 
 
-class HierarchicalAllReduceStrategy(HierarchicalDDPSetup, DDPStrategy):
+class HierarchicalAllReduceStrategy(HierarchicalAllReduceMixin, DDPStrategy):
     """DDP whose gradient buckets are all-reduced hierarchically, as a 2D torus, or flat.
 
     Each DDP bucket goes through a communication hook running the algorithm of Jia et al. 2018
@@ -38,19 +32,16 @@ class HierarchicalAllReduceStrategy(HierarchicalDDPSetup, DDPStrategy):
     Args:
         algorithm: ``"hier"`` (reduce in node, all-reduce among leaders, broadcast in node),
             ``"torus2d"`` (reduce-scatter in node, shard all-reduce across nodes, all-gather),
-            ``"flat"`` (one all-reduce over all ranks) or ``"auto"`` (the planner or
-            ``algorithm_selector`` chooses). ``"ring"`` is the deprecated name of ``"flat"``.
+            ``"flat"`` (one all-reduce over all ranks) or ``"auto"`` (the planner chooses).
         ranks_per_node: ranks forming one node. Default: the launcher's devices per node
             (``Trainer(devices=...)``, torchrun ``LOCAL_WORLD_SIZE``, SLURM tasks per node). A
             smaller value groups ranks by NVLink island or emulates several nodes on one machine.
         wire_dtype: ``"fp32"``, ``"fp16"`` or ``"bf16"`` on the inter-node wire (gradients are
             averaged before the cast and copied back into their own dtype; sums inside a node
             stay in the gradient's dtype; with one node the whole all-reduce uses it).
-            ``comm_dtype`` is its deprecated name.
         bucket_cap_mb: DDP's uniform bucket cap (default 25 MB).
         fusion_plan: explicit DDP bucket caps in MB in gradient-ready order
-            (``bucket_cap_mb_list``), or a callable ``(module, topology) -> caps`` such as the
-            planner's cost-model fusion.
+            (``bucket_cap_mb_list``).
         two_segment_split: fuse into two buckets split before this trainable parameter index
             (Jia et al. 2018). Mutually exclusive with ``fusion_plan`` and ``bucket_cap_mb``.
         compression: ``None`` or ``"topk"``: top-k with error feedback on the inter-node stage.
@@ -60,12 +51,13 @@ class HierarchicalAllReduceStrategy(HierarchicalDDPSetup, DDPStrategy):
             the stages (chunk i crosses the nodes while chunk i+1 is reduced in the node);
             ``"auto"`` (default): 2 MiB per node, so chunks grow with the latency each one pays;
             ``None`` sends each bucket in one piece.
-        algorithm_selector: ``(module, topology) -> name`` used for ``algorithm="auto"``
-            without a planner.
-        planner: a :class:`~lightning_fastscale.planner.CostModelPlanner`. At setup the
-            strategy asks it for a plan under its own ``wire_dtype``, top-k ratio and
-            ``pipeline_chunk_mb``; the plan gives the algorithm (for ``"auto"``) and, unless
-            fusion is set explicitly, the DDP bucket caps.
+        planner: a :class:`~lightning_fastscale.strategies.planning.CommPlanner` such as
+            :class:`~lightning_fastscale.planner.CostModelPlanner`. At setup the strategy asks
+            it once (:meth:`plan_request`: the model, the topology, its own ``wire_dtype``,
+            top-k ratio and ``pipeline_chunk_mb``); the plan gives the algorithm (for
+            ``"auto"``) and, unless fusion is set explicitly, the DDP bucket caps. Default for
+            ``"auto"``: :class:`~lightning_fastscale.strategies.planning.NodeCountPlanner`
+            (``hier`` across nodes, ``flat`` in one).
         ddp_comm_hook: a torch DDP communication hook (``fp16_compress_hook``, PowerSGD's
             ``powerSGD_hook``, ...) run as the inter-node stage of ``algorithm="hier"``, or as
             the whole all-reduce on one node; see :mod:`lightning_fastscale.strategies.user_hooks`

@@ -1,15 +1,14 @@
 """The names the strategy, the planner, the benchmarks and the configs share.
 
 One spelling per concept: the all-reduce algorithms (:data:`ALGORITHMS`), the dtypes a
-gradient may take on the wire (:data:`WIRE_DTYPES`, option ``wire_dtype``) and the pipeline
-chunk size (option ``pipeline_chunk_mb``). Older spellings (``"ring"`` for the flat
-all-reduce, ``comm_dtype``, ``chunk_mb``) still work for one release and warn.
+gradient may take on the wire (:data:`WIRE_DTYPES`, option ``wire_dtype``, always one of its
+names) and the pipeline chunk size (option ``pipeline_chunk_mb``, default
+:data:`DEFAULT_PIPELINE_CHUNK_MB`). The node layout is
+:class:`~lightning_fastscale.strategies.topology.Topology`.
 """
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 
@@ -17,12 +16,10 @@ __all__ = [
     "ALGORITHMS",
     "AUTO_CHUNK_MB_PER_NODE",
     "DEFAULT_PIPELINE_CHUNK_MB",
-    "NOT_GIVEN",
     "WIRE_DTYPES",
-    "canonical_algorithm",
-    "canonical_algorithms",
+    "check_algorithm",
+    "check_algorithms",
     "chunk_numel_for",
-    "renamed_option",
     "resolve_chunk_mb",
     "wire_bytes_per_element",
     "wire_torch_dtype",
@@ -36,10 +33,10 @@ all-reduce among node leaders, broadcast in the node (Jia et al. 2018). ``torus2
 reduce-scatter in the node, all-reduce of each shard across nodes, all-gather in the node
 (Mikami et al. 2018)."""
 
-_OLD_ALGORITHM_NAMES = {"ring": "flat"}
-
 WIRE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-"""``wire_dtype`` name -> the torch dtype gradients are cast to for the inter-node stage."""
+"""``wire_dtype`` name -> the torch dtype gradients are cast to for the inter-node stage.
+
+``"fp32"`` is full precision: no cast, each gradient crosses in its own dtype."""
 
 AUTO_CHUNK_MB_PER_NODE = 2.0
 DEFAULT_PIPELINE_CHUNK_MB = "auto"
@@ -52,33 +49,24 @@ unchunked. The measurements behind the value are in ``benchmarks/README.md`` (se
 "All-reduce algorithms on the emulated cluster" and "Planner against the literature")."""
 
 
-def canonical_algorithm(name: str, setting: str = "algorithm", extra: Iterable[str] = ()) -> str:
-    """``name`` as one of :data:`ALGORITHMS` (or ``extra``), mapping ``"ring"`` to ``"flat"`` with a warning.
-
-    Raises ``ValueError`` naming ``setting`` and the valid choices for anything else.
-    """
-    if name in _OLD_ALGORITHM_NAMES:
-        new = _OLD_ALGORITHM_NAMES[name]
-        warnings.warn(
-            f"{setting}={name!r} is deprecated: the flat all-reduce is called {new!r}; "
-            f"'{name}' stops working in the next release.",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        return new
+def check_algorithm(name: str, setting: str = "algorithm", extra: Iterable[str] = ()) -> str:
+    """``name`` if it is one of :data:`ALGORITHMS` (or ``extra``); else ``ValueError`` naming ``setting``."""
     choices = (*ALGORITHMS, *extra)
     if name not in choices:
         raise ValueError(f"{setting}={name!r}: choose one of {list(choices)}.")
     return name
 
 
-def canonical_algorithms(names: Iterable[str], setting: str = "algorithms") -> tuple[str, ...]:
-    """:func:`canonical_algorithm` of each name, as a tuple."""
-    return tuple(canonical_algorithm(n, setting) for n in names)
+def check_algorithms(names: Iterable[str], setting: str = "algorithms") -> tuple[str, ...]:
+    """:func:`check_algorithm` of each name, as a tuple."""
+    return tuple(check_algorithm(n, setting) for n in names)
 
 
 def wire_torch_dtype(wire_dtype: str) -> torch.dtype:
-    """The torch dtype of ``wire_dtype`` (``"fp32"``, ``"fp16"``, ``"bf16"``)."""
+    """The torch dtype of ``wire_dtype`` (``"fp32"``, ``"fp16"``, ``"bf16"``).
+
+    The one check of a ``wire_dtype``: ``ValueError`` naming the choices for anything else.
+    """
     try:
         return WIRE_DTYPES[wire_dtype]
     except (KeyError, TypeError):
@@ -109,31 +97,3 @@ def chunk_numel_for(pipeline_chunk_mb: float | str | None, num_nodes: int = 1, e
     """Elements per pipeline chunk for ``pipeline_chunk_mb`` on ``num_nodes`` nodes (``None``: one piece)."""
     chunk_mb = resolve_chunk_mb(pipeline_chunk_mb, num_nodes)
     return None if chunk_mb is None else max(1, int(chunk_mb * 1024 * 1024) // element_size)
-
-
-class _NotGiven:
-    def __repr__(self) -> str:
-        return "NOT_GIVEN"
-
-
-NOT_GIVEN: Any = _NotGiven()
-"""Default of a deprecated keyword: tells "not passed" apart from an explicit ``None``."""
-
-
-def renamed_option(owner: str, old: str, old_value: Any, new: str, new_value: Any, default: Any = NOT_GIVEN) -> Any:
-    """The value of option ``new`` when the caller may still use its old name ``old``.
-
-    ``old_value`` is what was passed under the old name (:data:`NOT_GIVEN`: not passed). Passing
-    it warns (``DeprecationWarning``); passing both, the new one not at its ``default`` and
-    different, is an error naming both.
-    """
-    if old_value is NOT_GIVEN:
-        return new_value
-    warnings.warn(
-        f"{owner}({old}=...) is deprecated: use {new}=...; '{old}' stops working in the next release.",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    if default is not NOT_GIVEN and new_value != default and new_value != old_value:
-        raise ValueError(f"{owner}: {old}={old_value!r} and {new}={new_value!r} disagree; give only {new}=.")
-    return old_value

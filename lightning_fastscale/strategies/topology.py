@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -21,14 +20,12 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True)
 class Topology:
     """``num_nodes`` nodes of ``ranks_per_node`` contiguous ranks each (ranks numbered node by node).
 
     The one topology type of the package: the strategy builds its process groups from it and
     the planner prices algorithms on it. :meth:`from_world` builds it from a world size.
-    ``Topology(world_size=..., ranks_per_node=...)`` and ``nodes=`` still work for one release
-    (deprecated).
 
     Examples:
         >>> topo = Topology(num_nodes=2, ranks_per_node=4)
@@ -41,26 +38,12 @@ class Topology:
     num_nodes: int
     ranks_per_node: int
 
-    def __init__(
-        self, num_nodes: int | None = None, ranks_per_node: int | None = None, *,
-        world_size: int | None = None, nodes: int | None = None,
-    ) -> None:
-        if nodes is not None:
-            warnings.warn("Topology(nodes=...) is deprecated: use num_nodes=...", DeprecationWarning, stacklevel=2)
-            num_nodes = nodes
-        if world_size is not None:
-            warnings.warn(
-                "Topology(world_size=..., ranks_per_node=...) is deprecated: use Topology.from_world(world_size, "
-                "ranks_per_node) or Topology(num_nodes, ranks_per_node).", DeprecationWarning, stacklevel=2,
-            )
-            num_nodes = self._nodes_of(world_size, ranks_per_node)
-        for name, value in (("num_nodes", num_nodes), ("ranks_per_node", ranks_per_node)):
+    def __post_init__(self) -> None:
+        for name, value in (("num_nodes", self.num_nodes), ("ranks_per_node", self.ranks_per_node)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 hint = (" Set it to the number of processes per node (e.g. Trainer(devices=...)) or leave it "
                         "unset to detect it.") if name == "ranks_per_node" else ""
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.{hint}")
-        object.__setattr__(self, "num_nodes", num_nodes)
-        object.__setattr__(self, "ranks_per_node", ranks_per_node)
 
     @staticmethod
     def _nodes_of(world_size: Any, ranks_per_node: Any) -> int:
@@ -88,12 +71,6 @@ class Topology:
     def world_size(self) -> int:
         """Total number of ranks."""
         return self.num_nodes * self.ranks_per_node
-
-    @property
-    def nodes(self) -> int:
-        """Deprecated spelling of :attr:`num_nodes`."""
-        warnings.warn("Topology.nodes is deprecated: use Topology.num_nodes", DeprecationWarning, stacklevel=2)
-        return self.num_nodes
 
     def node_rank(self, rank: int) -> int:
         """Index of the node holding global ``rank``."""

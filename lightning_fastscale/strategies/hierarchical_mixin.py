@@ -1,10 +1,11 @@
-"""What every hierarchical DDP strategy does, the Trainer's and Fabric's alike (torch only).
+"""The hierarchical all-reduce strategy itself, for the Trainer's and Fabric's DDP alike (torch only).
 
-:class:`HierarchicalDDPSetup` is a mixin placed before a Lightning ``DDPStrategy`` (the
+:class:`HierarchicalAllReduceMixin` is a mixin placed before a Lightning ``DDPStrategy`` (the
 Trainer's :class:`~lightning_fastscale.strategies.HierarchicalAllReduceStrategy` and Fabric's
 :class:`~lightning_fastscale.strategies.fabric.FabricHierarchicalAllReduceStrategy`). It validates
 the options before any process starts, resolves the node topology against the launcher, checks
-that every node holds the same contiguous ranks, chooses the bucket plan and algorithm, builds
+that every node holds the same contiguous ranks, asks its planner
+(:mod:`~lightning_fastscale.strategies.planning`) for the algorithm and buckets, builds
 the node groups and installs the communication hook on the ``DistributedDataParallel`` module,
 and releases them at teardown. It relies only on what both DDP strategies share (``num_nodes``,
 ``num_processes``, ``cluster_environment``, ``global_rank``, ``node_rank``, ``world_size``,
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,12 +30,12 @@ from lightning_fastscale.strategies.allreduce import TopKErrorFeedback
 from lightning_fastscale.strategies.comm_hooks import HOOKS, HierarchicalHookState
 from lightning_fastscale.strategies.options import (
     DEFAULT_PIPELINE_CHUNK_MB,
-    WIRE_DTYPES,
-    canonical_algorithm,
+    check_algorithm,
     chunk_numel_for,
-    renamed_option,
     resolve_chunk_mb,
+    wire_torch_dtype,
 )
+from lightning_fastscale.strategies.planning import CommPlan, CommPlanner, NodeCountPlanner, PlanRequest
 from lightning_fastscale.strategies.topology import Topology, build_process_groups, detect_ranks_per_node
 from lightning_fastscale.strategies.user_hooks import (
     LeaderHookState,
@@ -43,18 +44,7 @@ from lightning_fastscale.strategies.user_hooks import (
     user_hook_for_one_node,
 )
 
-if TYPE_CHECKING:  # the planner imports this package; the annotation only names its class
-    from lightning_fastscale.planner.auto import CostModelPlanner
-
 _MB = 1024 * 1024
-AlgorithmSelector = Callable[[nn.Module, Topology], str]
-FusionPlanner = Callable[[nn.Module, Topology], Sequence[float]]
-
-
-def default_algorithm_selector(module: nn.Module, topology: Topology) -> str:
-    """``algorithm="auto"`` without a planner: hierarchical across nodes, flat inside one node."""
-    return "hier" if topology.num_nodes > 1 else "flat"
-
 
 def two_segment_caps_mb(module: nn.Module, split: int) -> list[float]:
     """DDP bucket caps (MB, in gradient-ready order) giving two buckets split before parameter ``split``.
@@ -76,8 +66,8 @@ def two_segment_caps_mb(module: nn.Module, split: int) -> list[float]:
     return [tail / _MB, (head + tail) / _MB + 1.0]
 
 
-class HierarchicalDDPSetup:
-    """The hierarchical all-reduce's options and setup steps, shared by the Trainer and Fabric strategies.
+class HierarchicalAllReduceMixin:
+    """The hierarchical all-reduce's options, planning, hook and teardown, shared by the Trainer and Fabric strategies.
 
     Args: see :class:`~lightning_fastscale.strategies.HierarchicalAllReduceStrategy`;
     ``ddp_comm_hook``/``ddp_comm_state``/``ddp_comm_wrapper`` compose as described in
@@ -91,25 +81,25 @@ class HierarchicalDDPSetup:
         ranks_per_node: int | None = None,
         wire_dtype: str = "fp32",
         bucket_cap_mb: float | None = None,
-        fusion_plan: Sequence[float] | FusionPlanner | None = None,
+        fusion_plan: Sequence[float] | None = None,
         two_segment_split: int | None = None,
         compression: str | None = None,
         topk_ratio: float = 0.01,
         topk_start_iter: int = 2,
         pipeline_chunk_mb: float | str | None = DEFAULT_PIPELINE_CHUNK_MB,
-        algorithm_selector: AlgorithmSelector | None = None,
-        planner: CostModelPlanner | None = None,
-        comm_dtype: str | None = None,
+        planner: CommPlanner | None = None,
         ddp_comm_hook: Callable | None = None,
         ddp_comm_state: Any = None,
         ddp_comm_wrapper: Callable | None = None,
         **kwargs: Any,
     ) -> None:
-        if comm_dtype is not None:
-            wire_dtype = renamed_option(type(self).__name__, "comm_dtype", comm_dtype, "wire_dtype", wire_dtype, "fp32")
-        algorithm = canonical_algorithm(algorithm, extra=("auto",))
-        if wire_dtype not in WIRE_DTYPES:
-            raise ValueError(f"wire_dtype={wire_dtype!r}: choose one of {list(WIRE_DTYPES)}.")
+        check_algorithm(algorithm, extra=("auto",))
+        wire_torch_dtype(wire_dtype)
+        if planner is not None and not isinstance(planner, CommPlanner):
+            raise TypeError(
+                f"planner={planner!r} has no plan_comm(request) method: pass e.g. "
+                "lightning_fastscale.planner.CostModelPlanner(...) or any CommPlanner."
+            )
         if compression not in (None, "topk"):
             raise ValueError(f"compression={compression!r}: choose None or 'topk'.")
         if compression == "topk" and algorithm == "flat":
@@ -127,6 +117,8 @@ class HierarchicalDDPSetup:
             positive_number("bucket_cap_mb", bucket_cap_mb, hint="DDP's bucket size in MB (None: 25)")
         if sum(x is not None for x in (bucket_cap_mb, fusion_plan, two_segment_split)) > 1:
             raise ValueError("set only one of bucket_cap_mb, fusion_plan and two_segment_split.")
+        if fusion_plan is not None and (not fusion_plan or min(fusion_plan) <= 0):
+            raise ValueError(f"fusion_plan={list(fusion_plan)}: bucket caps must be a non-empty list of positive MB.")
         chunk_numel_for(pipeline_chunk_mb)  # validates it before any process starts
         check_user_hook(ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper, algorithm, wire_dtype, compression)
         if kwargs.get("model_averaging_period") is not None:
@@ -149,7 +141,6 @@ class HierarchicalDDPSetup:
         self.topk_start_iter = topk_start_iter
         self.pipeline_chunk_mb = pipeline_chunk_mb
         self.planner = planner
-        self.algorithm_selector = algorithm_selector or default_algorithm_selector
         self.user_comm_hook = ddp_comm_hook
         self.user_comm_state = ddp_comm_state
         self.user_comm_wrapper = ddp_comm_wrapper
@@ -227,54 +218,45 @@ class HierarchicalDDPSetup:
                 "consecutive ranks per node (torchrun and Lightning do) or pass ranks_per_node explicitly."
             )
 
-    @property
-    def comm_dtype(self) -> str:
-        """Deprecated name of :attr:`wire_dtype`."""
-        return self.wire_dtype
-
-    def planner_settings(self) -> dict[str, Any]:
-        """The settings the planner must price: this strategy's wire dtype, top-k ratio and chunk size."""
-        return {
-            "wire_dtype": self.wire_dtype,
-            "topk_ratio": self.topk_ratio if self.compression == "topk" else None,
-            "pipeline_chunk_mb": self.pipeline_chunk_mb,
-        }
+    def plan_request(self, model: nn.Module, topology: Topology) -> PlanRequest:
+        """What this strategy asks its planner: ``model`` on ``topology`` under its wire dtype, top-k and chunking."""
+        return PlanRequest(
+            module=model,
+            topology=topology,
+            wire_dtype=self.wire_dtype,
+            topk_ratio=self.topk_ratio if self.compression == "topk" else None,
+            pipeline_chunk_mb=self.pipeline_chunk_mb,
+            algorithms=None if self.algorithm == "auto" else (self.algorithm,),
+            timeout=self._timeout,
+        )
 
     def resolve_comm_plan(self, model: nn.Module, topology: Topology) -> tuple[str, list[float] | None]:
         """The algorithm and the DDP bucket caps (MB, ``None``: DDP's uniform cap) for ``model`` on ``topology``.
 
         Explicit settings win: a fixed ``algorithm``; ``two_segment_split``, ``fusion_plan`` or
-        ``bucket_cap_mb`` for the buckets. Otherwise the planner, asked with this strategy's
-        :meth:`planner_settings`, or ``algorithm_selector`` decides. With ``algorithm="auto"``
-        and no user hook, a planner that finds plain DDP within its tolerance of the best sets
-        :attr:`plain_ddp_reason`: the flat path then runs as DDP's own all-reduce, no hook.
+        ``bucket_cap_mb`` for the buckets. The rest comes from the planner, asked once with
+        :meth:`plan_request` (``algorithm="auto"`` without a planner: :class:`NodeCountPlanner`).
+        With ``algorithm="auto"`` and no user hook, a plan that finds plain DDP as good as the
+        best sets :attr:`plain_ddp_reason`: the flat path then runs as DDP's own all-reduce, no hook.
         """
-        plan = None
         self.plain_ddp_reason = None
-        if self.planner is not None:
-            algorithms = None if self.algorithm == "auto" else (self.algorithm,)
-            plan = self.planner.plan(model, topology, algorithms=algorithms, timeout=self._timeout,
-                                     **self.planner_settings())
+        planner = self.planner
+        if planner is None and self.algorithm == "auto":
+            planner = NodeCountPlanner()
+        plan: CommPlan | None = None
+        if planner is not None:
+            plan = planner.plan_comm(self.plan_request(model, topology))
             no_user_hook = self.user_comm_hook is None and self.user_comm_wrapper is None
-            if self.algorithm == "auto" and getattr(plan, "plain_ddp", False) and no_user_hook:
-                self.plain_ddp_reason = plan.reason
+            if self.algorithm == "auto" and no_user_hook:
+                self.plain_ddp_reason = plan.plain_ddp_reason
         caps: Sequence[float] | None = None
         if self.two_segment_split is not None:
             caps = two_segment_caps_mb(model, self.two_segment_split)
-        elif callable(self.fusion_plan):
-            caps = list(self.fusion_plan(model, topology))
         elif self.fusion_plan is not None:
             caps = list(self.fusion_plan)
         elif plan is not None and self._ddp_kwargs.get("bucket_cap_mb") is None:
-            caps = plan.plan.ddp_bucket_cap_mb_list()
-        if caps is not None and (not caps or min(caps) <= 0):
-            raise ValueError(f"fusion plan {caps}: bucket caps must be a non-empty list of positive MB.")
-        if self.algorithm != "auto":
-            algorithm = self.algorithm
-        elif plan is not None:
-            algorithm = plan.algorithm
-        else:
-            algorithm = canonical_algorithm(self.algorithm_selector(model, topology), "algorithm_selector result")
+            caps = plan.bucket_caps_mb
+        algorithm = self.algorithm if plan is None or self.algorithm != "auto" else plan.algorithm
         return algorithm, None if caps is None else list(caps)
 
     def _plan_ddp(self, model: nn.Module) -> None:
@@ -309,7 +291,7 @@ class HierarchicalDDPSetup:
         groups = build_process_groups(self.topology, timeout=self._timeout)
         self.hook_state = HierarchicalHookState(
             groups=groups,
-            wire_dtype=None if self.wire_dtype == "fp32" else WIRE_DTYPES[self.wire_dtype],
+            wire_dtype=self.wire_dtype,
             topk=TopKErrorFeedback(self.topk_ratio) if self.compression == "topk" else None,
             topk_start_iter=self.topk_start_iter,
             chunk_numel=chunk_numel_for(self.pipeline_chunk_mb, self.topology.num_nodes),

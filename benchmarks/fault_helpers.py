@@ -1,4 +1,4 @@
-"""Helpers for the fault tests and benchmarks/faults.py: launch a 2-rank run, signal a process
+"""Helpers for ``faults.py`` and the fault tests: launch a 2-rank run, signal a process
 at a given step, log steps and the batches they saw."""
 from __future__ import annotations
 

@@ -18,8 +18,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_hooks", "check_hooks_on_cuda"]
-
 # Relative error of the final weights against plain DDP: fp32 differs only in summation order;
 # a 16-bit wire rounds every step's gradient (2^-11 for fp16).
 TOLERANCE = {"fp32": 1e-5, "fp16": 5e-3, "bf16": 3e-2}
@@ -57,7 +55,6 @@ def _rank_entry(rank: int, world_size: int, port: int, device: str, ranks_per_no
     import torch.distributed as dist
 
     from lightning_fastscale.strategies.comm_hooks import HOOKS, HierarchicalHookState
-    from lightning_fastscale.strategies.options import WIRE_DTYPES
     from lightning_fastscale.strategies.topology import Topology, build_process_groups
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -71,8 +68,7 @@ def _rank_entry(rank: int, world_size: int, port: int, device: str, ranks_per_no
         out = {}
         for algorithm, wire in cases:
             groups = build_process_groups(topology, timeout=timedelta(seconds=120))
-            state = HierarchicalHookState(groups=groups, wire_dtype=None if wire == "fp32" else WIRE_DTYPES[wire],
-                                          algorithm=algorithm)
+            state = HierarchicalHookState(groups=groups, wire_dtype=wire, algorithm=algorithm)
             try:
                 weights = _train(rank, world_size, device, HOOKS[algorithm], state, steps)
             finally:

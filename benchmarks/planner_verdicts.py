@@ -1,6 +1,6 @@
 """Predicted vs measured all-reduce times: the verdicts of the planner validation.
 
-Rows come from ``benchmarks/planner_validation.py`` (one per configuration, size, chunking and
+Rows come from ``planner_validation.py`` (one per configuration, size, chunking and
 algorithm, each with its calibrated parameters and the interleaved repetitions of
 :mod:`lightning_fastscale.emulation.collectives`). This module fills in the predictions and
 says whether the planner's pick was the measured fastest, and whether a miss is more than noise:
@@ -20,9 +20,6 @@ import numpy as np
 from lightning_fastscale.planner.calibrate import INTER_PRIMITIVES, fit_calibration, intra_primitives
 from lightning_fastscale.planner.cost_model import CommParams, Topology, predict_allreduce
 
-__all__ = ["case_key", "format_across", "paired_stats", "predict_rows", "refit_rows"]
-
-_STORED_NAMES = {"ring": "flat"}  # rows stored before the flat all-reduce had one name
 
 
 def refit_rows(rows: list[dict]) -> list[dict]:
@@ -57,7 +54,6 @@ def predict_rows(rows: list[dict]) -> list[dict]:
     """Fill in each row's prediction (from its calibrated ``params``) and the pick per case."""
     cases: dict[tuple, list[dict]] = {}
     for r in rows:
-        r["algorithm"] = _STORED_NAMES.get(r["algorithm"], r["algorithm"])
         cases.setdefault(case_key(r), []).append(r)
     for (nodes, rpn, _, numel, _, wire), case in cases.items():
         params = CommParams(**case[0]["params"])

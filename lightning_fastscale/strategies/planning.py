@@ -1,0 +1,94 @@
+"""The one question the strategy asks a planner: which algorithm, which buckets.
+
+At setup, before DDP wraps the model, the strategy hands its planner a :class:`PlanRequest`
+(the model, the node :class:`~lightning_fastscale.strategies.topology.Topology` and its own
+wire dtype, top-k ratio and pipeline chunk size) and gets a :class:`CommPlan` back: the
+algorithm and, optionally, DDP's bucket caps. Any object with that one method plugs in
+(:class:`CommPlanner`); the cost-model planner of :mod:`lightning_fastscale.planner` is one,
+:class:`NodeCountPlanner` (what ``algorithm="auto"`` uses without a planner) another. Neither
+side imports the other: both speak the names of :mod:`~lightning_fastscale.strategies.options`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Protocol, runtime_checkable
+
+from torch import nn
+
+from lightning_fastscale.strategies.options import DEFAULT_PIPELINE_CHUNK_MB, check_algorithm, check_algorithms
+from lightning_fastscale.strategies.topology import Topology
+
+__all__ = ["CommPlan", "CommPlanner", "NodeCountPlanner", "PlanRequest"]
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What the strategy will send, for the planner to price.
+
+    ``algorithms``: the candidates; ``None`` lets the planner choose among all of them (and
+    answer plain DDP where a hook is not worth it), a fixed algorithm asks only for buckets.
+    ``topk_ratio``: ``None`` without compression. ``timeout``: of any process group the
+    planner creates (e.g. to calibrate).
+    """
+
+    module: nn.Module
+    topology: Topology
+    wire_dtype: str = "fp32"
+    topk_ratio: float | None = None
+    pipeline_chunk_mb: float | str | None = DEFAULT_PIPELINE_CHUNK_MB
+    algorithms: tuple[str, ...] | None = None
+    timeout: timedelta | None = None
+
+    def __post_init__(self) -> None:
+        if self.algorithms is not None:
+            check_algorithms(self.algorithms)
+
+
+@dataclass(frozen=True)
+class CommPlan:
+    """A planner's answer.
+
+    ``algorithm``: one of :data:`~lightning_fastscale.strategies.options.ALGORITHMS`.
+    ``bucket_caps_mb``: DDP bucket caps in MB in gradient-ready order (``bucket_cap_mb_list``);
+    ``None`` keeps DDP's uniform cap. ``plain_ddp_reason``: set when plain DDP (its own flat
+    all-reduce, no hook) is as good as the best plan, and says why; the strategy then installs
+    no hook where the user left the algorithm to the planner.
+    """
+
+    algorithm: str
+    bucket_caps_mb: tuple[float, ...] | None = None
+    plain_ddp_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        check_algorithm(self.algorithm, "CommPlan.algorithm")
+        caps = self.bucket_caps_mb
+        if caps is not None and (not caps or min(caps) <= 0):
+            raise ValueError(f"bucket_caps_mb={list(caps)}: bucket caps must be a non-empty list of positive MB.")
+
+
+@runtime_checkable
+class CommPlanner(Protocol):
+    """Anything the strategy can ask for a :class:`CommPlan` (``planner=`` of the strategies)."""
+
+    def plan_comm(self, request: PlanRequest) -> CommPlan:
+        """The algorithm and buckets for ``request``."""
+        ...
+
+
+class NodeCountPlanner:
+    """``hier`` across nodes, ``flat`` inside one; DDP's buckets. What ``algorithm="auto"`` uses without a planner.
+
+    Examples:
+        >>> from torch import nn
+        >>> request = PlanRequest(nn.Linear(2, 2), Topology(num_nodes=2, ranks_per_node=4))
+        >>> NodeCountPlanner().plan_comm(request)
+        CommPlan(algorithm='hier', bucket_caps_mb=None, plain_ddp_reason=None)
+    """
+
+    def plan_comm(self, request: PlanRequest) -> CommPlan:
+        """``hier`` on several nodes, ``flat`` on one (restricted to ``request.algorithms`` when given)."""
+        preferred = "hier" if request.topology.num_nodes > 1 else "flat"
+        if request.algorithms is not None and preferred not in request.algorithms:
+            preferred = request.algorithms[0]
+        return CommPlan(preferred)
