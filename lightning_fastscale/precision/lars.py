@@ -127,9 +127,10 @@ def lars_sgd_(
     """One LARS momentum-SGD step over lists, ``grads`` left unchanged, new buffers stored in ``bufs``.
 
     Equal to :func:`lars_rescale_` followed by ``torch.optim.SGD`` with weight decay 0, with
-    the ratio folded into the momentum update. With ``G = g + wd*w`` and ``c = r*(1-d)`` (``r``
-    for a new buffer, which torch SGD starts undampened from zero), ``buf = m*buf + c*G`` is one
-    ``lerp(buf, c*G/(1-m), 1-m)``: the ratio costs no pass over the buffers.
+    the ratio folded into the momentum update: with ``G = g + wd*w`` and ``c = r*(1-d)`` (``r``
+    for a new buffer, which torch SGD starts undampened from zero), ``buf = m*buf + c*G``. For
+    plain momentum that is computed in place as ``c * (buf * m/c + G)``: no temporary, no pass
+    more than SGD's own.
     """
     if not params:
         return
@@ -138,29 +139,28 @@ def lars_sgd_(
     m, fresh = momentum, [b is None for b in bufs]
     if m:
         bufs[:] = [torch.zeros_like(p) if b is None else b for p, b in zip(params, bufs)]
-    c = [ri if f else ri * (1.0 - dampening) for ri, f in zip(r, fresh)] if m else r
-    columns = [params, grads, bufs] if m else [params, grads]
-    for idx, (ps, gs, *bs) in _batches(columns, _batch_size(params[0].device)):
-
-        def scaled(factor: float, ps: list[Tensor] = ps, gs: list[Tensor] = gs, idx: list[int] = idx) -> list[Tensor]:
-            factors = [c[i] * factor for i in idx]
-            if not weight_decay:
-                return torch._foreach_mul(gs, factors)
-            out = torch._foreach_add(gs, ps, alpha=weight_decay)
-            torch._foreach_mul_(out, factors)
-            return out
-
-        if not m:
-            torch._foreach_add_(ps, scaled(-lr))
+    c = [ri if f else ri * (1.0 - dampening) for ri, f in zip(r, fresh)]
+    # m/c stays within range: fp32-range buffers, c not vanishing
+    in_place = m and not nesterov and params[0].dtype != torch.float16
+    for idx, (ps, gs, *bs) in _batches([params, grads, bufs] if m else [params, grads], _batch_size(params[0].device)):
+        cs = [c[i] for i in idx]
+        if in_place and min(cs) > 1e-30:
+            torch._foreach_mul_(bs[0], [m / ci for ci in cs])
+            torch._foreach_add_(bs[0], gs)
+            if weight_decay:
+                torch._foreach_add_(bs[0], ps, alpha=weight_decay)
+            torch._foreach_mul_(bs[0], cs)
+            torch._foreach_add_(ps, bs[0], alpha=-lr)
             continue
-        e = scaled(1.0 / (1.0 - m) if m < 1 else 1.0)
-        if m < 1:
-            torch._foreach_lerp_(bs[0], e, 1.0 - m)
-        else:  # lerp's weight would be 0
-            torch._foreach_mul_(bs[0], m)
-            torch._foreach_add_(bs[0], e)
-        if nesterov:  # p -= lr * (r*G + m*buf); nesterov has dampening 0, so r*G = c*G = (1-m)*e
-            torch._foreach_add_(ps, e, alpha=-lr * (1.0 - m) if m < 1 else -lr)
+        e = torch._foreach_add(gs, ps, alpha=weight_decay) if weight_decay else torch._foreach_mul(gs, 1.0)
+        torch._foreach_mul_(e, cs)  # c*G
+        if not m:
+            torch._foreach_add_(ps, e, alpha=-lr)
+            continue
+        torch._foreach_mul_(bs[0], m)
+        torch._foreach_add_(bs[0], e)
+        if nesterov:  # p -= lr * (r*G + m*buf), and r*G = c*G (nesterov has dampening 0)
+            torch._foreach_add_(ps, e, alpha=-lr)
             torch._foreach_add_(ps, bs[0], alpha=-lr * m)
         else:
             torch._foreach_add_(ps, bs[0], alpha=-lr)
