@@ -140,11 +140,11 @@ def lars_sgd_(
     if m:
         bufs[:] = [torch.zeros_like(p) if b is None else b for p, b in zip(params, bufs)]
     c = [ri if f else ri * (1.0 - dampening) for ri, f in zip(r, fresh)]
-    # m/c stays within range: fp32-range buffers, c not vanishing
-    in_place = m and not nesterov and params[0].dtype != torch.float16
+    # the in-place form rounds twice more: single or double precision, and m/c well inside their range
+    in_place = m and not nesterov and params[0].dtype in (torch.float32, torch.float64)
     for idx, (ps, gs, *bs) in _batches([params, grads, bufs] if m else [params, grads], _batch_size(params[0].device)):
         cs = [c[i] for i in idx]
-        if in_place and min(cs) > 1e-30:
+        if in_place and 1e-30 < min(cs) and max(cs) < 1e30:
             torch._foreach_mul_(bs[0], [m / ci for ci in cs])
             torch._foreach_add_(bs[0], gs)
             if weight_decay:

@@ -2,14 +2,10 @@
 
 Jia et al. 2018 (arXiv:1807.11205) trained ResNet-50 at batch 64K with fp16 compute and LARS
 (You et al. 2017); LARS on fp16 weights lost its updates to rounding. Their fix, as a Lightning
-``MixedPrecision``: forward and backward under ``torch.autocast`` on fp32 master weights, the
-loss scaled (``"16-mixed"``), the ratio and the update in fp32 from the *unscaled* gradient.
-
-The step: closure; ``scaler.unscale_``; Lightning's ``on_before_optimizer_step`` hooks and
-gradient clipping (on the unscaled gradients, before LARS); the LARS step of
-:class:`~lightning_fastscale.precision.lars_step.LARSStepMixin` (skip on a non-finite gradient
-on any rank, else LARS and ``optimizer.step()``); ``scaler.update()`` (which backs the scale
-off after a skip).
+``MixedPrecision``: autocast compute on fp32 master weights, the loss scaled (``"16-mixed"``),
+the ratio and the update in fp32 from the *unscaled* gradient. The step: closure, unscale,
+Lightning's hooks and gradient clipping, the LARS step (skip if non-finite on any rank, else
+LARS and ``optimizer.step()``), ``scaler.update()``.
 """
 from __future__ import annotations
 
