@@ -59,6 +59,11 @@ class LARSFabricPrecision(LARSStepMixin, MixedPrecision):
         return data
 
     @override
+    def convert_output(self, data: Any) -> Any:
+        """Floating outputs to the default dtype in the mixed modes (Fabric's AMP); unchanged in fp32."""
+        return data if self.precision == "32-true" else super().convert_output(data)
+
+    @override
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Unscale once per step (``fabric.clip_gradients`` calls this before the step does)."""
         if self.scaler is not None and id(optimizer) not in self._unscaled:

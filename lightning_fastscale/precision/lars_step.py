@@ -64,6 +64,7 @@ class LARSStepMixin:
         check_lars_options(eta, eps)
         if precision == "32-true":
             self.precision, self.device, self.scaler = precision, device, None
+            self._desired_input_dtype = torch.float32  # the compute dtype Lightning's throughput utilities read
         else:
             super().__init__(precision, device, scaler)  # type: ignore[call-arg]
         self.eta, self.eps, self.trust_clip, self.exclude = eta, eps, trust_clip, validate_patterns(exclude)
