@@ -122,19 +122,22 @@ def lars_rescale_(
 def lars_sgd_(
     params: list[Tensor], grads: list[Tensor], bufs: list[Tensor | None], *, lr: float, momentum: float,
     dampening: float, nesterov: bool, weight_decay: float, eta: float, eps: float, trust_clip: bool,
-    adapt: Sequence[bool],
+    adapt: Sequence[bool], g_norms: Tensor | None = None, rescale_grads: bool = False,
 ) -> None:
-    """One LARS momentum-SGD step over lists, ``grads`` left unchanged, new buffers stored in ``bufs``.
+    """One LARS momentum-SGD step over lists, new buffers stored in ``bufs``.
 
     Equal to :func:`lars_rescale_` followed by ``torch.optim.SGD`` with weight decay 0, with
     the ratio folded into the momentum update: with ``G = g + wd*w`` and ``c = r*(1-d)`` (``r``
     for a new buffer, which torch SGD starts undampened from zero), ``buf = m*buf + c*G``. For
     plain momentum that is computed in place as ``c * (buf * m/c + G)``: no temporary, no pass
-    more than SGD's own.
+    more than SGD's own. ``grads`` are left unchanged, unless ``rescale_grads``: then they
+    become ``r*G`` and the update is torch SGD's own operations on them, batch by batch (what
+    the plugins run for ``torch.optim.SGD``). ``g_norms``: the stacked gradient norms if known.
     """
     if not params:
         return
-    r = trust_ratios(params, foreach_norms(grads), lr=lr, weight_decay=weight_decay, eta=eta, eps=eps,
+    g_norms = foreach_norms(grads) if g_norms is None else g_norms
+    r = trust_ratios(params, g_norms, lr=lr, weight_decay=weight_decay, eta=eta, eps=eps,
                      trust_clip=trust_clip, adapt=adapt)
     m, fresh = momentum, [b is None for b in bufs]
     if m:
@@ -144,6 +147,10 @@ def lars_sgd_(
     in_place = m and not nesterov and params[0].dtype in (torch.float32, torch.float64)
     for idx, (ps, gs, *bs) in _batches([params, grads, bufs] if m else [params, grads], _batch_size(params[0].device)):
         cs = [c[i] for i in idx]
+        if rescale_grads:
+            _sgd_on_rescaled(ps, gs, bs[0] if m else [], [r[i] for i in idx], [fresh[i] for i in idx], lr=lr,
+                             momentum=m, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay)
+            continue
         if in_place and 1e-30 < min(cs) and max(cs) < 1e30:
             torch._foreach_mul_(bs[0], [m / ci for ci in cs])
             torch._foreach_add_(bs[0], gs)
@@ -164,6 +171,29 @@ def lars_sgd_(
             torch._foreach_add_(ps, bs[0], alpha=-lr * m)
         else:
             torch._foreach_add_(ps, bs[0], alpha=-lr)
+
+
+def _sgd_on_rescaled(
+    ps: list[Tensor], gs: list[Tensor], bs: list[Tensor], r: list[float], fresh: list[bool], *, lr: float,
+    momentum: float, dampening: float, nesterov: bool, weight_decay: float,
+) -> None:
+    """``gs <- r * (gs + wd * ps)`` in place, then torch SGD's multi-tensor update (weight decay 0)
+    on them; a new buffer (zeros here) takes the rescaled gradient undampened, as torch SGD's."""
+    if weight_decay:
+        torch._foreach_add_(gs, ps, alpha=weight_decay)
+    torch._foreach_mul_(gs, r)
+    if not momentum:
+        torch._foreach_add_(ps, gs, alpha=-lr)
+        return
+    torch._foreach_mul_(bs, momentum)
+    if dampening and any(fresh):
+        for b, g, f in zip(bs, gs, fresh):
+            b.add_(g, alpha=1.0 if f else 1.0 - dampening)
+    else:
+        torch._foreach_add_(bs, gs, alpha=1.0 - dampening)
+    if nesterov:
+        torch._foreach_add_(gs, bs, alpha=momentum)  # in place, as torch SGD does with weight decay 0
+    torch._foreach_add_(ps, gs if nesterov else bs, alpha=-lr)
 
 
 class LARS(torch.optim.Optimizer):

@@ -23,12 +23,28 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from ..param_groups import is_excluded, split_parameters, validate_patterns
-from .lars import LARS, check_lars_options, foreach_norms, lars_rescale_
+from .lars import LARS, check_lars_options, foreach_norms, lars_rescale_, lars_sgd_
 
 log = logging.getLogger(__name__)
 
 PRECISIONS = ("16-mixed", "bf16-mixed", "32-true")
 _ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+
+
+def _sgd_in_one_pass(optimizer: Optimizer, groups: list[tuple[dict, list[Tensor], Tensor]], kwargs: dict) -> bool:
+    """Whether the plugin may run the rescale and the update of ``optimizer`` together: a plain
+    ``torch.optim.SGD`` (a subclass may change the update) without closure, maximize,
+    differentiable or fused mode, over dense fp32/fp64 gradients on one device per group."""
+    if type(optimizer) is not torch.optim.SGD or "closure" in kwargs:
+        return False
+    for group, params, _ in groups:
+        if group["maximize"] or group["differentiable"] or group.get("fused"):
+            return False
+        if len({(p.device, p.dtype) for p in params}) != 1 or params[0].dtype not in (torch.float32, torch.float64):
+            return False
+        if any(p.grad.is_sparse or p.grad.dtype != p.dtype for p in params):
+            return False
+    return True
 
 
 class LARSStepMixin:
@@ -74,6 +90,7 @@ class LARSStepMixin:
         self._names: dict[int, str] | None = None
         self._adapted: set[int] = set()
         self._validated: set[int] = set()
+        self._hidden: dict[int, list[tuple[Tensor, Tensor]]] = {}  # gradients held during SGD's step
         self._unscaled: set[int] = set()  # optimizers unscaled ahead of the step (Fabric's clip_gradients)
 
     @override
@@ -96,6 +113,8 @@ class LARSStepMixin:
         """Refuse what LARS cannot serve (a LARS optimizer, nothing adapted, half weights, decoupled
         decay); warn about decayed bias/norm parameters."""
         self._validated.add(id(optimizer))
+        if type(optimizer) is torch.optim.SGD:
+            optimizer.register_step_post_hook(self._restore_grads)
         name = type(self).__name__
         if isinstance(optimizer, LARS):
             raise ValueError(f"{name} would apply LARS a second time on top of the LARS optimizer; use a plain "
@@ -150,6 +169,8 @@ class LARSStepMixin:
                      self.skipped_steps)
             return None
         self.consecutive_skipped_steps = 0
+        if _sgd_in_one_pass(optimizer, groups, kwargs):
+            return self._sgd_step(optimizer, groups, kwargs)
         decays = [group.get("weight_decay", 0.0) for group, _, _ in groups]
         try:
             for (group, params, g_norms), wd in zip(groups, decays):
@@ -164,6 +185,43 @@ class LARSStepMixin:
             for (group, _, _), wd in zip(groups, decays):
                 if wd:
                     group["weight_decay"] = wd
+
+    def _sgd_step(self, optimizer: Optimizer, groups: list[tuple[dict, list[Tensor], Tensor]], kwargs: dict) -> Any:
+        """``optimizer.step()`` of a plain ``torch.optim.SGD`` with the rescale and SGD's update run
+        together in cache-sized batches (:func:`~.lars.lars_sgd_` with ``rescale_grads``).
+
+        The update runs in a step pre-hook registered last, so every other pre-hook runs before
+        it, as before SGD's own update; it then hands the gradients to :meth:`_restore_grads`, so
+        SGD's step finds none and only its bookkeeping (hooks, profiler, LR-scheduler tracking)
+        runs. The gradients are back, rescaled, before any other post-hook runs.
+        """
+        def update(opt: Optimizer, args: Any, kw: Any) -> None:
+            hidden = self._hidden.setdefault(id(opt), [])
+            for group, params, g_norms in groups:
+                momentum = group["momentum"]
+                bufs = [opt.state[p].get("momentum_buffer") for p in params] if momentum else [None] * len(params)
+                lars_sgd_(params, [p.grad for p in params], bufs, lr=float(group["lr"]), momentum=momentum,
+                          dampening=group["dampening"], nesterov=group["nesterov"],
+                          weight_decay=group["weight_decay"], eta=self.eta, eps=self.eps, trust_clip=self.trust_clip,
+                          adapt=[self._adapts(p) for p in params], g_norms=g_norms, rescale_grads=True)
+                for p, buf in zip(params, bufs):
+                    if momentum:
+                        opt.state[p]["momentum_buffer"] = buf
+                    hidden.append((p, p.grad))
+                    p.grad = None
+
+        handle = optimizer.register_step_pre_hook(update)
+        try:
+            return optimizer.step(**kwargs)
+        finally:
+            handle.remove()
+            self._restore_grads(optimizer)
+
+    def _restore_grads(self, optimizer: Optimizer, *_: Any) -> None:
+        """Give back the gradients :meth:`_sgd_step` held while SGD's step ran (a step post-hook,
+        registered when the optimizer is validated, so before any the user adds later)."""
+        for p, g in self._hidden.pop(id(optimizer), ()):
+            p.grad = g
 
     @override
     def state_dict(self) -> dict[str, Any]:
