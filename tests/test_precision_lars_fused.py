@@ -163,3 +163,37 @@ def test_lr_scheduler_sees_the_step(tmp_path) -> None:
     messages = [str(w.message) for w in caught if "optimizer.step()" in str(w.message)]
     assert messages == []
     assert tr.optimizers[0].param_groups[0]["lr"] == pytest.approx(module.lr * 0.5**3)
+
+
+
+@pytest.mark.parametrize("sgd", [torch.optim.SGD, SubSGD])
+def test_step_hooks_see_the_gradients(sgd) -> None:
+    """Step hooks added after the plugin validated the optimizer: around plain SGD (the update
+    run from a step pre-hook, SGD's own update given no gradients) the pre-hooks see the
+    gradients as given, around a subclass the rescaled ones; the post-hooks see every
+    gradient, rescaled, the same for both; weights and momentum agree."""
+    results = []
+    for kind in (torch.optim.SGD, sgd):
+        model = net()
+        opt = kind(sgd_groups(model, 5e-3), lr=0.3, momentum=0.9, weight_decay=5e-3)
+        plugin = LARSMixedPrecision("32", "cpu", eta=0.02)
+        plugin.classify(model)
+        plugin.validate(opt)
+        params = list(model.parameters())
+        pre: list[list] = []
+        post: list[list] = []
+        opt.register_step_pre_hook(lambda o, a, k: pre.append([p.grad.clone() for p in params]))
+        opt.register_step_post_hook(lambda o, a, k: post.append([p.grad.clone() for p in params]))
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            given = [p.grad.clone() for p in params]
+            plugin.lars_step(opt)
+            assert all(torch.equal(p.grad, g) for p, g in zip(params, post[-1]))
+            assert all(torch.equal(a, b) for a, b in zip(pre[-1], given)) == (kind is torch.optim.SGD)
+        results.append(([p.detach().clone() for p in params], [opt.state[p]["momentum_buffer"] for p in params], post))
+    (w_a, m_a, post_a), (w_b, m_b, post_b) = results
+    for a, b in zip([*w_a, *m_a, *(g for step in post_a for g in step)],
+                    [*w_b, *m_b, *(g for step in post_b for g in step)]):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)

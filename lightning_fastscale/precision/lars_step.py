@@ -7,7 +7,11 @@ master weights from the *unscaled* gradient. Given unscaled gradients, :meth:`LA
    LARS change), counting it and naming the first parameter whose gradient was non-finite;
 2. else replaces every gradient by ``r * (g + wd * w)`` (:func:`~.lars.lars_rescale_`; ``r`` = 1
    for bias/norm parameters) and runs ``optimizer.step()`` with the groups' weight decay set to
-   0 for the call, as apex LARC does, so nothing is decayed twice.
+   0 for the call, as apex LARC does, so nothing is decayed twice. Around a plain
+   ``torch.optim.SGD`` the rescale and SGD's update run together in one cache-batched pass,
+   from a step pre-hook inside the real ``optimizer.step()`` (its hooks, profiler record and
+   LR-scheduler tracking run as usual; step pre-hooks see the gradients before the rescale,
+   and the ratio is taken from them as they were when the LARS step began).
 """
 from __future__ import annotations
 
