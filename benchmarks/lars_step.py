@@ -8,7 +8,7 @@ random gradients. Every variant gets the same two parameter groups from the shar
     torch_sgd_foreach  torch.optim.SGD(foreach=True)                      (the baseline)
     lars (ours)        lightning_fastscale.precision.LARS (ratio folded into momentum)
     plugin (ours)      LARSMixedPrecision.lars_step around torch SGD foreach: non-finite
-                       check, gradients rescaled in place, then SGD.step with weight decay 0
+                       check, then SGD.step with the rescale and SGD's update in one pass
     timm_lars          timm.optim.Lars with its default (foreach=None: per-tensor loop on CPU)
     timm_lars_foreach  timm.optim.Lars(foreach=True)
 
