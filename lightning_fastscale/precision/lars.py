@@ -145,11 +145,13 @@ def lars_sgd_(
     c = [ri if f else ri * (1.0 - dampening) for ri, f in zip(r, fresh)]
     # the in-place form rounds twice more: single or double precision, and m/c well inside their range
     in_place = m and not nesterov and params[0].dtype in (torch.float32, torch.float64)
-    for idx, (ps, gs, *bs) in _batches([params, grads, bufs] if m else [params, grads], _batch_size(params[0].device)):
+    size = _batch_size(params[0].device)
+    for idx, (ps, gs, *bs) in _batches([params, grads, bufs] if m else [params, grads], size):
         cs = [c[i] for i in idx]
         if rescale_grads:
             _sgd_on_rescaled(ps, gs, bs[0] if m else [], [r[i] for i in idx], [fresh[i] for i in idx], lr=lr,
-                             momentum=m, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay)
+                             momentum=m, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay,
+                             per_slice=size is not None)
             continue
         if in_place and 1e-30 < min(cs) and max(cs) < 1e30:
             torch._foreach_mul_(bs[0], [m / ci for ci in cs])
@@ -175,10 +177,32 @@ def lars_sgd_(
 
 def _sgd_on_rescaled(
     ps: list[Tensor], gs: list[Tensor], bs: list[Tensor], r: list[float], fresh: list[bool], *, lr: float,
-    momentum: float, dampening: float, nesterov: bool, weight_decay: float,
+    momentum: float, dampening: float, nesterov: bool, weight_decay: float, per_slice: bool,
 ) -> None:
-    """``gs <- r * (gs + wd * ps)`` in place, then torch SGD's multi-tensor update (weight decay 0)
-    on them; a new buffer (zeros here) takes the rescaled gradient undampened, as torch SGD's."""
+    """``gs <- r * (gs + wd * ps)`` in place, then torch SGD's update (weight decay 0) on them; a
+    new buffer (zeros here) takes the rescaled gradient undampened, as torch SGD's.
+
+    ``per_slice`` (the CPU's cache-sized batches): each slice's operations in a row, the
+    momentum as one ``buf <- g + m * buf`` written into ``buf`` (an operation the multi-tensor
+    API lacks), four passes over the slice where the multi-tensor form needs five.
+    """
+    if per_slice:
+        for i, (p, g) in enumerate(zip(ps, gs)):
+            if weight_decay:
+                g.add_(p, alpha=weight_decay)
+            g.mul_(r[i])
+            if not momentum:
+                p.add_(g, alpha=-lr)
+                continue
+            b = bs[i]
+            if dampening and not fresh[i]:
+                b.mul_(momentum).add_(g, alpha=1.0 - dampening)
+            else:
+                torch.add(g, b, alpha=momentum, out=b)
+            if nesterov:
+                g.add_(b, alpha=momentum)  # in place, as torch SGD does with weight decay 0
+            p.add_(g if nesterov else b, alpha=-lr)
+        return
     if weight_decay:
         torch._foreach_add_(gs, ps, alpha=weight_decay)
     torch._foreach_mul_(gs, r)
@@ -192,7 +216,7 @@ def _sgd_on_rescaled(
     else:
         torch._foreach_add_(bs, gs, alpha=1.0 - dampening)
     if nesterov:
-        torch._foreach_add_(gs, bs, alpha=momentum)  # in place, as torch SGD does with weight decay 0
+        torch._foreach_add_(gs, bs, alpha=momentum)
     torch._foreach_add_(ps, gs if nesterov else bs, alpha=-lr)
 
 
