@@ -192,12 +192,13 @@ class LARSStepMixin:
 
     def _sgd_step(self, optimizer: Optimizer, groups: list[tuple[dict, list[Tensor], Tensor]], kwargs: dict) -> Any:
         """``optimizer.step()`` of a plain ``torch.optim.SGD`` with the rescale and SGD's update run
-        together in cache-sized batches (:func:`~.lars.lars_sgd_` with ``rescale_grads``).
+        together (:func:`~.lars.lars_sgd_` with ``rescale_grads``; cache-sized batches on the CPU).
 
         The update runs in a step pre-hook registered last, so every other pre-hook runs before
         it, as before SGD's own update; it then hands the gradients to :meth:`_restore_grads`, so
         SGD's step finds none and only its bookkeeping (hooks, profiler, LR-scheduler tracking)
-        runs. The gradients are back, rescaled, before any other post-hook runs.
+        runs. The gradients are back, rescaled, before the post-hooks added after the plugin
+        validated the optimizer run.
         """
         def update(opt: Optimizer, args: Any, kw: Any) -> None:
             hidden = self._hidden.setdefault(id(opt), [])
