@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -182,8 +183,11 @@ def test_step_hooks_see_the_gradients(sgd) -> None:
         params = list(model.parameters())
         pre: list[list] = []
         post: list[list] = []
-        opt.register_step_pre_hook(lambda o, a, k: pre.append([p.grad.clone() for p in params]))
-        opt.register_step_post_hook(lambda o, a, k: post.append([p.grad.clone() for p in params]))
+        def record(into: list, params: list = params) -> Callable:
+            return lambda o, a, k: into.append([p.grad.clone() for p in params])
+
+        opt.register_step_pre_hook(record(pre))
+        opt.register_step_post_hook(record(post))
         gen = torch.Generator().manual_seed(1)
         for _ in range(3):
             for p in params:
