@@ -7,11 +7,8 @@ random gradients. Every variant gets the same two parameter groups from the shar
     variant            what runs
     torch_sgd_foreach  torch.optim.SGD(foreach=True)                      (the baseline)
     lars (ours)        lightning_fastscale.precision.LARS (ratio folded into momentum)
-    plugin_fused (ours)   LARSMixedPrecision.lars_step around torch SGD foreach: non-finite
-                          check, then the fused path (lars_sgd_ on SGD's momentum state,
-                          inside SGD's step hooks)
-    plugin_generic (ours) the same around a trivial SGD subclass, which forces the generic
-                          path: gradients rescaled in place, then SGD.step with weight decay 0
+    plugin (ours)      LARSMixedPrecision.lars_step around torch SGD foreach: non-finite
+                       check, then SGD.step with the rescale and SGD's update in one pass
     timm_lars          timm.optim.Lars with its default (foreach=None: per-tensor loop on CPU)
     timm_lars_foreach  timm.optim.Lars(foreach=True)
 
@@ -74,31 +71,18 @@ def setup(device: str) -> tuple[dict[str, Callable[[], None]], dict]:
     )
     steps["lars (ours)"] = lars.step
 
-    class SGDSubclass(torch.optim.SGD):
-        """Unchanged SGD; the plugin's fused path takes only SGD itself."""
-
     # the plugin's own step code (non-finite check, LARS, SGD), without a Trainer
-    all_grads: list[torch.Tensor] = []
-    for name, sgd_class in (("plugin_fused (ours)", torch.optim.SGD), ("plugin_generic (ours)", SGDSubclass)):
-        net, a, e = clone()
-        inner = sgd_class(
-            [{"params": a}, {"params": e, "weight_decay": 0.0}], lr=LR, momentum=MOMENTUM, weight_decay=WD, foreach=True
-        )
-        plugin = LARSMixedPrecision("32", device.split(":")[0], eta=ETA)
-        plugin.classify(net)
-        grads_here = [p.grad for p in net.parameters()]
-        before = [g.clone() for g in grads_here]
-        plugin.lars_step(inner)
-        # the fused path leaves the gradients alone, the generic one rescales them in place
-        fused = all(torch.equal(x, y) for x, y in zip(grads_here, before))
-        if fused != (sgd_class is torch.optim.SGD):
-            raise RuntimeError(f"{name}: expected the {'fused' if not fused else 'generic'} path")
-        torch._foreach_copy_(grads_here, before)
-        all_grads += grads_here
-        steps[name] = lambda plugin=plugin, inner=inner: plugin.lars_step(inner)
+    net, a, e = clone()
+    inner = torch.optim.SGD(
+        [{"params": a}, {"params": e, "weight_decay": 0.0}], lr=LR, momentum=MOMENTUM, weight_decay=WD, foreach=True
+    )
+    plugin = LARSMixedPrecision("32", device.split(":")[0], eta=ETA)
+    plugin.classify(net)
+    all_grads = [p.grad for p in net.parameters()]
     saved = [g.clone() for g in all_grads]
+    steps["plugin (ours)"] = lambda: plugin.lars_step(inner)
 
-    def restore() -> None:  # outside the timed region: the generic path rescales gradients in place
+    def restore() -> None:  # outside the timed region: the plugin rescales gradients in place
         torch._foreach_copy_(all_grads, saved)
 
     steps["_restore_plugin_grads"] = restore

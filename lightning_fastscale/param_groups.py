@@ -4,7 +4,7 @@ Jia et al. 2018 (Tencent, "Highly Scalable Deep Learning Training System with
 Mixed-Precision: Training ImageNet in Four Minutes") removed weight decay from the bias and
 the batch-norm beta/gamma (+1.3% top-1 for AlexNet at batch 64K); the MLPerf LARS reference
 likewise gives these parameters neither weight decay nor LARS adaptation. Every component of
-this package that needs the distinction (``SkipWeightDecay``, ``LARSMixedPrecision``, the
+this package that needs the distinction (``NoWeightDecayOnBiasNorm``, ``LARSMixedPrecision``, the
 ``LARS`` optimizer) asks :func:`is_excluded`; none re-implements it.
 
 The rule: a parameter is excluded when it has ``ndim <= 1`` (biases, norm-layer affine

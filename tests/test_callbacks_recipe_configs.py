@@ -66,7 +66,7 @@ def test_presets_compose_and_instantiate(experiment, model, epochs, active) -> N
     assert set(built) == active
     assert built["batch_size_ramp"].schedule == {0: 65536}
     plugin = instantiate(cfg.precision)
-    assert isinstance(plugin, LARSMixedPrecision) and plugin.lars.eta == 0.001
+    assert isinstance(plugin, LARSMixedPrecision) and plugin.eta == 0.001
 
 
 def test_default_job_trains_with_the_whole_recipe(tmp_path) -> None:

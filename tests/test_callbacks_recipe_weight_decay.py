@@ -8,7 +8,7 @@ import torchvision
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
-from lightning_fastscale.callbacks import NoWeightDecayOnBiasNorm, SkipWeightDecay, param_groups_without_decay
+from lightning_fastscale.callbacks import NoWeightDecayOnBiasNorm, param_groups_without_decay
 from lightning_fastscale.models.alexnet_bn import AlexNetBN
 from tests.callbacks_recipe_utils import TinyClassifier, make_trainer, tensor_loader
 
@@ -78,7 +78,7 @@ def test_extra_patterns_add_names_and_bad_patterns_are_rejected() -> None:
 
 def test_callback_regroups_an_ordinary_configure_optimizers(tmp_path) -> None:
     module = TinyClassifier(weight_decay=0.1, with_scheduler=True)
-    trainer = make_trainer(tmp_path, [SkipWeightDecay()], max_steps=3)
+    trainer = make_trainer(tmp_path, [NoWeightDecayOnBiasNorm()], max_steps=3)
     trainer.fit(module, tensor_loader())
     (optimizer,) = trainer.optimizers
     decay, no_decay = optimizer.param_groups

@@ -91,7 +91,7 @@ def assert_built_as_configured(cfg: DictConfig, datamodule: Any, module: Any, tr
     if node and "_target_" in node:
         plugin = trainer.precision_plugin
         assert isinstance(plugin, get_class(node._target_))
-        assert plugin.precision == node.precision and plugin.lars.eta == node.eta
+        assert plugin.precision == node.precision and plugin.eta == node.eta
     elif node:
         # Lightning runs "16-mixed" as "bf16-mixed" on the CPU (torch's CPU autocast is bf16)
         expected = "bf16-mixed" if node.value == "16-mixed" else node.value
@@ -149,7 +149,7 @@ def test_lars_precision_configs_build_the_plugin(override, precision, eta, tmp_p
     _, _, _, trainer = build([override], tmp_path, monkeypatch)
     plugin = trainer.precision_plugin
     assert isinstance(plugin, LARSMixedPrecision)
-    assert (plugin.precision, plugin.lars.eta) == (precision, eta)
+    assert (plugin.precision, plugin.eta) == (precision, eta)
 
 
 @pytest.mark.parametrize(

@@ -15,13 +15,12 @@ from lightning_fastscale.precision import lars as lars_module
 timm_optim = pytest.importorskip("timm.optim")
 
 
-@pytest.fixture(autouse=True, params=["per_tensor", "foreach"])
+@pytest.fixture(autouse=True, params=["cpu_batches", "whole_list"])
 def kernels(request, monkeypatch) -> str:
-    """Every test here runs with both implementations of the update (CPU picks per_tensor;
-    the CUDA choice, foreach, runs on CPU too); slices of 7 values so per_tensor's slicing,
-    remainder included, is exercised by these small layers."""
-    monkeypatch.setattr(lars_module, "default_kernels", lambda device: request.param)
-    monkeypatch.setattr(lars_module, "_CPU_SLICE", 7)
+    """Every test here runs with both ways of calling the kernel: cache-sized batches of
+    slices (the CPU's; 7 values a batch, so slicing, remainders and batches of several small
+    tensors are all exercised by these small layers) and the whole list at once (accelerators')."""
+    monkeypatch.setattr(lars_module, "_batch_size", lambda device: 7 if request.param == "cpu_batches" else None)
     return request.param
 
 

@@ -2,7 +2,7 @@
 
 Same model, data, optimizer groups and injected inf as the Trainer runs: the Fabric loop
 (``fabric.backward``, ``optimizer.step``) must land on the same weights, in one process and
-in two gloo processes (plain Fabric DDP), with either plugin class.
+in two gloo processes (plain Fabric DDP).
 """
 from __future__ import annotations
 
@@ -45,23 +45,20 @@ def trainer_run(tmp_path, precision: str, bn: bool, inject: dict) -> tuple[list[
     return [p.detach().clone() for p in module.net.parameters()], plugin
 
 
-def fabric_plugin(kind: str, precision: str):
-    scaler = small_scaler() if precision == "16-mixed" else None
-    cls = LARSMixedPrecision if kind == "trainer_plugin" else LARSFabricPrecision
-    return cls(precision, "cpu", eta=ETA, scaler=scaler)
+def fabric_plugin(precision: str) -> LARSFabricPrecision:
+    return LARSFabricPrecision(precision, "cpu", eta=ETA, scaler=small_scaler() if precision == "16-mixed" else None)
 
 
-@pytest.mark.parametrize("kind", ["trainer_plugin", "fabric_plugin"])
 @pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
-def test_fabric_one_process_equals_trainer(tmp_path, kind, precision) -> None:
+def test_fabric_one_process_equals_trainer(tmp_path, precision) -> None:
     inject = {2: math.inf}
     expected, trainer_plugin = trainer_run(tmp_path, precision, bn=True, inject=inject)
-    plugin = fabric_plugin(kind, precision)
+    plugin = fabric_plugin(precision)
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     got = fabric_loop(fabric, bn=True, inject=inject)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-    assert plugin.lars.skipped_steps == trainer_plugin.skipped_steps == 1
+    assert plugin.skipped_steps == trainer_plugin.skipped_steps == 1
     if precision == "16-mixed":
         assert plugin.scaler.get_scale() == trainer_plugin.scaler.get_scale() == 2.0**7
 
@@ -75,22 +72,27 @@ def test_fabric_step_without_setup_names_the_fix() -> None:
         optimizer.step()
 
 
-def _two_rank_worker(fabric: L.Fabric, kind: str, out: str) -> None:
+def test_trainer_plugin_in_fabric_names_the_fabric_plugin() -> None:
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[LARSMixedPrecision("32-true", "cpu")])
+    with pytest.raises(TypeError, match="LARSFabricPrecision"):
+        fabric.setup_module(make_net())
+
+
+def _two_rank_worker(fabric: L.Fabric, out: str) -> None:
     torch.set_num_threads(1)
     weights = fabric_loop(fabric, bn=False, inject={1: math.inf})
     plugin = fabric.strategy.precision
     if fabric.global_rank == 0:
-        torch.save({"weights": weights, "skipped": plugin.lars.skipped_steps}, out)
+        torch.save({"weights": weights, "skipped": plugin.skipped_steps}, out)
 
 
-@pytest.mark.parametrize("kind", ["trainer_plugin", "fabric_plugin"])
-def test_fabric_ddp_two_processes_equals_trainer_one_process(tmp_path, kind) -> None:
+def test_fabric_ddp_two_processes_equals_trainer_one_process(tmp_path) -> None:
     """2 gloo ranks x batch 4 with plain Fabric DDP == the Trainer plugin with 1 process x batch 8
     (no BN), including the step skipped on both ranks because only rank 1 saw an inf."""
     expected, _ = trainer_run(tmp_path, "32-true", bn=False, inject={1: math.inf})
-    out = tmp_path / f"{kind}.pt"
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ddp_fork", plugins=[fabric_plugin(kind, "32-true")])
-    fabric.launch(_two_rank_worker, kind, str(out))
+    out = tmp_path / "weights.pt"
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ddp_fork", plugins=[fabric_plugin("32-true")])
+    fabric.launch(_two_rank_worker, str(out))
     result = torch.load(out)
     assert result["skipped"] == 1
     start = [p.detach() for p in make_net(bn=False).parameters()]

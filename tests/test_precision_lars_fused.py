@@ -1,43 +1,28 @@
-"""``LARSMixedPrecision``'s fused path around ``torch.optim.SGD`` against its generic path.
-
-The fused path (``lars_sgd_`` on SGD's own momentum state, inside SGD's step hooks) must give
-what the generic path gives (gradients rescaled in place, then ``SGD.step``), which a trivial
-SGD subclass forces; and it must keep what ``SGD.step()`` does for others: step hooks, the
-LR scheduler's call tracking, checkpoints.
+"""The two implementations of the LARS update: ``LARSMixedPrecision`` around an optimizer
+(gradients rescaled in place, then ``optimizer.step()``) and the ``LARS`` optimizer (the ratio
+folded into the momentum update). They must agree, and the plugin's step must be an ordinary
+``optimizer.step()`` for others: step hooks and the LR scheduler's call tracking.
 """
 from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from lightning_fastscale.callbacks.lr_schedule import WarmupDecayLR
 from lightning_fastscale.param_groups import split_parameters
-from lightning_fastscale.precision import LARSMixedPrecision, LARSStep
+from lightning_fastscale.precision import LARS, LARSMixedPrecision
 from lightning_fastscale.precision import lars as lars_module
 from tests.test_precision_lars_plugin import Tiny, data, make_net, small_scaler, trainer
 
 
 class SubSGD(torch.optim.SGD):
-    """Plain SGD under another type: the plugin must take its generic path."""
-
-
-@pytest.fixture
-def fused_calls(monkeypatch) -> list[int]:
-    """Counts the plugin's fused steps (so a test knows which path it exercised)."""
-    calls: list[int] = []
-    original = LARSStep._fused_sgd_step
-
-    def counting(self, optimizer, groups):
-        calls.append(1)
-        return original(self, optimizer, groups)
-
-    monkeypatch.setattr(LARSStep, "_fused_sgd_step", counting)
-    return calls
+    """Plain SGD under another type."""
 
 
 def net() -> nn.Module:
@@ -72,27 +57,30 @@ CONFIGS = [
 ]
 
 
-@pytest.fixture(params=["per_tensor", "foreach"])
+@pytest.fixture(params=["cpu_batches", "whole_list"])
 def kernels(request, monkeypatch) -> str:
-    """Both implementations of the update (see lars.default_kernels), small slices for per_tensor."""
-    monkeypatch.setattr(lars_module, "default_kernels", lambda device: request.param)
-    monkeypatch.setattr(lars_module, "_CPU_SLICE", 7)
+    """Both ways of calling the kernel: batches of 7 values (the CPU's form) and the whole list."""
+    monkeypatch.setattr(lars_module, "_batch_size", lambda device: 7 if request.param == "cpu_batches" else None)
     return request.param
 
 
 @pytest.mark.parametrize("cfg", CONFIGS)
-def test_fused_path_equals_generic_path(cfg: dict, kernels: str) -> None:
+def test_plugin_step_equals_lars_optimizer(cfg: dict, kernels: str) -> None:
     """Six steps with fresh random gradients (of varied scale; one parameter without a
-    gradient in one step): weights and momentum of both paths agree to float32 rounding,
-    and the fused path leaves the gradients as they were (the generic one rescales them)."""
+    gradient in one step): weights and momentum of the plugin around torch SGD and of the
+    ``LARS`` optimizer agree to float32 rounding; the optimizer leaves the gradients as they
+    were, the plugin rescales them."""
     cfg = dict(cfg)
     clip = cfg.pop("trust_clip", False)
     runs = {}
-    for cls in (torch.optim.SGD, SubSGD):
+    for kind in ("lars", "plugin"):
         model = net()
-        opt = cls(sgd_groups(model, cfg["weight_decay"]), lr=0.3, **cfg)
-        plugin = LARSMixedPrecision("32", "cpu", eta=0.02, trust_clip=clip)
-        plugin.classify(model)
+        if kind == "lars":
+            opt = LARS(sgd_groups(model, cfg["weight_decay"]), lr=0.3, eta=0.02, trust_clip=clip, **cfg)
+        else:
+            opt = torch.optim.SGD(sgd_groups(model, cfg["weight_decay"]), lr=0.3, **cfg)
+            plugin = LARSMixedPrecision("32", "cpu", eta=0.02, trust_clip=clip)
+            plugin.classify(model)
         gen = torch.Generator().manual_seed(1)
         params = list(model.parameters())
         untouched = []
@@ -103,45 +91,20 @@ def test_fused_path_equals_generic_path(cfg: dict, kernels: str) -> None:
                 params[0].grad = None
             stepped = [p for p in params if p.grad is not None]
             before = [p.grad.clone() for p in stepped]
-            plugin.lars_step(opt)
+            opt.step() if kind == "lars" else plugin.lars_step(opt)
             untouched.append(all(torch.equal(p.grad, b) for p, b in zip(stepped, before)))
         momentum = [opt.state[p].get("momentum_buffer") for p in params]
-        runs[cls] = ([p.detach().clone() for p in params], momentum, untouched)
-    (w_fused, m_fused, untouched_fused), (w_generic, m_generic, untouched_generic) = runs.values()
-    assert all(untouched_fused) and not any(untouched_generic)
+        runs[kind] = ([p.detach().clone() for p in params], momentum, untouched)
+    (w_lars, m_lars, untouched_lars), (w_plugin, m_plugin, untouched_plugin) = runs.values()
+    assert all(untouched_lars) and not any(untouched_plugin)
     start = [p.detach() for p in net().parameters()]
-    for a, b, s in zip(w_fused, w_generic, start):
+    for a, b, s in zip(w_lars, w_plugin, start):
         assert not torch.equal(a, s)
         torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
-    for a, b in zip(m_fused, m_generic):
+    for a, b in zip(m_lars, m_plugin):
         assert (a is None) == (b is None) == (cfg["momentum"] == 0)
         if a is not None:
             torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
-
-
-def test_pre_hook_changing_gradients_is_honoured() -> None:
-    """A step pre-hook runs before the fused update, as before ``SGD.step``'s arithmetic: the
-    ratio must use the gradients as the hook left them, not the norms measured before."""
-    results = []
-    for halve_in_hook in (True, False):
-        model = net()
-        opt = torch.optim.SGD(sgd_groups(model, 1e-3), lr=0.3, momentum=0.9, weight_decay=1e-3)
-        plugin = LARSMixedPrecision("32", "cpu", eta=0.02)
-        plugin.classify(model)
-        gen = torch.Generator().manual_seed(1)
-        for p in model.parameters():
-            p.grad = torch.randn(p.shape, generator=gen) * (1.0 if halve_in_hook else 0.5)
-        if halve_in_hook:
-
-            def halve(o, args, kwargs, model=model) -> None:
-                for p in model.parameters():
-                    p.grad.mul_(0.5)
-
-            opt.register_step_pre_hook(halve)
-        plugin.lars_step(opt)
-        results.append([p.detach().clone() for p in model.parameters()])
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
 
 
 class StepHooks(Callback):
@@ -161,9 +124,9 @@ class StepHooks(Callback):
 
 
 @pytest.mark.parametrize("sgd", [torch.optim.SGD, SubSGD])
-def test_step_hooks_and_warmup_see_every_step(tmp_path, fused_calls, sgd) -> None:
+def test_step_hooks_and_warmup_see_every_step(tmp_path, sgd) -> None:
     """6 steps, the third with an inf gradient: the step hooks fire exactly for the 5 applied
-    steps, with the arguments ``SGD.step()`` gives them, on both paths; ``WarmupDecayLR``
+    steps, with the arguments ``SGD.step()`` gives them; ``WarmupDecayLR``
     counts 5 applied and 1 skipped step."""
 
     class Module(Tiny):
@@ -174,8 +137,7 @@ def test_step_hooks_and_warmup_see_every_step(tmp_path, fused_calls, sgd) -> Non
     plugin = LARSMixedPrecision("16-mixed", "cpu", scaler=small_scaler())
     tr = trainer(plugin, tmp_path, max_epochs=1, callbacks=[hooks, warmup])
     tr.fit(Module(make_net(), inject={2: math.inf}), data())
-    assert len(fused_calls) == (5 if sgd is torch.optim.SGD else 0)
-    assert tr.global_step == 6  # Lightning's own count: every optimizer_step call, as on the generic path
+    assert tr.global_step == 6  # Lightning's own count: every optimizer_step call
     assert hooks.applied == [True, True, False, True, True, True]
     assert hooks.pre == hooks.post == [(True, 1, {})] * 5
     assert warmup._skipped_steps == 1
@@ -184,7 +146,7 @@ def test_step_hooks_and_warmup_see_every_step(tmp_path, fused_calls, sgd) -> Non
     assert hooks.lrs[2] == hooks.lrs[3] and hooks.lrs[3] < hooks.lrs[4]
 
 
-def test_lr_scheduler_sees_the_fused_step(tmp_path, fused_calls) -> None:
+def test_lr_scheduler_sees_the_step(tmp_path) -> None:
     """A torch LR scheduler stepped by Lightning after each optimizer step: no "scheduler
     before optimizer step" warning, and the schedule moves."""
 
@@ -199,42 +161,43 @@ def test_lr_scheduler_sees_the_fused_step(tmp_path, fused_calls) -> None:
         warnings.simplefilter("always")
         tr = trainer(LARSMixedPrecision("32", "cpu"), tmp_path, max_steps=3)
         tr.fit(module, data())
-    assert len(fused_calls) == 3
     messages = [str(w.message) for w in caught if "optimizer.step()" in str(w.message)]
     assert messages == []
     assert tr.optimizers[0].param_groups[0]["lr"] == pytest.approx(module.lr * 0.5**3)
 
 
-def test_checkpoint_moves_between_paths(tmp_path, fused_calls) -> None:
-    """3 steps on the generic path, checkpoint, 3 more on the fused path: equals 6 fused
-    steps (momentum is where SGD keeps it on both paths)."""
 
-    class Generic(Tiny):
-        def configure_optimizers(self):
-            adapted, excluded = split_parameters(self.net)
-            return SubSGD(
-                [{"params": [p for _, p in adapted]}, {"params": [p for _, p in excluded], "weight_decay": 0.0}],
-                lr=self.lr, momentum=self.momentum, weight_decay=self.wd,
-            )
+@pytest.mark.parametrize("sgd", [torch.optim.SGD, SubSGD])
+def test_step_hooks_see_the_gradients(sgd) -> None:
+    """Step hooks added after the plugin validated the optimizer: around plain SGD (the update
+    run from a step pre-hook, SGD's own update given no gradients) the pre-hooks see the
+    gradients as given, around a subclass the rescaled ones; the post-hooks see every
+    gradient, rescaled, the same for both; weights and momentum agree."""
+    results = []
+    for kind in (torch.optim.SGD, sgd):
+        model = net()
+        opt = kind(sgd_groups(model, 5e-3), lr=0.3, momentum=0.9, weight_decay=5e-3)
+        plugin = LARSMixedPrecision("32", "cpu", eta=0.02)
+        plugin.classify(model)
+        plugin.validate(opt)
+        params = list(model.parameters())
+        pre: list[list] = []
+        post: list[list] = []
+        def record(into: list, params: list = params) -> Callable:
+            return lambda o, a, k: into.append([p.grad.clone() for p in params])
 
-    def run(module, max_steps, ckpt_path=None, callbacks=()):
-        plugin = LARSMixedPrecision("32", "cpu", eta=0.02, trust_clip=True)
-        tr = trainer(plugin, tmp_path, max_steps=max_steps, callbacks=list(callbacks), enable_checkpointing=True)
-        tr.fit(module, data(n=12), ckpt_path=ckpt_path)
-        return tr
-
-    full = Tiny(make_net())
-    full_tr = run(full, 6)
-    assert len(fused_calls) == 6
-    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1, filename="{step}")
-    run(Generic(make_net()), 3, callbacks=[ckpt])
-    assert len(fused_calls) == 6
-    resumed = Tiny(make_net())
-    tr = run(resumed, 6, ckpt_path=str(tmp_path / "ckpt" / "step=3.ckpt"))
-    assert len(fused_calls) == 9
-    for a, b in zip(resumed.parameters(), full.parameters()):
+        opt.register_step_pre_hook(record(pre))
+        opt.register_step_post_hook(record(post))
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            given = [p.grad.clone() for p in params]
+            plugin.lars_step(opt)
+            assert all(torch.equal(p.grad, g) for p, g in zip(params, post[-1]))
+            assert all(torch.equal(a, b) for a, b in zip(pre[-1], given)) == (kind is torch.optim.SGD)
+        results.append(([p.detach().clone() for p in params], [opt.state[p]["momentum_buffer"] for p in params], post))
+    (w_a, m_a, post_a), (w_b, m_b, post_b) = results
+    for a, b in zip([*w_a, *m_a, *(g for step in post_a for g in step)],
+                    [*w_b, *m_b, *(g for step in post_b for g in step)]):
         torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
-        torch.testing.assert_close(
-            tr.optimizers[0].state[a]["momentum_buffer"], full_tr.optimizers[0].state[b]["momentum_buffer"],
-            rtol=2e-6, atol=1e-7,
-        )

@@ -1,5 +1,5 @@
-"""``LARSMixedPrecision``'s compute modes: fp32 never under autocast, bf16 under it, the
-factory's classes, and ``@override`` on every method that overrides Lightning's or torch's."""
+"""``LARSMixedPrecision``'s compute modes: fp32 never under autocast, bf16 under it, one class
+for every mode, and ``@override`` on every method that overrides Lightning's or torch's."""
 from __future__ import annotations
 
 import contextlib
@@ -10,12 +10,7 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch.nn import functional as F
 
-from lightning_fastscale.precision import (
-    LARSAutocastPrecision,
-    LARSFabricPrecision,
-    LARSFP32Precision,
-    LARSMixedPrecision,
-)
+from lightning_fastscale.precision import LARSFabricPrecision, LARSMixedPrecision
 from tests.test_precision_lars_plugin import Tiny, data, make_net, trainer
 
 
@@ -66,32 +61,24 @@ def test_activations_dtype(tmp_path, precision, dtype, autocast, future_lightnin
     assert all(p.dtype == torch.float32 for p in module.parameters())  # master weights stay fp32
 
 
-def test_factory_picks_the_class() -> None:
-    fp32 = LARSMixedPrecision("32-true", "cpu")
-    assert type(fp32) is LARSFP32Precision and not isinstance(fp32, MixedPrecision)
-    assert isinstance(fp32, LARSMixedPrecision) and isinstance(fp32, Precision) and fp32.scaler is None
-    for precision in ("16-mixed", "bf16-mixed"):
+def test_one_class_for_every_mode() -> None:
+    for precision, scaled in (("32-true", False), ("16-mixed", True), ("bf16-mixed", False)):
         plugin = LARSMixedPrecision(precision, "cpu", eta=0.01)
-        assert type(plugin) is LARSAutocastPrecision and isinstance(plugin, MixedPrecision)
-        assert plugin.precision == precision and plugin.lars.eta == 0.01
-    assert LARSMixedPrecision("16-mixed", "cpu").scaler is not None
-    with pytest.raises(ValueError, match="LARSMixedPrecision\\('32-true'\\)"):
-        LARSAutocastPrecision("32-true", "cpu")
-    with pytest.raises(ValueError, match="LARSAutocastPrecision"):
-        LARSFP32Precision("bf16-mixed", "cpu")
+        assert type(plugin) is LARSMixedPrecision and isinstance(plugin, MixedPrecision)
+        assert plugin.precision == precision and plugin.eta == 0.01 and (plugin.scaler is not None) == scaled
 
 
 def test_pickles_as_its_own_class() -> None:
-    """``ddp_spawn`` pickles the plugin: the factory must not re-dispatch on unpickling."""
+    """``ddp_spawn`` pickles the plugin."""
     import pickle
 
     for precision in ("32-true", "16-mixed"):
         plugin = LARSMixedPrecision(precision, "cpu", eta=0.02)
         copy = pickle.loads(pickle.dumps(plugin))
-        assert type(copy) is type(plugin) and copy.precision == plugin.precision and copy.lars.eta == 0.02
+        assert type(copy) is type(plugin) and copy.precision == plugin.precision and copy.eta == 0.02
 
 
-@pytest.mark.parametrize("cls", [LARSMixedPrecision, LARSFP32Precision, LARSAutocastPrecision, LARSFabricPrecision])
+@pytest.mark.parametrize("cls", [LARSMixedPrecision, LARSFabricPrecision])
 def test_every_override_is_marked(cls) -> None:
     """A method that replaces one of a Lightning/torch base class carries ``@override``."""
     ours = [c for c in cls.__mro__ if c.__module__.startswith("lightning_fastscale")]
@@ -101,22 +88,21 @@ def test_every_override_is_marked(cls) -> None:
         for name, member in vars(c).items():
             if name.startswith("__") or not inspect.isfunction(member):
                 continue
-            replaces_base = any(name in vars(b) for b in bases)
-            replaces_ours = name in ("_init_compute",) and c is not LARSMixedPrecision
-            if (replaces_base or replaces_ours) and not getattr(member, "__override__", False):
+            if any(name in vars(b) for b in bases) and not getattr(member, "__override__", False):
                 unmarked.append(f"{c.__name__}.{name}")
     assert not unmarked
 
 
 def test_lightning_cli_builds_each_mode() -> None:
-    """jsonargparse (LightningCLI's parser) reads the factory's options and builds the class."""
+    """jsonargparse (LightningCLI's parser) reads the plugin's options and builds it."""
     jsonargparse = pytest.importorskip("jsonargparse")
     parser = jsonargparse.ArgumentParser()
     parser.add_argument("--plugin", type=Precision)
-    for precision, cls in (("32-true", LARSFP32Precision), ("bf16-mixed", LARSAutocastPrecision)):
+    for precision in ("32-true", "bf16-mixed"):
         cfg = parser.parse_args([
             "--plugin=lightning_fastscale.precision.LARSMixedPrecision", f"--plugin.precision={precision}",
             "--plugin.device=cpu", "--plugin.eta=0.01", "--plugin.exclude=[fc.*]",
         ])
         plugin = parser.instantiate(cfg).plugin if hasattr(parser, "instantiate") else parser.instantiate_classes(cfg).plugin
-        assert type(plugin) is cls and plugin.lars.eta == 0.01 and plugin.lars.exclude == ["fc.*"]
+        assert type(plugin) is LARSMixedPrecision and plugin.precision == precision
+        assert plugin.eta == 0.01 and plugin.exclude == ["fc.*"]

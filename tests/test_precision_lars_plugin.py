@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_fastscale.param_groups import split_parameters
-from lightning_fastscale.precision import LARS, LARSMixedPrecision, LARSStep
+from lightning_fastscale.precision import LARS, LARSFabricPrecision, LARSMixedPrecision
 from tests.distributed import ReleaseProcessGroup
 
 
@@ -222,46 +222,67 @@ def test_tiny_weights_fp16_master_update_is_not_lost(tmp_path) -> None:
     torch.testing.assert_close(delta, update, rtol=1e-2, atol=0)
 
 
-def test_resume_equals_uninterrupted(tmp_path, monkeypatch) -> None:
+def run_resumable(tmp_path, precision, max_steps, ckpt_path=None, callbacks=()):
+    """Tiny with trust_clip, an inf at step 1 and (16-mixed) a scaler growing every 2 steps."""
+    scaler = small_scaler(growth_interval=2) if precision == "16-mixed" else None
+    plugin = LARSMixedPrecision(precision, "cpu", trust_clip=True, scaler=scaler)
+    module = Tiny(make_net(), inject={1: math.inf})
+    tr = trainer(plugin, tmp_path, max_steps=max_steps, callbacks=list(callbacks), enable_checkpointing=True)
+    tr.fit(module, data(n=12), ckpt_path=ckpt_path)
+    return module, plugin, tr
+
+
+def assert_same_run(a, b) -> None:
+    (mod_a, plugin_a, tr_a), (mod_b, plugin_b, tr_b) = a, b
+    assert tr_a.global_step == tr_b.global_step == 6
+    assert plugin_a.skipped_steps == plugin_b.skipped_steps == 1
+    assert (plugin_a.scaler is None and plugin_b.scaler is None) or (
+        plugin_a.scaler.get_scale() == plugin_b.scaler.get_scale())
+    for x, y in zip(mod_a.parameters(), mod_b.parameters()):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+        # atol: the bias before BN has a gradient that is 0 up to rounding, so its momentum is noise
+        torch.testing.assert_close(tr_a.optimizers[0].state[x]["momentum_buffer"],
+                                   tr_b.optimizers[0].state[y]["momentum_buffer"], rtol=1e-6, atol=1e-6)
+
+
+def test_resume_equals_uninterrupted(tmp_path) -> None:
     """Weights, momentum, loss scale and the skip counter after save/resume/continue equal
     those of one run. The scaler grows every 2 steps and one step is skipped, so a lost
-    scaler state or counter shows. Torch SGD: every applied step takes the fused path."""
-    fused = []
-    original = LARSStep._fused_sgd_step
-    monkeypatch.setattr(
-        LARSStep, "_fused_sgd_step", lambda self, *a: fused.append(1) or original(self, *a)
-    )
-
-    def run(max_steps, ckpt_path=None, callbacks=()):
-        plugin = LARSMixedPrecision("16-mixed", "cpu", trust_clip=True, scaler=small_scaler(growth_interval=2))
-        module = Tiny(make_net(), inject={1: math.inf})
-        tr = trainer(plugin, tmp_path, max_steps=max_steps, callbacks=list(callbacks), enable_checkpointing=True)
-        tr.fit(module, data(n=12), ckpt_path=ckpt_path)
-        return module, plugin, tr
-
+    scaler state or counter shows."""
     # step 3 is the last batch of epoch 0: the data position is unambiguous on resume (a plain
     # DataLoader cannot resume inside an epoch; Lightning restarts that epoch)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1, filename="{step}")
-    full, full_plugin, full_tr = run(6, callbacks=[ckpt])
+    full = run_resumable(tmp_path, "16-mixed", 6, callbacks=[ckpt])
     mid = tmp_path / "ckpt" / "step=3.ckpt"
-    assert mid.exists()
-    state = torch.load(mid, weights_only=False)["LARSAutocastPrecision"]
+    state = torch.load(mid, weights_only=False)["LARSMixedPrecision"]
     assert state["skipped_steps"] == 1 and state["scaler"]["scale"] != 2.0**8
-    # a checkpoint written under the old single-class key is still read
-    old = LARSMixedPrecision("16-mixed", "cpu")
-    old.on_load_checkpoint({"LARSMixedPrecision": state})
-    assert old.skipped_steps == 1 and old.scaler.get_scale() == state["scaler"]["scale"]
+    assert_same_run(run_resumable(tmp_path, "16-mixed", 6, ckpt_path=str(mid)), full)
 
-    resumed, plugin, tr = run(6, ckpt_path=str(mid))
-    assert len(fused) == 5 + 3  # 6 steps, one skipped; then steps 4-6 after resuming
-    assert tr.global_step == full_tr.global_step == 6
-    assert plugin.skipped_steps == full_plugin.skipped_steps == 1
-    assert plugin.scaler.get_scale() == full_plugin.scaler.get_scale()
-    for a, b in zip(resumed.parameters(), full.parameters()):
-        assert torch.equal(a, b)
-    opt_a, opt_b = tr.optimizers[0], full_tr.optimizers[0]
-    for a, b in zip(resumed.parameters(), full.parameters()):
-        assert torch.equal(opt_a.state[a]["momentum_buffer"], opt_b.state[b]["momentum_buffer"])
+
+@pytest.mark.parametrize("precision, name", [("16-mixed", "lars_16mixed_step3.ckpt"), ("32-true", "lars_32true_step3.ckpt")])
+def test_checkpoint_of_the_previous_class_layout_resumes(tmp_path, precision, name) -> None:
+    """``tests/data/lars_*_step3.ckpt`` were written by the plugin's earlier layout (state under
+    ``LARSAutocastPrecision`` / ``LARSFP32Precision``, 3 steps of ``run_resumable``): resuming
+    from them restores the counter and the loss scale and lands where one run of 6 steps does."""
+    fixture = Path(__file__).parent / "data" / name
+    assert {"LARSAutocastPrecision", "LARSFP32Precision"} & set(torch.load(fixture, weights_only=False))
+    full = run_resumable(tmp_path, precision, 6)
+    assert_same_run(run_resumable(tmp_path, precision, 6, ckpt_path=str(fixture)), full)
+
+
+def test_fabric_state_of_the_previous_layout_loads() -> None:
+    """``tests/data/lars_fabric_16mixed_step3.pt``: the Fabric plugin's state (scaler and counters)
+    and the SGD state, written by the earlier layout after 3 steps with one skipped."""
+    state = torch.load(Path(__file__).parent / "data" / "lars_fabric_16mixed_step3.pt", weights_only=False)
+    plugin = LARSFabricPrecision("16-mixed", "cpu", scaler=small_scaler(growth_interval=2))
+    plugin.load_state_dict(state["precision"])
+    assert plugin.skipped_steps == 1 and plugin.consecutive_skipped_steps == 0 and not plugin.last_step_skipped
+    assert plugin.scaler.get_scale() == 2.0**7 and plugin.state_dict() == state["precision"]
+    module = Tiny(make_net())
+    module.net.load_state_dict(state["model"])
+    opt = module.configure_optimizers()
+    opt.load_state_dict(state["optimizer"])
+    assert all("momentum_buffer" in opt.state[p] for p in module.net.parameters())
 
 
 def test_gradient_accumulation_equals_large_batch(tmp_path) -> None:

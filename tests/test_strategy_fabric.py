@@ -13,7 +13,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from torch import nn
 
-from lightning_fastscale.precision import LARSMixedPrecision
+from lightning_fastscale.precision import LARSFabricPrecision
 from lightning_fastscale.strategies import FabricHierarchicalAllReduceStrategy
 from tests.distributed import relative_error as _rel
 from tests.distributed import run_distributed
@@ -59,8 +59,8 @@ def _worker(rank: int, world_size: int) -> dict:
     os.environ["LOCAL_RANK"] = str(rank)
     out: dict = {}
     def lars() -> dict:
-        # The Trainer's plugin, handed to Fabric: bf16 autocast, fp32 master weights, LARS.
-        return {"plugins": [LARSMixedPrecision("bf16-mixed", "cpu", eta=LARS_ETA)]}
+        # The Fabric LARS plugin: bf16 autocast, fp32 master weights, LARS.
+        return {"plugins": [LARSFabricPrecision("bf16-mixed", "cpu", eta=LARS_ETA)]}
 
     _, _, reference = _train(rank, FabricDDPStrategy(), world_size)
     _, _, lars_reference = _train(rank, FabricDDPStrategy(), world_size, **lars())

@@ -15,7 +15,6 @@ from lightning_fastscale.callbacks.label_smoothing import LabelSmoothing, smooth
 from lightning_fastscale.callbacks.non_finite_guard import NonFiniteGuard, NonFiniteStepsError
 from lightning_fastscale.callbacks.skip_weight_decay import (
     NoWeightDecayOnBiasNorm,
-    SkipWeightDecay,
     param_groups_without_decay,
 )
 from lightning_fastscale.diagnostics.step_breakdown_callback import StepBreakdown
@@ -33,7 +32,6 @@ __all__ = [
     "NonFiniteGuard",
     "NonFiniteStepsError",
     "ProgressiveResizing",
-    "SkipWeightDecay",
     "StepBreakdown",
     "WarmupDecayLR",
     "ZeroInitResidualBN",

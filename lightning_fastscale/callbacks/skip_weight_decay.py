@@ -182,7 +182,3 @@ class NoWeightDecayOnBiasNorm(pl.Callback):
         else:
             pl_module.configure_optimizers = self._saved  # type: ignore[method-assign]
         self._saved = None
-
-
-SkipWeightDecay = NoWeightDecayOnBiasNorm
-"""Alias of :class:`NoWeightDecayOnBiasNorm` under the name used in the issue."""

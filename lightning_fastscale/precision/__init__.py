@@ -1,23 +1,20 @@
 """Precision: half-precision compute with fp32 master weights, loss scaling and LARS.
 
-:class:`LARSMixedPrecision` is the Lightning precision plugin (Jia et al. 2018), built as
-:class:`LARSAutocastPrecision` (16/bf16 autocast) or :class:`LARSFP32Precision` (fp32);
-:class:`LARSFabricPrecision` is its Fabric counterpart; both share :class:`LARSStep`.
-:mod:`.lars` holds the LARS math (You et al. 2017) as functions over tensor lists and as a
-plain torch optimizer, :class:`LARS`.
+:class:`LARS` is the optimizer (You et al. 2017); :class:`LARSMixedPrecision` (Trainer) and
+:class:`LARSFabricPrecision` (Fabric) are the precision plugins of Jia et al. 2018 that apply
+LARS to a plain optimizer, in fp32, on the unscaled gradients, and skip non-finite steps.
 """
 from .lars import LARS, foreach_norms, lars_rescale_, lars_sgd_, trust_ratios
 from .lars_fabric import LARSFabricPrecision
-from .lars_mixed_precision import LARSAutocastPrecision, LARSFP32Precision, LARSMixedPrecision
-from .lars_step import LARSStep
+from .lars_mixed_precision import LARSMixedPrecision
+from .lars_step import PRECISIONS, LARSStepMixin
 
 __all__ = [
     "LARS",
-    "LARSAutocastPrecision",
-    "LARSFP32Precision",
+    "PRECISIONS",
     "LARSFabricPrecision",
     "LARSMixedPrecision",
-    "LARSStep",
+    "LARSStepMixin",
     "foreach_norms",
     "lars_rescale_",
     "lars_sgd_",
