@@ -2,7 +2,7 @@
 
 ``fastscale-data convert ROOT OUT`` writes an ImageNet-layout tree (``ROOT/train/<class>/*``,
 ``ROOT/val/<class>/*``), or the built-in procedural set when ROOT is ``procedural``, as litdata
-streaming data in the new folder OUT (see :mod:`.convert`).
+streaming data in the new folder OUT (see `convert`).
 
 ``fastscale-data bench ROOT`` times a training pipeline (``--pipeline streaming`` on a
 converted folder, ``--pipeline imagefolder`` on an image tree) and prints images/s, the

@@ -1,6 +1,6 @@
 """One call for a strategy's ``algorithm="auto"`` and fusion ``"auto"``: algorithm + buckets.
 
-For each candidate algorithm the fusion plan is optimised (:func:`plan_fusion`) under that
+For each candidate algorithm the fusion plan is optimised ([`plan_fusion`][lightning_fastscale.planner.plan_fusion]) under that
 algorithm's cost, and the algorithm whose plan ends communication earliest wins (Jia et al.
 2018 choose segments from such a model; the choice of algorithm follows the same rule).
 """
@@ -25,7 +25,7 @@ from lightning_fastscale.strategies.options import (
 __all__ = ["CHUNK_CANDIDATES_MB", "AutoPlan", "CostModelPlanner", "auto_plan", "best_chunk_plan", "module_profile"]
 
 CHUNK_CANDIDATES_MB: tuple[float | None, ...] = (None, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
-"""Pipeline chunk sizes (MiB; ``None`` = unchunked) :func:`best_chunk_plan` compares."""
+"""Pipeline chunk sizes (MiB; ``None`` = unchunked) [`best_chunk_plan`][lightning_fastscale.planner.best_chunk_plan] compares."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def module_profile(
     """Gradient profile of a live module, for planning inside a strategy.
 
     With ``example_input`` and ``sustained_tflops`` the backward time of each layer comes
-    from its FLOPs (:func:`profile_module`, one forward pass without autograd). Otherwise
+    from its FLOPs ([`profile_module`][lightning_fastscale.planner.profile_module], one forward pass without autograd). Otherwise
     ``backward_time_s`` (e.g. measured over the first steps) is spread over the gradients in
     proportion to their size, a cruder but measurement-free estimate.
     """
@@ -74,7 +74,7 @@ def module_profile(
 
 
 def _measured_on_rank0(module: nn.Module, example_input: torch.Tensor) -> GradientProfile:
-    """:func:`measure_backward_profile` on every rank, rank 0's result kept by all.
+    """[`measure_backward_profile`][lightning_fastscale.planner.measure_backward_profile] on every rank, rank 0's result kept by all.
 
     Every rank runs the passes, so layers that communicate in forward (SyncBatchNorm) stay
     matched; only rank 0's timings are used, because DDP needs the same buckets everywhere.
@@ -130,7 +130,7 @@ def best_chunk_plan(
     algorithms: Sequence[str] = ALGORITHMS,
     candidates_mb: Sequence[float | None] = CHUNK_CANDIDATES_MB,
 ) -> tuple[float | None, AutoPlan, dict]:
-    """The pipeline chunk size whose :func:`auto_plan` ends communication earliest.
+    """The pipeline chunk size whose [`auto_plan`][lightning_fastscale.planner.auto_plan] ends communication earliest.
 
     Small chunks overlap the stages better but every chunk pays every stage's latency, which
     grows with the node count (``2(N-1)`` messages per ring all-reduce), so the best chunk
@@ -147,14 +147,14 @@ class CostModelPlanner:
     """Chooses the all-reduce algorithm and the DDP buckets of a run from the communication cost model.
 
     Give it to ``HierarchicalAllReduceStrategy(algorithm="auto", planner=...)``: at setup the
-    strategy calls :meth:`plan` with its own wire dtype, top-k ratio and pipeline chunk size,
-    so the plan prices exactly what the strategy will send. :meth:`plan` also works on its own.
+    strategy calls [`plan`][lightning_fastscale.planner.CostModelPlanner.plan] with its own wire dtype, top-k ratio and pipeline chunk size,
+    so the plan prices exactly what the strategy will send. [`plan`][lightning_fastscale.planner.CostModelPlanner.plan] also works on its own.
 
-    ``params``: a :class:`CommParams`, a :class:`~lightning_fastscale.planner.cluster.Cluster`
+    ``params``: a [`CommParams`][lightning_fastscale.planner.CommParams], a [`Cluster`][lightning_fastscale.planner.Cluster]
     or the name/path of a cluster description; ``None`` with ``calibrate=True`` measures them
-    at setup on the real process groups (:mod:`~lightning_fastscale.planner.calibrate`).
+    at setup on the real process groups (`calibrate`).
     Backward time per gradient: with ``measure_backward=True``, timed on the module's device
-    at setup (:func:`~lightning_fastscale.planner.profile.measure_backward_profile` on
+    at setup ([`measure_backward_profile`][lightning_fastscale.planner.measure_backward_profile] on
     ``example_input``, rank 0's profile broadcast to every rank); else from ``example_input``
     (default: the module's ``example_input_array``) and ``sustained_tflops`` (default: the
     cluster's device), else ``backward_time_s`` spread over the gradients by size. The plan is
@@ -162,9 +162,9 @@ class CostModelPlanner:
     the same inputs (calibrated parameters are broadcast from rank 0).
 
     ``wire_dtype``, ``topk_ratio`` and ``pipeline_chunk_mb`` given here are deprecated: they are
-    only defaults for calls of :meth:`plan` that do not give them (the strategy always does);
+    only defaults for calls of [`plan`][lightning_fastscale.planner.CostModelPlanner.plan] that do not give them (the strategy always does);
     ``None`` keeps the built-in default (to plan unchunked, pass ``pipeline_chunk_mb=None`` to
-    :meth:`plan`). Every constructor default is a plain value, so LightningCLI can build it.
+    [`plan`][lightning_fastscale.planner.CostModelPlanner.plan]). Every constructor default is a plain value, so LightningCLI can build it.
 
     Examples:
         >>> from torch import nn
@@ -269,7 +269,7 @@ class CostModelPlanner:
         algorithms: Sequence[str] | None = None,
         timeout: timedelta | None = None,
     ) -> AutoPlan:
-        """The :class:`AutoPlan` for ``module`` on ``topology`` under these settings (computed once).
+        """The [`AutoPlan`][lightning_fastscale.planner.AutoPlan] for ``module`` on ``topology`` under these settings (computed once).
 
         ``algorithms``: the candidates (default: the planner's); ``timeout``: of the process
         groups a calibration creates.

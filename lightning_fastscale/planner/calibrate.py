@@ -15,7 +15,7 @@ Geijn scatter + all-gather of the model, and its in-node all-gather is several t
 than the model form (the strategy's torus avoids it on gloo); fitting them would bend the link
 parameters towards primitives that never run there. Each measured time ``t`` is, in the model,
 linear in the link parameters: ``t = c_a alpha + c_b beta + c_g gamma`` with coefficients given by the closed
-forms of :mod:`~lightning_fastscale.planner.cost_model` (Thakur et al. 2005) for that
+forms of `cost_model` (Thakur et al. 2005) for that
 primitive, ``p`` and size. One non-negative least-squares fit over all primitives and sizes
 (relative errors, so small messages count as much as large ones) gives the link's
 parameters. Gamma, which both levels share in the model, is taken from inside the node.
@@ -94,7 +94,7 @@ class LinkFit:
 
 @dataclass(frozen=True)
 class CalibrationResult:
-    """Fitted :class:`CommParams` plus the per-level fits and raw timings (for the report)."""
+    """Fitted [`CommParams`][lightning_fastscale.planner.CommParams] plus the per-level fits and raw timings (for the report)."""
 
     params: CommParams
     intra: LinkFit | None
@@ -221,11 +221,11 @@ def fit_calibration(
     inter_samples: dict | None,
     shared_samples: dict | None = None,
 ) -> CalibrationResult:
-    """The :class:`CalibrationResult` of measured samples (``{primitive: (bytes, seconds)}``).
+    """The `CalibrationResult` of measured samples (``{primitive: (bytes, seconds)}``).
 
     ``intra_samples``: inside a node (``ranks_per_node`` ranks), ``inter_samples``: among the
     node leaders, ``shared_samples``: every rank's inter-node all-reduce at once (bytes per
-    flow). Pure function: :func:`calibrate` measures and calls it, and a benchmark can refit
+    flow). Pure function: `calibrate` measures and calls it, and a benchmark can refit
     stored samples with it.
     """
     intra = inter = shared = None
@@ -289,7 +289,7 @@ def calibrate(
 def calibrate_process_groups(
     groups, sizes: Sequence[int] = DEFAULT_SIZES, reps: int = 3, wire_dtype: str = "fp32"
 ) -> CalibrationResult:
-    """:func:`calibrate` on the strategy's ``ProcessGroups`` (``strategies/topology.py``).
+    """`calibrate` on the strategy's ``ProcessGroups`` (``strategies/topology.py``).
 
     Uses ``groups.intra``, on local rank 0 ``groups.inter`` (the group of the ranks with the
     same local rank, i.e. the node leaders for local rank 0), and every rank's ``groups.inter``

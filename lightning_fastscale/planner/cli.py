@@ -5,7 +5,7 @@
     fastscale-plan resnet50 my_cluster.yaml --gpus 512 --plot scaling.png
 
 Answers, before any run, "which all-reduce, which buckets, and how well will it scale on this
-cluster?" from the alpha-beta-gamma model of :mod:`lightning_fastscale.planner.cost_model`.
+cluster?" from the alpha-beta-gamma model of `lightning_fastscale.planner.cost_model`.
 """
 from __future__ import annotations
 

@@ -16,12 +16,12 @@ costs ``n * gamma``. Closed forms used (``p`` ranks, ``n`` bytes):
 Two link levels are modelled: an intra-node link (NVLink / PCIe / shared memory) and each
 node's inter-node link (its NIC), whose bandwidth is shared by every flow leaving the node.
 On top of the primitives, the three algorithms of the strategy
-(:data:`~lightning_fastscale.strategies.options.ALGORITHMS`):
+([`ALGORITHMS`][lightning_fastscale.planner.ALGORITHMS]):
 
 * ``flat``: one flat ring over all ``P = nodes * ranks_per_node`` ranks, ordered node by
   node. Every step moves ``n/P`` bytes on every edge at once, so a step lasts as long as the
   slowest edge, each with its own latency: ``max(alpha_inter + n/P beta_inter, alpha_intra +
-  n/P beta_intra)``, with one flow's ``beta_inter`` (:meth:`CommParams.flow_beta`).
+  n/P beta_intra)``, with one flow's ``beta_inter`` ([`CommParams.flow_beta`][lightning_fastscale.planner.CommParams.flow_beta]).
 * ``hier`` (Jia et al. 2018, "Highly Scalable Deep Learning Training System with
   Mixed-Precision"): reduce inside the node, ring all-reduce among the node leaders,
   broadcast inside the node.
@@ -38,7 +38,7 @@ this prices the measured algorithms is in ``benchmarks/README.md`` (section "Pla
 measurement").
 
 Each node must send (and receive) at least ``2(N-1)/N * n`` bytes over its link for any
-all-reduce across ``N`` nodes: :func:`bandwidth_bound`. ``hier`` and ``torus2d`` reach that
+all-reduce across ``N`` nodes: [`bandwidth_bound`][lightning_fastscale.planner.bandwidth_bound]. ``hier`` and ``torus2d`` reach that
 byte count; the flat all-reduce sends ``2(P-1)/P * n``, i.e. ``(P-1)N / ((N-1)P)`` times more
 (1.75x for 2 nodes x 4 ranks).
 
@@ -50,11 +50,11 @@ Optional top-k compression (Tencent Cloud 2020; Lin et al. 2018, "Deep Gradient 
 node: sparse vectors from different nodes do not add up in place, so a ring all-reduce of
 them is not possible. The flat all-reduce has no separate inter-node stage and is not compressed.
 
-Flows on the node link (:meth:`CommParams.flow_beta`): ``beta_inter`` is what one flow per
+Flows on the node link ([`CommParams.flow_beta`][lightning_fastscale.planner.CommParams.flow_beta]): ``beta_inter`` is what one flow per
 node gets (the flat all-reduce's and the leaders' ring). The torus drives ``ranks_per_node`` flows
 per node at once; ideally they share the link fairly (each at ``ranks_per_node * beta_inter``),
 but concurrency can cost more (``beta_inter_shared``: measured on exactly that traffic by
-:mod:`~lightning_fastscale.planner.calibrate`), and one flow may be unable to fill the link
+`calibrate`), and one flow may be unable to fill the link
 (``beta_flow``: a per-flow bandwidth limit, e.g. one TCP connection on a fast NIC), which
 penalises the one-flow algorithms instead.
 
@@ -67,7 +67,7 @@ for one chunk each (pipeline fill and drain). One chunk gives the unchunked sum 
 stages; many chunks tend to the slowest stage alone plus the latencies. The flat all-reduce is
 one stage: chunking it only adds latencies.
 
-:func:`allreduce_time` accepts a numpy array of sizes as well as a number, so the fusion
+[`allreduce_time`][lightning_fastscale.planner.allreduce_time] accepts a numpy array of sizes as well as a number, so the fusion
 planner can price every candidate bucket at once.
 """
 from __future__ import annotations
@@ -115,7 +115,7 @@ class CommParams:
     seconds per byte reduced (the addition in reduce-scatter / all-reduce); ``gamma_inter``
     (optional, default ``gamma``) is the reduction cost still visible in an all-reduce between
     nodes, 0 where it overlaps the transfer (then ``beta_inter`` is the all-reduce's effective
-    seconds per byte, as :mod:`~lightning_fastscale.planner.calibrate` fits it).
+    seconds per byte, as `calibrate` fits it).
     """
 
     alpha_intra: float
@@ -346,12 +346,12 @@ def choose_algorithm(
 ) -> str:
     """The algorithm with the smallest predicted all-reduce time for ``message_bytes``.
 
-    ``params`` is a :class:`CommParams` (then ``topology`` is required) or a
-    :class:`~lightning_fastscale.planner.cluster.Cluster` (its own topology and parameters
+    ``params`` is a [`CommParams`][lightning_fastscale.planner.CommParams] (then ``topology`` is required) or a
+    [`Cluster`][lightning_fastscale.planner.Cluster] (its own topology and parameters
     are used unless ``topology`` is given). ``message_bytes`` counts fp32 gradient bytes as
     held by the model (4 per element); the wire dtype is applied on top. Ties go to the
     simpler algorithm in the order flat, hier, torus2d. On a single node all three are the
-    same in-node all-reduce and ``flat`` is returned. ``chunk_numel``: as in :func:`allreduce_time`.
+    same in-node all-reduce and ``flat`` is returned. ``chunk_numel``: as in [`allreduce_time`][lightning_fastscale.planner.allreduce_time].
     """
     if not isinstance(params, CommParams):
         cluster = params

@@ -127,7 +127,7 @@ def scaling_curve(
     fusion: str = "auto", pipeline_chunk_mb: float | str | None = None, *,
     chunk_mb: float | str | None = NOT_GIVEN,
 ) -> list[StepPrediction]:
-    """:func:`predict_step` for every GPU count and algorithm (``chunk_mb``: deprecated name of
+    """[`predict_step`][lightning_fastscale.planner.predict_step] for every GPU count and algorithm (``chunk_mb``: deprecated name of
     ``pipeline_chunk_mb``)."""
     pipeline_chunk_mb = renamed_option("scaling_curve", "chunk_mb", chunk_mb, "pipeline_chunk_mb", pipeline_chunk_mb)
     algorithms = canonical_algorithms(algorithms)

@@ -1,10 +1,10 @@
 """Precision: half-precision compute with fp32 master weights, loss scaling and LARS.
 
-:class:`LARSMixedPrecision` is the Lightning precision plugin (Jia et al. 2018), built as
-:class:`LARSAutocastPrecision` (16/bf16 autocast) or :class:`LARSFP32Precision` (fp32);
-:class:`LARSFabricPrecision` is its Fabric counterpart; both share :class:`LARSStep`.
-:mod:`.lars` holds the LARS math (You et al. 2017) as functions over tensor lists and as a
-plain torch optimizer, :class:`LARS`.
+[`LARSMixedPrecision`][lightning_fastscale.precision.LARSMixedPrecision] is the Lightning precision plugin (Jia et al. 2018), built as
+`LARSAutocastPrecision` (16/bf16 autocast) or `LARSFP32Precision` (fp32);
+[`LARSFabricPrecision`][lightning_fastscale.precision.LARSFabricPrecision] is its Fabric counterpart; both share `LARSStep`.
+`lars` holds the LARS math (You et al. 2017) as functions over tensor lists and as a
+plain torch optimizer, [`LARS`][lightning_fastscale.precision.LARS].
 """
 from .lars import LARS, foreach_norms, lars_rescale_, lars_sgd_, trust_ratios
 from .lars_fabric import LARSFabricPrecision

@@ -17,11 +17,11 @@ Conventions, chosen to match timm's ``Lars`` (and NVIDIA apex LARC) so trajector
 * ``trust_clip`` is LARC's clip mode: ``ratio = min(ratio / lr, 1)``, i.e. the effective
   learning rate of a layer is ``min(local_lr, lr)``;
 * parameters that are not adapted (bias, norm layers: see
-  :mod:`lightning_fastscale.param_groups`) get ratio 1, i.e. the plain ``g + wd * w``.
+  [`lightning_fastscale.param_groups`][lightning_fastscale.param_groups]) get ratio 1, i.e. the plain ``g + wd * w``.
 
 The per-layer norms and ratios are one stacked tensor each; the update runs as torch's
 multi-tensor (``_foreach``) kernels on accelerators and as per-layer, cache-sized slices on
-the CPU (:func:`default_kernels`).
+the CPU (`default_kernels`).
 """
 from __future__ import annotations
 
@@ -169,10 +169,10 @@ def lars_rescale_(
 
     Args:
         params, grads: matching lists, one device.
-        lr, weight_decay, eta, eps, trust_clip: see :func:`trust_ratios`.
+        lr, weight_decay, eta, eps, trust_clip: see `trust_ratios`.
         adapt: boolean mask over the list; False entries get ratio 1 (plain ``g + wd*w``).
         grad_norms: the stacked gradient norms if the caller already has them.
-        kernels: ``"foreach"`` or ``"per_tensor"`` (see :func:`default_kernels`; None: by device).
+        kernels: ``"foreach"`` or ``"per_tensor"`` (see `default_kernels`; None: by device).
 
     Returns:
         The ratios that were applied (1-D, one per tensor).
@@ -222,7 +222,7 @@ def lars_sgd_(
     being written into the gradient first. New momentum buffers are stored into
     ``momentum_buffers`` in place. ``grad_norms``: the stacked gradient norms if the caller
     already has them (the plugin's non-finite check computes them). ``kernels``: see
-    :func:`default_kernels`.
+    `default_kernels`.
 
     The per-layer ratios are computed as one tensor and copied to the host once (a
     synchronisation on CUDA; the plugins already make one for the non-finite decision) so
@@ -338,14 +338,14 @@ class LARS(torch.optim.Optimizer):
     """Momentum SGD with LARS layer-wise learning rates (You et al. 2017), for plain PyTorch.
 
     The update equals ``torch.optim.SGD`` (momentum, dampening, nesterov) on the gradient
-    ``r * (g + wd * w)``, ``r`` the trust ratio of :func:`trust_ratios`, computed in fp32. The
-    same arithmetic as :class:`~lightning_fastscale.precision.LARSMixedPrecision`; use that
+    ``r * (g + wd * w)``, ``r`` the trust ratio of `trust_ratios`, computed in fp32. The
+    same arithmetic as [`LARSMixedPrecision`][lightning_fastscale.precision.LARSMixedPrecision]; use that
     plugin under Lightning (it adds loss scaling and skipping of non-finite steps).
 
     Which parameters are adapted follows the shared rule of
-    :mod:`lightning_fastscale.param_groups`: given bare parameters, those with ``ndim <= 1``
+    [`lightning_fastscale.param_groups`][lightning_fastscale.param_groups]: given bare parameters, those with ``ndim <= 1``
     (bias, norm affine) are not adapted (they still get the group's weight decay, as SGD
-    would); :meth:`from_module` applies the full rule (also parameters of norm layers and
+    would); [`from_module`][lightning_fastscale.precision.LARS.from_module] applies the full rule (also parameters of norm layers and
     name patterns) and gives the excluded ones weight decay 0, as Jia et al. 2018 do.
     A group with ``lars=False`` is plain SGD.
 
@@ -360,7 +360,7 @@ class LARS(torch.optim.Optimizer):
     Correspondence with ``timm.optim.Lars``: ``trust_coeff=eta``, same ``eps``,
     ``trust_clip``, momentum/dampening/nesterov; timm adapts every parameter of a group with
     non-zero weight decay, so put the excluded parameters in a group with ``weight_decay=0``
-    (what :meth:`from_module` does) to get identical trajectories.
+    (what [`from_module`][lightning_fastscale.precision.LARS.from_module] does) to get identical trajectories.
     """
 
     def __init__(

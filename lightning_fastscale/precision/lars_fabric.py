@@ -1,9 +1,9 @@
 """``LARSFabricPrecision``: the LARS precision plugin for Lightning Fabric loops.
 
-The same step as the Trainer's :class:`~lightning_fastscale.precision.LARSMixedPrecision`
+The same step as the Trainer's [`LARSMixedPrecision`][lightning_fastscale.precision.LARSMixedPrecision]
 (Jia et al. 2018: half-precision compute under ``torch.autocast``, fp32 master weights, loss
 scaling, LARS of You et al. 2017 in fp32 on the unscaled gradient), through the shared
-:class:`~lightning_fastscale.precision.lars_step.LARSStep`, with Fabric's calling convention:
+`LARSStep`, with Fabric's calling convention:
 ``fabric.backward(loss)`` scales the loss, ``optimizer.step()`` unscales, skips a non-finite
 step on every rank, applies LARS and steps, then updates the scaler.
 """
@@ -59,11 +59,11 @@ class LARSFabricPrecision(FabricPrecision):
     ``Fabric(plugins=[LARSFabricPrecision("bf16-mixed")])`` with a plain momentum-SGD
     optimizer and an fp32 module; ``fabric.setup(model, optimizer)`` records which
     parameters LARS adapts (bias and norm parameters are not: the shared rule of
-    :mod:`lightning_fastscale.param_groups`, plus ``exclude``). Each ``optimizer.step()``
+    [`lightning_fastscale.param_groups`][lightning_fastscale.param_groups], plus ``exclude``). Each ``optimizer.step()``
     unscales the gradients, skips the step on every rank if any rank's gradient is
     non-finite (the scaler backs off), else applies LARS and steps (fused into SGD's
     momentum update for ``torch.optim.SGD``), then updates the scaler. The Trainer's
-    :class:`~lightning_fastscale.precision.LARSMixedPrecision` hands Fabric's calls to this
+    [`LARSMixedPrecision`][lightning_fastscale.precision.LARSMixedPrecision] hands Fabric's calls to this
     class, so passing that one to Fabric works too.
 
     Args:
@@ -72,7 +72,7 @@ class LARSFabricPrecision(FabricPrecision):
         device: autocast/scaler device type, ``"cuda"`` or ``"cpu"`` (default: ``"cuda"``
             when CUDA is available).
         eta, eps, trust_clip, exclude: LARS options, see
-            :class:`~lightning_fastscale.precision.lars_step.LARSStep`.
+            `LARSStep`.
         scaler: a ``torch.amp.GradScaler`` for ``"16-mixed"`` (one is made otherwise).
 
     Examples:
@@ -183,7 +183,7 @@ class LARSFabricPrecision(FabricPrecision):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved."""
+        """Restore what [`state_dict`][lightning_fastscale.precision.LARSFabricPrecision.state_dict] saved."""
         if self.scaler is not None and state_dict.get("scaler"):
             self.scaler.load_state_dict(state_dict["scaler"])
         self.lars.load_state_dict(state_dict)

@@ -10,9 +10,9 @@ ratio and the update are computed in fp32 from the *unscaled* gradient.
 
 ``LARSMixedPrecision(precision, ...)`` builds one of two classes sharing the step:
 
-* ``"16-mixed"``/``"bf16-mixed"``: :class:`LARSAutocastPrecision`, a Lightning
+* ``"16-mixed"``/``"bf16-mixed"``: `LARSAutocastPrecision`, a Lightning
   ``MixedPrecision`` (its autocast and loss scaling);
-* ``"32-true"``: :class:`LARSFP32Precision`, a plain Lightning ``Precision``, so no version
+* ``"32-true"``: `LARSFP32Precision`, a plain Lightning ``Precision``, so no version
   of ``MixedPrecision`` can put its forward under autocast.
 
 The step, in order (``optimizer_step``):
@@ -23,13 +23,13 @@ The step, in order (``optimizer_step``):
    (``Trainer(gradient_clip_val=...)``), on the unscaled gradients and before LARS. Note
    that with weight decay 0, LARS is invariant to the gradient's norm, so norm clipping only
    affects parameters LARS does not adapt;
-4. :class:`~lightning_fastscale.precision.lars_step.LARSStep`: skip the step on every rank
+4. `LARSStep`: skip the step on every rank
    if any gradient is non-finite (the scaler backs off; also in bf16/fp32, where Lightning
    has no scaler to do it), else LARS and the optimizer step (fused for torch SGD);
 5. ``scaler.update()``.
 
 Under Lightning Fabric the same object hands Fabric's calls (backward, optimizer step,
-unscale) to a :class:`~lightning_fastscale.precision.LARSFabricPrecision` that shares its
+unscale) to a [`LARSFabricPrecision`][lightning_fastscale.precision.LARSFabricPrecision] that shares its
 ``LARSStep`` and scaler.
 """
 from __future__ import annotations
@@ -66,9 +66,9 @@ class LARSMixedPrecision(Precision):
     ``Trainer(plugins=[LARSMixedPrecision("bf16-mixed")])`` with the module's own optimizer
     (momentum SGD is the usual one). See the module docstring for the exact step order
     (Jia et al. 2018; You et al. 2017). Calling the class returns a
-    :class:`LARSAutocastPrecision` (``"16-mixed"``, ``"bf16-mixed"``) or a
-    :class:`LARSFP32Precision` (``"32-true"``); both are ``LARSMixedPrecision`` instances.
-    Given to ``lightning.Fabric(plugins=[...])`` it works as :class:`LARSFabricPrecision`.
+    `LARSAutocastPrecision` (``"16-mixed"``, ``"bf16-mixed"``) or a
+    `LARSFP32Precision` (``"32-true"``); both are ``LARSMixedPrecision`` instances.
+    Given to ``lightning.Fabric(plugins=[...])`` it works as [`LARSFabricPrecision`][lightning_fastscale.precision.LARSFabricPrecision].
 
     Args:
         precision: ``"16-mixed"`` (fp16 autocast + dynamic loss scaling), ``"bf16-mixed"``
@@ -85,7 +85,7 @@ class LARSMixedPrecision(Precision):
         scaler: a ``torch.amp.GradScaler`` to use for ``"16-mixed"`` (one is made otherwise).
 
     Attributes:
-        lars: the :class:`~lightning_fastscale.precision.lars_step.LARSStep` (LARS options
+        lars: the `LARSStep` (LARS options
             and skip counters; ``skipped_steps``, ``consecutive_skipped_steps``,
             ``last_step_skipped`` and ``first_nonfinite_parameter`` are also read here).
             Counters are saved in checkpoints and logged as ``lars/skipped_steps`` (with
@@ -197,7 +197,7 @@ class LARSMixedPrecision(Precision):
         """Record which of ``module``'s parameters LARS adapts (the shared rule + ``exclude``).
 
         ``connect`` calls it with the LightningModule; call it yourself only when driving
-        :meth:`lars_step` outside a Trainer.
+        [`lars_step`][lightning_fastscale.precision.LARSMixedPrecision.lars_step] outside a Trainer.
         """
         self.lars.classify(module)
 
@@ -254,8 +254,8 @@ class LARSMixedPrecision(Precision):
 
     def lars_step(self, optimizer: Optimizer, agree: Callable[[bool], bool] | None = None, **kwargs: Any) -> Any:
         """Skip if non-finite, else LARS and ``optimizer.step``, on unscaled gradients, without
-        a Trainer (:meth:`LARSStep.step <lightning_fastscale.precision.lars_step.LARSStep.step>`);
-        the scaler is not touched. Call :meth:`classify` first."""
+        a Trainer (`LARSStep.step <lightning_fastscale.precision.lars_step.LARSStep.step>`);
+        the scaler is not touched. Call [`classify`][lightning_fastscale.precision.LARSMixedPrecision.classify] first."""
         return self.lars.step(optimizer, agree=agree, **kwargs)
 
     def _log(self, model: pl.LightningModule) -> None:
@@ -327,7 +327,7 @@ class LARSMixedPrecision(Precision):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved."""
+        """Restore what [`state_dict`][lightning_fastscale.precision.LARSMixedPrecision.state_dict] saved."""
         if self.scaler is not None and state_dict.get("scaler"):
             self.scaler.load_state_dict(state_dict["scaler"])
         self.lars.load_state_dict(state_dict)

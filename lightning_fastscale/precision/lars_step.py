@@ -3,7 +3,7 @@
 Jia et al. 2018 (Tencent, "Highly Scalable Deep Learning Training System with
 Mixed-Precision: Training ImageNet in Four Minutes") compute the LARS trust ratio (You et al.
 2017) and the update in fp32 on fp32 master weights from the *unscaled* gradient. Given
-unscaled gradients, :class:`LARSStep` does the part of the step that follows:
+unscaled gradients, `LARSStep` does the part of the step that follows:
 
 1. if any gradient is non-finite (or its norm overflows fp32) on any rank: skip the step
    entirely (no weight, momentum or LARS change) and count it, remembering the first
@@ -15,14 +15,14 @@ unscaled gradients, :class:`LARSStep` does the part of the step that follows:
 3. the wrapped optimizer's ``step()``.
 
 Steps 2-3 have a fused form for ``torch.optim.SGD`` itself (the usual optimizer): the ratio
-is folded into SGD's momentum update (:func:`~lightning_fastscale.precision.lars.lars_sgd_`)
+is folded into SGD's momentum update (`lars_sgd_`)
 on SGD's own state, inside SGD's step hooks, instead of being written into every gradient
 first. Same result to float32 rounding, gradients left as they were, and about the cost of a
 plain SGD step (``benchmarks/lars_step.py``). Any other optimizer, SGD subclasses included,
 takes 2-3 as written.
 
-The Trainer plugin (:class:`~lightning_fastscale.precision.LARSMixedPrecision`) and the Fabric
-plugin (:class:`~lightning_fastscale.precision.LARSFabricPrecision`) each own one
+The Trainer plugin ([`LARSMixedPrecision`][lightning_fastscale.precision.LARSMixedPrecision]) and the Fabric
+plugin ([`LARSFabricPrecision`][lightning_fastscale.precision.LARSFabricPrecision]) each own one
 ``LARSStep``; they add autocast, loss scaling and the framework's hooks around it.
 """
 from __future__ import annotations
@@ -90,7 +90,7 @@ class LARSStep:
         trust_clip: LARC clip mode, ratio ``min(ratio / lr, 1)``: a layer's effective
             learning rate is ``min(local_lr, lr)``.
         exclude: extra glob patterns on parameter names (``fnmatch``) that LARS leaves
-            alone, on top of the shared bias/norm rule of :mod:`lightning_fastscale.param_groups`.
+            alone, on top of the shared bias/norm rule of [`lightning_fastscale.param_groups`][lightning_fastscale.param_groups].
 
     Attributes:
         skipped_steps: optimizer steps skipped for non-finite gradients, in total.
@@ -130,7 +130,7 @@ class LARSStep:
 
     @property
     def classified(self) -> bool:
-        """Whether :meth:`classify` has run."""
+        """Whether `classify` has run."""
         return self._adapted_ids is not None
 
     def classify(self, module: nn.Module) -> None:
@@ -192,14 +192,14 @@ class LARSStep:
             )
 
     def is_validated(self, optimizer: Optimizer) -> bool:
-        """Whether :meth:`validate` has seen ``optimizer``."""
+        """Whether `validate` has seen ``optimizer``."""
         return id(optimizer) in self._validated
 
     def step(self, optimizer: Optimizer, agree: Callable[[bool], bool] | None = None, **kwargs: Any) -> Any:
         """Skip if non-finite, else LARS, then ``optimizer.step``; on unscaled gradients.
 
         For ``torch.optim.SGD`` itself, with no ``kwargs``, LARS and the step are one fused
-        update (:meth:`_fused_sgd_step`) and the gradients are left unchanged; otherwise the
+        update (`_fused_sgd_step`) and the gradients are left unchanged; otherwise the
         gradients are rescaled in place and ``optimizer.step(**kwargs)`` runs.
 
         Args:
@@ -330,7 +330,7 @@ class LARSStep:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved (missing keys: a fresh count)."""
+        """Restore what `state_dict` saved (missing keys: a fresh count)."""
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         self.consecutive_skipped_steps = int(state_dict.get("consecutive_skipped_steps", 0))
         self.last_step_skipped = bool(state_dict.get("last_step_skipped", False))

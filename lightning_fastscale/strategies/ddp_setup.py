@@ -1,8 +1,8 @@
 """What every hierarchical DDP strategy does, the Trainer's and Fabric's alike (torch only).
 
-:class:`HierarchicalDDPSetup` is a mixin placed before a Lightning ``DDPStrategy`` (the
-Trainer's :class:`~lightning_fastscale.strategies.HierarchicalAllReduceStrategy` and Fabric's
-:class:`~lightning_fastscale.strategies.fabric.FabricHierarchicalAllReduceStrategy`). It validates
+`HierarchicalDDPSetup` is a mixin placed before a Lightning ``DDPStrategy`` (the
+Trainer's [`HierarchicalAllReduceStrategy`][lightning_fastscale.strategies.HierarchicalAllReduceStrategy] and Fabric's
+[`FabricHierarchicalAllReduceStrategy`][lightning_fastscale.strategies.FabricHierarchicalAllReduceStrategy]). It validates
 the options before any process starts, resolves the node topology against the launcher, checks
 that every node holds the same contiguous ranks, chooses the bucket plan and algorithm, builds
 the node groups and installs the communication hook on the ``DistributedDataParallel`` module,
@@ -78,9 +78,9 @@ def two_segment_caps_mb(module: nn.Module, split: int) -> list[float]:
 class HierarchicalDDPSetup:
     """The hierarchical all-reduce's options and setup steps, shared by the Trainer and Fabric strategies.
 
-    Args: see :class:`~lightning_fastscale.strategies.HierarchicalAllReduceStrategy`;
+    Args: see [`HierarchicalAllReduceStrategy`][lightning_fastscale.strategies.HierarchicalAllReduceStrategy];
     ``ddp_comm_hook``/``ddp_comm_state``/``ddp_comm_wrapper`` compose as described in
-    :mod:`lightning_fastscale.strategies.user_hooks`. Everything else goes to the next class in the
+    `lightning_fastscale.strategies.user_hooks`. Everything else goes to the next class in the
     MRO (Lightning's or Fabric's ``DDPStrategy``, and through it to ``DistributedDataParallel``).
     """
 
@@ -213,7 +213,7 @@ class HierarchicalDDPSetup:
 
     @property
     def comm_dtype(self) -> str:
-        """Deprecated name of :attr:`wire_dtype`."""
+        """Deprecated name of `wire_dtype`."""
         return self.wire_dtype
 
     def planner_settings(self) -> dict[str, Any]:
@@ -229,7 +229,7 @@ class HierarchicalDDPSetup:
 
         Explicit settings win: a fixed ``algorithm``; ``two_segment_split``, ``fusion_plan`` or
         ``bucket_cap_mb`` for the buckets. Otherwise the planner, asked with this strategy's
-        :meth:`planner_settings`, or ``algorithm_selector`` decides.
+        `planner_settings`, or ``algorithm_selector`` decides.
         """
         plan = None
         if self.planner is not None:
@@ -341,7 +341,7 @@ class HierarchicalDDPSetup:
         }
 
     def plan_message(self) -> str:
-        """:meth:`plan_summary` as one line, for rank-zero info at setup."""
+        """`plan_summary` as one line, for rank-zero info at setup."""
         return f"{type(self).__name__}: " + ", ".join(
             f"{key.split('/')[1]}={value}" for key, value in self.plan_summary().items()
         )

@@ -1,7 +1,7 @@
 """The names the strategy, the planner, the benchmarks and the configs share.
 
-One spelling per concept: the all-reduce algorithms (:data:`ALGORITHMS`), the dtypes a
-gradient may take on the wire (:data:`WIRE_DTYPES`, option ``wire_dtype``) and the pipeline
+One spelling per concept: the all-reduce algorithms ([`ALGORITHMS`][lightning_fastscale.planner.ALGORITHMS]), the dtypes a
+gradient may take on the wire ([`WIRE_DTYPES`][lightning_fastscale.strategies.options.WIRE_DTYPES], option ``wire_dtype``) and the pipeline
 chunk size (option ``pipeline_chunk_mb``). Older spellings (``"ring"`` for the flat
 all-reduce, ``comm_dtype``, ``chunk_mb``) still work for one release and warn.
 """
@@ -53,7 +53,7 @@ unchunked. The measurements behind the value are in ``benchmarks/README.md`` (se
 
 
 def canonical_algorithm(name: str, setting: str = "algorithm", extra: Iterable[str] = ()) -> str:
-    """``name`` as one of :data:`ALGORITHMS` (or ``extra``), mapping ``"ring"`` to ``"flat"`` with a warning.
+    """``name`` as one of [`ALGORITHMS`][lightning_fastscale.planner.ALGORITHMS] (or ``extra``), mapping ``"ring"`` to ``"flat"`` with a warning.
 
     Raises ``ValueError`` naming ``setting`` and the valid choices for anything else.
     """
@@ -73,7 +73,7 @@ def canonical_algorithm(name: str, setting: str = "algorithm", extra: Iterable[s
 
 
 def canonical_algorithms(names: Iterable[str], setting: str = "algorithms") -> tuple[str, ...]:
-    """:func:`canonical_algorithm` of each name, as a tuple."""
+    """[`canonical_algorithm`][lightning_fastscale.strategies.options.canonical_algorithm] of each name, as a tuple."""
     return tuple(canonical_algorithm(n, setting) for n in names)
 
 
@@ -123,7 +123,7 @@ NOT_GIVEN: Any = _NotGiven()
 def renamed_option(owner: str, old: str, old_value: Any, new: str, new_value: Any, default: Any = NOT_GIVEN) -> Any:
     """The value of option ``new`` when the caller may still use its old name ``old``.
 
-    ``old_value`` is what was passed under the old name (:data:`NOT_GIVEN`: not passed). Passing
+    ``old_value`` is what was passed under the old name ([`NOT_GIVEN`][lightning_fastscale.strategies.options.NOT_GIVEN]: not passed). Passing
     it warns (``DeprecationWarning``); passing both, the new one not at its ``default`` and
     different, is an error naming both.
     """
