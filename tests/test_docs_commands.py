@@ -16,9 +16,11 @@ comments dropped). Each one must match a rule of ``RULES`` (a new command that m
 | pip install | ``pip install --dry-run --no-index --no-build-isolation`` of the same target | no network in tests; the resolution against the installed packages and the build of the package metadata run |
 | skip | nothing; the reason is in ``RULES`` | see each reason |
 
-Commands that finish in seconds run in the default suite; the end-to-end runs of tens of
-seconds each (sweeps, the 64K experiment configs, the multi-process launches) are marked slow
-(``make test-slow``)."""
+Each command starts a Python process that imports torch (seconds each), so the default suite
+runs one command per tool (``--cfg job``, a plan, the conversion) and the single-process training
+runs of the pages that exercise a code path no other test runs with defaults (the streaming data
+and AlexNet-BN at 64 px); the rest (installs, sweeps, the 64K experiment configs, the
+multi-process launches, the examples) are marked slow (``make test-slow``)."""
 from __future__ import annotations
 
 import json
@@ -63,13 +65,13 @@ class Rule:
 
 RULES: list[Rule] = [
     # install
-    Rule(r"^pip install ", "dry_run",
+    Rule(r"^pip install ", "dry_run", slow=True,
          reason="no network in tests: resolved offline against the installed packages, metadata built"),
     # make
     Rule(r"^make train$", "run", append=f'ARGS="{TRAIN_LIMITS}"', expect=(FINAL,), slow=True),
     Rule(r"^make test$", "skip", reason="runs this test suite itself"),
     # Hydra entry point: config only
-    Rule(r"^fastscale-train --help$", "run", expect=(r"strategy", r"== Config ==")),
+    Rule(r"^fastscale-train --help$", "run", expect=(r"strategy", r"== Config =="), slow=True),
     Rule(r"^fastscale-train --cfg job$", "run", expect=(r"trainer:", r"strategy:")),
     # SLURM through submitit: needs sbatch and a controller
     Rule(r"^fastscale-train -m hydra/launcher=slurm ", "skip",
@@ -108,10 +110,11 @@ RULES: list[Rule] = [
     Rule(r"^srun ", "skip", reason="needs a SLURM allocation; Lightning's SLURM environment under these "
                                    "variables is tested in test_train_slurm.py"),
     # planner
-    Rule(r"^fastscale-plan .*--json$", "run", expect=(r'"algorithm"',)),
-    Rule(r"^fastscale-plan .*--plot scaling\.png$", "run", files=("scaling.png",)),
-    Rule(r"^fastscale-plan --list-clusters$", "run", expect=(r"tencent_p40_100g",)),
-    Rule(r"^fastscale-plan ", "run", expect=(r"\S",)),
+    Rule(r"^fastscale-plan resnet50 tencent_p40_100g$", "run", expect=(r"\S",)),
+    Rule(r"^fastscale-plan .*--json$", "run", expect=(r'"algorithm"',), slow=True),
+    Rule(r"^fastscale-plan .*--plot scaling\.png$", "run", files=("scaling.png",), slow=True),
+    Rule(r"^fastscale-plan --list-clusters$", "run", expect=(r"tencent_p40_100g",), slow=True),
+    Rule(r"^fastscale-plan ", "run", expect=(r"\S",), slow=True),
     # data tools
     Rule(r"^fastscale-data convert ", "run", files=("stream/index.json",)),
     Rule(r"^fastscale-data bench ", "run", append="--batches 2 --warmup 1 --resolution 32 --batch-size 4",
