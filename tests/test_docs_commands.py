@@ -116,7 +116,7 @@ RULES: list[Rule] = [
     Rule(r"^fastscale-plan --list-clusters$", "run", expect=(r"tencent_p40_100g",), slow=True),
     Rule(r"^fastscale-plan ", "run", expect=(r"\S",), slow=True),
     # data tools
-    Rule(r"^fastscale-data convert ", "run", files=("stream/index.json",)),
+    Rule(r"^fastscale-data convert ", "run", files=("stream/train/index.json",)),
     Rule(r"^fastscale-data bench ", "run", append="--batches 2 --warmup 1 --resolution 32 --batch-size 4",
          expect=(r"\S",), slow=True),
     # examples
@@ -291,8 +291,8 @@ def test_documented_command_runs(command: Command, rule: Rule, workdir: Path) ->
 
 def stream_from_docs(work: Path) -> None:
     """The streaming folder, made by the page's own ``fastscale-data convert`` command."""
-    if (work / "stream" / "index.json").exists():
+    if (work / "stream" / "train" / "index.json").exists():
         return
     convert = next(c for c in COMMANDS if c.text.startswith("fastscale-data convert"))
     run_command(convert, rule_for(convert.text), work)
-    assert (work / "stream" / "index.json").exists()
+    assert (work / "stream" / "train" / "index.json").exists()
