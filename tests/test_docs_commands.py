@@ -13,6 +13,7 @@ comments dropped). Each one must match a rule of ``RULES`` (a new command that m
 | sweep | the command with limits and 2 trials | an Optuna study of 8 full runs |
 | torchrun | two ``torchrun`` launches on this machine, ``NODE_RANK`` 0 and 1, ``MASTER_HOST`` 127.0.0.1, a free port, 1 CPU rank per node instead of 8 GPUs | one machine, no GPU |
 | torchrun ``...`` | the planner's calibration under ``torchrun --nproc_per_node 2`` | the page elides the launcher flags |
+| srun | a stand-in ``srun`` that starts the tasks with srun's variables, 2 nodes x 1 CPU task instead of 8 GPUs each | no SLURM here |
 | pip install | ``pip install --dry-run --no-index --no-build-isolation`` of the same target | no network in tests; the resolution against the installed packages and the build of the package metadata run |
 | skip | nothing; the reason is in ``RULES`` | see each reason |
 
@@ -107,8 +108,9 @@ RULES: list[Rule] = [
          reason="two nodes of 8 GPUs: two launches on this machine, one CPU rank each"),
     Rule(r"^torchrun \.\.\. -m lightning_fastscale\.planner\.calibrate ", "calibrate", files=("params.json",),
          slow=True, reason="the page elides the launcher flags: two local ranks"),
-    Rule(r"^srun ", "skip", reason="needs a SLURM allocation; Lightning's SLURM environment under these "
-                                   "variables is tested in test_train_slurm.py"),
+    Rule(r"^srun --nodes 2 --ntasks-per-node 8 --gpus-per-node 8 ", "srun", append=TRAIN_LIMITS,
+         expect=(FINAL,), slow=True,
+         reason="no SLURM here: a stand-in srun starts the tasks with srun's variables, 2 nodes x 1 CPU task"),
     # planner
     Rule(r"^fastscale-plan resnet50 tencent_p40_100g$", "run", expect=(r"\S",)),
     Rule(r"^fastscale-plan .*--json$", "run", expect=(r'"algorithm"',), slow=True),
@@ -128,6 +130,27 @@ RULES: list[Rule] = [
     # a block of flags that the page adds to the command before it
     Rule(r"^--trainer\.", "fragment"),
 ]
+
+
+# srun on one machine: starts nodes x ntasks-per-node copies of the command with the variables
+# srun gives each task (what Lightning's SLURMEnvironment reads); the first to fail stops the rest
+SRUN_STAND_IN = """#!{python}
+import os, subprocess, sys
+args = sys.argv[1:]
+opts = {{}}
+while args[0].startswith("--"):
+    opts[args[0]] = args[1]
+    args = args[2:]
+nodes, per_node = int(opts["--nodes"]), int(opts["--ntasks-per-node"])
+procs = []
+for rank in range(nodes * per_node):
+    env = dict(os.environ, SLURM_NTASKS=str(nodes * per_node), SLURM_NTASKS_PER_NODE=str(per_node),
+               SLURM_NNODES=str(nodes), SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % per_node),
+               SLURM_NODEID=str(rank // per_node), SLURM_NODELIST="localhost")
+    procs.append(subprocess.Popen(args, env=env))
+codes = [p.wait(timeout=600) for p in procs]
+sys.exit(max(codes, key=abs))
+"""
 
 
 @dataclass
@@ -246,6 +269,20 @@ def run_command(c: Command, rule: Rule, work: Path) -> str:
                 if proc.poll() is None:
                     os.killpg(proc.pid, 9)
         assert all(p.returncode == 0 for p in procs), out[-6000:]
+        return out
+    elif rule.kind == "srun":
+        text = text.replace("--ntasks-per-node 8 --gpus-per-node 8", "--ntasks-per-node 1")
+        text = text.replace("trainer.devices=8", "trainer.devices=1")
+        text = f"{text} trainer.accelerator=cpu {rule.append}"
+        stand_in = work / "bin" / "srun"
+        stand_in.parent.mkdir(exist_ok=True)
+        stand_in.write_text(SRUN_STAND_IN.format(python=sys.executable))
+        stand_in.chmod(0o755)
+        env = {**rule.env, "PATH": f"{stand_in.parent}{os.pathsep}{BIN}{os.pathsep}{os.environ['PATH']}",
+               "SLURM_JOB_ID": str(20000 + free_port() % 9000), "SLURM_JOB_NAME": "train"}
+        done = run_shell(text, work, env)
+        out = done.stdout + done.stderr
+        assert done.returncode == 0, f"{text}\nexit {done.returncode}\n{out[-6000:]}"
         return out
     elif rule.kind == "calibrate":
         text = text.replace("torchrun ...", "torchrun --standalone --nproc_per_node 2")
