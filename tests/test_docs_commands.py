@@ -28,6 +28,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -235,8 +236,16 @@ def free_port() -> int:
 
 
 def run_shell(script: str, work: Path, env: dict, timeout: int = 280) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-c", script], cwd=work, env=environment(env), capture_output=True,
-                          text=True, timeout=timeout, start_new_session=True)
+    """``bash -c script``; past ``timeout`` its whole process group (the ranks it started) is killed."""
+    proc = subprocess.Popen(["bash", "-c", script], cwd=work, env=environment(env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    return subprocess.CompletedProcess(script, proc.returncode, out, err)
 
 
 def run_command(c: Command, rule: Rule, work: Path) -> str:
@@ -251,7 +260,7 @@ def run_command(c: Command, rule: Rule, work: Path) -> str:
         venv = BIN.parent
         if not (venv / ".installed").exists():
             pytest.skip(f"{venv} was not made by `make setup`")
-        text = f"make -C {ROOT} -o {venv}/.installed {text[5:]} VENV={venv} {rule.append}"
+        text = f"make -f {ROOT}/Makefile -o {venv}/.installed {text[5:]} VENV={venv} {rule.append}"
     elif rule.kind == "torchrun":
         port = free_port()
         text = text.replace("--nproc_per_node 8", "--nproc_per_node 1").replace("trainer.devices=8", "trainer.devices=1")
@@ -267,7 +276,7 @@ def run_command(c: Command, rule: Rule, work: Path) -> str:
                 out += proc.communicate(timeout=280)[0]
             finally:
                 if proc.poll() is None:
-                    os.killpg(proc.pid, 9)
+                    os.killpg(proc.pid, signal.SIGKILL)
         assert all(p.returncode == 0 for p in procs), out[-6000:]
         return out
     elif rule.kind == "srun":
