@@ -132,7 +132,7 @@ RULES: list[Rule] = [
          append="--trainer.max_epochs=1 --trainer.limit_train_batches=2 --trainer.limit_val_batches=1",
          slow=True),
     Rule(r"^python examples/imagenet_\w+\.py --fast-dev-run", "run", slow=True),
-    # a block of flags that the page adds to the command before it
+    # a block of flags that the page adds to its first command
     Rule(r"^--trainer\.", "fragment"),
 ]
 
@@ -308,18 +308,17 @@ def run_command(c: Command, rule: Rule, work: Path) -> str:
 
 
 def cases():
-    for i, c in enumerate(COMMANDS):
+    for c in COMMANDS:
         rule = rule_for(c.text)
         if rule is None or rule.kind == "fragment":
             continue
         if rule.kind == "skip":
             continue
-        text = c.text
-        # a flag block right after this command on the same page extends it
-        nxt = COMMANDS[i + 1] if i + 1 < len(COMMANDS) else None
-        if nxt is not None and nxt.page == c.page and (r := rule_for(nxt.text)) and r.kind == "fragment":
-            yield pytest.param(Command(c.page, c.line, f"{text} {nxt.text}"), rule, id=f"{c.id}+{nxt.line}",
-                               marks=[pytest.mark.slow])
+        # a block of flags on the page extends the page's first command (its base config)
+        if c is next(x for x in COMMANDS if x.page == c.page):
+            for frag in (x for x in COMMANDS if x.page == c.page and getattr(rule_for(x.text), "kind", "") == "fragment"):
+                yield pytest.param(Command(c.page, c.line, f"{c.text} {frag.text}"), rule,
+                                   id=f"{c.id}+{frag.line}", marks=[pytest.mark.slow])
         yield pytest.param(c, rule, id=c.id, marks=[pytest.mark.slow] if rule.slow else [])
 
 
