@@ -14,6 +14,9 @@ comments dropped). Each one must match a rule of ``RULES`` (a new command that m
 | torchrun | two ``torchrun`` launches on this machine, ``NODE_RANK`` 0 and 1, ``MASTER_HOST`` 127.0.0.1, a free port, 1 CPU rank per node instead of 8 GPUs | one machine, no GPU |
 | torchrun ``...`` | the planner's calibration under ``torchrun --nproc_per_node 2`` | the page elides the launcher flags |
 | srun | a stand-in ``srun`` that starts the tasks with srun's variables, 2 nodes x 1 CPU task instead of 8 GPUs each | no SLURM here |
+| 64K experiments | as train, cluster, plus a batch ramp of 4 and ``precision=lars_fp32`` | a 64K batch and fp16 need GPUs |
+| make train | ``make -f Makefile -o VENV/.installed train VENV=<this suite's venv> ARGS="<limits>"`` in the test's folder | the environment is set up already; ``make test`` is skipped: it runs this suite |
+| flag block | the LightningCLI page's block of ``--trainer...`` flags, appended to the page's first command | it is not a command by itself |
 | pip install | ``pip install --dry-run --no-index --no-build-isolation`` of the same target | no network in tests; the resolution against the installed packages and the build of the package metadata run |
 | skip | nothing; the reason is in ``RULES`` | see each reason |
 
