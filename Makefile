@@ -17,7 +17,9 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -e '.[test]'
 	touch $@
 
+# headless Chromium renders the built docs site in the docs test (Debian package; needs root)
 setup: $(VENV)/.installed
+	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
 
 train: setup
 	$(BIN)/fastscale-train $(ARGS)

@@ -1,11 +1,11 @@
 """Check the communication hooks end to end: DDP with our hook trains to the same weights as plain DDP.
 
-:func:`check_hooks` spawns ``world_size`` ranks on one machine over gloo, trains the same small
+`check_hooks` spawns ``world_size`` ranks on one machine over gloo, trains the same small
 model for a few SGD steps with plain DDP and with each algorithm's hook (``ranks_per_node`` ranks
 per emulated node), and compares the final weights. With ``device="cuda"`` every rank puts its
 model and batches on the one GPU (NCCL refuses two ranks on one device, gloo does not), so the
 hooks run on CUDA buckets: the worker thread's device, its stream waiting for the bucket, and
-DDP's use of the result ordered after the communication. :func:`check_hooks_on_cuda` is that
+DDP's use of the result ordered after the communication. `check_hooks_on_cuda` is that
 check, skipped cleanly where CUDA is not available.
 """
 from __future__ import annotations
@@ -134,7 +134,7 @@ def check_hooks(
 
 
 def check_hooks_on_cuda(**kwargs: Any) -> dict[str, Any]:
-    """:func:`check_hooks` with CUDA tensors, all ranks on one GPU over gloo; ``{"status": "skipped",
+    """`check_hooks` with CUDA tensors, all ranks on one GPU over gloo; ``{"status": "skipped",
     "reason": ...}`` without CUDA."""
     if not torch.cuda.is_available():
         return {"status": "skipped", "reason": "CUDA is not available", "device": "cuda", "cases": {}}

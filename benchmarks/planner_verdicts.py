@@ -2,7 +2,7 @@
 
 Rows come from ``planner_validation.py`` (one per configuration, size, chunking and
 algorithm, each with its calibrated parameters and the interleaved repetitions of
-:mod:`lightning_fastscale.emulation.collectives`). This module fills in the predictions and
+`lightning_fastscale.emulation.collectives`). This module fills in the predictions and
 says whether the planner's pick was the measured fastest, and whether a miss is more than noise:
 
 - beyond the spread of the repetitions: the picked algorithm's fastest repetition is slower
@@ -24,7 +24,7 @@ from lightning_fastscale.planner.cost_model import CommParams, Topology, predict
 
 def refit_rows(rows: list[dict]) -> list[dict]:
     """Refit each configuration's parameters from its stored calibration samples with the
-    current :func:`~lightning_fastscale.planner.calibrate.fit_calibration` and primitive
+    current `fit_calibration` and primitive
     selection (gloo): the same measurements, the current fitting rules."""
     keep = {"intra": intra_primitives("gloo"), "inter": INTER_PRIMITIVES, "shared": ("allreduce",)}
     refitted: dict[tuple, dict] = {}

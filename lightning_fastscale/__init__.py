@@ -6,11 +6,11 @@ hierarchical all-reduce, two-segment fusion), Mikami et al. 2018 (batch-size con
 smoothing, 2D-torus all-reduce), fast.ai 2018 (progressive resizing) and Tencent Cloud 2020
 (half-precision wire, top-k compression), one technique per module:
 
-* :mod:`~lightning_fastscale.strategies`: ``HierarchicalAllReduceStrategy`` (a DDP strategy);
-* :mod:`~lightning_fastscale.precision`: ``LARSMixedPrecision`` and the ``LARS`` optimizer;
-* :mod:`~lightning_fastscale.callbacks`: the recipe callbacks;
-* :mod:`~lightning_fastscale.planner`: the communication cost model behind ``fastscale-plan``;
-* :mod:`~lightning_fastscale.data`, :mod:`~lightning_fastscale.models`: built-in data and models.
+* `strategies`: ``HierarchicalAllReduceStrategy`` (a DDP strategy);
+* `precision`: ``LARSMixedPrecision`` and the ``LARS`` optimizer;
+* `callbacks`: the recipe callbacks;
+* [`planner`][lightning_fastscale.planner]: the communication cost model behind ``fastscale-plan``;
+* `data`, `models`: built-in data and models.
 
 Importing the package registers its strategies with Lightning, so ``Trainer(strategy="hier_ring")``
 works. The user guide is in ``docs/``, the measured numbers in ``benchmarks/README.md``.

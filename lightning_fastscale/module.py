@@ -50,7 +50,7 @@ class ImageClassifier(pl.LightningModule):
     ``val/per_class_top1`` is the mean of the per-class recalls (macro accuracy).
 
     Args:
-        model: a model name for :func:`lightning_fastscale.models.create_model` (this
+        model: a model name for [`lightning_fastscale.models.create_model`][lightning_fastscale.models.create_model] (this
             package's models, timm, torchvision) or an ``nn.Module``.
         num_classes: number of classes.
         optimizer: a factory ``params -> Optimizer`` (a Hydra ``_partial_``, or a class path
@@ -62,7 +62,7 @@ class ImageClassifier(pl.LightningModule):
         model_kwargs: extra arguments for the model factory.
         pretrained: initial weights of a model given by name: ``False`` (random), ``True``
             (timm's / torchvision's published weights) or a local weights file; see
-            :func:`~lightning_fastscale.models.create_model`.
+            [`create_model`][lightning_fastscale.models.create_model].
         channels_last: keep the network's weights and each batch in the NHWC memory format,
             which cuDNN's tensor-core convolutions use without transposing (as timm's
             ``--channels-last``). Numerically the same network.

@@ -3,7 +3,7 @@
 Composes ``lightning_fastscale/conf/train.yaml`` (shipped inside the package, found through
 Hydra's package search path) with its groups (model, data, optimizer, scheduler, trainer,
 strategy, precision, callbacks, logger, experiment, hparams_search), instantiates them with
-``hydra.utils.instantiate`` and fits an :class:`~lightning_fastscale.module.ImageClassifier`.
+``hydra.utils.instantiate`` and fits an [`ImageClassifier`][lightning_fastscale.ImageClassifier].
 Returns the monitored metric, so sweepers (Optuna) can optimise it.
 """
 from __future__ import annotations

@@ -33,7 +33,6 @@ def make_trainer(
         callbacks=callbacks,
         logger=False,
         enable_progress_bar=False,
-        enable_model_summary=False,
         deterministic=True,
         **kwargs,
     )

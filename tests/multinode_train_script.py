@@ -66,7 +66,6 @@ def main() -> None:
     trainer = pl.Trainer(
         accelerator="cpu", strategy=args.strategy, num_nodes=args.num_nodes, devices=args.devices,
         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False,
     )
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # torchrun runs this file by path
     from tests.comm_recording import CommRecorder

@@ -74,15 +74,13 @@ def test_default_job_trains_with_the_whole_recipe(tmp_path) -> None:
 
     cfg = _compose(
         "callbacks=large_batch",
-        "logger=none",
+        "logger=csv",
+        f"logger.save_dir={tmp_path}",
         "trainer=cpu",
         "trainer.max_epochs=3",
         "trainer.enable_progress_bar=false",
-        "trainer.enable_model_summary=false",
         f"trainer.default_root_dir={tmp_path}",
         f"callbacks.model_checkpoint.dirpath={tmp_path}/ckpt",
-        "callbacks.throughput=null",
-        "callbacks.lr_monitor=null",  # needs a logger
         "model.kwargs.widths=[4,8,8]",
         "data.train_size=64",
         "data.val_size=32",

@@ -135,7 +135,7 @@ def trainer(tmp_path, callbacks, max_epochs=3, **kw) -> pl.Trainer:
     kw.setdefault("enable_checkpointing", False)
     return pl.Trainer(
         accelerator="cpu", devices=1, max_epochs=max_epochs, callbacks=callbacks, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path, **kw,
+        enable_progress_bar=False, default_root_dir=tmp_path, **kw,
     )
 
 
@@ -147,7 +147,7 @@ def test_ramp_trains_with_scheduled_global_batch_on_two_processes(tmp_path):
     schedule = {0: 8, 1: 16, 2: 32}
     t = pl.Trainer(
         accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=3, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_checkpointing=False,
         limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=tmp_path,
         callbacks=[BatchSizeRamp(schedule, max_per_device_batch=8), ReleaseProcessGroup()],
     )

@@ -1,16 +1,16 @@
 """Helpers shared by the epoch-scheduled callbacks (batch-size ramp, progressive resizing, LR).
 
-* ``{epoch: value}`` schedules: :func:`resolve_schedule` checks and sorts one as YAML/Hydra
-  gives it, :func:`value_at_epoch` reads it piecewise-constant.
-* :class:`PreparedEpoch`: Lightning builds the training dataloader of an epoch *before*
+* ``{epoch: value}`` schedules: `resolve_schedule` checks and sorts one as YAML/Hydra
+  gives it, `value_at_epoch` reads it piecewise-constant.
+* `PreparedEpoch`: Lightning builds the training dataloader of an epoch *before*
   ``on_train_epoch_start`` runs, so a callback that changes what the loader serves (batch
   size, resolution) tells the datamodule about epoch ``e + 1`` at the end of epoch ``e``.
   This object remembers which epoch was prepared and refuses to enter any other one, which
   catches a checkpoint written between the two (a callback that saves before this one at
   ``on_train_epoch_end``).
-* :func:`loader_batch_size`: the per-device batch size the Trainer's training loader serves.
+* `loader_batch_size`: the per-device batch size the Trainer's training loader serves.
 
-Private to :mod:`lightning_fastscale.callbacks`: the public callbacks re-export what users need.
+Private to `lightning_fastscale.callbacks`: the public callbacks re-export what users need.
 """
 from __future__ import annotations
 

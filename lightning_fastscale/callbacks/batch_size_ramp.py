@@ -8,10 +8,10 @@ the learning rate by gamma gives the same curve with fewer parameter updates.
 A global batch ``B`` on ``W`` processes becomes ``per_device x W x accumulation``: the
 per-device batch grows up to a memory ceiling, then gradient accumulation takes over.
 
-Functional core: :func:`smith_schedule` and :func:`decompose` (with the shared schedule helpers
-:func:`~lightning_fastscale.callbacks._schedule.resolve_schedule` and
-:func:`~lightning_fastscale.callbacks._schedule.value_at_epoch`). Lightning adapter:
-:class:`BatchSizeRamp`.
+Functional core: `smith_schedule` and `decompose` (with the shared schedule helpers
+`resolve_schedule` and
+`value_at_epoch`). Lightning adapter:
+[`BatchSizeRamp`][lightning_fastscale.callbacks.BatchSizeRamp].
 
 How the new batch takes effect: Lightning builds the training dataloader at the start of an
 epoch *before* ``on_train_epoch_start`` runs, so the callback tells the datamodule the next
@@ -126,13 +126,13 @@ class BatchSizeRamp(Callback):
             gradient accumulation. ``None``: no ceiling, never accumulate.
         scale_lr: apply the linear scaling rule (Goyal et al. 2017): each optimizer group's LR
             becomes ``lr_at_fit_start * global_batch / schedule[0]``. When a
-            :class:`~lightning_fastscale.callbacks.lr_schedule.WarmupDecayLR` or an LR
+            [`WarmupDecayLR`][lightning_fastscale.callbacks.WarmupDecayLR] or an LR
             scheduler from ``configure_optimizers`` is present, that one owns the LR and
             ``scale_lr=True`` is refused before training (use ``WarmupDecayLR(reference_batch=...)``,
             which reads the current global batch every step).
 
     The datamodule must implement
-    :class:`~lightning_fastscale.data.protocol.BatchSizeControllable`. Samples per optimizer
+    [`BatchSizeControllable`][lightning_fastscale.data.protocol.BatchSizeControllable]. Samples per optimizer
     step equal the scheduled global batch when the training set splits into whole batches; as
     in plain Lightning, a partial last batch of an epoch is stepped on as it is.
 

@@ -1,6 +1,6 @@
 """Refuse a truncated or mismatched checkpoint before the first training step.
 
-Lightning adapter of :mod:`lightning_fastscale.checkpointing`. Lightning reads the
+Lightning adapter of `lightning_fastscale.checkpointing`. Lightning reads the
 checkpoint inside ``Trainer.fit`` and fails with torch's own message (``PytorchStreamReader
 failed reading zip archive``, an ``OSError`` from a seek, or a ``load_state_dict`` key list)
 that does not name the file, and restores a learning-rate scheduler written under another
@@ -78,7 +78,7 @@ class _CheckingCheckpointIO(CheckpointIO):
 class CheckpointCheck(Callback):
     """Check the checkpoint a fit resumes from (``ckpt_path``) before any step runs.
 
-    Errors are :class:`~lightning_fastscale.checkpointing.CheckpointError`, naming the file
+    Errors are [`CheckpointError`][lightning_fastscale.checkpointing.CheckpointError], naming the file
     and each difference: unreadable or truncated file; model tensors missing, extra or of
     another shape; module hyper-parameters that differ; a schedule callback (batch-size ramp,
     LR warmup/decay, progressive resizing) that is in one run and not the other, or whose

@@ -15,8 +15,8 @@ running statistics used at evaluation are updated once per step with the mean ov
 groups of their means and (unbiased) variances. A batch that is not a multiple of the group size
 normalises its remainder as one smaller group; a batch no larger than one group is plain BN.
 
-Functional core: :func:`ghost_batch_norm`, :func:`apply_ghost_batch_norm`. Module:
-:class:`GhostBatchNormLayer`. Lightning adapter: :class:`GhostBatchNorm`.
+Functional core: `ghost_batch_norm`, [`apply_ghost_batch_norm`][lightning_fastscale.callbacks.apply_ghost_batch_norm]. Module:
+`GhostBatchNormLayer`. Lightning adapter: [`GhostBatchNorm`][lightning_fastscale.callbacks.GhostBatchNorm].
 """
 from __future__ import annotations
 
@@ -141,7 +141,7 @@ def _to_ghost(bn: _BatchNorm, ghost_batch_size: int) -> GhostBatchNormLayer:
 
 
 def apply_ghost_batch_norm(model: nn.Module, ghost_batch_size: int) -> list[str]:
-    """Replace every ``nn.BatchNorm1d/2d/3d`` in ``model`` by a :class:`GhostBatchNormLayer`, in place.
+    """Replace every ``nn.BatchNorm1d/2d/3d`` in ``model`` by a `GhostBatchNormLayer`, in place.
 
     The new layers share the old ones' parameters and buffers. Layers that are already ghost
     layers get the new group size. Returns the qualified names of the layers converted.
@@ -175,7 +175,7 @@ def apply_ghost_batch_norm(model: nn.Module, ghost_batch_size: int) -> list[str]
 class GhostBatchNorm(pl.Callback):
     """Normalise each device's training batch in groups of ``ghost_batch_size`` samples.
 
-    Applies :func:`apply_ghost_batch_norm` in ``setup("fit")``, before the strategy wraps the
+    Applies [`apply_ghost_batch_norm`][lightning_fastscale.callbacks.apply_ghost_batch_norm] in ``setup("fit")``, before the strategy wraps the
     model and before the optimizers are built. Warns once if a training batch holds no more
     than one group (the layer is then plain BN).
 

@@ -5,8 +5,8 @@ Label smoothing (Szegedy et al. 2016, "Rethinking the Inception Architecture") t
 ImageNet/ResNet-50 in 224 s at batch 34K-68K) and the MLPerf ResNet-50 LARS reference runs
 (``--label_smoothing=0.1``) use it to keep accuracy at very large batch sizes.
 
-Functional core: :func:`smooth_targets` (the target distribution) and
-:func:`smoothing_at_epoch` (the schedule). Lightning adapter: :class:`LabelSmoothing` sets
+Functional core: `smooth_targets` (the target distribution) and
+`smoothing_at_epoch` (the schedule). Lightning adapter: [`LabelSmoothing`][lightning_fastscale.callbacks.LabelSmoothing] sets
 ``label_smoothing`` of the LightningModule's ``nn.CrossEntropyLoss`` attribute, whose built-in
 support computes exactly ``cross_entropy(logits, smooth_targets(y, K, eps))``, for training
 epochs, and puts it back to 0 around every validation epoch and at the
@@ -104,7 +104,7 @@ class LabelSmoothing(pl.Callback):
 
     Acts on the LightningModule's ``nn.CrossEntropyLoss`` submodule (found automatically, or
     named by ``attribute``): its ``label_smoothing`` is set at the start of every training epoch
-    from :func:`smoothing_at_epoch`, set back to 0 during validation, and
+    from `smoothing_at_epoch`, set back to 0 during validation, and
     restored when the fit ends. The factor in use is logged as ``label_smoothing`` each epoch.
     The first training loss must come from that submodule: a ``training_step`` that calls
     ``F.cross_entropy`` instead is stopped before its first backward with an error naming the fix.

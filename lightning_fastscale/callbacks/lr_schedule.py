@@ -6,14 +6,14 @@ learning rate linearly with the global batch, ``lr = base_lr * global_batch / re
 epochs (5). After warmup the MLPerf LARS reference decays polynomially (power 2) to an end LR;
 cosine decay (Loshchilov & Hutter 2017) is the other common choice.
 
-Functional core: :func:`lr_at` (the closed form; at whole steps it equals torch's
+Functional core: [`lr_at`][lightning_fastscale.callbacks.lr_schedule.lr_at] (the closed form; at whole steps it equals torch's
 ``LinearLR`` warmup followed by ``PolynomialLR`` / ``CosineAnnealingLR``, which the tests
 check). The torch scheduler objects are not used directly because they count calls to
 ``step()``; here the position is *fractional epochs of applied optimizer steps*, which stays
 right when ``BatchSizeRamp`` or ``ProgressiveResizing`` change the number of steps per epoch
 and when the loss scaler skips a step.
 
-Lightning adapter: :class:`WarmupDecayLR`. Skipped steps: when fp16 loss scaling finds
+Lightning adapter: [`WarmupDecayLR`][lightning_fastscale.callbacks.WarmupDecayLR]. Skipped steps: when fp16 loss scaling finds
 inf/NaN gradients the optimizer step is skipped, and the schedule must not move (a known
 Lightning complaint: a plain ``LRScheduler`` still steps). A step counts as skipped when:
 

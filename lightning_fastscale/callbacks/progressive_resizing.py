@@ -6,12 +6,12 @@ while images were small, and validated at a larger resolution than it trained at
 progressive resizing (MosaicML) starts at a fraction of full size (``initial_scale``, e.g. 0.5)
 and grows linearly to full size, which it keeps for the last ``finish_fraction`` of training.
 
-Functional core: :func:`composer_schedule`, :func:`scaled_batch_size`, :func:`resize_images`
-(plus the shared :func:`~lightning_fastscale.callbacks._schedule.value_at_epoch`).
-Lightning adapter: :class:`ProgressiveResizing`, with two ways to make the images a size:
+Functional core: `composer_schedule`, `scaled_batch_size`, `resize_images`
+(plus the shared `value_at_epoch`).
+Lightning adapter: [`ProgressiveResizing`][lightning_fastscale.callbacks.ProgressiveResizing], with two ways to make the images a size:
 
 * ``mode="datamodule"``: the datamodule implements
-  :class:`~lightning_fastscale.data.protocol.ResolutionControllable` and decodes at that size
+  [`ResolutionControllable`][lightning_fastscale.data.protocol.ResolutionControllable] and decodes at that size
   (cheaper: small images are also cheaper to load). The callback sets the next epoch's
   resolution at the end of the previous one and has the dataloaders rebuilt every epoch.
 * ``mode="batch"``: the fallback for any datamodule. Each batch, already on the device, is
@@ -99,7 +99,7 @@ class ProgressiveResizing(Callback):
         schedule: ``{epoch: resolution}``, piecewise constant (e.g. ``{0: 128, 10: 224,
             18: 288}``). Or leave it out and give ``full_resolution`` for the Composer form.
         full_resolution, initial_scale, finish_fraction, size_increment: Composer form (see
-            :func:`composer_schedule`; spans ``Trainer(max_epochs)``).
+            `composer_schedule`; spans ``Trainer(max_epochs)``).
         val_resolution: resolution of validation images (fast.ai validated larger than it
             trained); ``None`` leaves validation alone.
         mode: ``"auto"``, ``"datamodule"`` or ``"batch"`` (see the module docstring).

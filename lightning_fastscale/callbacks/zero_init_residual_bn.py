@@ -13,7 +13,7 @@ Supported residual blocks:
   blocks, and other timm families, define it) that this package's own models
   (``resnet_small``) follow too. Give your own residual blocks such a method to support them.
 
-Functional core: :func:`zero_init_residual_bn`. Lightning adapter: :class:`ZeroInitResidualBN`.
+Functional core: `zero_init_residual_bn`. Lightning adapter: [`ZeroInitResidualBN`][lightning_fastscale.callbacks.ZeroInitResidualBN].
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def zero_init_residual_bn(model: nn.Module) -> list[str]:
 
 
 class ZeroInitResidualBN(pl.Callback):
-    """Apply :func:`zero_init_residual_bn` to the LightningModule once, before training starts.
+    """Apply `zero_init_residual_bn` to the LightningModule once, before training starts.
 
     It runs in ``setup("fit")``: before Lightning restores a checkpoint's weights (so a resumed
     run keeps its trained gammas: the restore overwrites the zeros) and before the strategy

@@ -2,7 +2,7 @@
 
 ``fastscale-data convert ROOT OUT`` writes an ImageNet-layout tree (``ROOT/train/<class>/*``,
 ``ROOT/val/<class>/*``), or the built-in procedural set when ROOT is ``procedural``, as litdata
-streaming data in the new folder OUT (see :mod:`.convert`).
+streaming data in the new folder OUT (see `convert`).
 
 ``fastscale-data verify OUT`` checks a converted folder: every chunk against litdata's
 ``index.json`` and every stored JPEG decoded strictly; each damaged chunk file and sample is

@@ -9,14 +9,14 @@ same reason). ``index`` is the sample's position in ImageFolder order (classes s
 sorted in each class), ``name`` its path relative to the split folder, for error messages.
 
 Beside the splits, ``dataset.json`` records the class list (sorted folder names, the same
-label order as :class:`~lightning_fastscale.data.ImageFolderDataModule`), per-class counts,
+label order as [`ImageFolderDataModule`][lightning_fastscale.data.ImageFolderDataModule]), per-class counts,
 ``max_side`` and ``quality``, and ``extra["sizes"]["val"]``: the ``[height, width]`` of every
 stored validation image, entry ``i`` for litdata sample ``i`` (rectangular validation,
-:mod:`.rect_val`, orders by these without decoding anything). litdata's sample ``i`` is not
+`rect_val`, orders by these without decoding anything). litdata's sample ``i`` is not
 always the sample whose ``index`` is ``i``: with several writer processes, litdata may hand
 inputs to whichever process is free, so the sizes are read back from the written split in
 litdata's order. It is written last: a folder without it was not completely
-written, and :func:`read_metadata` says so.
+written, and `read_metadata` says so.
 """
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def _encode_procedural(
 def image_tree_samples(root: Path) -> tuple[list[str], dict[str, list[tuple[str, int, int, str]]]]:
     """Classes and ``(path, label, index, name)`` per split of an ImageNet-layout tree.
 
-    Raises the same errors as :class:`~lightning_fastscale.data.ImageFolderDataModule` for a
+    Raises the same errors as [`ImageFolderDataModule`][lightning_fastscale.data.ImageFolderDataModule] for a
     missing split folder, no class folders or an empty class.
     """
     from torchvision.datasets.folder import IMG_EXTENSIONS
@@ -218,7 +218,7 @@ def convert(
 
     Args:
         source: folder holding ``train/<class>/*`` and ``val/<class>/*``, or ``"procedural"``
-            for the built-in :class:`~lightning_fastscale.data.ProceduralShapes` set.
+            for the built-in `ProceduralShapes` set.
         output: new folder to write; an existing one is refused, never overwritten.
         max_side: longer image side after re-encoding, in pixels.
         quality: JPEG quality of the re-encoded images (1-95).

@@ -1,6 +1,6 @@
 """Datamodules: the built-in procedural dataset and the ImageNet directory layout.
 
-Both implement the batch-size and resolution protocol of :mod:`.protocol`, so batch-size
+Both implement the batch-size and resolution protocol of [`protocol`][lightning_fastscale.data.protocol], so batch-size
 control (Mikami et al. 2018) and progressive resizing (fast.ai 2018) work on them. The input
 pipeline follows the records' advice (Jia et al. 2018; Tencent Cloud 2020): worker processes,
 pinned memory, persistent workers and prefetching, so loading overlaps the training step.
@@ -83,14 +83,14 @@ class _ResizableDataModule(pl.LightningDataModule):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved."""
+        """Restore what `state_dict` saved."""
         self.train_batch_size = state_dict["train_batch_size"]
         self.train_resolution = state_dict["train_resolution"]
         self.val_resolution = state_dict["val_resolution"]
 
 
 class ProceduralDataModule(_ResizableDataModule):
-    """The built-in default: :class:`ProceduralShapes` train and val splits, no files needed.
+    """The built-in default: `ProceduralShapes` train and val splits, no files needed.
 
     Args:
         num_classes: shape classes (2 to 16).
@@ -98,7 +98,7 @@ class ProceduralDataModule(_ResizableDataModule):
         resolution / val_resolution: image side in pixels (val defaults to train).
         batch_size / val_batch_size: per-device batch sizes.
         seed: dataset seed (independent of the training seed).
-        noise / clutter: difficulty knobs, see :class:`ProceduralShapes`.
+        noise / clutter: difficulty knobs, see `ProceduralShapes`.
         num_workers, pin_memory, persistent_workers, prefetch_factor: DataLoader settings.
     """
 
@@ -150,7 +150,7 @@ class ImageFolderDataModule(_ResizableDataModule):
         resolution / val_resolution: crop sizes (defaults 224; val defaults to train).
         crop_ratio: validation resize ratio (0.875: resize 256, crop 224).
         batch_size, val_batch_size, num_workers, pin_memory, persistent_workers, prefetch_factor: as
-            in :class:`ProceduralDataModule`.
+            in [`ProceduralDataModule`][lightning_fastscale.data.ProceduralDataModule].
     """
 
     def __init__(

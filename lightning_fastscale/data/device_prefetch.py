@@ -9,7 +9,7 @@ reaches that batch. Lightning's own transfer then finds the tensors already on t
 does nothing.
 
 The wrapper stays resumable: a stateful loader (litdata's ``StreamingDataLoader``) has
-already produced the look-ahead batch, so :meth:`DevicePrefetcher.state_dict` reports the
+already produced the look-ahead batch, so `DevicePrefetcher.state_dict` reports the
 position of the batch last handed out, not the one prefetched.
 """
 from __future__ import annotations

@@ -10,17 +10,17 @@ what must happen per image on the CPU:
   fallback where TorchCodec (>= 0.16, torch >= 2.11) is not installed;
 * random-resized-crop and horizontal flip on the **uint8** tensor (the resize reads and
   writes a quarter of the bytes a float pipeline would);
-* leave the batch un-normalised: :func:`normalize_on_device` converts to float, normalises
+* leave the batch un-normalised: `normalize_on_device` converts to float, normalises
   and optionally switches to ``channels_last`` on the training device, after the 4x smaller
   uint8 batch has crossed the host-to-device link.
 
 Augmentation randomness comes from a generator seeded by ``(seed, epoch, sample index)``
-(:func:`sample_generator`), not from worker RNG state, so a sample gets the same crop in a
+(`sample_generator`), not from worker RNG state, so a sample gets the same crop in a
 resumed run as in an uninterrupted one, whatever the worker count.
 
 The crop sampling follows ``RandomResizedCrop`` of Szegedy et al. 2015 (Inception), as
 torchvision implements it: scale (0.08, 1), aspect ratio (3/4, 4/3) log-uniform, ten tries,
-then a centre crop at the clamped ratio. On CUDA, :func:`decode_jpeg_batch_on_device` decodes
+then a centre crop at the clamped ratio. On CUDA, `decode_jpeg_batch_on_device` decodes
 a whole batch with nvJPEG instead. Measured figures are in ``benchmarks/README.md``.
 """
 from __future__ import annotations
@@ -143,7 +143,7 @@ def val_transform(data: torch.Tensor, size: int, crop_ratio: float = 0.875) -> t
     """Decode, resize the short side to ``size / crop_ratio`` and centre-crop ``size``; uint8 out.
 
     The same geometry as the ImageNet evaluation of Krizhevsky et al. 2012 / He et al. 2016
-    (resize 256, crop 224), as :class:`~lightning_fastscale.data.ImageFolderDataModule` does it.
+    (resize 256, crop 224), as [`ImageFolderDataModule`][lightning_fastscale.data.ImageFolderDataModule] does it.
     """
     image = decode_rgb(data)
     image = F.resize(image, [round(size / crop_ratio)], antialias=True)

@@ -91,7 +91,7 @@ class ProceduralShapes(Dataset):
         num_classes: how many shape classes (2 to ``MAX_CLASSES``).
         size: number of samples in this split.
         resolution: side of the square images in pixels (>= 8); may change with
-            :meth:`set_resolution` between epochs.
+            `set_resolution` between epochs.
         seed: dataset seed; splits are disjoint streams of the same seed.
         split: ``"train"``, ``"val"`` or ``"test"``.
         noise: standard deviation of the per-pixel Gaussian noise on the [0, 1] image.

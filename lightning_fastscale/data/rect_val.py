@@ -6,15 +6,15 @@ validation images were sorted by aspect ratio and each batch was given one shape
 its images' ratio, so almost nothing of an image is cut away and top-1 rises at equal
 resolution. This module is the pure part of that:
 
-* :func:`aspect_order`: sample positions sorted by width / height;
-* :func:`split_batches`: the sorted list cut into a multiple of ``world_size`` batches of
+* `aspect_order`: sample positions sorted by width / height;
+* `split_batches`: the sorted list cut into a multiple of ``world_size`` batches of
   near-equal size (sizes differ by at most one, none above the batch size), so that every
   rank gets the same number of batches (per-step ``sync_dist`` logging needs that) and every
   sample is read exactly once across ranks; rank ``r`` takes batches ``r, r + W, ...``
-  (:func:`rank_batches`);
-* :func:`batch_shape`: one ``(H, W)`` per batch, short side = the validation resolution, long
+  (`rank_batches`);
+* `batch_shape`: one ``(H, W)`` per batch, short side = the validation resolution, long
   side from the batch's median aspect ratio, rounded to a multiple of 8;
-* :func:`resize_to_cover`: an image resized (antialiased, uint8) to cover that shape, then
+* `resize_to_cover`: an image resized (antialiased, uint8) to cover that shape, then
   centre-cropped only by the excess its own ratio leaves over the batch's.
 
 Models whose classifier follows an adaptive pooling (the package's ResNets, torchvision's and

@@ -1,11 +1,11 @@
 """``num_workers: auto``: pick the loader worker count by measuring, and remember the pick.
 
 Tencent Cloud 2020 tune the number of preprocessing threads automatically instead of asking the
-user. :func:`probe_num_workers` times a few batches at each candidate worker count and picks
+user. `probe_num_workers` times a few batches at each candidate worker count and picks
 the smallest count whose throughput reaches ``threshold`` (95%) of the best one measured: more
 workers than that only take cores and memory from the training processes. The pick and its
 curve are stored in a small JSON file keyed by machine, dataset and resolution
-(:class:`WorkerCountCache`), so later runs on the same machine skip the probe.
+(`WorkerCountCache`), so later runs on the same machine skip the probe.
 """
 from __future__ import annotations
 

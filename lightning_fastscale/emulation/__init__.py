@@ -1,8 +1,8 @@
 """Emulated multi-node clusters on one Linux machine (network namespaces + ``tbf`` caps).
 
 Used by the multi-node tests and by ``benchmarks/`` to measure communication where no real
-cluster is available; see :mod:`lightning_fastscale.emulation.netns_cluster`. Fault injection
-(a rank killed or hung mid-backward) on local CPU ranks: :mod:`lightning_fastscale.emulation.faults`.
+cluster is available; see `lightning_fastscale.emulation.netns_cluster`. Fault injection
+(a rank killed or hung mid-backward) on local CPU ranks: [`lightning_fastscale.emulation.faults`][lightning_fastscale.emulation.faults].
 """
 from lightning_fastscale.emulation.netns_cluster import (
     EmulatedCluster,

@@ -1,6 +1,6 @@
 """Fault injection: one rank killed or hung in the middle of backward, and how the run ends.
 
-:func:`run_fault_scenario` starts ``world_size`` CPU ranks the way ``torchrun`` does (one
+[`run_fault_scenario`][lightning_fastscale.emulation.faults.run_fault_scenario] starts ``world_size`` CPU ranks the way ``torchrun`` does (one
 process per rank with ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set, one gloo process group with
 the strategy's ``timeout``), each running ``Trainer(strategy=..., devices=world_size)`` on a
 small model. At ``fault_step`` one rank either kills itself (``SIGKILL``, as the OOM killer or

@@ -78,7 +78,7 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def check_namespace_support() -> None:
-    """Raise :class:`NamespaceUnavailable` with the reason if namespaces cannot be made here.
+    """Raise [`NamespaceUnavailable`][lightning_fastscale.emulation.NamespaceUnavailable] with the reason if namespaces cannot be made here.
 
     Checks root, the ``ip`` and ``tc`` tools, and actually creates (then deletes) a probe
     namespace, because containers may refuse ``CLONE_NEWNET`` even to root.

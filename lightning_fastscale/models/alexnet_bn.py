@@ -81,5 +81,5 @@ class AlexNetBN(nn.Module):
 
 @register_model("alexnet_bn")
 def alexnet_bn(num_classes: int = 1000, **kwargs) -> AlexNetBN:
-    """AlexNet-BN of Jia et al. 2018 (``model=alexnet_bn``); kwargs go to :class:`AlexNetBN`."""
+    """AlexNet-BN of Jia et al. 2018 (``model=alexnet_bn``); kwargs go to `AlexNetBN`."""
     return AlexNetBN(num_classes=num_classes, **kwargs)

@@ -39,7 +39,7 @@ def load_pretrained_weights(model: nn.Module, path: str | Path) -> nn.Module:
 
     ``path`` holds a ``state_dict`` (``torch.save(model.state_dict(), path)``), a dict with a
     ``"state_dict"`` or ``"model"`` entry, or a Lightning checkpoint of an
-    :class:`~lightning_fastscale.module.ImageClassifier` (its ``model.`` prefix is removed).
+    [`ImageClassifier`][lightning_fastscale.ImageClassifier] (its ``model.`` prefix is removed).
     Tensors whose shape differs from the model's (the classifier head when ``num_classes``
     changed) are left at their fresh initialisation and named in the log; any other missing
     or unexpected name is an error.

@@ -49,7 +49,7 @@ def create_model(name: str, num_classes: int, pretrained: bool | str | Path = Fa
     ``pretrained``: ``False`` (random initialisation), ``True`` (timm's or torchvision's
     published weights; a head of another ``num_classes`` is freshly initialised by timm, and
     torchvision's need its own class count), or a path to a local ``state_dict`` / Lightning
-    checkpoint (:func:`~lightning_fastscale.models.pretrained.load_pretrained_weights`).
+    checkpoint (`load_pretrained_weights`).
     """
     positive_int("model.num_classes", num_classes)
     if isinstance(pretrained, (str, Path)) and str(pretrained).lower() in ("true", "false"):

@@ -138,7 +138,7 @@ class Cluster:
 
     @classmethod
     def from_dict(cls, raw: Any, origin: str = "<dict>") -> "Cluster":
-        """Validate ``raw`` (a parsed YAML mapping) and build a :class:`Cluster`."""
+        """Validate ``raw`` (a parsed YAML mapping) and build a [`Cluster`][lightning_fastscale.planner.Cluster]."""
         return _parse(raw, origin)
 
 

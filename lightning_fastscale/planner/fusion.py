@@ -17,8 +17,8 @@ positions is exact, O(n^2) for unbounded buckets and O(k n^2) for at most ``k`` 
 
 DDP buckets by a byte cap in gradient-ready order: a bucket closes as soon as it holds at
 least the cap. Recent torch also accepts ``bucket_cap_mb_list`` (one cap per bucket, in that
-order), which reproduces any plan exactly (:meth:`FusionPlan.ddp_kwargs`); for older torch
-:func:`best_uniform_cap` finds the single ``bucket_cap_mb`` whose DDP buckets minimise the
+order), which reproduces any plan exactly ([`FusionPlan.ddp_kwargs`][lightning_fastscale.planner.FusionPlan.ddp_kwargs]); for older torch
+[`best_uniform_cap`][lightning_fastscale.planner.best_uniform_cap] finds the single ``bucket_cap_mb`` whose DDP buckets minimise the
 same predicted finish time, and reports how much worse it is than the exact plan.
 """
 from __future__ import annotations
@@ -84,7 +84,7 @@ class FusionPlan:
         """Keyword arguments for ``DistributedDataParallel`` (and Lightning's DDPStrategy).
 
         ``bucket_cap_mb_list`` when the installed torch has it (exact); otherwise the single
-        largest bucket as ``bucket_cap_mb`` (use :func:`best_uniform_cap` for a better one).
+        largest bucket as ``bucket_cap_mb`` (use [`best_uniform_cap`][lightning_fastscale.planner.best_uniform_cap] for a better one).
         """
         if ddp_supports_bucket_list():
             return {"bucket_cap_mb_list": self.ddp_bucket_cap_mb_list()}
@@ -153,7 +153,7 @@ def plan_fusion(
     ``grad_bytes[i]`` and ``backward_s[i]`` are, in backward order, the size of gradient ``i``
     and the backward compute time spent before it is ready (after gradient ``i-1``).
     ``cost`` prices a bucket of the given bytes (e.g. from
-    :func:`lightning_fastscale.planner.cost_model.allreduce_time`). ``max_buckets=2`` gives
+    [`lightning_fastscale.planner.cost_model.allreduce_time`][lightning_fastscale.planner.allreduce_time]). ``max_buckets=2`` gives
     the two-segment plan of Jia et al. 2018.
     """
     sizes, ready = _check(grad_bytes, backward_s)

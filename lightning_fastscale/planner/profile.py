@@ -7,7 +7,7 @@ a model built on the ``meta`` device (no memory, no compute), backward is taken 
 forward (Kaplan et al. 2020's usual 1:2 forward:backward ratio for matmul/conv), and the
 device's sustained FLOP/s turns FLOPs into seconds. Memory-bound layers (batch norm,
 activations) count zero FLOPs, so pass measured per-layer times where they matter
-(:func:`profile_from_times`), or let :func:`measure_backward_profile` time every gradient
+(`profile_from_times`), or let [`measure_backward_profile`][lightning_fastscale.planner.measure_backward_profile] time every gradient
 on the real device.
 
 Backward order is the reverse of ``model.parameters()``, which is also the order DDP assumes
@@ -199,7 +199,7 @@ def measure_backward_profile(
     ``backward_s`` is the median over the passes of the time since the previous one became
     ready (the first: since backward started). The order is the order the gradients really
     became ready, which for models whose ``forward`` does not follow the registration order
-    differs from the reverse of ``parameters()`` that :func:`profile_module` assumes. This is
+    differs from the reverse of ``parameters()`` that [`profile_module`][lightning_fastscale.planner.profile_module] assumes. This is
     the measured input of the Jia et al. 2018 fusion model; on CUDA each hook synchronises,
     which serialises the kernels it times (compute only, no overlap: what the planner adds
     communication to). ``loss_fn`` maps the output to a scalar (default: its sum). Nothing of

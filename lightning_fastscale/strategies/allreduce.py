@@ -1,9 +1,9 @@
 """Two-level all-reduce algorithms over a flat tensor: flat, hierarchical, 2D torus.
 
 Every function sums ``tensor`` in place across all ranks and returns it; all ranks end with the
-same values. They need only a :class:`~lightning_fastscale.strategies.topology.ProcessGroups`
+same values. They need only a [`ProcessGroups`][lightning_fastscale.strategies.topology.ProcessGroups]
 (so they work outside DDP, e.g. in benchmarks), and are what the DDP communication hooks in
-:mod:`lightning_fastscale.strategies.comm_hooks` run on each gradient bucket.
+`lightning_fastscale.strategies.comm_hooks` run on each gradient bucket.
 
 - ``flat_allreduce_``: one all-reduce over all ranks (the baseline; what plain DDP does).
 - ``hierarchical_allreduce_``: reduce inside the node to the leader, all-reduce among the
@@ -24,7 +24,7 @@ Options shared by all three:
   node). ``None`` sends the tensor as one piece; DDP buckets already give some pipelining.
 - ``topk`` (hierarchical and torus only): top-k sparsification with error feedback, applied to
   the inter-node stage only (Tencent Cloud 2020 hierarchical top-k; Lin et al. 2018, Deep
-  Gradient Compression, for the error feedback). See :class:`TopKErrorFeedback`.
+  Gradient Compression, for the error feedback). See [`TopKErrorFeedback`][lightning_fastscale.strategies.allreduce.TopKErrorFeedback].
 
 In-node primitives of the torus per backend: NCCL's native reduce-scatter / all-gather are its
 fast path; gloo's are slower than one asynchronous ``reduce`` / ``broadcast`` per shard, so on
@@ -32,8 +32,8 @@ gloo the torus uses those (shards may then be uneven: no padding). The timings b
 choice are in ``benchmarks/README.md`` (section "All-reduce algorithms on the emulated
 cluster"). ``native_scatter_gather`` forces either path.
 
-A collective that fails raises :class:`CollectiveStageError` naming the stage
-(:data:`STAGES`) and the original error as its cause.
+A collective that fails raises [`CollectiveStageError`][lightning_fastscale.strategies.allreduce.CollectiveStageError] naming the stage
+([`STAGES`][lightning_fastscale.strategies.allreduce.STAGES]) and the original error as its cause.
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ STAGES: tuple[str, ...] = (
     "flat all-reduce", "in-node all-reduce", "in-node reduce", "in-node reduce-scatter",
     "inter-node all-reduce", "inter-node top-k all-gather", "in-node broadcast", "in-node all-gather",
 )
-"""Stage names that :class:`CollectiveStageError` reports."""
+"""Stage names that [`CollectiveStageError`][lightning_fastscale.strategies.allreduce.CollectiveStageError] reports."""
 
 
 class CollectiveStageError(RuntimeError):
@@ -81,7 +81,7 @@ def _issue(stage: str, collective: Callable[..., Any], *args: Any, **kwargs: Any
 
 
 class _Pending:
-    """An asynchronous collective whose ``wait`` reports failures as :class:`CollectiveStageError`."""
+    """An asynchronous collective whose ``wait`` reports failures as [`CollectiveStageError`][lightning_fastscale.strategies.allreduce.CollectiveStageError]."""
 
     def __init__(self, stage: str, work: dist.Work) -> None:
         self.stage, self.work = stage, work
@@ -378,4 +378,4 @@ ALLREDUCE_FUNCTIONS: dict[str, Callable[..., Tensor]] = {
     "hier": hierarchical_allreduce_,
     "torus2d": torus2d_allreduce_,
 }
-"""Algorithm name (:data:`~lightning_fastscale.strategies.options.ALGORITHMS`) -> in-place all-reduce."""
+"""Algorithm name ([`ALGORITHMS`][lightning_fastscale.planner.ALGORITHMS]) -> in-place all-reduce."""

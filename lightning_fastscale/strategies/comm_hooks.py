@@ -22,9 +22,9 @@ communication. gloo moves CUDA tensors through host memory anyway; the worker st
 bucket through a host copy so every primitive the algorithms use is available.
 
 Failures: a collective that fails (a dead peer, a time-out) ends the bucket with
-:class:`CommHookError`, naming the algorithm, the stage, the bucket and the rank, with the
+[`CommHookError`][lightning_fastscale.strategies.CommHookError], naming the algorithm, the stage, the bucket and the rank, with the
 backend's error as its cause. Later buckets fail at once with the same error instead of
-waiting on broken groups, and :meth:`HierarchicalHookState.raise_if_failed` lets the training
+waiting on broken groups, and `HierarchicalHookState.raise_if_failed` lets the training
 thread raise it (DDP itself would only report that the error "cannot be cast to Tensor").
 """
 # No ``from __future__ import annotations``: DDP checks the hooks' annotations as real objects.
@@ -54,7 +54,7 @@ class CommHookError(RuntimeError):
     """The all-reduce of one DDP bucket failed; ``__cause__`` is the backend's error.
 
     Attributes: ``algorithm``, ``stage`` (one of
-    :data:`~lightning_fastscale.strategies.allreduce.STAGES`, or ``"hook"`` outside a
+    [`STAGES`][lightning_fastscale.strategies.allreduce.STAGES], or ``"hook"`` outside a
     collective), ``bucket`` (DDP bucket index), ``rank``.
     """
 

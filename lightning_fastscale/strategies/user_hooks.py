@@ -106,7 +106,7 @@ def user_hook_for_one_node(
 
 @dataclass
 class LeaderHookState:
-    """State of :func:`leader_hook`: the strategy's groups and thread, the user's hook and its state."""
+    """State of `leader_hook`: the strategy's groups and thread, the user's hook and its state."""
 
     hierarchy: HierarchicalHookState
     hook: Callable
