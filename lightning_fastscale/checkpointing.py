@@ -9,10 +9,10 @@ file and the difference, not fail deep inside ``torch.load`` or ``load_state_dic
 on silently under a different schedule.
 
 Pure functions on checkpoint dictionaries (testable without a Trainer):
-:func:`newest_checkpoint`, :func:`newest_complete_checkpoint`, :func:`read_checkpoint`, :func:`state_dict_mismatches`,
-:func:`hparams_mismatches`, :func:`scheduler_mismatches`, :func:`optimizer_mismatches`.
+`newest_checkpoint`, `newest_complete_checkpoint`, `read_checkpoint`, `state_dict_mismatches`,
+`hparams_mismatches`, `scheduler_mismatches`, `optimizer_mismatches`.
 The Lightning adapter that runs them before any step is
-:class:`lightning_fastscale.callbacks.CheckpointCheck`.
+[`lightning_fastscale.callbacks.CheckpointCheck`][lightning_fastscale.callbacks.CheckpointCheck].
 """
 from __future__ import annotations
 
@@ -60,13 +60,13 @@ def checkpoints_newest_first(folders: Iterable[str | Path]) -> list[Path]:
 
 
 def newest_checkpoint(folders: Iterable[str | Path]) -> Path | None:
-    """The most recently written ``*.ckpt`` file in ``folders`` (see :func:`checkpoints_newest_first`), or None."""
+    """The most recently written ``*.ckpt`` file in ``folders`` (see `checkpoints_newest_first`), or None."""
     candidates = checkpoints_newest_first(folders)
     return candidates[0] if candidates else None
 
 
 def newest_complete_checkpoint(folders: Iterable[str | Path]) -> tuple[Path | None, list[CheckpointError]]:
-    """The newest checkpoint in ``folders`` that :func:`read_checkpoint` accepts, and the newer ones it refused.
+    """The newest checkpoint in ``folders`` that `read_checkpoint` accepts, and the newer ones it refused.
 
     A file cut short by a kill or a full disk (written by a tool without atomic writes, or
     copied in by hand) is skipped, so a requeued job resumes from the last complete state
@@ -108,14 +108,14 @@ def unreadable(path: str | Path, err: BaseException) -> CheckpointError:
 
 
 def check_is_lightning_checkpoint(path: str | Path, checkpoint: Any) -> None:
-    """Raise :class:`CheckpointError` unless ``checkpoint`` looks like a Lightning checkpoint."""
+    """Raise [`CheckpointError`][lightning_fastscale.checkpointing.CheckpointError] unless ``checkpoint`` looks like a Lightning checkpoint."""
     if not isinstance(checkpoint, Mapping) or "state_dict" not in checkpoint:
         found = sorted(checkpoint)[:_MAX_LISTED] if isinstance(checkpoint, Mapping) else type(checkpoint).__name__
         raise CheckpointError(path, f"is not a Lightning checkpoint (no 'state_dict'; found {found})")
 
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load a Lightning checkpoint on the CPU, or raise :class:`CheckpointError` naming the file.
+    """Load a Lightning checkpoint on the CPU, or raise [`CheckpointError`][lightning_fastscale.checkpointing.CheckpointError] naming the file.
 
     A truncated file (the writer was killed), an empty file, or a file that is not a
     checkpoint all end here with the size found and what to do, before any training state
@@ -224,7 +224,7 @@ def optimizer_mismatches(saved_states: Sequence[Mapping[str, Any]], optimizers: 
 
 
 def raise_if_mismatched(path: str | Path, problems: Sequence[str], what: str) -> None:
-    """Raise :class:`CheckpointError` listing ``problems`` (a no-op when there are none)."""
+    """Raise [`CheckpointError`][lightning_fastscale.checkpointing.CheckpointError] listing ``problems`` (a no-op when there are none)."""
     if problems:
         raise CheckpointError(
             path,
@@ -239,7 +239,7 @@ def resume_point(folders: Sequence[str | Path]) -> str | None:
 
     Leftover temporary files of writes cut short by a kill are removed, incomplete or
     unreadable checkpoints are skipped with a warning naming each, and the newest complete
-    one is chosen (:func:`newest_complete_checkpoint`). Checkpoints none of which is complete
+    one is chosen (`newest_complete_checkpoint`). Checkpoints none of which is complete
     are an error naming them: a run is not started over on top of them without a word.
     """
     from lightning_fastscale.checkpoint_io import remove_partial_files

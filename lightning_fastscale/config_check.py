@@ -2,8 +2,8 @@
 
 The library's classes validate their own arguments and name them as their signature does
 (``bucket_cap_mb=-5 must be ...``); torch's and Lightning's do the same in their words. The
-entry point builds every part of the composed config inside :func:`setting_errors`, which turns
-such an error into a :class:`ConfigError` naming the Hydra key (``strategy.bucket_cap_mb=-5
+entry point builds every part of the composed config inside `setting_errors`, which turns
+such an error into a [`ConfigError`][lightning_fastscale.config_check.ConfigError] naming the Hydra key (``strategy.bucket_cap_mb=-5
 must be ...``). ``fastscale-train`` prints a ``ConfigError`` as one line and exits with status 2;
 any other exception is a bug and keeps its traceback.
 """
@@ -105,7 +105,7 @@ def translate(error: BaseException, prefix: str, node: Any = None, extra: dict[s
             (e.g. the Trainer's ``precision``, which comes from the ``precision`` group).
 
     Returns:
-        A :class:`ConfigError` whose one-line message starts with ``<key>=<value>`` when the
+        A [`ConfigError`][lightning_fastscale.config_check.ConfigError] whose one-line message starts with ``<key>=<value>`` when the
         key is known, else with the group's name.
     """
     error = _root_error(error)
@@ -139,7 +139,7 @@ def translate(error: BaseException, prefix: str, node: Any = None, extra: dict[s
 
 @contextlib.contextmanager
 def setting_errors(prefix: str, node: Any = None, extra: dict[str, Any] | None = None) -> Iterator[None]:
-    """Turn a library's refusal of an argument, raised inside the block, into a :class:`ConfigError`.
+    """Turn a library's refusal of an argument, raised inside the block, into a [`ConfigError`][lightning_fastscale.config_check.ConfigError].
 
     ``ValueError`` (and Lightning's ``MisconfigurationException``) is the refusal of a value; a
     ``TypeError`` counts only when it is about the arguments themselves (an unknown or missing

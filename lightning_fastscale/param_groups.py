@@ -5,7 +5,7 @@ Mixed-Precision: Training ImageNet in Four Minutes") removed weight decay from t
 the batch-norm beta/gamma (+1.3% top-1 for AlexNet at batch 64K); the MLPerf LARS reference
 likewise gives these parameters neither weight decay nor LARS adaptation. Every component of
 this package that needs the distinction (``NoWeightDecayOnBiasNorm``, ``LARSMixedPrecision``, the
-``LARS`` optimizer) asks :func:`is_excluded`; none re-implements it.
+``LARS`` optimizer) asks [`is_excluded`][lightning_fastscale.param_groups.is_excluded]; none re-implements it.
 
 The rule: a parameter is excluded when it has ``ndim <= 1`` (biases, norm-layer affine
 parameters, scalars such as layer-scale gammas), when it belongs to a normalisation layer

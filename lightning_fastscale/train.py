@@ -152,7 +152,7 @@ def resolve_resume(cfg: DictConfig) -> str | None:
     holds checkpoints is refused. ``resume=auto`` (requeued or restarted jobs, with a fixed
     ``hydra.run.dir``): continue from the newest checkpoint in the run's checkpoint folder,
     or start fresh when there is none yet; an incomplete or unreadable file is skipped with a
-    warning naming it (see :func:`~lightning_fastscale.checkpointing.resume_point`).
+    warning naming it (see `resume_point`).
     """
     mode = cfg.get("resume", "never")
     if mode not in RESUME_MODES:
@@ -173,8 +173,8 @@ def resolve_resume(cfg: DictConfig) -> str | None:
 def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.Trainer]:
     """Instantiate the datamodule, module and Trainer that ``cfg`` describes (no fitting).
 
-    Every part is built, and the parts checked against each other (:func:`check_parts`), before
-    anything is written or started: a bad setting raises :class:`ConfigError` naming its Hydra
+    Every part is built, and the parts checked against each other (`check_parts`), before
+    anything is written or started: a bad setting raises [`ConfigError`][lightning_fastscale.config_check.ConfigError] naming its Hydra
     key, its value and the fix.
     """
     with setting_errors("data", cfg.data):
@@ -233,7 +233,7 @@ def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.
 
 
 def check_parts(cfg: DictConfig, module: ImageClassifier, trainer: pl.Trainer) -> None:
-    """What only the built parts together can refuse: raises :class:`ConfigError` by Hydra key.
+    """What only the built parts together can refuse: raises [`ConfigError`][lightning_fastscale.config_check.ConfigError] by Hydra key.
 
     The optimizer is built once on a stand-in parameter (torch checks its arguments there), the
     training length is checked against what needs one (an LR schedule), and the strategy's
@@ -429,7 +429,7 @@ def remove_run_folder_if_unused(run_dir: Path, log_files: list[logging.FileHandl
 def main(cfg: DictConfig) -> float | None:
     """Console entry point: ``fastscale-train [group=option ...] [key=value ...] [-m]``.
 
-    A :class:`ConfigError` (a wrong setting) ends the run with its one-line message on stderr
+    A [`ConfigError`][lightning_fastscale.config_check.ConfigError] (a wrong setting) ends the run with its one-line message on stderr
     and exit status 2, the run folder removed if nothing was written to it; set
     ``HYDRA_FULL_ERROR=1`` to see its traceback. Any other error keeps its traceback, which also
     goes to the run folder's log.

@@ -11,7 +11,7 @@ naming it, and the dictionary read is checked (model, module hyper-parameters, s
 callbacks' state) before Lightning restores anything from it. At ``on_fit_start`` (after
 ``configure_optimizers``, before optimizer and scheduler states are restored) the optimizers'
 structure and the LR schedulers' settings are checked too. Lightning's default
-``TorchCheckpointIO`` is replaced by :class:`~lightning_fastscale.checkpoint_io.AtomicCheckpointIO`
+``TorchCheckpointIO`` is replaced by [`AtomicCheckpointIO`][lightning_fastscale.checkpoint_io.AtomicCheckpointIO]
 on the way, so checkpoints are also written atomically.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ from a mid-epoch checkpoint, but a plain ``DataLoader`` starts its epoch over (L
 "your dataloader is not resumable"), so the resumed epoch repeats its first batches, drops
 its last ones and ends at another step than the uninterrupted run; the random-number
 generators also restart from the seed instead of where the run was. For a preempted
-large-batch job (see :class:`~lightning_fastscale.callbacks.PreemptionCheckpoint`) that means
+large-batch job (see [`PreemptionCheckpoint`][lightning_fastscale.callbacks.PreemptionCheckpoint]) that means
 a different run, not a resumed one.
 
 This callback makes the training ``DataLoader`` resumable through Lightning's own interface
@@ -36,15 +36,15 @@ checkpoint's loop state is restored, which ``trainer.estimated_stepping_batches`
 ``configure_optimizers`` sizes an LR schedule by it (the default cosine schedule does;
 Lightning issue #20550): the fit loop then never hands the state to the loader, and the
 resumed epoch re-runs its first batches. At ``on_train_start`` the callback gives the loader
-the pending state and makes its iterator again (:func:`restore_pending_loader_state`), as
+the pending state and makes its iterator again (`restore_pending_loader_state`), as
 Lightning's own restore path does when it builds the loader after the restore.
 
 A checkpoint written by another number of processes cannot be resumed exactly (another
 global batch, another split of the samples over the ranks, other per-rank generators), so
 such a resume is refused before the first step unless ``allow_world_size_change=True``.
 
-Functional core: :func:`collect_rng_states`, :func:`set_rng_states`, :class:`SkipFirstBatches`.
-Lightning adapter: :class:`ExactResume`.
+Functional core: `collect_rng_states`, `set_rng_states`, `SkipFirstBatches`.
+Lightning adapter: [`ExactResume`][lightning_fastscale.callbacks.ExactResume].
 """
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def collect_rng_states() -> dict[str, Any]:
 
 
 def set_rng_states(states: dict[str, Any]) -> None:
-    """Restore what :func:`collect_rng_states` returned."""
+    """Restore what `collect_rng_states` returned."""
     torch.set_rng_state(states["torch"])
     kind, keys, pos, has_gauss, cached = states["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
@@ -240,7 +240,7 @@ class ExactResume(Callback):
 
     Add it to the Trainer's callbacks (``fastscale-train`` does by default); nothing else
     changes: checkpoints made at any step by any checkpoint callback (``ModelCheckpoint(
-    every_n_train_steps=...)``, :class:`~lightning_fastscale.callbacks.PreemptionCheckpoint`)
+    every_n_train_steps=...)``, [`PreemptionCheckpoint`][lightning_fastscale.callbacks.PreemptionCheckpoint])
     carry the data position and RNG states, and ``Trainer.fit(ckpt_path=...)`` uses them.
     The training loader comes from the datamodule's or the LightningModule's
     ``train_dataloader`` (or is the loader given to ``fit``); its class is extended, not

@@ -4,10 +4,10 @@ Jia et al. 2018 (Tencent, "Highly Scalable Deep Learning Training System with Mi
 Training ImageNet in Four Minutes") removed weight decay from biases and batch-norm beta/gamma
 and report +1.3% top-1 for AlexNet at batch 64K; Goyal et al. 2017 likewise leave BN
 parameters undecayed. Which parameters count as "bias/BN-like" is decided by the one shared
-rule in :mod:`lightning_fastscale.param_groups`, the same rule the LARS plugin uses.
+rule in [`lightning_fastscale.param_groups`][lightning_fastscale.param_groups], the same rule the LARS plugin uses.
 
-Functional core: :func:`param_groups_without_decay` builds the two optimizer groups for any
-``nn.Module``. Lightning adapter: :class:`NoWeightDecayOnBiasNorm` makes an unmodified
+Functional core: [`param_groups_without_decay`][lightning_fastscale.callbacks.param_groups_without_decay] builds the two optimizer groups for any
+``nn.Module``. Lightning adapter: [`NoWeightDecayOnBiasNorm`][lightning_fastscale.callbacks.NoWeightDecayOnBiasNorm] makes an unmodified
 ``configure_optimizers`` that builds its optimizer over ``self.parameters()`` receive those
 groups instead.
 
@@ -55,7 +55,7 @@ def param_groups_without_decay(
         ``[{"name": "decay", "params": [...]}, {"name": "no_decay", "params": [...],
         "weight_decay": 0.0}]`` in ``named_parameters()`` order, ready for any
         ``torch.optim`` optimizer; an empty group is omitted. The split is the shared rule
-        of :func:`lightning_fastscale.param_groups.split_parameters` (Jia et al. 2018).
+        of [`lightning_fastscale.param_groups.split_parameters`][lightning_fastscale.param_groups.split_parameters] (Jia et al. 2018).
     """
     decayed, excluded = split_parameters(module, validate_patterns(extra_patterns))
     groups: list[dict[str, Any]] = []
@@ -75,7 +75,7 @@ class NoWeightDecayOnBiasNorm(pl.Callback):
     Works on an ordinary LightningModule whose ``configure_optimizers`` builds its optimizer
     over ``self.parameters()`` (as ``torch.optim.SGD(self.parameters(), ...)`` does): while
     ``configure_optimizers`` runs, ``self.parameters()`` yields the groups of
-    :func:`param_groups_without_decay` instead, so the optimizer (and any scheduler built on
+    [`param_groups_without_decay`][lightning_fastscale.callbacks.param_groups_without_decay] instead, so the optimizer (and any scheduler built on
     it) sees two groups from the start, the first with the optimizer's own weight decay and
     the second with none. Checkpoints therefore hold optimizer state in that layout and
     resume into it. Nothing else in ``configure_optimizers`` may use ``self.parameters()``
@@ -84,7 +84,7 @@ class NoWeightDecayOnBiasNorm(pl.Callback):
     At ``on_fit_start`` (before a checkpoint's optimizer state is restored) the callback checks
     that every excluded parameter really is in a group with ``weight_decay == 0`` and raises
     otherwise, e.g. when ``configure_optimizers`` used ``self.model.parameters()``: build such
-    optimizers with :func:`param_groups_without_decay` directly and drop the callback.
+    optimizers with [`param_groups_without_decay`][lightning_fastscale.callbacks.param_groups_without_decay] directly and drop the callback.
 
     Args:
         extra_patterns: glob patterns on qualified parameter names (as the LightningModule's

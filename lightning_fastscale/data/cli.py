@@ -6,7 +6,7 @@ streaming data in the new folder OUT (see `convert`).
 
 ``fastscale-data verify OUT`` checks a converted folder: every chunk against litdata's
 ``index.json`` and every stored JPEG decoded strictly; each damaged chunk file and sample is
-printed, and the exit status is 1 if there is any (see :mod:`.verify`).
+printed, and the exit status is 1 if there is any (see [`verify`][lightning_fastscale.data.verify]).
 
 ``fastscale-data bench ROOT`` times a training pipeline (``--pipeline streaming`` on a
 converted folder, ``--pipeline imagefolder`` on an image tree) and prints images/s, the

@@ -1,7 +1,7 @@
 """``StreamingDataModule``: litdata streaming, fast uint8 decode, normalise on the device.
 
-A drop-in replacement for :class:`~lightning_fastscale.data.ImageFolderDataModule` on data
-written by ``fastscale-data convert`` (:mod:`.convert`): the same class list and label order,
+A drop-in replacement for [`ImageFolderDataModule`][lightning_fastscale.data.ImageFolderDataModule] on data
+written by ``fastscale-data convert`` (`convert`): the same class list and label order,
 the same training augmentation (random resized crop + flip) and validation geometry (resize,
 centre crop), but
 
@@ -10,18 +10,18 @@ centre crop), but
   in an epoch), from a local folder or object storage through a size-limited local cache
   (Tencent Cloud 2020 cache the data set locally); the loader's position is part of
   Lightning's checkpoint, so a run stopped mid-epoch resumes with the same next batches;
-* validation runs planned batches (:class:`ValidationBatches`): every sample exactly once
+* validation runs planned batches (`ValidationBatches`): every sample exactly once
   across ranks and the same number of batches on every rank, so a distributed validation
   measures the whole split;
-* workers decode with libjpeg-turbo and augment in uint8 (:mod:`.fast_decode`), and the float
-  conversion, normalisation and ``channels_last`` happen in :meth:`on_after_batch_transfer`,
+* workers decode with libjpeg-turbo and augment in uint8 (`fast_decode`), and the float
+  conversion, normalisation and ``channels_last`` happen in `on_after_batch_transfer`,
   on the device, for any LightningModule;
-* on CUDA the next batch is copied ahead on a side stream (:mod:`.device_prefetch`);
-* ``num_workers="auto"`` measures and caches the worker count (:mod:`.worker_autotune`);
+* on CUDA the next batch is copied ahead on a side stream (`device_prefetch`);
+* ``num_workers="auto"`` measures and caches the worker count (`worker_autotune`);
 * ``rect_val=True`` validates fast.ai-style on rectangles grouped by aspect ratio instead of
-  centre-cropped squares (:mod:`.rect_val`, :class:`ValidationBatches`).
+  centre-cropped squares (`rect_val`, `ValidationBatches`).
 
-It implements the batch-size/resolution protocol (:mod:`.protocol`), so ``BatchSizeRamp`` and
+It implements the batch-size/resolution protocol ([`protocol`][lightning_fastscale.data.protocol]), so ``BatchSizeRamp`` and
 ``ProgressiveResizing`` work on it. Throughput against ImageFolder is in ``benchmarks/README.md``.
 """
 from __future__ import annotations
@@ -97,7 +97,7 @@ def _decode_stored(
 ) -> tuple[torch.Tensor, int]:
     """``(transform(JPEG bytes), label)`` of a stored sample; a decode error names the sample.
 
-    The decode is strict (:func:`.verify.strict_decode`): stored images were re-encoded by
+    The decode is strict ([`verify.strict_decode`][lightning_fastscale.data.verify.strict_decode]): stored images were re-encoded by
     ``fastscale-data convert``, so libjpeg's "Corrupt JPEG data" means damaged storage, and
     training on the garbage it recovers would go unnoticed.
     """
@@ -115,12 +115,12 @@ class DecodedStreamingDataset(StreamingDataset):
     """The training split as a shuffled litdata ``StreamingDataset`` of ``(uint8 image, label)``.
 
     Each sample gets a random resized crop + flip drawn from
-    :func:`~lightning_fastscale.data.fast_decode.sample_generator` of ``(seed, epoch, index)``,
+    `sample_generator` of ``(seed, epoch, index)``,
     so the augmentation of a sample does not depend on which worker read it. The last
     incomplete batch is dropped. A sample that cannot be read or decoded raises a
-    :class:`~lightning_fastscale.data.verify.CorruptDataError` naming its chunk file, its
+    [`CorruptDataError`][lightning_fastscale.data.verify.CorruptDataError] naming its chunk file, its
     litdata index and its source file. (Validation reads by index instead:
-    :class:`ValidationBatches`.)
+    `ValidationBatches`.)
     """
 
     def __init__(
@@ -154,7 +154,7 @@ class DecodedStreamingDataset(StreamingDataset):
 class ValidationBatches(IterableDataset):
     """One rank's planned validation batches, yielded whole.
 
-    The plan (:func:`.rect_val.split_batches`) gives every rank the same number of batches and
+    The plan (`rect_val.split_batches`) gives every rank the same number of batches and
     every sample to exactly one rank, so a distributed validation measures the whole split, as
     one process would (litdata's own loader evens ranks out by dropping the remainder instead,
     and Lightning's ``DistributedSampler`` by repeating samples).
@@ -165,9 +165,9 @@ class ValidationBatches(IterableDataset):
     in order again). Being an ``IterableDataset``, Lightning leaves it alone under DDP (it
     replaces the sampler of map-style loaders only), so the per-rank plan is what each rank
     runs. Samples are read by their litdata index through litdata's chunk reader and decoded
-    (``fast_decode.decode_rgb``). With ``crop_ratio=None`` (rectangular validation, :mod:`.rect_val`)
-    each is resized to cover its batch's shape (:func:`.rect_val.resize_to_cover`); otherwise
-    it gets the square resize + centre crop (:func:`.fast_decode.val_transform`).
+    (``fast_decode.decode_rgb``). With ``crop_ratio=None`` (rectangular validation, `rect_val`)
+    each is resized to cover its batch's shape (`rect_val.resize_to_cover`); otherwise
+    it gets the square resize + centre crop (`fast_decode.val_transform`).
     """
 
     def __init__(
@@ -229,7 +229,7 @@ class StreamingDataModule(_ResizableDataModule):
         batch_size / val_batch_size: per-device batch sizes.
         crop_ratio: validation resize ratio (0.875: resize 256, crop 224).
         num_workers: loader processes per rank, or ``"auto"`` to measure the smallest count
-            within 95% of the best on this machine (cached, see :mod:`.worker_autotune`).
+            within 95% of the best on this machine (cached, see `worker_autotune`).
         pin_memory: pinned host batches (default: when CUDA is available).
         prefetch_factor: batches each worker prepares ahead.
         seed: shuffling and augmentation seed (independent of the model seed).
@@ -242,7 +242,7 @@ class StreamingDataModule(_ResizableDataModule):
         rect_val: validate on rectangles (fast.ai, Howard et al. 2018): images sorted by aspect
             ratio, each batch one shape with short side ``val_resolution`` and the long side of
             its median ratio, nothing centre-cropped but the excess of each image's own ratio
-            (:mod:`.rect_val`). Every validation sample is seen exactly once across ranks and
+            (`rect_val`). Every validation sample is seen exactly once across ranks and
             every rank gets the same number of batches (of at most ``val_batch_size``). Needs
             a model that accepts any input size (adaptive pooling, as the package's ResNets).
 

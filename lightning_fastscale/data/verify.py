@@ -10,12 +10,12 @@ file and sample index:
 * a chunk header whose count or offsets disagree with the index or with the file
   (overwritten bytes): litdata would fail with a bare ``struct.error`` or read garbage;
 * a stored JPEG that does not decode cleanly (flipped bits): libjpeg recovers from most such
-  damage with only a "Corrupt JPEG data" line on stderr, so :func:`strict_decode` turns that
+  damage with only a "Corrupt JPEG data" line on stderr, so [`strict_decode`][lightning_fastscale.data.verify.strict_decode] turns that
   line into an error. Damage that leaves a valid entropy code (a flipped bit the format cannot
   detect) is not detectable without checksums.
 
-:func:`check_split_files` is the structural check alone, cheap enough (the first bytes of each
-chunk) to run before every training run; :func:`verify` adds the decode of every sample
+[`check_split_files`][lightning_fastscale.data.verify.check_split_files] is the structural check alone, cheap enough (the first bytes of each
+chunk) to run before every training run; [`verify`][lightning_fastscale.data.verify.verify] adds the decode of every sample
 (``fastscale-data verify OUT``).
 """
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """Step breakdown: where the time of an optimizer step goes, across ranks, and what bounds it.
 
 Pure core, no Lightning and no process group: given the seconds each rank spent per optimizer
-step in each part of the step, :func:`summarize` returns a :class:`BreakdownSummary` (plain,
+step in each part of the step, [`summarize`][lightning_fastscale.diagnostics.step_breakdown.summarize] returns a [`BreakdownSummary`][lightning_fastscale.diagnostics.step_breakdown.BreakdownSummary] (plain,
 JSON-serialisable data) with the median over ranks, the slowest rank, the straggler share and
-a verdict naming the bottleneck. :func:`breakdown_table` renders it as a Markdown table and
-:func:`plot_breakdown` draws stacked bars of a run's windows. The timing itself lives in
-:mod:`lightning_fastscale.diagnostics.step_timer`, the Lightning callback in
-:mod:`lightning_fastscale.diagnostics.step_breakdown_callback`.
+a verdict naming the bottleneck. [`breakdown_table`][lightning_fastscale.diagnostics.step_breakdown.breakdown_table] renders it as a Markdown table and
+[`plot_breakdown`][lightning_fastscale.diagnostics.step_breakdown.plot_breakdown] draws stacked bars of a run's windows. The timing itself lives in
+[`lightning_fastscale.diagnostics.step_timer`][lightning_fastscale.diagnostics.step_timer], the Lightning callback in
+`lightning_fastscale.diagnostics.step_breakdown_callback`.
 
-Parts of a step (:data:`PHASES`):
+Parts of a step (`PHASES`):
 
 - ``input``: waiting for the next batch (loader fetch) and moving it to the device;
 - ``compute``: forward and backward until the last gradient is ready;
@@ -17,7 +17,7 @@ Parts of a step (:data:`PHASES`):
 - ``optimizer``: gradient clipping and the optimizer step;
 - ``rest``: everything else (other callbacks, logging, Python between the hooks).
 
-Verdicts (:data:`VERDICTS`): ``input``, ``compute`` (forward, backward and optimizer),
+Verdicts (`VERDICTS`): ``input``, ``compute`` (forward, backward and optimizer),
 ``communication`` (exposed all-reduce not caused by a slow rank) and ``straggler`` (one
 rank's own work, i.e. its step minus its exposed communication, exceeds the median of the
 others; the others then wait for it inside their all-reduce).
@@ -58,7 +58,7 @@ class RankTotals:
     images: float | None = None
 
     def per_step(self) -> dict[str, float]:
-        """Mean seconds per step of every part in :data:`PHASES` (missing parts are 0)."""
+        """Mean seconds per step of every part in `PHASES` (missing parts are 0)."""
         n = max(self.steps, 1)
         return {p: float(self.seconds.get(p, 0.0)) / n for p in PHASES}
 
@@ -183,7 +183,7 @@ def summarize_steps(
     per_rank_steps: Sequence[Sequence[Mapping[str, float]]],
     samples_per_step: Sequence[float] | None = None,
 ) -> BreakdownSummary:
-    """:func:`summarize` from per-step times: ``per_rank_steps[rank][i][part]`` in seconds.
+    """[`summarize`][lightning_fastscale.diagnostics.step_breakdown.summarize] from per-step times: ``per_rank_steps[rank][i][part]`` in seconds.
 
     ``samples_per_step[rank]``: samples of one step on that rank (for ``samples_per_s``).
 

@@ -1,7 +1,7 @@
 """``StepBreakdown`` (Lightning callback) and ``FabricStepBreakdown``: the step breakdown in a run.
 
-Thin adapters over :class:`~lightning_fastscale.diagnostics.step_timer.StepTimer` (the marks)
-and :func:`~lightning_fastscale.diagnostics.step_breakdown.summarize` (the verdict). Every N
+Thin adapters over [`StepTimer`][lightning_fastscale.diagnostics.step_timer.StepTimer] (the marks)
+and [`summarize`][lightning_fastscale.diagnostics.step_breakdown.summarize] (the verdict). Every N
 optimizer steps each rank sends its sums over the window (a few floats) in one all-gather;
 rank zero logs the median over ranks, the slowest rank and the verdict, and at the end of fit
 prints a table and writes ``step_breakdown.json`` / ``.md`` / ``.png`` into the run folder.
@@ -56,7 +56,7 @@ def samples_in_batch(batch: Any) -> int | None:
 
 
 class _Windows:
-    """Window and whole-run sums of one rank's steps, gathered across ranks on :meth:`flush`."""
+    """Window and whole-run sums of one rank's steps, gathered across ranks on `flush`."""
 
     def __init__(self, warmup_steps: int) -> None:
         self.warmup_steps = warmup_steps
@@ -172,7 +172,7 @@ class StepBreakdown(pl.Callback):
     What is timed: the loader fetch and ``batch_to_device`` (with the batch-transfer hooks)
     through the Trainer's profiler actions, the step's boundaries through the callback hooks,
     and the last gradient through a post-accumulate-grad hook on every parameter (see
-    :mod:`~lightning_fastscale.diagnostics.step_timer`). On CUDA the parts come from CUDA events
+    [`step_timer`][lightning_fastscale.diagnostics.step_timer]). On CUDA the parts come from CUDA events
     read at each window, so no step is synchronised.
 
     Args:
@@ -355,15 +355,15 @@ class StepBreakdown(pl.Callback):
 
 
 class FabricStepBreakdown:
-    """The step breakdown in a Lightning Fabric loop: mark the parts with :meth:`phase`.
+    """The step breakdown in a Lightning Fabric loop: mark the parts with [`phase`][lightning_fastscale.diagnostics.FabricStepBreakdown.phase].
 
     ``phase("input")`` around fetching (and moving) the batch, ``phase("compute")`` around
     forward and ``fabric.backward`` (the exposed communication inside backward is split off by
     the gradient hooks), ``phase("optimizer")`` around ``optimizer.step()`` and ``zero_grad``;
-    :meth:`step_end` after each optimizer step. Every ``every_n_steps`` steps the ranks
-    all-gather their window sums (collective: every rank must call :meth:`step_end` equally
-    often) and ``fabric.log_dict`` receives the ``breakdown/*`` metrics. :meth:`finish`
-    (collective) returns the :class:`BreakdownSummary`; :meth:`save` writes the report.
+    [`step_end`][lightning_fastscale.diagnostics.FabricStepBreakdown.step_end] after each optimizer step. Every ``every_n_steps`` steps the ranks
+    all-gather their window sums (collective: every rank must call [`step_end`][lightning_fastscale.diagnostics.FabricStepBreakdown.step_end] equally
+    often) and ``fabric.log_dict`` receives the ``breakdown/*`` metrics. [`finish`][lightning_fastscale.diagnostics.FabricStepBreakdown.finish]
+    (collective) returns the [`BreakdownSummary`][lightning_fastscale.diagnostics.step_breakdown.BreakdownSummary]; [`save`][lightning_fastscale.diagnostics.FabricStepBreakdown.save] writes the report.
 
     Example:
         >>> bd = FabricStepBreakdown(fabric, model, every_n_steps=20)  # doctest: +SKIP
@@ -439,7 +439,7 @@ class FabricStepBreakdown:
         return self.summary
 
     def save(self, dirpath: str | Path, plot: bool = True) -> dict[str, Path]:
-        """On rank zero write ``step_breakdown.json`` / ``.md`` / ``.png`` (after :meth:`finish`)."""
+        """On rank zero write ``step_breakdown.json`` / ``.md`` / ``.png`` (after [`finish`][lightning_fastscale.diagnostics.FabricStepBreakdown.finish])."""
         if self.summary is None:
             raise RuntimeError("FabricStepBreakdown.save(): call finish() first (on every rank)")
         if not self.fabric.is_global_zero:

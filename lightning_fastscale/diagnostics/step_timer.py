@@ -1,6 +1,6 @@
-"""Per-rank timing of optimizer steps, split into the parts of :data:`~.step_breakdown.PHASES`.
+"""Per-rank timing of optimizer steps, split into the parts of `PHASES`.
 
-:class:`StepTimer` takes time stamps ("marks") at the boundaries of a step and turns each
+[`StepTimer`][lightning_fastscale.diagnostics.step_timer.StepTimer] takes time stamps ("marks") at the boundaries of a step and turns each
 finished step into seconds per part. It is shared by the Lightning callback and the Fabric
 API; neither forces a device synchronisation per step.
 
@@ -18,7 +18,7 @@ DDP's own hook on the same gradient accumulator, so the last bucket's communicat
 counted as compute.
 
 On CUDA each mark also records a CUDA event on the current stream, and the parts of a step
-are the event intervals (the GPU's timeline); the events are read only when :meth:`drain`
+are the event intervals (the GPU's timeline); the events are read only when `drain`
 is called (every N steps), never per step. The ``input`` part is then the GPU's gap between
 the previous step and this batch, capped by the host time spent fetching and copying it. Only
 one gradient hook records an event: the parameter whose gradient came last in the previous
@@ -92,13 +92,13 @@ def _split(times: dict[str, float], origin: float, input_s: float, out: dict[str
 
 
 class StepTimer:
-    """Marks step boundaries on one rank and yields :class:`StepTimes` per optimizer step.
+    """Marks step boundaries on one rank and yields [`StepTimes`][lightning_fastscale.diagnostics.step_timer.StepTimes] per optimizer step.
 
-    Use: :meth:`attach` the model's parameters once; per step call :meth:`mark` at each
-    boundary (:data:`MARKS`), :meth:`add_input` with host seconds spent fetching / copying the
-    batch, and :meth:`end_batch` after each batch (``optimizer_stepped=False`` for
-    gradient-accumulation batches, which join the next step); :meth:`reset_origin` after
-    anything that is not training (validation, an epoch boundary). :meth:`drain` returns the
+    Use: [`attach`][lightning_fastscale.diagnostics.step_timer.StepTimer.attach] the model's parameters once; per step call [`mark`][lightning_fastscale.diagnostics.step_timer.StepTimer.mark] at each
+    boundary (`MARKS`), [`add_input`][lightning_fastscale.diagnostics.step_timer.StepTimer.add_input] with host seconds spent fetching / copying the
+    batch, and [`end_batch`][lightning_fastscale.diagnostics.step_timer.StepTimer.end_batch] after each batch (``optimizer_stepped=False`` for
+    gradient-accumulation batches, which join the next step); [`reset_origin`][lightning_fastscale.diagnostics.step_timer.StepTimer.reset_origin] after
+    anything that is not training (validation, an epoch boundary). [`drain`][lightning_fastscale.diagnostics.step_timer.StepTimer.drain] returns the
     finished steps (on CUDA, those whose events completed; ``block=True`` waits for all).
 
     Example:
@@ -177,7 +177,7 @@ class StepTimer:
         self._grad_event = None
 
     def mark(self, name: str) -> None:
-        """Time stamp (and on CUDA an event) for the boundary ``name`` of :data:`MARKS`."""
+        """Time stamp (and on CUDA an event) for the boundary ``name`` of `MARKS`."""
         if name not in MARKS:
             raise ValueError(f"unknown step mark {name!r}; expected one of {MARKS}")
         if name == "after_backward" and self._grad_t > self._times.get("batch_start", self._origin_t):

@@ -1,6 +1,6 @@
 """Measure all-reduce algorithms on an emulated cluster: the API behind ``benchmarks/allreduce.py``.
 
-:func:`measure_allreduce` builds an :class:`~lightning_fastscale.emulation.EmulatedCluster`
+`measure_allreduce` builds an [`EmulatedCluster`][lightning_fastscale.emulation.EmulatedCluster]
 per bandwidth cap, starts ``torchrun --nnodes N --node_rank i`` on every emulated node (the
 real multi-node launch path) and times each algorithm on each size. Results come back as a
 plain dict, so the planner can fit its alpha-beta cost model to them.
@@ -23,7 +23,7 @@ pipelined through the stages (default: one piece), or ``@<x>mb`` into pieces of 
 strategy's ``pipeline_chunk_mb``). Names:
 
 - ``flat``, ``hier``, ``torus2d``: the strategy's functions in
-  :mod:`lightning_fastscale.strategies.allreduce` (``flat`` in fp32 unchunked is one
+  [`lightning_fastscale.strategies.allreduce`][lightning_fastscale.strategies.allreduce] (``flat`` in fp32 unchunked is one
   ``all_reduce`` over all ranks, what plain DDP does).
 - ``hier_topk``, ``torus2d_topk``: the same with top-k compression of the inter-node stage
   (``topk_ratio``, error feedback carried across rounds).
@@ -95,7 +95,7 @@ def measure_allreduce(
     once, in an order rotated by one each round (see the module docstring); a repetition's
     time is the slowest rank's. ``times_s[i]`` of every algorithm of one size come from the
     same round ``i``, so they can be compared in pairs. Needs root (network namespaces); raises
-    :class:`~lightning_fastscale.emulation.NamespaceUnavailable` otherwise.
+    [`NamespaceUnavailable`][lightning_fastscale.emulation.NamespaceUnavailable] otherwise.
 
     Returns ``{"config": {...}, "results": [{"cap_mbit", "numel", "algorithm", "times_s",
     "median_s", "rel_error", "bound_s", "bound_fraction", "ratio_vs_flat"}, ...]}`` where
@@ -166,7 +166,7 @@ def rotated(items: Sequence[str], shift: int) -> list[str]:
 def _time_interleaved(runs: dict[str, Callable], base, reps: int) -> tuple[dict[str, list[float]], dict[str, float]]:
     """Time every run of ``runs`` once per round, ``reps`` rounds after one warm-up round.
 
-    Round ``r`` runs them in the order :func:`rotated` by ``r``, so no algorithm always goes
+    Round ``r`` runs them in the order `rotated` by ``r``, so no algorithm always goes
     first or follows the same one. Rank ``r`` reduces ``(r + 1) * base``, whose exact sum is
     known without gathering. Returns the times (slowest rank's, one per round, in round order)
     and the largest relative error of the result over all rounds, per name.

@@ -3,7 +3,7 @@
 Answers before a run which all-reduce algorithm (flat, hierarchical, 2D torus) and which
 gradient buckets to use on a cluster, and how training will scale (``fastscale-plan``), every
 algorithm held against the flat all-reduce plain DDP really runs (measured, or NCCL's ring and
-tree priced): :func:`compare_algorithms`, :func:`measure_flat_allreduce`.
+tree priced): [`compare_algorithms`][lightning_fastscale.planner.compare_algorithms], [`measure_flat_allreduce`][lightning_fastscale.planner.measure_flat_allreduce].
 """
 from lightning_fastscale.planner.auto import AutoPlan, CostModelPlanner, auto_plan, best_chunk_plan, module_profile
 from lightning_fastscale.planner.baseline import (

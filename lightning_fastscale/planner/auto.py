@@ -1,13 +1,13 @@
 """One call for a strategy's ``algorithm="auto"`` and fusion ``"auto"``: algorithm + buckets.
 
-For each candidate algorithm the fusion plan is optimised (:func:`plan_fusion`) under that
+For each candidate algorithm the fusion plan is optimised ([`plan_fusion`][lightning_fastscale.planner.plan_fusion]) under that
 algorithm's cost, and the algorithm whose plan ends communication earliest wins (Jia et al.
 2018 choose segments from such a model; the choice of algorithm follows the same rule).
 
 Plain DDP is the baseline every plan is held against: its flat fp32 all-reduce as the
 backend runs it (NCCL's ring or tree; measured where the calibration timed it), with buckets
 planned the same way. Where that plan ends within ``plain_ddp_tolerance`` (5 %) of the best,
-:class:`AutoPlan` says so (``plain_ddp``) and the strategy installs no hook: a hook's own
+[`AutoPlan`][lightning_fastscale.planner.AutoPlan] says so (``plain_ddp``) and the strategy installs no hook: a hook's own
 overhead and a cast wire dtype are not worth a gain that small.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from lightning_fastscale.strategies.planning import CommPlan, PlanRequest
 __all__ = ["CHUNK_CANDIDATES_MB", "AutoPlan", "CostModelPlanner", "auto_plan", "best_chunk_plan", "module_profile"]
 
 CHUNK_CANDIDATES_MB: tuple[float | None, ...] = (None, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
-"""Pipeline chunk sizes (MiB; ``None`` = unchunked) :func:`best_chunk_plan` compares."""
+"""Pipeline chunk sizes (MiB; ``None`` = unchunked) [`best_chunk_plan`][lightning_fastscale.planner.best_chunk_plan] compares."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ def module_profile(
     """Gradient profile of a live module, for planning inside a strategy.
 
     With ``example_input`` and ``sustained_tflops`` the backward time of each layer comes
-    from its FLOPs (:func:`profile_module`, one forward pass without autograd). Otherwise
+    from its FLOPs ([`profile_module`][lightning_fastscale.planner.profile_module], one forward pass without autograd). Otherwise
     ``backward_time_s`` (e.g. measured over the first steps) is spread over the gradients in
     proportion to their size, a cruder but measurement-free estimate.
     """
@@ -96,7 +96,7 @@ def module_profile(
 
 
 def _measured_on_rank0(module: nn.Module, example_input: torch.Tensor) -> GradientProfile:
-    """:func:`measure_backward_profile` on every rank, rank 0's result kept by all.
+    """[`measure_backward_profile`][lightning_fastscale.planner.measure_backward_profile] on every rank, rank 0's result kept by all.
 
     Every rank runs the passes, so layers that communicate in forward (SyncBatchNorm) stay
     matched; only rank 0's timings are used, because DDP needs the same buckets everywhere.
@@ -169,7 +169,7 @@ def best_chunk_plan(
     algorithms: Sequence[str] = ALGORITHMS,
     candidates_mb: Sequence[float | None] = CHUNK_CANDIDATES_MB,
 ) -> tuple[float | None, AutoPlan, dict]:
-    """The pipeline chunk size whose :func:`auto_plan` ends communication earliest.
+    """The pipeline chunk size whose [`auto_plan`][lightning_fastscale.planner.auto_plan] ends communication earliest.
 
     Small chunks overlap the stages better but every chunk pays every stage's latency, which
     grows with the node count (``2(N-1)`` messages per ring all-reduce), so the best chunk
@@ -185,16 +185,16 @@ def best_chunk_plan(
 class CostModelPlanner:
     """Chooses the all-reduce algorithm and the DDP buckets of a run from the communication cost model.
 
-    A :class:`~lightning_fastscale.strategies.planning.CommPlanner`: give it to
+    A [`CommPlanner`][lightning_fastscale.strategies.planning.CommPlanner]: give it to
     ``HierarchicalAllReduceStrategy(algorithm="auto", planner=...)`` and at setup the strategy
-    asks :meth:`plan_comm` with its own wire dtype, top-k ratio and pipeline chunk size, so the
-    plan prices exactly what the strategy will send. :meth:`plan` also works on its own.
+    asks [`plan_comm`][lightning_fastscale.planner.CostModelPlanner.plan_comm] with its own wire dtype, top-k ratio and pipeline chunk size, so the
+    plan prices exactly what the strategy will send. [`plan`][lightning_fastscale.planner.CostModelPlanner.plan] also works on its own.
 
-    ``params``: a :class:`CommParams`, a :class:`~lightning_fastscale.planner.cluster.Cluster`
+    ``params``: a [`CommParams`][lightning_fastscale.planner.CommParams], a [`Cluster`][lightning_fastscale.planner.Cluster]
     or the name/path of a cluster description; ``None`` with ``calibrate=True`` measures them
-    at setup on the real process groups (:mod:`~lightning_fastscale.planner.calibrate`).
+    at setup on the real process groups (`calibrate`).
     Backward time per gradient: with ``measure_backward=True``, timed on the module's device
-    at setup (:func:`~lightning_fastscale.planner.profile.measure_backward_profile` on
+    at setup ([`measure_backward_profile`][lightning_fastscale.planner.measure_backward_profile] on
     ``example_input``, rank 0's profile broadcast to every rank); else from ``example_input``
     (default: the module's ``example_input_array``) and ``sustained_tflops`` (default: the
     cluster's device), else ``backward_time_s`` spread over the gradients by size. The plan is
@@ -205,7 +205,7 @@ class CostModelPlanner:
 
     ``plain_ddp_tolerance`` (default 5 %): where the planner picks the algorithm (no fixed
     ``algorithms``), plain DDP is kept, without a hook, when its plan ends within this
-    fraction of the best (:func:`auto_plan`); ``None`` always takes the best algorithm.
+    fraction of the best ([`auto_plan`][lightning_fastscale.planner.auto_plan]); ``None`` always takes the best algorithm.
 
     Every constructor default is a plain value, so LightningCLI can build it.
 
@@ -307,7 +307,7 @@ class CostModelPlanner:
         algorithms: Sequence[str] | None = None,
         timeout: timedelta | None = None,
     ) -> AutoPlan:
-        """The :class:`AutoPlan` for ``module`` on ``topology`` under these settings (computed once).
+        """The [`AutoPlan`][lightning_fastscale.planner.AutoPlan] for ``module`` on ``topology`` under these settings (computed once).
 
         ``algorithms``: the candidates (default: the planner's, and plain DDP is kept where
         within ``plain_ddp_tolerance`` of the best; given: the best of them, no plain-DDP
@@ -325,7 +325,7 @@ class CostModelPlanner:
         return self._plans[key]
 
     def plan_comm(self, request: PlanRequest) -> CommPlan:
-        """The strategy's question (:class:`~lightning_fastscale.strategies.planning.CommPlanner`): :meth:`plan` of the request."""
+        """The strategy's question ([`CommPlanner`][lightning_fastscale.strategies.planning.CommPlanner]): [`plan`][lightning_fastscale.planner.CostModelPlanner.plan] of the request."""
         return self.plan(request.module, request.topology, wire_dtype=request.wire_dtype,
                          topk_ratio=request.topk_ratio, pipeline_chunk_mb=request.pipeline_chunk_mb,
                          algorithms=request.algorithms, timeout=request.timeout).comm_plan()

@@ -4,15 +4,15 @@ Plain DDP all-reduces each bucket with one collective on the world group; on GPU
 NCCL, which runs its own topology-aware ring or a tree (reduce in the node, all-reduce
 between nodes, broadcast in the node: hierarchical in effect). A speed-up of ``hier`` or
 ``torus2d`` is therefore stated against that (measured where a measurement exists, else the
-NCCL model of :mod:`~lightning_fastscale.planner.cost_model`), never against a flat ring
+NCCL model of `cost_model`), never against a flat ring
 that NCCL does not run.
 
-:func:`compare_algorithms` prices (or takes the measured time of) every algorithm, wire
+[`compare_algorithms`][lightning_fastscale.planner.compare_algorithms] prices (or takes the measured time of) every algorithm, wire
 dtype and top-k ratio against the baseline and says whether plain DDP is within
-:data:`PLAIN_DDP_TOLERANCE` of the best, in which case the strategy installs no hook.
-:func:`crossover_table` is the table of ``fastscale-plan --crossover``: where ``hier``,
+[`PLAIN_DDP_TOLERANCE`][lightning_fastscale.planner.PLAIN_DDP_TOLERANCE] of the best, in which case the strategy installs no hook.
+[`crossover_table`][lightning_fastscale.planner.crossover_table] is the table of ``fastscale-plan --crossover``: where ``hier``,
 ``torus2d``, a 16-bit wire and top-k beat NCCL's own ring and tree, on clusters of 8-GPU
-nodes (:data:`CROSSOVER_ASSUMPTIONS` lists what it assumes).
+nodes (`CROSSOVER_ASSUMPTIONS` lists what it assumes).
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def compare_algorithms(
     tree). Candidates are every ``algorithms`` x ``wire_dtypes`` x ``topk_ratios`` the
     strategy can run (top-k only on ``hier`` / ``torus2d``), pipelined in
     ``pipeline_chunk_mb`` chunks as the strategy sends them. ``measured`` maps
-    :func:`candidate_label` keys to measured seconds, which replace the prediction.
+    `candidate_label` keys to measured seconds, which replace the prediction.
 
     Returns plain data (JSON-serialisable)::
 
@@ -141,11 +141,11 @@ CROSSOVER_ASSUMPTIONS: tuple[str, ...] = (
     "(no CollNet/SHARP, NVLS or PAT), both driving the NIC at its full rate",
     f"top-k keeps {CROSSOVER_TOPK_RATIO:g} of the elements (fp32 values, int32 indices) between nodes",
 )
-"""What :func:`crossover_table` assumes (printed with the table and in the planner docs)."""
+"""What [`crossover_table`][lightning_fastscale.planner.crossover_table] assumes (printed with the table and in the planner docs)."""
 
 
 def crossover_params(gbit_s: float) -> CommParams:
-    """NCCL link parameters of an 8-GPU NVLink node with one ``gbit_s`` NIC (:data:`CROSSOVER_ASSUMPTIONS`)."""
+    """NCCL link parameters of an 8-GPU NVLink node with one ``gbit_s`` NIC (`CROSSOVER_ASSUMPTIONS`)."""
     alpha_inter = 50e-6 if gbit_s < 100 else 5e-6
     return CommParams(alpha_intra=5e-6, beta_intra=8 / 1200e9, alpha_inter=alpha_inter, beta_inter=8 / (gbit_s * 1e9),
                       gamma=0.0, gamma_inter=0.0, backend="nccl")
@@ -169,7 +169,7 @@ def crossover_table(
     speed-up (baseline / time) of ``hier`` and ``torus2d`` in fp32, of the best algorithm with
     a 16-bit wire (fp16; the flat one included) and of the best with top-k (``hier`` or
     ``torus2d``), each pipelined in the strategy's default chunks or unchunked, whichever is
-    faster. Plain data; :func:`format_crossover` renders it.
+    faster. Plain data; [`format_crossover`][lightning_fastscale.planner.format_crossover] renders it.
     """
     rows = []
     for model, numel in models.items():

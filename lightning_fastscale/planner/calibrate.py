@@ -15,7 +15,7 @@ Geijn scatter + all-gather of the model, and its in-node all-gather is several t
 than the model form (the strategy's torus avoids it on gloo); fitting them would bend the link
 parameters towards primitives that never run there. Each measured time ``t`` is, in the model,
 linear in the link parameters: ``t = c_a alpha + c_b beta + c_g gamma`` with coefficients given by the closed
-forms of :mod:`~lightning_fastscale.planner.cost_model` (Thakur et al. 2005) for that
+forms of `cost_model` (Thakur et al. 2005) for that
 primitive, ``p`` and size. One non-negative least-squares fit over all primitives and sizes
 (relative errors, so small messages count as much as large ones) gives the link's
 parameters. Gamma, which both levels share in the model, is taken from inside the node.
@@ -32,10 +32,10 @@ and ``beta`` count bytes on the wire), so a 16-bit wire is measured rather than 
 half of fp32 (a backend may add 16-bit numbers more slowly than it moves them). The in-node
 stages stay in fp32, as the strategy runs them.
 
-Plain DDP's own all-reduce is measured as well, not only modelled: :func:`measure_flat_allreduce`
+Plain DDP's own all-reduce is measured as well, not only modelled: [`measure_flat_allreduce`][lightning_fastscale.planner.measure_flat_allreduce]
 times a plain ``all_reduce`` on the world group with the real backend (NCCL runs its own ring
 or tree there, gloo its ring) at the given sizes, e.g. the model's gradient and DDP's bucket
-sizes. The result (:class:`~lightning_fastscale.planner.cost_model.FlatMeasurement`) rides in
+sizes. The result ([`FlatMeasurement`][lightning_fastscale.planner.FlatMeasurement]) rides in
 ``CommParams.flat_measured``, where it replaces the model of the flat path on this topology,
 so every algorithm is compared against what DDP really does here.
 
@@ -103,7 +103,7 @@ class LinkFit:
 
 @dataclass(frozen=True)
 class CalibrationResult:
-    """Fitted :class:`CommParams` plus the per-level fits and raw timings (for the report)."""
+    """Fitted [`CommParams`][lightning_fastscale.planner.CommParams] plus the per-level fits and raw timings (for the report)."""
 
     params: CommParams
     intra: LinkFit | None
@@ -293,13 +293,13 @@ def fit_calibration(
     flat: FlatMeasurement | None = None,
     backend: str = "gloo",
 ) -> CalibrationResult:
-    """The :class:`CalibrationResult` of measured samples (``{primitive: (bytes, seconds)}``).
+    """The `CalibrationResult` of measured samples (``{primitive: (bytes, seconds)}``).
 
     ``intra_samples``: inside a node (``ranks_per_node`` ranks), ``inter_samples``: among the
     node leaders, ``shared_samples``: every rank's inter-node all-reduce at once (bytes per
-    flow); ``flat``: plain DDP's all-reduce as measured (:func:`measure_flat_allreduce`), kept
+    flow); ``flat``: plain DDP's all-reduce as measured ([`measure_flat_allreduce`][lightning_fastscale.planner.measure_flat_allreduce]), kept
     in the parameters; ``backend``: the backend the samples were taken on (how the model
-    prices the flat path elsewhere). Pure function: :func:`calibrate` measures and calls it,
+    prices the flat path elsewhere). Pure function: `calibrate` measures and calls it,
     and a benchmark can refit stored samples with it.
     """
     intra = inter = shared = None
@@ -345,7 +345,7 @@ def calibrate(
     per node, measures the torus's concurrent flows (``beta_inter_shared``). ``wire_dtype``:
     the dtype of the inter-node measurements (fp32 or a 16-bit one, timed as fp16).
     ``flat_sizes`` (bytes): also time plain DDP's fp32 all-reduce on the world group at these
-    sizes (:func:`measure_flat_allreduce`); the planner then compares against it.
+    sizes ([`measure_flat_allreduce`][lightning_fastscale.planner.measure_flat_allreduce]); the planner then compares against it.
     """
     wire = wire_bytes_per_element(wire_dtype)
     intra = inter = shared = None
@@ -373,12 +373,12 @@ def calibrate_process_groups(
     groups, sizes: Sequence[int] = DEFAULT_SIZES, reps: int = 3, wire_dtype: str = "fp32",
     flat_sizes: Sequence[int] | None = None,
 ) -> CalibrationResult:
-    """:func:`calibrate` on the strategy's ``ProcessGroups`` (``strategies/topology.py``).
+    """`calibrate` on the strategy's ``ProcessGroups`` (``strategies/topology.py``).
 
     Uses ``groups.intra``, on local rank 0 ``groups.inter`` (the group of the ranks with the
     same local rank, i.e. the node leaders for local rank 0), and every rank's ``groups.inter``
     at once for the torus's concurrent flows; the inter-node level in ``wire_dtype``;
-    ``flat_sizes``: plain DDP's all-reduce on the world group (see :func:`calibrate`).
+    ``flat_sizes``: plain DDP's all-reduce on the world group (see `calibrate`).
     """
     topo = groups.topology
     leader = groups.local_rank == 0

@@ -6,11 +6,11 @@
     fastscale-plan --crossover
 
 Answers, before any run, "which all-reduce, which buckets, and how well will it scale on this
-cluster?" from the alpha-beta-gamma model of :mod:`lightning_fastscale.planner.cost_model`,
+cluster?" from the alpha-beta-gamma model of `lightning_fastscale.planner.cost_model`,
 every algorithm held against the flat all-reduce plain DDP runs (NCCL's ring or tree on a GPU
 cluster; measured where the cluster file carries a measurement). ``--crossover`` prints where
 ``hier``, ``torus2d``, a 16-bit wire and top-k beat NCCL's own ring and tree
-(:func:`~lightning_fastscale.planner.baseline.crossover_table`).
+([`crossover_table`][lightning_fastscale.planner.crossover_table]).
 """
 from __future__ import annotations
 

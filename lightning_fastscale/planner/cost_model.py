@@ -16,7 +16,7 @@ costs ``n * gamma``. Closed forms used (``p`` ranks, ``n`` bytes):
 Two link levels are modelled: an intra-node link (NVLink / PCIe / shared memory) and each
 node's inter-node link (its NIC), whose bandwidth is shared by every flow leaving the node.
 On top of the primitives, the three algorithms of the strategy
-(:data:`~lightning_fastscale.strategies.options.ALGORITHMS`):
+([`ALGORITHMS`][lightning_fastscale.planner.ALGORITHMS]):
 
 * ``flat``: the all-reduce over all ``P = nodes * ranks_per_node`` ranks that plain DDP runs,
   priced as the backend runs it (``CommParams.backend``):
@@ -24,10 +24,10 @@ On top of the primitives, the three algorithms of the strategy
   - ``gloo``: one flat ring over all ranks, ordered node by node. Every step moves ``n/P``
     bytes on every edge at once, so a step lasts as long as the slowest edge, each with its
     own latency: ``max(alpha_inter + n/P beta_inter, alpha_intra + n/P beta_intra)``, with one
-    flow's ``beta_inter`` (:meth:`CommParams.flow_beta`).
+    flow's ``beta_inter`` ([`CommParams.flow_beta`][lightning_fastscale.planner.CommParams.flow_beta]).
   - ``nccl``: the better of NCCL's two algorithms (NCCL user guide; its tuning model in
-    ``src/graph/tuning.cc``; nccl-tests ``doc/PERFORMANCE.md``), see :func:`nccl_ring_time`
-    and :func:`nccl_tree_time`. The ring is topology-aware: a node's ranks are contiguous,
+    ``src/graph/tuning.cc``; nccl-tests ``doc/PERFORMANCE.md``), see [`nccl_ring_time`][lightning_fastscale.planner.nccl_ring_time]
+    and [`nccl_tree_time`][lightning_fastscale.planner.nccl_tree_time]. The ring is topology-aware: a node's ranks are contiguous,
     so every node's link carries ``2(P-1)/P n`` bytes each way (nccl-tests' bus bandwidth
     ``busbw = algbw * 2(P-1)/P`` is that link's rate) and every in-node link the same; its
     latency is ``2(N-1)`` inter-node and ``2(P-1) - 2(N-1)`` in-node hops. The tree reduces
@@ -38,8 +38,8 @@ On top of the primitives, the three algorithms of the strategy
     4 nodes on; the in-node chain carries ``n``; its latency is
     ``2 ((G-1) alpha_intra + floor(log2 N) alpha_inter)``.
 
-  A measured flat all-reduce (``CommParams.flat_measured``, :class:`FlatMeasurement`, timed
-  by :mod:`~lightning_fastscale.planner.calibrate` on the world group with the real backend)
+  A measured flat all-reduce (``CommParams.flat_measured``, [`FlatMeasurement`][lightning_fastscale.planner.FlatMeasurement], timed
+  by `calibrate` on the world group with the real backend)
   replaces either model on the topology and wire dtype it was measured on.
 * ``hier`` (Jia et al. 2018, "Highly Scalable Deep Learning Training System with
   Mixed-Precision"): reduce inside the node, ring all-reduce among the node leaders,
@@ -57,7 +57,7 @@ this prices the measured algorithms is in ``benchmarks/README.md`` (section "Pla
 measurement").
 
 Each node must send (and receive) at least ``2(N-1)/N * n`` bytes over its link for any
-all-reduce across ``N`` nodes: :func:`bandwidth_bound`. ``hier`` and ``torus2d`` reach that
+all-reduce across ``N`` nodes: [`bandwidth_bound`][lightning_fastscale.planner.bandwidth_bound]. ``hier`` and ``torus2d`` reach that
 byte count; the flat all-reduce sends ``2(P-1)/P * n``, i.e. ``(P-1)N / ((N-1)P)`` times more
 (1.75x for 2 nodes x 4 ranks).
 
@@ -69,11 +69,11 @@ Optional top-k compression (Tencent Cloud 2020; Lin et al. 2018, "Deep Gradient 
 node: sparse vectors from different nodes do not add up in place, so a ring all-reduce of
 them is not possible. The flat all-reduce has no separate inter-node stage and is not compressed.
 
-Flows on the node link (:meth:`CommParams.flow_beta`): ``beta_inter`` is what one flow per
+Flows on the node link ([`CommParams.flow_beta`][lightning_fastscale.planner.CommParams.flow_beta]): ``beta_inter`` is what one flow per
 node gets (the flat all-reduce's and the leaders' ring). The torus drives ``ranks_per_node`` flows
 per node at once; ideally they share the link fairly (each at ``ranks_per_node * beta_inter``),
 but concurrency can cost more (``beta_inter_shared``: measured on exactly that traffic by
-:mod:`~lightning_fastscale.planner.calibrate`), and one flow may be unable to fill the link
+`calibrate`), and one flow may be unable to fill the link
 (``beta_flow``: a per-flow bandwidth limit, e.g. one TCP connection on a fast NIC), which
 penalises the one-flow algorithms instead.
 
@@ -86,7 +86,7 @@ for one chunk each (pipeline fill and drain). One chunk gives the unchunked sum 
 stages; many chunks tend to the slowest stage alone plus the latencies. The flat all-reduce is
 one stage: chunking it only adds latencies.
 
-:func:`allreduce_time` accepts a numpy array of sizes as well as a number, so the fusion
+[`allreduce_time`][lightning_fastscale.planner.allreduce_time] accepts a numpy array of sizes as well as a number, so the fusion
 planner can price every candidate bucket at once.
 """
 from __future__ import annotations
@@ -142,7 +142,7 @@ class FlatMeasurement:
 
     ``sizes`` are bytes on the wire (elements x ``wire_dtype`` bytes), ``seconds`` the slowest
     rank's median time of a plain ``all_reduce`` on the world group with ``backend``, on
-    ``nodes x ranks_per_node`` ranks. :meth:`time` interpolates linearly between the measured
+    ``nodes x ranks_per_node`` ranks. [`time`][lightning_fastscale.planner.FlatMeasurement.time] interpolates linearly between the measured
     sizes and extrapolates beyond them with a latency + bandwidth line fitted to all of them
     (both terms >= 0), so a measurement at the gradient's size prices exactly that size.
     """
@@ -215,13 +215,13 @@ class CommParams:
     seconds per byte reduced (the addition in reduce-scatter / all-reduce); ``gamma_inter``
     (optional, default ``gamma``) is the reduction cost still visible in an all-reduce between
     nodes, 0 where it overlaps the transfer (then ``beta_inter`` is the all-reduce's effective
-    seconds per byte, as :mod:`~lightning_fastscale.planner.calibrate` fits it).
+    seconds per byte, as `calibrate` fits it).
 
     ``backend`` decides how the flat all-reduce (plain DDP's) is priced: ``"gloo"`` (the
     default for bare parameters, as on the emulated cluster) as one flat ring over all ranks,
     ``"nccl"`` as the better of NCCL's ring and tree (see the module docstring).
     ``flat_measured`` (optional) is that all-reduce timed on the cluster; where it applies
-    (:meth:`FlatMeasurement.applies_to`) it replaces the model.
+    ([`FlatMeasurement.applies_to`][lightning_fastscale.planner.FlatMeasurement.applies_to]) it replaces the model.
     """
 
     alpha_intra: float
@@ -366,7 +366,7 @@ def nccl_tree_time(topology: Topology, nbytes, params: CommParams):
     Reduce along a chain inside each node, all-reduce between nodes over a double binary
     tree, broadcast along the chain (NCCL user guide; NCCL 2.4 release). Pipelined in chunks,
     so the slowest link sets the rate: the in-node chain carries ``nbytes`` each way, the
-    busiest node link :func:`_tree_link_load` ``* nbytes`` (on 2 nodes half the ring's
+    busiest node link `_tree_link_load` ``* nbytes`` (on 2 nodes half the ring's
     ``2(P-1)/P``: about twice its bus bandwidth). Latency as in NCCL's tuning model:
     ``2 ((G-1) alpha_intra + floor(log2 N) alpha_inter)`` with ``G`` ranks per node.
     """
@@ -547,12 +547,12 @@ def choose_algorithm(
 ) -> str:
     """The algorithm with the smallest predicted all-reduce time for ``message_bytes``.
 
-    ``params`` is a :class:`CommParams` (then ``topology`` is required) or a
-    :class:`~lightning_fastscale.planner.cluster.Cluster` (its own topology and parameters
+    ``params`` is a [`CommParams`][lightning_fastscale.planner.CommParams] (then ``topology`` is required) or a
+    [`Cluster`][lightning_fastscale.planner.Cluster] (its own topology and parameters
     are used unless ``topology`` is given). ``message_bytes`` counts fp32 gradient bytes as
     held by the model (4 per element); the wire dtype is applied on top. Ties go to the
     simpler algorithm in the order flat, hier, torus2d. On a single node all three are the
-    same in-node all-reduce and ``flat`` is returned. ``chunk_numel``: as in :func:`allreduce_time`.
+    same in-node all-reduce and ``flat`` is returned. ``chunk_numel``: as in [`allreduce_time`][lightning_fastscale.planner.allreduce_time].
     """
     if not isinstance(params, CommParams):
         cluster = params

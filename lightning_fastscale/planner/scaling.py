@@ -123,7 +123,7 @@ def scaling_curve(
     algorithms: Sequence[str] = ALGORITHMS, wire_dtype: str = "fp32", topk_ratio: float | None = None,
     fusion: str = "auto", pipeline_chunk_mb: float | str | None = DEFAULT_PIPELINE_CHUNK_MB,
 ) -> list[StepPrediction]:
-    """:func:`predict_step` for every GPU count and algorithm."""
+    """[`predict_step`][lightning_fastscale.planner.predict_step] for every GPU count and algorithm."""
     algorithms = check_algorithms(algorithms)
     predict = partial(predict_step, profile, ranks_per_node=ranks_per_node, params=params, wire_dtype=wire_dtype,
                       topk_ratio=topk_ratio, fusion=fusion, pipeline_chunk_mb=pipeline_chunk_mb)

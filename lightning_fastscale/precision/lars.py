@@ -126,7 +126,7 @@ def lars_sgd_(
 ) -> None:
     """One LARS momentum-SGD step over lists, new buffers stored in ``bufs``.
 
-    Equal to :func:`lars_rescale_` followed by ``torch.optim.SGD`` with weight decay 0, with
+    Equal to `lars_rescale_` followed by ``torch.optim.SGD`` with weight decay 0, with
     the ratio folded into the momentum update: with ``G = g + wd*w`` and ``c = r*(1-d)`` (``r``
     for a new buffer, which torch SGD starts undampened from zero), ``buf = m*buf + c*G``. For
     plain momentum that is computed in place as ``c * (buf * m/c + G)``: no temporary, no pass
@@ -223,13 +223,13 @@ def _sgd_on_rescaled(
 class LARS(torch.optim.Optimizer):
     """Momentum SGD with LARS layer-wise learning rates (You et al. 2017), for plain PyTorch.
 
-    Equal to ``torch.optim.SGD`` on the gradient ``r * (g + wd * w)`` (see :func:`lars_sgd_`),
+    Equal to ``torch.optim.SGD`` on the gradient ``r * (g + wd * w)`` (see `lars_sgd_`),
     with SGD's state layout (``momentum_buffer``). Given bare parameters, those with
     ``ndim <= 1`` (bias, norm affine) are not adapted but still decayed, as by SGD;
-    :meth:`from_module` applies the full rule of :mod:`lightning_fastscale.param_groups` and
+    [`from_module`][lightning_fastscale.precision.LARS.from_module] applies the full rule of [`lightning_fastscale.param_groups`][lightning_fastscale.param_groups] and
     gives the excluded parameters neither LARS nor weight decay (Jia et al. 2018). A group with
     ``lars=False`` is plain SGD. Under Lightning, prefer
-    :class:`~lightning_fastscale.precision.LARSMixedPrecision` (loss scaling, non-finite skip).
+    [`LARSMixedPrecision`][lightning_fastscale.precision.LARSMixedPrecision] (loss scaling, non-finite skip).
 
     Same trajectory as ``timm.optim.Lars(trust_coeff=eta)`` with the excluded parameters in a
     group of weight decay 0 and ``always_adapt=True`` on the others.

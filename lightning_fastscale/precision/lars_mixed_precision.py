@@ -37,8 +37,8 @@ class LARSMixedPrecision(LARSStepMixin, MixedPrecision):
     """Lightning Trainer plugin: autocast compute, fp32 master weights, loss scaling, LARS.
 
     Use with a plain optimizer (momentum SGD) built over the module's fp32 parameters. Bias and
-    norm parameters are not adapted (:mod:`lightning_fastscale.param_groups`, plus ``exclude``).
-    For ``lightning.Fabric`` use :class:`~lightning_fastscale.precision.LARSFabricPrecision`.
+    norm parameters are not adapted ([`lightning_fastscale.param_groups`][lightning_fastscale.param_groups], plus ``exclude``).
+    For ``lightning.Fabric`` use [`LARSFabricPrecision`][lightning_fastscale.precision.LARSFabricPrecision].
     Skips are counted (``skipped_steps``, ``consecutive_skipped_steps``, ``last_step_skipped``,
     ``first_nonfinite_parameter``), logged as ``lars/skipped_steps`` with ``lars/loss_scale``,
     and saved with the scaler state in checkpoints.

@@ -1,11 +1,11 @@
 """What the Trainer and Fabric LARS plugins add to Lightning's precision plugins.
 
 Jia et al. 2018 (arXiv:1807.11205) compute the LARS ratio (You et al. 2017) in fp32 on fp32
-master weights from the *unscaled* gradient. Given unscaled gradients, :meth:`LARSStepMixin.lars_step`
+master weights from the *unscaled* gradient. Given unscaled gradients, `LARSStepMixin.lars_step`
 
 1. skips the step on every rank if any rank has a non-finite gradient (no weight, momentum or
    LARS change), counting it and naming the first parameter whose gradient was non-finite;
-2. else replaces every gradient by ``r * (g + wd * w)`` (:func:`~.lars.lars_rescale_`; ``r`` = 1
+2. else replaces every gradient by ``r * (g + wd * w)`` (`lars_rescale_`; ``r`` = 1
    for bias/norm parameters) and runs ``optimizer.step()`` with the groups' weight decay set to
    0 for the call, as apex LARC does, so nothing is decayed twice. Around a plain
    ``torch.optim.SGD`` the rescale and SGD's update run together in one cache-batched pass,
@@ -192,10 +192,10 @@ class LARSStepMixin:
 
     def _sgd_step(self, optimizer: Optimizer, groups: list[tuple[dict, list[Tensor], Tensor]], kwargs: dict) -> Any:
         """``optimizer.step()`` of a plain ``torch.optim.SGD`` with the rescale and SGD's update run
-        together (:func:`~.lars.lars_sgd_` with ``rescale_grads``; cache-sized batches on the CPU).
+        together (`lars_sgd_` with ``rescale_grads``; cache-sized batches on the CPU).
 
         The update runs in a step pre-hook registered last, so every other pre-hook runs before
-        it, as before SGD's own update; it then hands the gradients to :meth:`_restore_grads`, so
+        it, as before SGD's own update; it then hands the gradients to `_restore_grads`, so
         SGD's step finds none and only its bookkeeping (hooks, profiler, LR-scheduler tracking)
         runs. The gradients are back, rescaled, before the post-hooks added after the plugin
         validated the optimizer run.
@@ -223,7 +223,7 @@ class LARSStepMixin:
             self._restore_grads(optimizer)
 
     def _restore_grads(self, optimizer: Optimizer, *_: Any) -> None:
-        """Give back the gradients :meth:`_sgd_step` held while SGD's step ran (a step post-hook,
+        """Give back the gradients `_sgd_step` held while SGD's step ran (a step post-hook,
         registered when the optimizer is validated, so before any the user adds later)."""
         for p, g in self._hidden.pop(id(optimizer), ()):
             p.grad = g
@@ -237,7 +237,7 @@ class LARSStepMixin:
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved (missing counters: a fresh count)."""
+        """Restore what `state_dict` saved (missing counters: a fresh count)."""
         if self.scaler is not None and state_dict.get("scaler"):
             self.scaler.load_state_dict(state_dict["scaler"])
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))

@@ -15,7 +15,7 @@ same values. They need only a [`ProcessGroups`][lightning_fastscale.strategies.t
 Options shared by all three:
 
 - ``wire_dtype``: name of the dtype on the inter-node wire, one of
-  :data:`~lightning_fastscale.strategies.options.WIRE_DTYPES` (fp16/bf16 halve the bytes that
+  [`WIRE_DTYPES`][lightning_fastscale.strategies.options.WIRE_DTYPES] (fp16/bf16 halve the bytes that
   cross the slow links; ``"fp32"`` casts nothing). Hierarchical and torus cast only what crosses nodes, chunk by chunk, and copy the
   sum back: the in-node stages stay in the gradient's dtype, which is more accurate, and the
   in-node links are not the bottleneck. The flat all-reduce, and one node, cast the whole tensor.

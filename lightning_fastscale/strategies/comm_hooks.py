@@ -98,7 +98,7 @@ class HierarchicalHookState:
     """Everything the hooks need, created once at setup.
 
     ``wire_dtype``: inter-node wire dtype, a name of
-    :data:`~lightning_fastscale.strategies.options.WIRE_DTYPES` (``"fp32"`` keeps the gradient's
+    [`WIRE_DTYPES`][lightning_fastscale.strategies.options.WIRE_DTYPES] (``"fp32"`` keeps the gradient's
     dtype). ``topk``: top-k compression of the inter-node stage with its per-bucket residuals, used from hook iteration
     ``topk_start_iter`` on (DDP rebuilds buckets after iteration 0; starting later keeps the
     residuals on the final layout, the PowerSGD practice). ``chunk_numel``: pipeline chunk

@@ -1,12 +1,12 @@
 """``HierarchicalAllReduceStrategy``: Lightning's DDP with a two-level gradient all-reduce.
 
-The thin Lightning adapter over :mod:`~lightning_fastscale.strategies.allreduce` (the numbers)
-and :mod:`~lightning_fastscale.strategies.comm_hooks` (the DDP wiring): DDP still buckets the
+The thin Lightning adapter over [`allreduce`][lightning_fastscale.strategies.allreduce] (the numbers)
+and `comm_hooks` (the DDP wiring): DDP still buckets the
 gradients and overlaps communication with backward; each bucket is all-reduced by the
 hierarchical algorithm of Jia et al. 2018 (Tencent, arXiv:1807.11205), the 2D torus of Mikami
 et al. 2018 (Sony, arXiv:1811.05233) or one flat all-reduce, optionally with a half-precision wire and
 top-k compression of the inter-node stage (Tencent Cloud 2020). Registered in Lightning as
-``"hier_ring"`` and ``"hier_torus"`` (plus ``*_spawn``) by :func:`register_strategies`.
+``"hier_ring"`` and ``"hier_torus"`` (plus ``*_spawn``) by `register_strategies`.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class HierarchicalAllReduceStrategy(HierarchicalAllReduceMixin, DDPStrategy):
 
     Each DDP bucket goes through a communication hook running the algorithm of Jia et al. 2018
     (``hier``) or Mikami et al. 2018 (``torus2d``); on one node in fp32 DDP's own all-reduce is
-    kept (see :attr:`uses_ddp_allreduce`).
+    kept (see `uses_ddp_allreduce`).
 
     Args:
         algorithm: ``"hier"`` (reduce in node, all-reduce among leaders, broadcast in node),
@@ -51,21 +51,21 @@ class HierarchicalAllReduceStrategy(HierarchicalAllReduceMixin, DDPStrategy):
             the stages (chunk i crosses the nodes while chunk i+1 is reduced in the node);
             ``"auto"`` (default): 2 MiB per node, so chunks grow with the latency each one pays;
             ``None`` sends each bucket in one piece.
-        planner: a :class:`~lightning_fastscale.strategies.planning.CommPlanner` such as
-            :class:`~lightning_fastscale.planner.CostModelPlanner`. At setup the strategy asks
-            it once (:meth:`plan_request`: the model, the topology, its own ``wire_dtype``,
+        planner: a [`CommPlanner`][lightning_fastscale.strategies.planning.CommPlanner] such as
+            [`CostModelPlanner`][lightning_fastscale.planner.CostModelPlanner]. At setup the strategy asks
+            it once (`plan_request`: the model, the topology, its own ``wire_dtype``,
             top-k ratio and ``pipeline_chunk_mb``); the plan gives the algorithm (for
             ``"auto"``) and, unless fusion is set explicitly, the DDP bucket caps. Default for
-            ``"auto"``: :class:`~lightning_fastscale.strategies.planning.NodeCountPlanner`
+            ``"auto"``: [`NodeCountPlanner`][lightning_fastscale.strategies.planning.NodeCountPlanner]
             (``hier`` across nodes, ``flat`` in one).
         ddp_comm_hook: a torch DDP communication hook (``fp16_compress_hook``, PowerSGD's
             ``powerSGD_hook``, ...) run as the inter-node stage of ``algorithm="hier"``, or as
-            the whole all-reduce on one node; see :mod:`lightning_fastscale.strategies.user_hooks`
+            the whole all-reduce on one node; see `lightning_fastscale.strategies.user_hooks`
             for what combines and why the rest is refused.
         ddp_comm_state: the hook's state, with its process group left ``None``.
         ddp_comm_wrapper: e.g. ``fp16_compress_wrapper``; wraps ``ddp_comm_hook``, or the
             strategy's own hook when no ``ddp_comm_hook`` is given.
-        **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (and DDP).
+        **kwargs: passed to `DDPStrategy` (and DDP).
 
     Examples:
         Two emulated nodes of two ranks each on one CPU machine::
@@ -165,7 +165,7 @@ class HierarchicalAllReduceStrategy(HierarchicalAllReduceMixin, DDPStrategy):
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """DDP's backward; a failed bucket all-reduce is raised as the hook's :class:`CommHookError`.
+        """DDP's backward; a failed bucket all-reduce is raised as the hook's [`CommHookError`][lightning_fastscale.strategies.CommHookError].
 
         DDP reports an exception from a hook's future only as a value it cannot cast to a
         tensor; the hook state keeps the real error (algorithm, stage, bucket, cause).

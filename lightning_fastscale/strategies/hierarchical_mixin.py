@@ -1,11 +1,11 @@
 """The hierarchical all-reduce strategy itself, for the Trainer's and Fabric's DDP alike (torch only).
 
-:class:`HierarchicalAllReduceMixin` is a mixin placed before a Lightning ``DDPStrategy`` (the
-Trainer's :class:`~lightning_fastscale.strategies.HierarchicalAllReduceStrategy` and Fabric's
-:class:`~lightning_fastscale.strategies.fabric.FabricHierarchicalAllReduceStrategy`). It validates
+`HierarchicalAllReduceMixin` is a mixin placed before a Lightning ``DDPStrategy`` (the
+Trainer's [`HierarchicalAllReduceStrategy`][lightning_fastscale.strategies.HierarchicalAllReduceStrategy] and Fabric's
+[`FabricHierarchicalAllReduceStrategy`][lightning_fastscale.strategies.FabricHierarchicalAllReduceStrategy]). It validates
 the options before any process starts, resolves the node topology against the launcher, checks
 that every node holds the same contiguous ranks, asks its planner
-(:mod:`~lightning_fastscale.strategies.planning`) for the algorithm and buckets, builds
+([`planning`][lightning_fastscale.strategies.planning]) for the algorithm and buckets, builds
 the node groups and installs the communication hook on the ``DistributedDataParallel`` module,
 and releases them at teardown. It relies only on what both DDP strategies share (``num_nodes``,
 ``num_processes``, ``cluster_environment``, ``global_rank``, ``node_rank``, ``world_size``,
@@ -69,9 +69,9 @@ def two_segment_caps_mb(module: nn.Module, split: int) -> list[float]:
 class HierarchicalAllReduceMixin:
     """The hierarchical all-reduce's options, planning, hook and teardown, shared by the Trainer and Fabric strategies.
 
-    Args: see :class:`~lightning_fastscale.strategies.HierarchicalAllReduceStrategy`;
+    Args: see [`HierarchicalAllReduceStrategy`][lightning_fastscale.strategies.HierarchicalAllReduceStrategy];
     ``ddp_comm_hook``/``ddp_comm_state``/``ddp_comm_wrapper`` compose as described in
-    :mod:`lightning_fastscale.strategies.user_hooks`. Everything else goes to the next class in the
+    `lightning_fastscale.strategies.user_hooks`. Everything else goes to the next class in the
     MRO (Lightning's or Fabric's ``DDPStrategy``, and through it to ``DistributedDataParallel``).
     """
 
@@ -235,9 +235,9 @@ class HierarchicalAllReduceMixin:
 
         Explicit settings win: a fixed ``algorithm``; ``two_segment_split``, ``fusion_plan`` or
         ``bucket_cap_mb`` for the buckets. The rest comes from the planner, asked once with
-        :meth:`plan_request` (``algorithm="auto"`` without a planner: :class:`NodeCountPlanner`).
+        `plan_request` (``algorithm="auto"`` without a planner: [`NodeCountPlanner`][lightning_fastscale.strategies.planning.NodeCountPlanner]).
         With ``algorithm="auto"`` and no user hook, a plan that finds plain DDP as good as the
-        best sets :attr:`plain_ddp_reason`: the flat path then runs as DDP's own all-reduce, no hook.
+        best sets `plain_ddp_reason`: the flat path then runs as DDP's own all-reduce, no hook.
         """
         self.plain_ddp_reason = None
         planner = self.planner
@@ -317,7 +317,7 @@ class HierarchicalAllReduceMixin:
         all-reduce inside the node, which DDP's built-in C++ path does without the Python hook
         and its thread, so one node costs what plain DDP does. With ``algorithm="auto"``, also
         where the planner found plain DDP within its tolerance of the best
-        (:attr:`plain_ddp_reason` says why).
+        (`plain_ddp_reason` says why).
         """
         assert self.topology is not None
         if self.plain_ddp_reason is not None:
@@ -379,7 +379,7 @@ class HierarchicalAllReduceMixin:
         }
 
     def plan_message(self) -> str:
-        """:meth:`plan_summary` as one line, for rank-zero info at setup."""
+        """`plan_summary` as one line, for rank-zero info at setup."""
         return f"{type(self).__name__}: " + ", ".join(
             f"{key.split('/')[1]}={value}" for key, value in self.plan_summary().items()
         )

@@ -1,10 +1,10 @@
 """The names the strategy, the planner, the benchmarks and the configs share.
 
-One spelling per concept: the all-reduce algorithms (:data:`ALGORITHMS`), the dtypes a
-gradient may take on the wire (:data:`WIRE_DTYPES`, option ``wire_dtype``, always one of its
+One spelling per concept: the all-reduce algorithms ([`ALGORITHMS`][lightning_fastscale.planner.ALGORITHMS]), the dtypes a
+gradient may take on the wire ([`WIRE_DTYPES`][lightning_fastscale.strategies.options.WIRE_DTYPES], option ``wire_dtype``, always one of its
 names) and the pipeline chunk size (option ``pipeline_chunk_mb``, default
-:data:`DEFAULT_PIPELINE_CHUNK_MB`). The node layout is
-:class:`~lightning_fastscale.strategies.topology.Topology`.
+[`DEFAULT_PIPELINE_CHUNK_MB`][lightning_fastscale.planner.DEFAULT_PIPELINE_CHUNK_MB]). The node layout is
+[`Topology`][lightning_fastscale.planner.Topology].
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ unchunked. The measurements behind the value are in ``benchmarks/README.md`` (se
 
 
 def check_algorithm(name: str, setting: str = "algorithm", extra: Iterable[str] = ()) -> str:
-    """``name`` if it is one of :data:`ALGORITHMS` (or ``extra``); else ``ValueError`` naming ``setting``."""
+    """``name`` if it is one of [`ALGORITHMS`][lightning_fastscale.planner.ALGORITHMS] (or ``extra``); else ``ValueError`` naming ``setting``."""
     choices = (*ALGORITHMS, *extra)
     if name not in choices:
         raise ValueError(f"{setting}={name!r}: choose one of {list(choices)}.")
@@ -58,7 +58,7 @@ def check_algorithm(name: str, setting: str = "algorithm", extra: Iterable[str] 
 
 
 def check_algorithms(names: Iterable[str], setting: str = "algorithms") -> tuple[str, ...]:
-    """:func:`check_algorithm` of each name, as a tuple."""
+    """[`check_algorithm`][lightning_fastscale.strategies.options.check_algorithm] of each name, as a tuple."""
     return tuple(check_algorithm(n, setting) for n in names)
 
 

@@ -1,12 +1,12 @@
 """The one question the strategy asks a planner: which algorithm, which buckets.
 
-At setup, before DDP wraps the model, the strategy hands its planner a :class:`PlanRequest`
-(the model, the node :class:`~lightning_fastscale.strategies.topology.Topology` and its own
-wire dtype, top-k ratio and pipeline chunk size) and gets a :class:`CommPlan` back: the
+At setup, before DDP wraps the model, the strategy hands its planner a [`PlanRequest`][lightning_fastscale.strategies.planning.PlanRequest]
+(the model, the node [`Topology`][lightning_fastscale.planner.Topology] and its own
+wire dtype, top-k ratio and pipeline chunk size) and gets a [`CommPlan`][lightning_fastscale.strategies.planning.CommPlan] back: the
 algorithm and, optionally, DDP's bucket caps. Any object with that one method plugs in
-(:class:`CommPlanner`); the cost-model planner of :mod:`lightning_fastscale.planner` is one,
-:class:`NodeCountPlanner` (what ``algorithm="auto"`` uses without a planner) another. Neither
-side imports the other: both speak the names of :mod:`~lightning_fastscale.strategies.options`.
+([`CommPlanner`][lightning_fastscale.strategies.planning.CommPlanner]); the cost-model planner of [`lightning_fastscale.planner`][lightning_fastscale.planner] is one,
+[`NodeCountPlanner`][lightning_fastscale.strategies.planning.NodeCountPlanner] (what ``algorithm="auto"`` uses without a planner) another. Neither
+side imports the other: both speak the names of [`options`][lightning_fastscale.strategies.options].
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ class PlanRequest:
 class CommPlan:
     """A planner's answer.
 
-    ``algorithm``: one of :data:`~lightning_fastscale.strategies.options.ALGORITHMS`.
+    ``algorithm``: one of [`ALGORITHMS`][lightning_fastscale.planner.ALGORITHMS].
     ``bucket_caps_mb``: DDP bucket caps in MB in gradient-ready order (``bucket_cap_mb_list``);
     ``None`` keeps DDP's uniform cap. ``plain_ddp_reason``: set when plain DDP (its own flat
     all-reduce, no hook) is as good as the best plan, and says why; the strategy then installs
@@ -69,7 +69,7 @@ class CommPlan:
 
 @runtime_checkable
 class CommPlanner(Protocol):
-    """Anything the strategy can ask for a :class:`CommPlan` (``planner=`` of the strategies)."""
+    """Anything the strategy can ask for a [`CommPlan`][lightning_fastscale.strategies.planning.CommPlan] (``planner=`` of the strategies)."""
 
     def plan_comm(self, request: PlanRequest) -> CommPlan:
         """The algorithm and buckets for ``request``."""

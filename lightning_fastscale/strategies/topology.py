@@ -5,7 +5,7 @@ contiguous global ranks ``n * ranks_per_node ... (n + 1) * ranks_per_node - 1``.
 all-reduce of Jia et al. 2018 (Tencent, "Highly Scalable Deep Learning Training System with
 Mixed-Precision") and the 2D-torus all-reduce of Mikami et al. 2018 (Sony, "Massively
 Distributed SGD") both need one group per node ("intra") and one group per local rank across
-nodes ("inter"); :func:`build_process_groups` makes them once.
+nodes ("inter"); [`build_process_groups`][lightning_fastscale.strategies.topology.build_process_groups] makes them once.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class Topology:
     """``num_nodes`` nodes of ``ranks_per_node`` contiguous ranks each (ranks numbered node by node).
 
     The one topology type of the package: the strategy builds its process groups from it and
-    the planner prices algorithms on it. :meth:`from_world` builds it from a world size.
+    the planner prices algorithms on it. [`from_world`][lightning_fastscale.planner.Topology.from_world] builds it from a world size.
 
     Examples:
         >>> topo = Topology(num_nodes=2, ranks_per_node=4)
