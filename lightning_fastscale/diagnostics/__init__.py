@@ -1,0 +1,1 @@
+"""Diagnostics: where a training step's time goes, and ``fastscale-doctor``, which names the bottleneck."""

@@ -1,0 +1,369 @@
+"""The doctor's measurements, taken inside Lightning's fit by a callback so every rank takes part.
+
+Whatever launched the job (Lightning's own launcher, torchrun, SLURM), by ``on_train_start``
+every rank runs in one process group on its device. :class:`DoctorProbe` then measures, on
+every rank at once:
+
+1. the all-reduce at the model's gradient size: the flat one on the world group as DDP runs
+   it, then each algorithm and wire dtype of the hierarchical strategy;
+2. the configured datamodule's loader, images/s per rank at its worker count and at more
+   workers (all ranks of a machine load at the same time, as in training);
+3. compute alone: forward, backward and optimizer step on a device-resident batch of the
+   configured shape, on a copy of the model (no gradient synchronisation, the real weights untouched);
+
+and then lets the fit run its short real run, timing each step's parts per rank. At the end
+of fit every rank holds every rank's numbers (all-gathered), so all ranks reach the same
+verdict and run the same ``--verify`` sequence.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import socket
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_fastscale.data.worker_autotune import images_per_second
+from lightning_fastscale.diagnostics.doctor import FLAT, PARTS, Measurements
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DoctorProbe", "measure_allreduce", "measure_compute", "measure_loader"]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _slowest_median(op: Callable[[], Any], reps: int, device: torch.device) -> float:
+    """Median over ``reps`` (after one warm-up) of the slowest rank's seconds for ``op``."""
+    times = []
+    for rep in range(reps + 1):
+        dist.barrier()
+        _sync(device)
+        start = time.perf_counter()
+        op()
+        _sync(device)
+        slowest = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        if rep:
+            times.append(float(slowest.item()))
+    return statistics.median(times)
+
+
+def measure_allreduce(
+    numel: int, num_nodes: int, ranks_per_node: int, device: torch.device, reps: int = 2,
+    wire_dtypes: tuple[str, ...] = ("fp32", "bf16"),
+) -> dict[str, float]:
+    """Seconds of one all-reduce of ``numel`` fp32 numbers by each ``"algorithm/wire"`` (collective).
+
+    ``flat/fp32`` is ``dist.all_reduce`` on the world group with the job's backend: what DDP
+    runs. The others go through the strategy's own algorithms (``strategies/allreduce.py``)
+    with its default pipeline chunking; hierarchical and torus only with several nodes.
+    """
+    from lightning_fastscale.strategies.allreduce import (
+        flat_allreduce_, hierarchical_allreduce_, torus2d_allreduce_)
+    from lightning_fastscale.strategies.options import DEFAULT_PIPELINE_CHUNK_MB, WIRE_DTYPES, chunk_numel_for
+    from lightning_fastscale.strategies.topology import Topology, build_process_groups
+
+    tensor = torch.ones(numel, device=device)
+    results = {FLAT: _slowest_median(lambda: dist.all_reduce(tensor), reps, device)}
+    groups = build_process_groups(Topology(num_nodes, ranks_per_node))
+    chunk = chunk_numel_for(DEFAULT_PIPELINE_CHUNK_MB, num_nodes)
+    algorithms: dict[str, Callable[..., Any]] = {"flat": flat_allreduce_}
+    if num_nodes > 1:
+        algorithms.update(hier=hierarchical_allreduce_, torus2d=torus2d_allreduce_)
+    try:
+        for name, fn in algorithms.items():
+            for wire in wire_dtypes:
+                label = f"{name}/{wire}"
+                if label == FLAT:
+                    continue
+                dtype = None if wire == "fp32" else WIRE_DTYPES[wire]
+                try:
+                    results[label] = _slowest_median(lambda: fn(tensor, groups, dtype, chunk_numel=chunk), reps, device)
+                except (RuntimeError, TypeError) as err:  # a backend without that dtype: not an option here
+                    log.warning("all-reduce %s not measured: %s", label, err)
+    finally:
+        groups.destroy()
+    return results
+
+
+def measure_loader(
+    datamodule: Any, worker_counts: list[int], batches: int, batch_size: int,
+) -> dict[int, float]:
+    """Images/s of ``datamodule.train_dataloader()`` at each worker count (its ``num_workers`` restored)."""
+    rates = {}
+    saved = {k: getattr(datamodule, k) for k in ("num_workers", "persistent_workers", "prefetch_factor")
+             if hasattr(datamodule, k)}
+    try:
+        for workers in worker_counts:
+            datamodule.num_workers = workers
+            if "persistent_workers" in saved:
+                datamodule.persistent_workers = False  # the probe's loader must stop its workers
+            if "prefetch_factor" in saved:  # DataLoader refuses a prefetch factor without workers
+                datamodule.prefetch_factor = (saved["prefetch_factor"] or 2) if workers > 0 else None
+            rates[workers] = images_per_second(datamodule.train_dataloader(), batches, max(2, workers), batch_size)
+    finally:
+        for k, v in saved.items():
+            setattr(datamodule, k, v)
+    return rates
+
+
+def measure_compute(trainer: pl.Trainer, module: pl.LightningModule, batch: Any, steps: int,
+                    channels_last: bool = False, precision: str | None = None) -> float:
+    """Seconds per step of forward, backward and optimizer on a copy of ``module`` on ``batch``.
+
+    The copy has no DDP around it, so nothing is communicated, and the optimizer is a new one of
+    the configured class and settings over the copy's parameters. ``precision="bf16-mixed"``
+    times that autocast instead of the configured precision.
+    """
+    attached = module._trainer
+    module._trainer = None  # a copy of the module, not of the Trainer it points to
+    try:
+        clone = copy.deepcopy(module)
+    finally:
+        module._trainer = attached
+    if channels_last:
+        clone = clone.to(memory_format=torch.channels_last)
+    optimizer = trainer.optimizers[0]
+    clone_opt = type(optimizer)(clone.parameters(), **optimizer.defaults)
+    device = module.device
+    if precision == "bf16-mixed":
+        context: Callable[[], Any] = lambda: torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
+    else:
+        context = trainer.precision_plugin.forward_context
+
+    def step() -> None:
+        with context():
+            out = clone.training_step(batch, 0)
+        loss = out["loss"] if isinstance(out, dict) else out
+        loss.backward()
+        clone_opt.step()
+        clone_opt.zero_grad(set_to_none=True)
+
+    with warnings.catch_warnings(), torch.enable_grad():
+        warnings.filterwarnings("ignore", message=".*self.log.*")  # the copy has no Trainer to log to
+        clone.train()
+        step()
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        _sync(device)
+    return (time.perf_counter() - start) / steps
+
+
+def _cores_per_rank(trainer: pl.Trainer) -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, trainer.num_devices))
+
+
+class _StepTimer:
+    """Per step and rank: input wait, forward + backward, exposed communication, optimizer, the rest.
+
+    Input wait runs from the end of the previous step to the start of this one (the fetch and
+    host-to-device copy happen there). Backward ends when the last gradient is accumulated
+    (post-accumulate hooks on every parameter); the time from there until ``on_after_backward``
+    is communication DDP left exposed (waiting for the reducer).
+    """
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+        self._marks: dict[str, float] = {}
+        self._last_grad = 0.0
+        self._handles: list[Any] = []
+
+    def attach(self, module: torch.nn.Module) -> None:
+        def mark(_: torch.Tensor) -> None:
+            self._last_grad = time.perf_counter()
+
+        self._handles = [p.register_post_accumulate_grad_hook(mark) for p in module.parameters() if p.requires_grad]
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def mark(self, name: str, device: torch.device) -> None:
+        if name in ("backward_end", "end"):
+            _sync(device)
+        self._marks[name] = time.perf_counter()
+
+    def finish(self) -> None:
+        m = self._marks
+        if not {"start", "backward_start", "backward_end", "optimizer_start", "end"} <= m.keys():
+            self._marks = {"prev_end": m.get("end", time.perf_counter())}
+            return
+        grads_done = min(max(self._last_grad, m["backward_start"]), m["backward_end"])
+        parts = {
+            "input": m["start"] - m["prev_end"] if "prev_end" in m else 0.0,
+            "compute": grads_done - m["start"],
+            "communication": m["backward_end"] - grads_done,
+            "optimizer": m["end"] - m["optimizer_start"],
+        }
+        parts["rest"] = max(0.0, (m["end"] - m["start"]) - parts["compute"] - parts["communication"] - parts["optimizer"])
+        self.steps.append(parts)
+        self._marks = {"prev_end": m["end"]}
+
+
+class DoctorProbe(Callback):
+    """Measures what ``fastscale-doctor`` needs during one short fit (see the module docstring).
+
+    Args:
+        warmup_steps: first steps of the real run left out of the timing (connection set-up,
+            DDP's bucket rebuild, allocator warm-up).
+        measure: False: only time the steps (the ``--verify`` runs).
+        compute_steps: timed steps of compute alone.
+        loader_batches: timed batches per worker count.
+        allreduce_reps: timed repetitions of each all-reduce.
+
+    After fit, :attr:`measurements` (on every rank) holds every rank's numbers.
+
+    Example::
+
+        probe = DoctorProbe(warmup_steps=5)
+        trainer = pl.Trainer(max_steps=25, callbacks=[probe])
+        trainer.fit(model, datamodule=dm)
+        print(probe.measurements.step_s)
+    """
+
+    def __init__(self, warmup_steps: int = 5, measure: bool = True, compute_steps: int = 5,
+                 loader_batches: int = 8, allreduce_reps: int = 2) -> None:
+        self.warmup_steps = warmup_steps
+        self.measure = measure
+        self.compute_steps = compute_steps
+        self.loader_batches = loader_batches
+        self.allreduce_reps = allreduce_reps
+        self.measurements: Measurements | None = None
+        self._timer = _StepTimer()
+        self._local: dict[str, Any] = {}
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._timer.attach(pl_module)
+        if not self.measure:
+            return
+        device = pl_module.device
+        local: dict[str, Any] = {"host": socket.gethostname()}
+        dm = trainer.datamodule
+        grad_numel = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
+        local["grad_bytes"] = 4 * grad_numel
+        topology = getattr(trainer.strategy, "topology", None)
+        nodes = topology.num_nodes if topology is not None else trainer.num_nodes
+        per_node = topology.ranks_per_node if topology is not None else trainer.num_devices
+        local["num_nodes"], local["ranks_per_node"] = nodes, per_node
+        local["backend"] = str(dist.get_backend()) if dist.is_initialized() else "none"
+        if trainer.world_size > 1:
+            local["allreduce_s"] = measure_allreduce(grad_numel, nodes, per_node, device, self.allreduce_reps)
+        algorithm = getattr(trainer.strategy, "resolved_algorithm", None) or "flat"
+        local["configured_allreduce"] = f"{algorithm}/{getattr(trainer.strategy, 'wire_dtype', 'fp32')}"
+        batch_size = getattr(dm, "train_batch_size", None) or getattr(dm, "batch_size", None)
+        batch = None
+        if dm is not None and hasattr(dm, "num_workers") and isinstance(dm.num_workers, int) and batch_size:
+            configured = dm.num_workers
+            cores = _cores_per_rank(trainer)
+            counts = sorted({configured} | {w for w in (max(2 * configured, configured + 1), cores) if configured < w <= cores})
+            local["loader_images_per_s"] = measure_loader(dm, counts, self.loader_batches, batch_size)
+            local["num_workers"] = configured
+            batch = next(iter(dm.train_dataloader()))
+        else:
+            batch = next(iter(trainer.train_dataloader))
+        local["batch_size"] = int(batch_size or len(batch[0]))
+        metadata = getattr(dm, "metadata", None)
+        local["stored_max_side"] = getattr(metadata, "max_side", None)
+        local["resolution"] = getattr(dm, "train_resolution", None)
+        local["crop_ratio"] = float(getattr(dm, "crop_ratio", 0.875))
+        batch = pl_module._apply_batch_transfer_handler(batch)
+        local["compute_alone_s"] = measure_compute(trainer, pl_module, batch, self.compute_steps)
+        if device.type == "cuda":
+            fast = "precision=bf16-mixed model.channels_last=true"
+            local["compute_variants"] = {fast: measure_compute(trainer, pl_module, batch, self.compute_steps,
+                                                               channels_last=True, precision="bf16-mixed")}
+        self._local = local
+        if dist.is_initialized():
+            dist.barrier()  # the real run starts together on every rank
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._timer.mark("start", pl_module.device)
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self._timer.mark("backward_start", pl_module.device)
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._timer.mark("backward_end", pl_module.device)
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._timer.mark("optimizer_start", pl_module.device)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._timer.mark("end", pl_module.device)
+        self._timer.finish()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._timer.detach()
+        timed = self._timer.steps[self.warmup_steps:]
+        if not timed:
+            raise RuntimeError(
+                f"the doctor timed no step: the run made {len(self._timer.steps)} steps, all within the "
+                f"{self.warmup_steps} warm-up steps; raise doctor.steps or +trainer.limit_train_batches"
+            )
+        local = dict(self._local)
+        local["parts"] = {p: statistics.median(s[p] for s in timed) for p in PARTS}
+        gathered = [local]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, local)
+        self.measurements = _combine(gathered)
+
+
+def _combine(per_rank: list[dict[str, Any]]) -> Measurements:
+    """One :class:`Measurements` from every rank's numbers (the loader: its slowest rank)."""
+    first = per_rank[0]
+    loader: dict[int, float] = {}
+    for rank in per_rank:
+        for w, rate in rank.get("loader_images_per_s", {}).items():
+            loader[w] = min(loader.get(w, rate), rate)
+    computes = [r["compute_alone_s"] for r in per_rank if r.get("compute_alone_s") is not None]
+    variants: dict[str, float] = {}
+    for key in first.get("compute_variants", {}):
+        variants[key] = statistics.median(r["compute_variants"][key] for r in per_rank)
+    return Measurements(
+        parts=[r["parts"] for r in per_rank],
+        batch_size=first.get("batch_size", 0),
+        hosts=[r.get("host", "") for r in per_rank],
+        grad_bytes=first.get("grad_bytes", 0),
+        allreduce_s=first.get("allreduce_s", {}),
+        configured_allreduce=first.get("configured_allreduce", FLAT),
+        compute_alone_s=statistics.median(computes) if computes else None,
+        loader_images_per_s=loader,
+        num_workers=first.get("num_workers", 0),
+        stored_max_side=first.get("stored_max_side"),
+        resolution=first.get("resolution"),
+        crop_ratio=first.get("crop_ratio", 0.875),
+        compute_variants=variants,
+        num_nodes=first.get("num_nodes", 1),
+        ranks_per_node=first.get("ranks_per_node", 1),
+        backend=first.get("backend", "none"),
+    )
