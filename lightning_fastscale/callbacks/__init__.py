@@ -18,6 +18,7 @@ from lightning_fastscale.callbacks.skip_weight_decay import (
     SkipWeightDecay,
     param_groups_without_decay,
 )
+from lightning_fastscale.diagnostics.step_breakdown_callback import StepBreakdown
 from lightning_fastscale.callbacks.zero_init_residual_bn import ZeroInitResidualBN, zero_init_residual_bn
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "NonFiniteStepsError",
     "ProgressiveResizing",
     "SkipWeightDecay",
+    "StepBreakdown",
     "WarmupDecayLR",
     "ZeroInitResidualBN",
     "apply_ghost_batch_norm",

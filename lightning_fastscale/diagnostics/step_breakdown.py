@@ -1,0 +1,321 @@
+"""Step breakdown: where the time of an optimizer step goes, across ranks, and what bounds it.
+
+Pure core, no Lightning and no process group: given the seconds each rank spent per optimizer
+step in each part of the step, :func:`summarize` returns a :class:`BreakdownSummary` (plain,
+JSON-serialisable data) with the median over ranks, the slowest rank, the straggler share and
+a verdict naming the bottleneck. :func:`breakdown_table` renders it as a Markdown table and
+:func:`plot_breakdown` draws stacked bars of a run's windows. The timing itself lives in
+:mod:`lightning_fastscale.diagnostics.step_timer`, the Lightning callback in
+:mod:`lightning_fastscale.diagnostics.step_breakdown_callback`.
+
+Parts of a step (:data:`PHASES`):
+
+- ``input``: waiting for the next batch (loader fetch) and moving it to the device;
+- ``compute``: forward and backward until the last gradient is ready;
+- ``communication``: from the last gradient to the end of backward, i.e. the gradient
+  all-reduce that computation did not hide (DDP's reducer waiting on the buckets' futures);
+- ``optimizer``: gradient clipping and the optimizer step;
+- ``rest``: everything else (other callbacks, logging, Python between the hooks).
+
+Verdicts (:data:`VERDICTS`): ``input``, ``compute`` (forward, backward and optimizer),
+``communication`` (exposed all-reduce not caused by a slow rank) and ``straggler`` (one
+rank's own work, i.e. its step minus its exposed communication, exceeds the median of the
+others; the others then wait for it inside their all-reduce).
+
+Example:
+    >>> ranks = [RankTotals(0, steps=10, seconds={"input": 0.5, "compute": 2.0, "communication": 0.3}),
+    ...          RankTotals(1, steps=10, seconds={"input": 0.5, "compute": 2.1, "communication": 0.2})]
+    >>> s = summarize(ranks)
+    >>> s.bottleneck, round(s.step_s, 3), s.slowest_rank
+    ('compute', 0.28, 1)
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+PHASES: tuple[str, ...] = ("input", "compute", "communication", "optimizer", "rest")
+VERDICTS: tuple[str, ...] = ("input", "compute", "communication", "straggler")
+
+
+@dataclass
+class RankTotals:
+    """Seconds one rank spent in each part over ``steps`` optimizer steps (sums, not means).
+
+    ``samples`` / ``images``: samples and images this rank processed in those steps
+    (``images=None`` where batches hold no images).
+    """
+
+    rank: int
+    steps: int
+    seconds: dict[str, float]
+    samples: float = 0.0
+    images: float | None = None
+
+    def per_step(self) -> dict[str, float]:
+        """Mean seconds per step of every part in :data:`PHASES` (missing parts are 0)."""
+        n = max(self.steps, 1)
+        return {p: float(self.seconds.get(p, 0.0)) / n for p in PHASES}
+
+    def step_s(self) -> float:
+        """Mean seconds per step (the sum of the parts)."""
+        return sum(self.per_step().values())
+
+
+@dataclass
+class BreakdownSummary:
+    """The breakdown of ``steps`` optimizer steps on ``world_size`` ranks (plain data).
+
+    Fields: ``step_s`` (median over ranks of the mean step time), ``phases`` (median over ranks
+    of the mean seconds per step of each part), ``shares`` (``phases`` / ``step_s``),
+    ``per_rank`` (each rank's ``step_s``, ``busy_s`` = step minus exposed communication, and
+    ``phases``), ``slowest_rank`` (largest ``busy_s``), ``straggler_s`` (its ``busy_s`` minus
+    the median of the others'), ``straggler_share`` (``straggler_s / step_s``),
+    ``straggler_phase`` (the part in which the slowest rank exceeds the others most),
+    ``scores`` (seconds per step charged to each verdict), ``bottleneck`` (the verdict with the
+    largest score), ``samples_per_s`` / ``images_per_s`` (all ranks together; ``None`` when
+    unknown), ``first_step`` / ``last_step`` (global step numbers covered, when known).
+    """
+
+    steps: int
+    world_size: int
+    step_s: float
+    phases: dict[str, float]
+    shares: dict[str, float]
+    per_rank: list[dict[str, Any]]
+    slowest_rank: int
+    straggler_s: float
+    straggler_share: float
+    straggler_phase: str | None
+    scores: dict[str, float]
+    bottleneck: str
+    samples_per_s: float | None
+    images_per_s: float | None
+    first_step: int | None = None
+    last_step: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict of every field."""
+        return asdict(self)
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else 0.0
+
+
+def summarize(
+    ranks: Sequence[RankTotals], first_step: int | None = None, last_step: int | None = None
+) -> BreakdownSummary:
+    """Median, slowest rank, straggler share and verdict of per-rank part totals.
+
+    The scores the verdict compares, in seconds per step: ``input`` and ``compute``
+    (compute + optimizer) are medians over the ranks other than the slowest one (over all
+    ranks on one rank), ``straggler`` is ``straggler_s``, and ``communication`` is the median
+    exposed communication of the other ranks minus ``straggler_s`` (the part of their wait
+    that is waiting for the slowest rank, not for the network).
+    """
+    if not ranks:
+        raise ValueError("summarize() needs the totals of at least one rank")
+    ranks = sorted(ranks, key=lambda r: r.rank)
+    per_step = {r.rank: r.per_step() for r in ranks}
+    step = {r.rank: sum(per_step[r.rank].values()) for r in ranks}
+    busy = {k: step[k] - per_step[k]["communication"] for k in step}
+    step_s = _median(list(step.values()))
+    phases = {p: _median([per_step[k][p] for k in per_step]) for p in PHASES}
+    shares = {p: (phases[p] / step_s if step_s > 0 else 0.0) for p in PHASES}
+
+    slowest = max(busy, key=lambda k: (busy[k], -k))
+    others = [k for k in busy if k != slowest] or [slowest]
+    straggler_s = max(0.0, busy[slowest] - _median([busy[k] for k in others])) if len(busy) > 1 else 0.0
+    straggler_phase = None
+    if straggler_s > 0:
+        excess = {
+            p: per_step[slowest][p] - _median([per_step[k][p] for k in others])
+            for p in PHASES if p != "communication"
+        }
+        straggler_phase = max(excess, key=excess.get)
+    scores = {
+        "input": _median([per_step[k]["input"] for k in others]),
+        "compute": _median([per_step[k]["compute"] + per_step[k]["optimizer"] for k in others]),
+        "communication": max(0.0, _median([per_step[k]["communication"] for k in others]) - straggler_s),
+        "straggler": straggler_s,
+    }
+    bottleneck = max(VERDICTS, key=lambda v: scores[v])  # ties: the earlier verdict in VERDICTS
+
+    steps = min(r.steps for r in ranks)
+    samples = sum(r.samples for r in ranks)
+    has_images = all(r.images is not None for r in ranks)
+    images = sum(r.images for r in ranks) if has_images else None  # type: ignore[misc]
+    total_s = step_s * steps
+    samples_per_s = samples / total_s if total_s > 0 and samples > 0 else None
+    images_per_s = images / total_s if total_s > 0 and images else None
+    return BreakdownSummary(
+        steps=steps,
+        world_size=len(ranks),
+        step_s=step_s,
+        phases=phases,
+        shares=shares,
+        per_rank=[
+            {"rank": r.rank, "steps": r.steps, "step_s": step[r.rank], "busy_s": busy[r.rank],
+             "phases": per_step[r.rank]}
+            for r in ranks
+        ],
+        slowest_rank=slowest,
+        straggler_s=straggler_s,
+        straggler_share=straggler_s / step_s if step_s > 0 else 0.0,
+        straggler_phase=straggler_phase,
+        scores=scores,
+        bottleneck=bottleneck,
+        samples_per_s=samples_per_s,
+        images_per_s=images_per_s,
+        first_step=first_step,
+        last_step=last_step,
+    )
+
+
+def summarize_steps(
+    per_rank_steps: Sequence[Sequence[Mapping[str, float]]],
+    samples_per_step: Sequence[float] | None = None,
+) -> BreakdownSummary:
+    """:func:`summarize` from per-step times: ``per_rank_steps[rank][i][part]`` in seconds.
+
+    ``samples_per_step[rank]``: samples of one step on that rank (for ``samples_per_s``).
+
+    Example:
+        >>> steps = [[{"input": 0.01, "compute": 0.1}] * 4, [{"input": 0.01, "compute": 0.3}] * 4]
+        >>> s = summarize_steps(steps)
+        >>> s.bottleneck, s.slowest_rank
+        ('straggler', 1)
+    """
+    ranks = []
+    for rank, steps in enumerate(per_rank_steps):
+        seconds = {p: math.fsum(float(s.get(p, 0.0)) for s in steps) for p in PHASES}
+        samples = float(samples_per_step[rank]) * len(steps) if samples_per_step is not None else 0.0
+        ranks.append(RankTotals(rank, len(steps), seconds, samples))
+    return summarize(ranks)
+
+
+def _fmt_ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def breakdown_table(summary: BreakdownSummary | Mapping[str, Any]) -> str:
+    """The summary as a Markdown table (ms per step, share of the step) plus a verdict line."""
+    s = summary.to_dict() if isinstance(summary, BreakdownSummary) else dict(summary)
+    ranks = s["per_rank"]
+    slow = next(r for r in ranks if r["rank"] == s["slowest_rank"])
+    lines = [
+        f"| part | median ms/step | share | slowest rank ({s['slowest_rank']}) ms/step |",
+        "|---|---:|---:|---:|",
+    ]
+    for p in PHASES:
+        lines.append(f"| {p} | {_fmt_ms(s['phases'][p])} | {100 * s['shares'][p]:.1f} % | "
+                     f"{_fmt_ms(slow['phases'][p])} |")
+    lines.append(f"| **step** | **{_fmt_ms(s['step_s'])}** | 100 % | {_fmt_ms(slow['step_s'])} |")
+    rate = []
+    if s.get("samples_per_s"):
+        rate.append(f"{s['samples_per_s']:.1f} samples/s")
+    if s.get("images_per_s"):
+        rate.append(f"{s['images_per_s']:.1f} images/s")
+    steps = f"steps {s['first_step']}-{s['last_step']}" if s.get("first_step") is not None else f"{s['steps']} steps"
+    lines += [
+        "",
+        f"{steps} on {s['world_size']} rank(s){', ' + ', '.join(rate) if rate else ''}; "
+        f"straggler: rank {s['slowest_rank']}, {_fmt_ms(s['straggler_s'])} ms/step "
+        f"({100 * s['straggler_share']:.1f} % of the step"
+        f"{', in ' + s['straggler_phase'] if s.get('straggler_phase') else ''}); "
+        f"bottleneck: **{s['bottleneck']}**",
+    ]
+    return "\n".join(lines)
+
+
+def breakdown_report(total: BreakdownSummary, windows: Sequence[BreakdownSummary], **extra: Any) -> dict[str, Any]:
+    """The JSON document written to ``step_breakdown.json``: ``summary``, ``windows`` and ``extra`` keys.
+
+    ``summary`` is ``total.to_dict()`` (its ``bottleneck``, ``phases``, ``step_s``, ... are what
+    a tool reading the file wants); ``windows`` the per-window summaries in step order.
+    """
+    return {"phases": list(PHASES), "verdicts": list(VERDICTS), "summary": total.to_dict(),
+            "windows": [w.to_dict() for w in windows], **extra}
+
+
+def _merge_windows(windows: Sequence[BreakdownSummary], max_bars: int) -> list[tuple[str, dict[str, float]]]:
+    """Step-weighted mean parts of consecutive windows, at most ``max_bars`` groups."""
+    group = max(1, math.ceil(len(windows) / max_bars))
+    bars = []
+    for i in range(0, len(windows), group):
+        chunk = windows[i:i + group]
+        n = sum(w.steps for w in chunk) or 1
+        phases = {p: sum(w.phases[p] * w.steps for w in chunk) / n for p in PHASES}
+        first, last = chunk[0].first_step, chunk[-1].last_step
+        label = f"{first}-{last}" if first is not None else str(i)
+        bars.append((label, phases))
+    return bars
+
+
+def plot_breakdown(windows: Sequence[BreakdownSummary], path: str | Path, max_bars: int = 40) -> Path:
+    """Stacked bars of the median ms per step of each part, one bar per window of steps (PNG, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    bars = _merge_windows(windows, max_bars)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(bars) + 3), 4.0))
+    try:
+        x = range(len(bars))
+        bottom = [0.0] * len(bars)
+        colors = {"input": "#d62728", "compute": "#1f77b4", "communication": "#ff7f0e",
+                  "optimizer": "#2ca02c", "rest": "#7f7f7f"}
+        for p in PHASES:
+            heights = [1e3 * phases[p] for _, phases in bars]
+            ax.bar(x, heights, bottom=bottom, label=p, color=colors[p])
+            bottom = [b + h for b, h in zip(bottom, heights)]
+        ax.set_xticks(list(x))
+        ax.set_xticklabels([label for label, _ in bars], rotation=60, ha="right", fontsize=7)
+        ax.set_xlabel("optimizer steps")
+        ax.set_ylabel("ms per step (median rank)")
+        ax.set_title("Step breakdown")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+        fig.tight_layout()
+        path = Path(path)
+        fig.savefig(path, dpi=100)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def write_report(
+    directory: str | Path, total: BreakdownSummary, windows: Sequence[BreakdownSummary],
+    stem: str = "step_breakdown", plot: bool = True, **extra: Any,
+) -> dict[str, Path]:
+    """Write ``<stem>.json``, ``<stem>.md`` and (``plot``) ``<stem>.png`` into ``directory``.
+
+    Existing files are never overwritten: the stem gets ``-1``, ``-2``, ... instead. Returns the
+    paths written by kind (``json``, ``md``, ``png``).
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    base, n = stem, 0
+    while any((directory / f"{base}.{ext}").exists() for ext in ("json", "md", "png")):
+        n += 1
+        base = f"{stem}-{n}"
+    paths = {"json": directory / f"{base}.json", "md": directory / f"{base}.md"}
+    paths["json"].write_text(json.dumps(breakdown_report(total, windows, **extra), indent=2) + "\n")
+    md = ["# Step breakdown", "", breakdown_table(total), ""]
+    if windows:
+        md += ["## Windows", "", "| steps | " + " | ".join(PHASES) + " | step ms | bottleneck |",
+               "|---|" + "---:|" * (len(PHASES) + 1) + "---|"]
+        for w in windows:
+            md.append(f"| {w.first_step}-{w.last_step} | " + " | ".join(_fmt_ms(w.phases[p]) for p in PHASES)
+                      + f" | {_fmt_ms(w.step_s)} | {w.bottleneck} |")
+    paths["md"].write_text("\n".join(md) + "\n")
+    if plot and windows:
+        paths["png"] = plot_breakdown(windows, directory / f"{base}.png")
+    return paths

@@ -1,0 +1,429 @@
+"""``StepBreakdown`` (Lightning callback) and ``FabricStepBreakdown``: the step breakdown in a run.
+
+Thin adapters over :class:`~lightning_fastscale.diagnostics.step_timer.StepTimer` (the marks)
+and :func:`~lightning_fastscale.diagnostics.step_breakdown.summarize` (the verdict). Every N
+optimizer steps each rank sends its sums over the window (a few floats) in one all-gather;
+rank zero logs the median over ranks, the slowest rank and the verdict, and at the end of fit
+prints a table and writes ``step_breakdown.json`` / ``.md`` / ``.png`` into the run folder.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from lightning_fastscale.diagnostics.step_breakdown import (
+    PHASES,
+    BreakdownSummary,
+    RankTotals,
+    breakdown_table,
+    summarize,
+    write_report,
+)
+from lightning_fastscale.diagnostics.step_timer import StepTimer, StepTimes
+
+# per rank, per row: steps, parts..., samples, images, steps with images, first step, last step
+_WIDTH = len(PHASES) + 6
+
+
+def images_in_batch(batch: Any) -> int | None:
+    """Images in a batch: the leading size of the first 4-D (N, C, H, W) tensor in it, or ``None``."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() == 4 else None
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            if (n := images_in_batch(item)) is not None:
+                return n
+    return None
+
+
+def samples_in_batch(batch: Any) -> int | None:
+    """Samples in a batch (Lightning's ``extract_batch_size``), or ``None`` if it cannot tell."""
+    try:
+        return int(extract_batch_size(batch))
+    except Exception:  # noqa: BLE001 - any batch Lightning cannot size just has no sample count
+        return None
+
+
+class _Windows:
+    """Window and whole-run sums of one rank's steps, gathered across ranks on :meth:`flush`."""
+
+    def __init__(self, warmup_steps: int) -> None:
+        self.warmup_steps = warmup_steps
+        self.rows = torch.zeros(2, _WIDTH, dtype=torch.float64)  # 0: window, 1: run minus warm-up
+        self.rows[:, -2] = float("inf")
+        self.rows[:, -1] = -1.0
+        self.windows: list[BreakdownSummary] = []
+        self.totals: torch.Tensor | None = None  # (world, _WIDTH), summed over flushes
+
+    def add(self, steps: list[StepTimes]) -> None:
+        for s in steps:
+            row = [1.0, *(s.seconds[p] for p in PHASES), s.samples, s.images or 0.0, float(s.images is not None)]
+            for i in (0, 1) if s.step >= self.warmup_steps else (0,):
+                self.rows[i, :-2] += torch.tensor(row, dtype=torch.float64)
+                self.rows[i, -2] = min(self.rows[i, -2].item(), s.step)
+                self.rows[i, -1] = max(self.rows[i, -1].item(), s.step)
+
+    @staticmethod
+    def _ranks(table: torch.Tensor) -> list[RankTotals]:
+        ranks = []
+        for rank, row in enumerate(table.tolist()):
+            steps = int(row[0])
+            seconds = dict(zip(PHASES, row[1:1 + len(PHASES)]))
+            samples, images, with_images = row[1 + len(PHASES):4 + len(PHASES)]
+            ranks.append(RankTotals(rank, steps, seconds, samples, images if steps and with_images == steps else None))
+        return ranks
+
+    @staticmethod
+    def _span(table: torch.Tensor) -> tuple[int | None, int | None]:
+        first, last = table[:, -2].min().item(), table[:, -1].max().item()
+        return (int(first), int(last)) if last >= 0 else (None, None)
+
+    def flush(self, gather: Callable[[torch.Tensor], torch.Tensor]) -> BreakdownSummary | None:
+        """Collective: gather the window, append its summary, fold it into the run totals."""
+        gathered = gather(self.rows.clone())
+        if gathered.dim() == 2:  # one process: the strategy returns the tensor unchanged
+            gathered = gathered.unsqueeze(0)
+        gathered = gathered.to("cpu", torch.float64)
+        self.rows.zero_()
+        self.rows[:, -2] = float("inf")
+        self.rows[:, -1] = -1.0
+        window, run = gathered[:, 0], gathered[:, 1]
+        if self.totals is None:
+            self.totals = run.clone()
+        else:
+            self.totals[:, :-2] += run[:, :-2]
+            self.totals[:, -2] = torch.minimum(self.totals[:, -2], run[:, -2])
+            self.totals[:, -1] = torch.maximum(self.totals[:, -1], run[:, -1])
+        if window[:, 0].min().item() < 1:
+            return None
+        summary = summarize(self._ranks(window), *self._span(window))
+        self.windows.append(summary)
+        return summary
+
+    def total(self) -> BreakdownSummary | None:
+        """The whole run after the warm-up steps (all steps if the run had no more)."""
+        if self.totals is not None and self.totals[:, 0].min().item() >= 1:
+            return summarize(self._ranks(self.totals), *self._span(self.totals))
+        if not self.windows:
+            return None
+        # a run no longer than its warm-up: sum the windows instead
+        ranks = [RankTotals(r["rank"], 0, dict.fromkeys(PHASES, 0.0), 0.0, 0.0) for r in self.windows[0].per_rank]
+        for w in self.windows:
+            for r, pr in zip(ranks, w.per_rank):
+                r.steps += pr["steps"]
+                for p in PHASES:
+                    r.seconds[p] += pr["phases"][p] * pr["steps"]
+        return summarize(ranks, self.windows[0].first_step, self.windows[-1].last_step)
+
+
+def _metrics(summary: BreakdownSummary, prefix: str) -> dict[str, float]:
+    metrics = {f"{prefix}step_s": summary.step_s, f"{prefix}straggler_share": summary.straggler_share,
+               f"{prefix}slowest_rank": float(summary.slowest_rank)}
+    metrics.update({f"{prefix}{p}_s": summary.phases[p] for p in PHASES})
+    if summary.samples_per_s is not None:
+        metrics[f"{prefix}samples_per_s"] = summary.samples_per_s
+    if summary.images_per_s is not None:
+        metrics[f"{prefix}images_per_s"] = summary.images_per_s
+    return metrics
+
+
+class StepBreakdown(pl.Callback):
+    """Per optimizer step and rank: input, compute, exposed communication, optimizer and the rest.
+
+    Works on any ``LightningModule`` with automatic optimization, on any strategy. Every
+    ``every_n_steps`` optimizer steps (default: the Trainer's ``log_every_n_steps``) the ranks
+    all-gather their sums over the window; rank zero logs ``breakdown/<part>_s`` (median seconds
+    per step over ranks), ``breakdown/step_s``, ``breakdown/straggler_share``,
+    ``breakdown/slowest_rank``, ``breakdown/samples_per_s`` and ``breakdown/images_per_s`` (from
+    each batch's real size, so a growing batch is counted right) to every logger. At the end of
+    fit it prints the table and writes ``step_breakdown.json`` / ``.md`` / ``.png`` into
+    ``dirpath`` (default: the Trainer's ``log_dir``). The first ``warmup_steps`` steps (DDP's
+    bucket rebuild, loader start-up) appear in the windows but not in the final summary.
+
+    What is timed: the loader fetch and ``batch_to_device`` (with the batch-transfer hooks)
+    through the Trainer's profiler actions, the step's boundaries through the callback hooks,
+    and the last gradient through a post-accumulate-grad hook on every parameter (see
+    :mod:`~lightning_fastscale.diagnostics.step_timer`). On CUDA the parts come from CUDA events
+    read at each window, so no step is synchronised.
+
+    Args:
+        every_n_steps: optimizer steps per window (one all-gather and one log per window).
+        dirpath: folder for the report files; ``None``: ``trainer.log_dir``.
+        batch_size_fn: samples in a batch (default: Lightning's ``extract_batch_size``).
+        images_fn: images in a batch (default: leading size of the first 4-D tensor).
+        warmup_steps: first optimizer steps left out of the final summary.
+        plot: write the PNG; print_table: print the table on rank zero at the end of fit.
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> trainer = pl.Trainer(callbacks=[StepBreakdown(every_n_steps=10)])  # doctest: +SKIP
+        >>> trainer.fit(model)  # doctest: +SKIP
+        >>> trainer.callbacks[0].summary.bottleneck  # doctest: +SKIP
+        'input'
+    """
+
+    FETCH_ACTION = "train_dataloader_next"
+    TRANSFER_ACTIONS = (".batch_to_device", ".on_before_batch_transfer", ".on_after_batch_transfer")
+
+    def __init__(
+        self,
+        every_n_steps: int | None = None,
+        dirpath: str | Path | None = None,
+        batch_size_fn: Callable[[Any], int | None] | None = None,
+        images_fn: Callable[[Any], int | None] | None = None,
+        warmup_steps: int = 1,
+        plot: bool = True,
+        print_table: bool = True,
+        log_prefix: str = "breakdown/",
+    ) -> None:
+        if every_n_steps is not None and every_n_steps < 1:
+            raise ValueError(f"StepBreakdown(every_n_steps={every_n_steps}): must be at least 1 (or None "
+                             "for the Trainer's log_every_n_steps)")
+        if warmup_steps < 0:
+            raise ValueError(f"StepBreakdown(warmup_steps={warmup_steps}): must be 0 or more")
+        self.every_n_steps = every_n_steps
+        self.dirpath = dirpath
+        self.batch_size_fn = batch_size_fn or samples_in_batch
+        self.images_fn = images_fn or images_in_batch
+        self.warmup_steps = warmup_steps
+        self.plot = plot
+        self.print_table = print_table
+        self.log_prefix = log_prefix
+        self.timer: StepTimer | None = None
+        self.summary: BreakdownSummary | None = None
+        self.windows: list[BreakdownSummary] = []
+        self.paths: dict[str, Path] = {}
+        self._agg: _Windows | None = None
+        self._profiler: Any = None
+        self._started: dict[str, float] = {}
+        self._stepped = False
+        self._samples = 0.0
+        self._images: float | None = None
+
+    # -- input timing through the profiler's actions --------------------------------------------
+    def _is_input(self, action: str) -> bool:
+        return action.endswith(self.FETCH_ACTION) or action.endswith(self.TRANSFER_ACTIONS)
+
+    def _wrap_profiler(self, profiler: Any) -> None:
+        start, stop = profiler.start, profiler.stop
+
+        def timed_start(action: str) -> None:
+            if self._is_input(action):
+                self._started[action] = time.perf_counter()
+            start(action)
+
+        def timed_stop(action: str) -> None:
+            stop(action)
+            if (t := self._started.pop(action, None)) is not None and self.timer is not None:
+                self.timer.add_input(time.perf_counter() - t)
+
+        profiler.start, profiler.stop = timed_start, timed_stop
+        self._profiler = profiler
+
+    def _unwrap_profiler(self) -> None:
+        if self._profiler is not None:
+            for name in ("start", "stop"):
+                self._profiler.__dict__.pop(name, None)
+            self._profiler = None
+
+    # -- Lightning hooks ----------------------------------------------------------------------
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not pl_module.automatic_optimization:
+            rank_zero_info("StepBreakdown: manual optimization; the step boundaries are the training batches")
+        self.timer = StepTimer(pl_module.device)
+        self.timer.attach(pl_module.parameters())
+        self._agg = _Windows(self.warmup_steps)
+        self._wrap_profiler(trainer.profiler)
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.timer is not None:
+            self.timer.reset_origin()
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.timer is not None and trainer.training:
+            self.timer.reset_origin()  # validation inside an epoch is not part of any step
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self.timer is None:
+            return
+        self.timer.mark("batch_start")
+        self._samples += float(self.batch_size_fn(batch) or 0)
+        images = self.images_fn(batch)
+        if images is not None:
+            self._images = (self._images or 0.0) + images
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self.timer is not None:
+            self.timer.mark("before_backward")
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.timer is not None:
+            self.timer.mark("after_backward")
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self.timer is not None:
+            self.timer.mark("before_optimizer")
+            self._stepped = True
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.timer is None or self._agg is None:
+            return
+        self.timer.mark("end")
+        stepped = self._stepped or not pl_module.automatic_optimization
+        self.timer.end_batch(self._samples, self._images, optimizer_stepped=stepped)
+        self._stepped, self._samples, self._images = False, 0.0, None
+        if stepped and self.timer.steps % self._every(trainer) == 0:
+            self._flush(trainer, pl_module)
+
+    def _every(self, trainer: pl.Trainer) -> int:
+        return self.every_n_steps or max(1, trainer.log_every_n_steps)
+
+    def _flush(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> BreakdownSummary | None:
+        assert self.timer is not None and self._agg is not None
+        self._agg.add(self.timer.drain(block=True))
+        summary = self._agg.flush(lambda t: trainer.strategy.all_gather(t.to(pl_module.device)))
+        self.windows = self._agg.windows
+        if summary is not None and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(_metrics(summary, self.log_prefix), step=trainer.global_step)
+        return summary
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.timer is None or self._agg is None:
+            return
+        self._flush(trainer, pl_module)  # collective: every rank reaches the end of fit
+        self.summary = self._agg.total()
+        self._close()
+        if self.summary is None or not trainer.is_global_zero:
+            return
+        if self.print_table:
+            rank_zero_info("Step breakdown (median over ranks, after the warm-up steps):\n"
+                           + breakdown_table(self.summary))
+        dirpath = Path(self.dirpath) if self.dirpath is not None else Path(trainer.log_dir or trainer.default_root_dir)
+        self.paths = write_report(dirpath, self.summary, self.windows, plot=self.plot,
+                                  warmup_steps=self.warmup_steps, every_n_steps=self._every(trainer))
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self.timer is not None:
+            self.timer.detach()
+        self._unwrap_profiler()
+
+
+class FabricStepBreakdown:
+    """The step breakdown in a Lightning Fabric loop: mark the parts with :meth:`phase`.
+
+    ``phase("input")`` around fetching (and moving) the batch, ``phase("compute")`` around
+    forward and ``fabric.backward`` (the exposed communication inside backward is split off by
+    the gradient hooks), ``phase("optimizer")`` around ``optimizer.step()`` and ``zero_grad``;
+    :meth:`step_end` after each optimizer step. Every ``every_n_steps`` steps the ranks
+    all-gather their window sums (collective: every rank must call :meth:`step_end` equally
+    often) and ``fabric.log_dict`` receives the ``breakdown/*`` metrics. :meth:`finish`
+    (collective) returns the :class:`BreakdownSummary`; :meth:`save` writes the report.
+
+    Example:
+        >>> bd = FabricStepBreakdown(fabric, model, every_n_steps=20)  # doctest: +SKIP
+        >>> for _ in range(steps):  # doctest: +SKIP
+        ...     with bd.phase("input"):
+        ...         x, y = fabric.to_device(next(batches))
+        ...     with bd.phase("compute"):
+        ...         fabric.backward(loss_fn(model(x), y))
+        ...     with bd.phase("optimizer"):
+        ...         optimizer.step(); optimizer.zero_grad()
+        ...     bd.step_end(samples=len(x))
+        >>> summary = bd.finish(); bd.save("runs/this")  # doctest: +SKIP
+    """
+
+    def __init__(self, fabric: Any, model: torch.nn.Module, every_n_steps: int = 50, warmup_steps: int = 1,
+                 log: bool = True, log_prefix: str = "breakdown/") -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"FabricStepBreakdown(every_n_steps={every_n_steps}): must be at least 1")
+        self.fabric = fabric
+        self.every_n_steps = every_n_steps
+        self.log = log
+        self.log_prefix = log_prefix
+        self.warmup_steps = warmup_steps
+        self.timer = StepTimer(fabric.device)
+        self.timer.attach(model.parameters())
+        self._agg = _Windows(warmup_steps)
+        self.summary: BreakdownSummary | None = None
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the block as ``input``, ``compute`` or ``optimizer``."""
+        if name == "input":
+            t = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.timer.add_input(time.perf_counter() - t)
+        elif name == "compute":
+            self.timer.mark("batch_start")
+            yield
+            self.timer.mark("after_backward")
+        elif name == "optimizer":
+            self.timer.mark("before_optimizer")
+            yield
+            self.timer.mark("end")
+        else:
+            raise ValueError(f"FabricStepBreakdown.phase({name!r}): expected 'input', 'compute' or 'optimizer'")
+
+    def step_end(self, samples: float = 0.0, images: float | None = None) -> BreakdownSummary | None:
+        """Close the optimizer step; every ``every_n_steps`` steps gather and log (collective)."""
+        self.timer.end_batch(samples, images)
+        if self.timer.steps % self.every_n_steps == 0:
+            return self._flush()
+        return None
+
+    def _flush(self) -> BreakdownSummary | None:
+        self._agg.add(self.timer.drain(block=True))
+        summary = self._agg.flush(lambda t: self.fabric.all_gather(t.to(self.fabric.device)))
+        if summary is not None and self.log:
+            self.fabric.log_dict(_metrics(summary, self.log_prefix), step=summary.last_step)
+        return summary
+
+    @property
+    def windows(self) -> list[BreakdownSummary]:
+        """The per-window summaries so far."""
+        return self._agg.windows
+
+    def finish(self) -> BreakdownSummary | None:
+        """Collective: gather the last window, remove the hooks, return the run's summary."""
+        self._flush()
+        self.timer.detach()
+        self.summary = self._agg.total()
+        return self.summary
+
+    def save(self, dirpath: str | Path, plot: bool = True) -> dict[str, Path]:
+        """On rank zero write ``step_breakdown.json`` / ``.md`` / ``.png`` (after :meth:`finish`)."""
+        if self.summary is None:
+            raise RuntimeError("FabricStepBreakdown.save(): call finish() first (on every rank)")
+        if not self.fabric.is_global_zero:
+            return {}
+        return write_report(dirpath, self.summary, self.windows, plot=plot, warmup_steps=self.warmup_steps,
+                            every_n_steps=self.every_n_steps)

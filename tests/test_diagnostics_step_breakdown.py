@@ -1,0 +1,246 @@
+"""Step breakdown: the pure summary on synthetic numbers, and real fits with injected bottlenecks.
+
+One-process fits (CPU): the parts add up to the step time measured by an independent callback;
+a slow loader is named ``input``; a large model on in-memory data ``compute``. Two ranks (gloo,
+one ``run_distributed`` spawn shared by two fits): one rank slowed by an extra delay is named
+``straggler`` with its rank; an all-reduce hook whose future completes late is named
+``communication``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from lightning_fastscale.diagnostics import (
+    PHASES,
+    RankTotals,
+    StepBreakdown,
+    StepTimer,
+    breakdown_table,
+    summarize,
+    summarize_steps,
+    write_report,
+)
+from tests.distributed import run_distributed
+
+
+# -- pure core ---------------------------------------------------------------------------------
+def _ranks(*per_rank: dict[str, float], steps: int = 10) -> list[RankTotals]:
+    return [RankTotals(r, steps, {k: v * steps for k, v in parts.items()}, samples=32.0 * steps)
+            for r, parts in enumerate(per_rank)]
+
+
+@pytest.mark.parametrize(
+    ("parts", "verdict"),
+    [
+        ({"input": 0.30, "compute": 0.10, "communication": 0.01}, "input"),
+        ({"input": 0.01, "compute": 0.30, "communication": 0.05, "optimizer": 0.02}, "compute"),
+        ({"input": 0.01, "compute": 0.10, "communication": 0.25}, "communication"),
+    ],
+)
+def test_balanced_ranks_get_the_largest_part(parts, verdict):
+    s = summarize(_ranks(parts, parts, parts, parts))
+    assert s.bottleneck == verdict
+    assert s.straggler_s == 0.0 and s.world_size == 4
+    assert s.step_s == pytest.approx(sum(parts.values()))
+    assert s.phases["input"] == pytest.approx(parts["input"])
+    assert sum(s.shares.values()) == pytest.approx(1.0)
+    # 4 ranks x 32 samples per step, over step_s seconds per step
+    assert s.samples_per_s == pytest.approx(4 * 32 / s.step_s)
+
+
+def test_one_slow_rank_is_named_and_its_wait_is_not_communication():
+    # rank 2 computes 0.2 s longer; the others wait for it inside their all-reduce
+    fast = {"input": 0.01, "compute": 0.10, "communication": 0.22}
+    slow = {"input": 0.01, "compute": 0.30, "communication": 0.02}
+    s = summarize(_ranks(fast, fast, slow, fast))
+    assert s.bottleneck == "straggler"
+    assert s.slowest_rank == 2 and s.straggler_phase == "compute"
+    assert s.straggler_s == pytest.approx(0.20)
+    assert s.straggler_share == pytest.approx(0.20 / 0.33)
+    assert s.scores["communication"] == pytest.approx(0.02)
+    assert s.phases["communication"] == pytest.approx(0.22)  # the median rank's view, unchanged
+
+
+def test_summarize_steps_and_table_and_json(tmp_path):
+    steps = [[{"input": 0.01, "compute": 0.1, "rest": 0.001}] * 5, [{"input": 0.2, "compute": 0.1}] * 5]
+    s = summarize_steps(steps, samples_per_step=[8, 8])
+    assert s.bottleneck == "straggler" and s.slowest_rank == 1 and s.straggler_phase == "input"
+    assert s.steps == 5
+    table = breakdown_table(s)
+    assert "| input |" in table and "bottleneck: **straggler**" in table and "rank 1" in table
+    first = write_report(tmp_path, s, [s])
+    second = write_report(tmp_path, s, [s])  # never overwrites: a new stem
+    assert first["json"].name == "step_breakdown.json" and second["json"].name == "step_breakdown-1.json"
+    doc = json.loads(first["json"].read_text())
+    assert doc["summary"]["bottleneck"] == "straggler" and set(doc["summary"]["phases"]) == set(PHASES)
+    assert first["png"].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_timer_splits_marks_into_parts():
+    timer = StepTimer("cpu")
+    timer.reset_origin()
+    origin = timer._origin_t
+    # hand-made time stamps: 5 ms gap of which 3 ms fetch, 10 ms forward, 20 ms backward,
+    # 7 ms from the last gradient to the end of backward, 1 ms, 4 ms optimizer
+    marks = {"batch_start": 0.005, "before_backward": 0.015, "last_grad": 0.035, "after_backward": 0.042,
+             "before_optimizer": 0.043, "end": 0.047}
+    timer._times = {k: origin + v for k, v in marks.items()}
+    timer.add_input(0.003)
+    timer.end_batch(samples=4)
+    (step,) = timer.drain()
+    expected = {"input": 0.003, "compute": 0.030, "communication": 0.007, "optimizer": 0.004, "rest": 0.003}
+    assert step.seconds == pytest.approx(expected, abs=1e-9)
+    assert step.total_s == pytest.approx(0.047)
+
+
+def test_timer_gradient_accumulation_joins_batches():
+    timer = StepTimer("cpu")
+    timer.reset_origin()
+    for stepped in (False, False, True):
+        for mark in ("batch_start", "before_backward", "after_backward"):
+            timer.mark(mark)
+        if stepped:
+            timer.mark("before_optimizer")
+        timer.end_batch(samples=2, optimizer_stepped=stepped)
+    (step,) = timer.drain()
+    assert step.samples == 6.0 and timer.steps == 1
+
+
+# -- one process ---------------------------------------------------------------------------------
+class _SlowImages(Dataset):
+    """Images that take ``delay`` seconds each to 'decode'."""
+
+    def __init__(self, n: int, delay: float) -> None:
+        self.n, self.delay = n, delay
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        time.sleep(self.delay)
+        return torch.full((3, 8, 8), float(i % 7)), i % 4
+
+
+class _Net(pl.LightningModule):
+    def __init__(self, in_features: int = 192, width: int = 16, depth: int = 1, delay_rank: int | None = None,
+                 delay: float = 0.0) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Flatten(), nn.Linear(in_features, width)]
+        for _ in range(depth - 1):
+            layers += [nn.ReLU(), nn.Linear(width, width)]
+        self.net = nn.Sequential(*layers, nn.ReLU(), nn.Linear(width, 4))
+        self.delay_rank, self.delay = delay_rank, delay
+
+    def training_step(self, batch, batch_idx):
+        if self.delay_rank == self.global_rank:
+            time.sleep(self.delay)  # an injected straggler: this rank's forward is slower
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class _StepEnds(pl.Callback):
+    """Independent clock: the time at each training batch end."""
+
+    def __init__(self) -> None:
+        self.t: list[float] = []
+
+    def on_train_batch_end(self, *args) -> None:
+        self.t.append(time.perf_counter())
+
+
+def _fit(model, loader, tmp_path, **kw) -> tuple[StepBreakdown, _StepEnds]:
+    breakdown, ends = StepBreakdown(every_n_steps=3, dirpath=tmp_path), _StepEnds()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[breakdown, ends], **kw)
+    trainer.fit(model, loader)
+    return breakdown, ends
+
+
+def test_slow_loader_is_input_and_parts_add_up_to_the_step(tmp_path):
+    loader = DataLoader(_SlowImages(8 * 8, delay=0.004), batch_size=8)  # ~32 ms per batch, 0 workers
+    breakdown, ends = _fit(_Net(), loader, tmp_path)
+    s = breakdown.summary
+    assert s.bottleneck == "input", breakdown_table(s)
+    assert s.steps == 7  # 8 steps, the first is warm-up
+    # the parts of steps 1..7 against the independent clock from the end of step 0 to step 7
+    measured = ends.t[-1] - ends.t[0]
+    assert s.step_s * s.steps == pytest.approx(measured, rel=0.05)
+    assert s.phases["input"] >= 0.8 * 8 * 0.004  # at least most of the sleeping is seen as input
+    assert s.images_per_s == pytest.approx(s.samples_per_s) and s.samples_per_s == pytest.approx(8 / s.step_s)
+    doc = json.loads((tmp_path / "step_breakdown.json").read_text())
+    assert doc["summary"]["bottleneck"] == "input" and [w["last_step"] for w in doc["windows"]] == [2, 5, 7]
+    assert (tmp_path / "step_breakdown.png").exists() and (tmp_path / "step_breakdown.md").exists()
+
+
+def test_large_model_on_fast_data_is_compute(tmp_path):
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(6 * 128, 512), torch.randint(0, 4, (6 * 128,)))
+    model = _Net(in_features=512, width=1024, depth=3)
+    breakdown, _ = _fit(model, DataLoader(data, batch_size=128), tmp_path)
+    assert breakdown.summary.bottleneck == "compute", breakdown_table(breakdown.summary)
+    assert breakdown.summary.shares["compute"] > 0.5
+
+
+# -- two ranks -----------------------------------------------------------------------------------
+COMM_DELAY = 0.15
+
+
+def late_allreduce_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's all-reduce whose future completes ``COMM_DELAY`` seconds late: a slow link."""
+    work = dist.all_reduce(bucket.buffer().div_(dist.get_world_size()), async_op=True)
+
+    def late(fut):
+        time.sleep(COMM_DELAY)
+        return fut.value()[0]
+
+    return work.get_future().then(late)
+
+
+def _two_rank_worker(rank: int, world_size: int, tmp: str) -> dict:
+    os.environ["LOCAL_RANK"] = str(rank)  # the Trainer joins this process group instead of launching
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(7 * 8, 3, 8, 8), torch.randint(0, 4, (7 * 8,)))
+    out = {}
+    cases = {
+        "straggler": (_Net(delay_rank=1, delay=0.12), DDPStrategy()),
+        "communication": (_Net(), DDPStrategy(ddp_comm_hook=late_allreduce_hook)),
+    }
+    for name, (model, strategy) in cases.items():
+        breakdown = StepBreakdown(every_n_steps=3, dirpath=Path(tmp) / name, print_table=False)
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=[breakdown], use_distributed_sampler=False)
+        trainer.fit(model, DataLoader(data, batch_size=8))
+        out[name] = breakdown.summary.to_dict() if breakdown.summary else None
+    return out
+
+
+def test_two_ranks_straggler_and_communication(tmp_path):
+    results = run_distributed(_two_rank_worker, 2, str(tmp_path), timeout=240)
+    for case in ("straggler", "communication"):
+        # every rank gathered the same windows, so every rank holds the same summary
+        assert results[0][case] == results[1][case]
+    s = results[0]["straggler"]
+    assert s["bottleneck"] == "straggler" and s["slowest_rank"] == 1, s
+    assert s["straggler_phase"] == "compute" and s["straggler_s"] >= 0.8 * 0.12
+    # rank 0 waits for rank 1 inside backward's all-reduce
+    assert s["per_rank"][0]["phases"]["communication"] >= 0.8 * 0.12
+    c = results[0]["communication"]
+    assert c["bottleneck"] == "communication", c
+    assert c["phases"]["communication"] >= 0.8 * COMM_DELAY
+    assert c["phases"]["compute"] < COMM_DELAY  # the late future is not counted as backward
+    assert json.loads((tmp_path / "communication" / "step_breakdown.json").read_text())["summary"] == c
