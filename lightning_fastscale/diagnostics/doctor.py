@@ -7,15 +7,11 @@ wire dtype (the flat one as DDP runs it is the baseline), compute alone on a dev
 batch, and the loader's images/s per rank at its worker count and at more workers. Nothing
 here touches torch or a process group, so every rule is unit-tested on synthetic numbers.
 
-Verdict. Four candidate causes are priced in seconds per step; the largest is the bottleneck:
-
-- ``input``: the median rank's wait for its next batch (fetch and host-to-device copy);
-- ``compute``: the median rank's forward, backward and optimizer step;
-- ``communication``: exposed communication of the *least-waiting* rank. The last rank to reach
-  the all-reduce waits only for the transfer itself, while every other rank also waits for
-  it; taking the minimum keeps a straggler's delay out of the link's account;
-- ``straggler``: how much longer the slowest rank is busy (input + compute + optimizer) than
-  the median of the others, naming that rank and its host.
+Verdict: the step breakdown's own (:func:`~lightning_fastscale.diagnostics.step_breakdown.summarize`),
+which prices four candidate causes in seconds per step and names the largest: ``input`` (waiting
+for the next batch), ``compute`` (forward, backward and optimizer), ``communication`` (exposed
+all-reduce not caused by a slow rank) and ``straggler`` (how much longer the slowest rank is busy
+than the median of the others, naming that rank; the doctor adds its host).
 
 Fixes are Hydra overrides (or a ``fastscale-data`` command), each with a predicted speed-up
 computed from the measurements by a stated rule (:func:`propose_fixes`); ``--verify`` then
@@ -27,11 +23,12 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from lightning_fastscale.diagnostics.step_breakdown import PHASES, VERDICTS, BreakdownSummary, RankTotals, summarize
 
 __all__ = [
     "BOTTLENECKS",
@@ -48,11 +45,11 @@ __all__ = [
     "verdict_of",
 ]
 
-PARTS: tuple[str, ...] = ("input", "compute", "communication", "optimizer", "rest")
+PARTS: tuple[str, ...] = PHASES
 """The parts of one optimizer step, seconds each (the step breakdown's split)."""
 
-BOTTLENECKS: tuple[str, ...] = ("input", "compute", "communication", "straggler")
-"""What the doctor can name as the cause of a slow step."""
+BOTTLENECKS: tuple[str, ...] = VERDICTS
+"""What the doctor can name as the cause of a slow step (the step breakdown's verdicts)."""
 
 FLAT = "flat/fp32"
 """Label of the baseline all-reduce: one all-reduce over every rank in fp32, what DDP runs."""
@@ -109,23 +106,22 @@ class Measurements:
         """Number of ranks measured."""
         return len(self.parts)
 
+    def breakdown(self) -> BreakdownSummary:
+        """The step breakdown's summary of :attr:`parts` (median, slowest rank, scores, verdict)."""
+        return summarize([RankTotals(rank, 1, dict(parts)) for rank, parts in enumerate(self.parts)])
+
     def rank_step_s(self, rank: int) -> float:
         """Seconds per step of ``rank``: the sum of its parts."""
         return sum(self.parts[rank].get(p, 0.0) for p in PARTS)
 
     @property
     def step_s(self) -> float:
-        """Median over ranks of the step time (every rank's step ends at the same all-reduce)."""
-        return statistics.median(self.rank_step_s(r) for r in range(self.world_size))
+        """Median over ranks of the step time."""
+        return self.breakdown().step_s
 
     def median_part(self, part: str) -> float:
         """Median over ranks of one part's seconds per step."""
-        return statistics.median(p.get(part, 0.0) for p in self.parts)
-
-    def busy_s(self, rank: int) -> float:
-        """Seconds ``rank`` works on its own per step (input + compute + optimizer): no waiting on peers."""
-        parts = self.parts[rank]
-        return parts.get("input", 0.0) + parts.get("compute", 0.0) + parts.get("optimizer", 0.0)
+        return self.breakdown().phases[part]
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Measurements:
@@ -177,7 +173,7 @@ class Diagnosis:
     def to_json(self) -> dict[str, Any]:
         """The JSON document: ``bottleneck``, ``breakdown`` (seconds per step per part), ``fixes``, and the rest."""
         m = self.measurements
-        slowest = max(range(m.world_size), key=m.rank_step_s) if m.world_size else None
+        summary = m.breakdown()
         return {
             "bottleneck": self.verdict.bottleneck,
             "reason": self.verdict.reason,
@@ -185,9 +181,10 @@ class Diagnosis:
             "straggler_rank": self.verdict.straggler_rank,
             "straggler_host": self.verdict.straggler_host,
             "step_s": m.step_s,
-            "breakdown": {p: m.median_part(p) for p in PARTS},
+            "breakdown": dict(summary.phases),
             "breakdown_per_rank": m.parts,
-            "slowest_rank": slowest,
+            "slowest_rank": summary.slowest_rank,
+            "straggler_share": summary.straggler_share,
             "fixes": [asdict(f) for f in self.fixes],
             "baseline_step_s": self.baseline_step_s,
             "verify_rounds": self.verify_rounds,
@@ -195,37 +192,26 @@ class Diagnosis:
         }
 
 
-def _others_median(values: Sequence[float], skip: int) -> float:
-    rest = [v for i, v in enumerate(values) if i != skip]
-    return statistics.median(rest) if rest else values[skip]
-
-
 def verdict_of(m: Measurements) -> Verdict:
-    """Name the bottleneck of measured steps (see the module docstring for each cause's price)."""
+    """The bottleneck of the measured steps (the step breakdown's verdict), with its numbers and a reason."""
     if not m.parts:
         raise ValueError("no step was measured: the doctor needs at least one timed step per rank")
-    busy = [m.busy_s(r) for r in range(m.world_size)]
-    slow = max(range(m.world_size), key=busy.__getitem__)
-    straggler = max(0.0, busy[slow] - _others_median(busy, slow)) if m.world_size > 1 else 0.0
-    seconds = {
-        "input": m.median_part("input"),
-        "compute": m.median_part("compute") + m.median_part("optimizer"),
-        "communication": min(p.get("communication", 0.0) for p in m.parts),
-        "straggler": straggler,
-    }
-    bottleneck = max(BOTTLENECKS, key=seconds.__getitem__)
-    step = m.step_s
+    summary = m.breakdown()
+    seconds, bottleneck, step = dict(summary.scores), summary.bottleneck, summary.step_s
     share = seconds[bottleneck] / step if step > 0 else 0.0
     if bottleneck == "straggler":
+        slow = summary.slowest_rank
         host = m.hosts[slow] if slow < len(m.hosts) else None
-        reason = (f"rank {slow}{f' on {host}' if host else ''} is busy {busy[slow]:.4f} s per step, "
-                  f"{straggler:.4f} s more than the other ranks' median; they wait for it in every all-reduce")
+        busy = summary.per_rank[slow]["busy_s"]
+        reason = (f"rank {slow}{f' on {host}' if host else ''} is busy {busy:.4f} s per step, "
+                  f"{seconds['straggler']:.4f} s more than the other ranks' median "
+                  f"(in {summary.straggler_phase}); they wait for it in every all-reduce")
         return Verdict(bottleneck, seconds, reason, slow, host)
     reasons = {
         "input": f"waiting for the next batch takes {seconds['input']:.4f} s of the {step:.4f} s step ({share:.0%})",
         "compute": f"forward, backward and optimizer take {seconds['compute']:.4f} s of the {step:.4f} s step ({share:.0%})",
         "communication": (f"communication left exposed after backward takes {seconds['communication']:.4f} s of the "
-                          f"{step:.4f} s step ({share:.0%}) even on the rank that waits least"),
+                          f"{step:.4f} s step ({share:.0%}), not counting waits for a slower rank"),
     }
     return Verdict(bottleneck, seconds, reasons[bottleneck])
 
@@ -309,7 +295,7 @@ def _communication_fixes(m: Measurements) -> list[Fix]:
     current = m.allreduce_s.get(m.configured_allreduce)
     if current is None:
         return []
-    exposed = min(p.get("communication", 0.0) for p in m.parts)
+    exposed = m.breakdown().scores["communication"]
     step, fixes = m.step_s, []
     for label, t in sorted(m.allreduce_s.items(), key=lambda kv: kv[1]):
         if label == m.configured_allreduce or t >= current:
@@ -394,9 +380,9 @@ def _fmt_s(seconds: float) -> str:
 def render_report(d: Diagnosis) -> str:
     """The console report: verdict, breakdown (median and slowest rank), measurements, fixes."""
     m, v = d.measurements, d.verdict
+    slowest = m.breakdown().slowest_rank
     lines = [f"fastscale-doctor: {m.world_size} rank(s) on {m.num_nodes} node(s) x {m.ranks_per_node}, {m.backend}",
              "", f"bottleneck: {v.bottleneck.upper()}", f"  {v.reason}", ""]
-    slowest = max(range(m.world_size), key=m.rank_step_s)
     lines.append(f"step breakdown (per step)        median rank   slowest rank ({slowest})")
     for part in PARTS:
         lines.append(f"  {part:<30}{_fmt_s(m.median_part(part))}    {_fmt_s(m.parts[slowest].get(part, 0.0))}")
@@ -441,7 +427,7 @@ def plot_report(d: Diagnosis, path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     m = d.measurements
-    slowest = max(range(m.world_size), key=m.rank_step_s)
+    slowest = m.breakdown().slowest_rank
     bars = [("median rank", {p: m.median_part(p) for p in PARTS}), (f"slowest (rank {slowest})", m.parts[slowest])]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * (len(bars) + len(d.fixes))), 4.0))
     colors = dict(zip(PARTS, ("#4c72b0", "#55a868", "#c44e52", "#8172b2", "#cccccc")))

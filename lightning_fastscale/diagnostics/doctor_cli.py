@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_fastscale.diagnostics.doctor import Diagnosis, diagnose, dumps, plot_report, render_report
 from lightning_fastscale.diagnostics.doctor_probe import DoctorProbe
+from lightning_fastscale.diagnostics.step_breakdown_callback import StepBreakdown
 from lightning_fastscale.train import build
 
 log = logging.getLogger(__name__)
@@ -36,8 +37,9 @@ __all__ = ["main", "merge_overrides", "run_doctor"]
 
 FLAGS = {"--verify": "doctor.verify=true", "--json": "doctor.json=true"}
 
-# Callbacks that write checkpoints: the doctor measures, it leaves nothing to resume from.
-_WRITERS = ("model_checkpoint", "preemption")
+# Callbacks that write checkpoints (the doctor measures, it leaves nothing to resume from), and
+# the configured step breakdown (the doctor adds its own, with its warm-up and report folder).
+_REPLACED = ("model_checkpoint", "preemption", "step_breakdown")
 
 
 def _key(override: str) -> str:
@@ -78,16 +80,19 @@ def _for_measuring(cfg: DictConfig, warmup: int, steps: int) -> DictConfig:
         cfg.trainer.enable_progress_bar = False
         cfg.trainer.enable_model_summary = False
         cfg.logger = None
-        for name in _WRITERS:
+        for name in _REPLACED:
             if cfg.get("callbacks") and name in cfg.callbacks:
                 cfg.callbacks[name] = None
     return cfg
 
 
-def _fit(cfg: DictConfig, probe: DoctorProbe) -> DoctorProbe:
+def _fit(cfg: DictConfig, probe: DoctorProbe, warmup: int, steps: int, report_dir: Path, plot: bool) -> DoctorProbe:
+    """Build the job of ``cfg`` with :func:`~lightning_fastscale.train.build` and fit it with the probe."""
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule, module, trainer = build(cfg)
-    trainer.callbacks.append(probe)
+    breakdown = StepBreakdown(every_n_steps=warmup + steps, dirpath=report_dir, warmup_steps=warmup, plot=plot,
+                              print_table=False)
+    trainer.callbacks.extend([breakdown, probe])
     trainer.fit(module, datamodule=datamodule)
     return probe
 
@@ -99,8 +104,8 @@ def _compose(overrides: list[str]) -> DictConfig:
 def run_doctor(cfg: DictConfig) -> Diagnosis:
     """Measure the configured job, diagnose it and, with ``doctor.verify``, verify each fix."""
     opts = cfg.doctor
-    probe = DoctorProbe(opts.warmup_steps, True, opts.compute_steps, opts.loader_batches, opts.allreduce_reps)
-    _fit(_for_measuring(cfg, opts.warmup_steps, opts.steps), probe)
+    probe = DoctorProbe(True, opts.compute_steps, opts.loader_batches, opts.allreduce_reps)
+    _fit(_for_measuring(cfg, opts.warmup_steps, opts.steps), probe, opts.warmup_steps, opts.steps, _run_dir(), True)
     assert probe.measurements is not None
     diagnosis = diagnose(probe.measurements)
     if opts.verify:
@@ -120,7 +125,8 @@ def _verify(cfg: DictConfig, diagnosis: Diagnosis) -> None:
     times: list[list[float]] = [[] for _ in configs]
     for _ in range(opts.verify_rounds):
         for i, run_cfg in enumerate(configs):
-            probe = _fit(run_cfg, DoctorProbe(opts.verify_warmup_steps, measure=False))
+            probe = _fit(run_cfg, DoctorProbe(measure=False), opts.verify_warmup_steps, opts.verify_steps,
+                         _run_dir() / "verify", False)
             assert probe.measurements is not None
             times[i].append(probe.measurements.step_s)
     base = statistics.median(times[0])
@@ -131,8 +137,12 @@ def _verify(cfg: DictConfig, diagnosis: Diagnosis) -> None:
         fix.measured_speedup = base / fix.verified_step_s
 
 
+def _run_dir() -> Path:
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
 def _write(cfg: DictConfig, diagnosis: Diagnosis) -> None:
-    out = Path(HydraConfig.get().runtime.output_dir)
+    out = _run_dir()
     out.mkdir(parents=True, exist_ok=True)
     (out / "doctor.json").write_text(dumps(diagnosis))
     plot_report(diagnosis, out / "doctor.png")

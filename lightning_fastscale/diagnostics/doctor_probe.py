@@ -11,8 +11,9 @@ every rank at once:
 3. compute alone: forward, backward and optimizer step on a device-resident batch of the
    configured shape, on a copy of the model (no gradient synchronisation, the real weights untouched);
 
-and then lets the fit run its short real run, timing each step's parts per rank. At the end
-of fit every rank holds every rank's numbers (all-gathered), so all ranks reach the same
+and then lets the fit run its short real run, whose steps the
+:class:`~lightning_fastscale.diagnostics.StepBreakdown` callback splits into parts per rank. At
+the end of fit every rank holds every rank's numbers (all-gathered), so all ranks reach the same
 verdict and run the same ``--verify`` sequence.
 """
 from __future__ import annotations
@@ -34,7 +35,8 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_fastscale.data.worker_autotune import images_per_second
-from lightning_fastscale.diagnostics.doctor import FLAT, PARTS, Measurements
+from lightning_fastscale.diagnostics.doctor import FLAT, Measurements
+from lightning_fastscale.diagnostics.step_breakdown_callback import StepBreakdown
 
 log = logging.getLogger(__name__)
 
@@ -173,61 +175,14 @@ def _cores_per_rank(trainer: pl.Trainer) -> int:
     return max(1, cores // max(1, trainer.num_devices))
 
 
-class _StepTimer:
-    """Per step and rank: input wait, forward + backward, exposed communication, optimizer, the rest.
-
-    Input wait runs from the end of the previous step to the start of this one (the fetch and
-    host-to-device copy happen there). Backward ends when the last gradient is accumulated
-    (post-accumulate hooks on every parameter); the time from there until ``on_after_backward``
-    is communication DDP left exposed (waiting for the reducer).
-    """
-
-    def __init__(self) -> None:
-        self.steps: list[dict[str, float]] = []
-        self._marks: dict[str, float] = {}
-        self._last_grad = 0.0
-        self._handles: list[Any] = []
-
-    def attach(self, module: torch.nn.Module) -> None:
-        def mark(_: torch.Tensor) -> None:
-            self._last_grad = time.perf_counter()
-
-        self._handles = [p.register_post_accumulate_grad_hook(mark) for p in module.parameters() if p.requires_grad]
-
-    def detach(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
-    def mark(self, name: str, device: torch.device) -> None:
-        if name in ("backward_end", "end"):
-            _sync(device)
-        self._marks[name] = time.perf_counter()
-
-    def finish(self) -> None:
-        m = self._marks
-        if not {"start", "backward_start", "backward_end", "optimizer_start", "end"} <= m.keys():
-            self._marks = {"prev_end": m.get("end", time.perf_counter())}
-            return
-        grads_done = min(max(self._last_grad, m["backward_start"]), m["backward_end"])
-        parts = {
-            "input": m["start"] - m["prev_end"] if "prev_end" in m else 0.0,
-            "compute": grads_done - m["start"],
-            "communication": m["backward_end"] - grads_done,
-            "optimizer": m["end"] - m["optimizer_start"],
-        }
-        parts["rest"] = max(0.0, (m["end"] - m["start"]) - parts["compute"] - parts["communication"] - parts["optimizer"])
-        self.steps.append(parts)
-        self._marks = {"prev_end": m["end"]}
-
-
 class DoctorProbe(Callback):
     """Measures what ``fastscale-doctor`` needs during one short fit (see the module docstring).
 
+    Needs a :class:`~lightning_fastscale.diagnostics.StepBreakdown` among the Trainer's callbacks,
+    before this one (its summary of the run's steps is read at the end of fit).
+
     Args:
-        warmup_steps: first steps of the real run left out of the timing (connection set-up,
-            DDP's bucket rebuild, allocator warm-up).
-        measure: False: only time the steps (the ``--verify`` runs).
+        measure: False: only read the step breakdown (the ``--verify`` runs).
         compute_steps: timed steps of compute alone.
         loader_batches: timed batches per worker count.
         allreduce_reps: timed repetitions of each all-reduce.
@@ -236,26 +191,24 @@ class DoctorProbe(Callback):
 
     Example::
 
-        probe = DoctorProbe(warmup_steps=5)
-        trainer = pl.Trainer(max_steps=25, callbacks=[probe])
+        trainer = pl.Trainer(max_steps=25, callbacks=[StepBreakdown(warmup_steps=5), DoctorProbe()])
         trainer.fit(model, datamodule=dm)
-        print(probe.measurements.step_s)
+        print(trainer.callbacks[-1].measurements.step_s)
     """
 
-    def __init__(self, warmup_steps: int = 5, measure: bool = True, compute_steps: int = 5,
-                 loader_batches: int = 8, allreduce_reps: int = 2) -> None:
-        self.warmup_steps = warmup_steps
+    def __init__(self, measure: bool = True, compute_steps: int = 5, loader_batches: int = 8,
+                 allreduce_reps: int = 2) -> None:
         self.measure = measure
         self.compute_steps = compute_steps
         self.loader_batches = loader_batches
         self.allreduce_reps = allreduce_reps
         self.measurements: Measurements | None = None
-        self._timer = _StepTimer()
         self._local: dict[str, Any] = {}
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._timer.attach(pl_module)
+        if _breakdown_of(trainer) is None:
+            raise RuntimeError("DoctorProbe needs a StepBreakdown callback in the Trainer to read the step parts from")
         if not self.measure:
             return
         device = pl_module.device
@@ -299,46 +252,23 @@ class DoctorProbe(Callback):
             dist.barrier()  # the real run starts together on every rank
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        self._timer.mark("start", pl_module.device)
-
-    @override
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        self._timer.mark("backward_start", pl_module.device)
-
-    @override
-    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._timer.mark("backward_end", pl_module.device)
-
-    @override
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        self._timer.mark("optimizer_start", pl_module.device)
-
-    @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        self._timer.mark("end", pl_module.device)
-        self._timer.finish()
-
-    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._timer.detach()
-        timed = self._timer.steps[self.warmup_steps:]
-        if not timed:
-            raise RuntimeError(
-                f"the doctor timed no step: the run made {len(self._timer.steps)} steps, all within the "
-                f"{self.warmup_steps} warm-up steps; raise doctor.steps or +trainer.limit_train_batches"
-            )
-        local = dict(self._local)
-        local["parts"] = {p: statistics.median(s[p] for s in timed) for p in PARTS}
-        gathered = [local]
+        summary = _breakdown_of(trainer).summary
+        if summary is None:
+            raise RuntimeError("the step breakdown timed no step: raise doctor.steps (or +trainer.limit_train_batches)")
+        parts = [dict(rank["phases"]) for rank in sorted(summary.per_rank, key=lambda r: r["rank"])]
+        gathered = [self._local]
         if dist.is_initialized() and dist.get_world_size() > 1:
             gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, local)
-        self.measurements = _combine(gathered)
+            dist.all_gather_object(gathered, self._local)
+        self.measurements = _combine(gathered, parts)
 
 
-def _combine(per_rank: list[dict[str, Any]]) -> Measurements:
+def _breakdown_of(trainer: pl.Trainer) -> StepBreakdown | None:
+    return next((c for c in trainer.callbacks if isinstance(c, StepBreakdown)), None)
+
+
+def _combine(per_rank: list[dict[str, Any]], parts: list[dict[str, float]]) -> Measurements:
     """One :class:`Measurements` from every rank's numbers (the loader: its slowest rank)."""
     first = per_rank[0]
     loader: dict[int, float] = {}
@@ -350,7 +280,7 @@ def _combine(per_rank: list[dict[str, Any]]) -> Measurements:
     for key in first.get("compute_variants", {}):
         variants[key] = statistics.median(r["compute_variants"][key] for r in per_rank)
     return Measurements(
-        parts=[r["parts"] for r in per_rank],
+        parts=parts,
         batch_size=first.get("batch_size", 0),
         hosts=[r.get("host", "") for r in per_rank],
         grad_bytes=first.get("grad_bytes", 0),
