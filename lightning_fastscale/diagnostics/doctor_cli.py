@@ -98,7 +98,10 @@ def _fit(cfg: DictConfig, probe: DoctorProbe, warmup: int, steps: int, report_di
 
 
 def _compose(overrides: list[str]) -> DictConfig:
-    return compose(config_name=HydraConfig.get().job.config_name, overrides=overrides)
+    """The config of ``overrides``, found where this job's was (with its ``hydra.searchpath``)."""
+    hydra_cfg = HydraConfig.get()
+    searchpath = [o for o in hydra_cfg.overrides.hydra if _key(o) == "hydra.searchpath"]
+    return compose(config_name=hydra_cfg.job.config_name, overrides=searchpath + overrides)
 
 
 def run_doctor(cfg: DictConfig) -> Diagnosis:
