@@ -186,6 +186,33 @@ def test_slow_loader_is_input_and_parts_add_up_to_the_step(tmp_path):
     assert (tmp_path / "step_breakdown.png").exists() and (tmp_path / "step_breakdown.md").exists()
 
 
+class _SlowValidation(_Net):
+    def validation_step(self, batch, batch_idx):
+        time.sleep(0.1)
+
+
+class _ValidationClock(_StepEnds):
+    def on_validation_start(self, *args) -> None:
+        self.val_start = time.perf_counter()
+
+    def on_validation_end(self, *args) -> None:
+        self.val_s = time.perf_counter() - self.val_start
+
+
+def test_validation_inside_an_epoch_is_not_part_of_a_step(tmp_path):
+    data = TensorDataset(torch.randn(8 * 8, 3, 8, 8), torch.randint(0, 4, (8 * 8,)))
+    loader = DataLoader(data, batch_size=8)
+    breakdown, clock = StepBreakdown(every_n_steps=3, dirpath=tmp_path, print_table=False), _ValidationClock()
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[breakdown, clock],
+                         val_check_interval=4, limit_val_batches=3, num_sanity_val_steps=0)
+    trainer.fit(_SlowValidation(), loader, loader)
+    s = breakdown.summary
+    assert s.steps == 7 and clock.val_s >= 0.3  # one validation, after step 3 (steps 0-7)
+    # steps 1..7 by the independent clock, less the validation between steps 3 and 4
+    assert s.step_s * s.steps == pytest.approx(clock.t[-1] - clock.t[0] - clock.val_s, abs=0.03)
+
+
 def test_large_model_on_fast_data_is_compute(tmp_path):
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(6 * 128, 512), torch.randint(0, 4, (6 * 128,)))
@@ -195,11 +222,44 @@ def test_large_model_on_fast_data_is_compute(tmp_path):
     assert breakdown.summary.shares["compute"] > 0.5
 
 
+def test_fabric_api_slow_loader_is_input_and_adds_up(tmp_path):
+    from lightning.fabric import Fabric
+
+    from lightning_fastscale.diagnostics import FabricStepBreakdown
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(192, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = fabric.setup(model, optimizer)
+    batches = iter(fabric.setup_dataloaders(DataLoader(_SlowImages(8 * 7, delay=0.004), batch_size=8)))
+    breakdown = FabricStepBreakdown(fabric, model, every_n_steps=3)
+    clock = [time.perf_counter()]
+    for _ in range(7):
+        with breakdown.phase("input"):
+            x, y = next(batches)
+        with breakdown.phase("compute"):
+            fabric.backward(nn.functional.cross_entropy(model(x), y))
+        with breakdown.phase("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad()
+        breakdown.step_end(samples=len(x))
+        clock.append(time.perf_counter())
+    s = breakdown.finish()
+    assert s.bottleneck == "input", breakdown_table(s)
+    assert s.steps == 6 and [w.last_step for w in breakdown.windows] == [2, 5, 6]
+    # steps 1..6 (after the warm-up step) against the loop's own clock; the gather of a window
+    # happens inside step_end, after the step's end mark, and goes to the next step's rest
+    assert s.step_s * s.steps == pytest.approx(clock[-1] - clock[1], rel=0.05)
+    assert s.phases["compute"] > 0 and s.samples_per_s == pytest.approx(8 / s.step_s)
+    paths = breakdown.save(tmp_path)
+    assert json.loads(paths["json"].read_text())["summary"]["bottleneck"] == "input"
+
+
 # -- two ranks -----------------------------------------------------------------------------------
 COMM_DELAY = 0.15
 
 
-def late_allreduce_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def late_allreduce_hook(state, bucket):  # no annotations: DDP checks them as objects
     """DDP's all-reduce whose future completes ``COMM_DELAY`` seconds late: a slow link."""
     work = dist.all_reduce(bucket.buffer().div_(dist.get_world_size()), async_op=True)
 
@@ -210,6 +270,13 @@ def late_allreduce_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[
     return work.get_future().then(late)
 
 
+class _LateAllReduceDDP(DDPStrategy):
+    """DDP with :func:`late_allreduce_hook` (Lightning registers ``ddp_comm_hook`` only on CUDA)."""
+
+    def _register_ddp_hooks(self) -> None:
+        self.model.register_comm_hook(None, late_allreduce_hook)
+
+
 def _two_rank_worker(rank: int, world_size: int, tmp: str) -> dict:
     os.environ["LOCAL_RANK"] = str(rank)  # the Trainer joins this process group instead of launching
     torch.manual_seed(0)
@@ -217,7 +284,7 @@ def _two_rank_worker(rank: int, world_size: int, tmp: str) -> dict:
     out = {}
     cases = {
         "straggler": (_Net(delay_rank=1, delay=0.12), DDPStrategy()),
-        "communication": (_Net(), DDPStrategy(ddp_comm_hook=late_allreduce_hook)),
+        "communication": (_Net(), _LateAllReduceDDP()),
     }
     for name, (model, strategy) in cases.items():
         breakdown = StepBreakdown(every_n_steps=3, dirpath=Path(tmp) / name, print_table=False)
@@ -244,3 +311,47 @@ def test_two_ranks_straggler_and_communication(tmp_path):
     assert c["phases"]["communication"] >= 0.8 * COMM_DELAY
     assert c["phases"]["compute"] < COMM_DELAY  # the late future is not counted as backward
     assert json.loads((tmp_path / "communication" / "step_breakdown.json").read_text())["summary"] == c
+
+
+class _FakeEvent:
+    """Stands in for ``torch.cuda.Event``: records the fake GPU clock, completes on request."""
+
+    clock = 0.0
+
+    def __init__(self) -> None:
+        self.t = _FakeEvent.clock
+        self.done = False
+
+    def elapsed_time(self, other: "_FakeEvent") -> float:
+        return (other.t - self.t) * 1e3  # milliseconds, as CUDA events report
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+def test_timer_on_cuda_reads_events_lazily_and_uses_the_gpu_timeline(monkeypatch):
+    monkeypatch.setattr(StepTimer, "_event", lambda self: _FakeEvent())
+    timer = StepTimer("cpu")
+    timer.cuda = True  # what StepTimer("cuda") sets on a GPU machine
+    param = nn.Parameter(torch.ones(2))
+    timer.attach([param])
+
+    def at(t: float) -> None:
+        _FakeEvent.clock = t
+
+    at(0.0), timer.reset_origin()
+    at(0.010), timer.mark("batch_start")
+    at(0.030), timer.mark("before_backward")
+    at(0.050), (param * 2).sum().backward()  # the gradient hook records the last_grad event
+    at(0.070), timer.mark("after_backward")
+    at(0.071), timer.mark("before_optimizer")
+    at(0.075), timer.mark("end")
+    timer.add_input(0.004)  # host fetch time: caps the GPU's 10 ms gap as input
+    timer.end_batch(samples=1)
+    assert timer.drain() == []  # the end event has not completed: nothing is read, nothing waits
+    (step,) = timer.drain(block=True)
+    expected = {"input": 0.004, "compute": 0.040, "communication": 0.020, "optimizer": 0.004, "rest": 0.007}
+    assert step.seconds == pytest.approx(expected, abs=1e-9)

@@ -18,6 +18,8 @@ MODULES = [
     "lightning_fastscale.callbacks.skip_weight_decay",
     "lightning_fastscale.callbacks.zero_init_residual_bn",
     "lightning_fastscale.callbacks.ghost_batch_norm",
+    "lightning_fastscale.diagnostics.step_breakdown",
+    "lightning_fastscale.diagnostics.step_timer",
 ]
 
 

@@ -5,7 +5,7 @@ import yaml
 from lightning_fastscale.planner.cluster import ClusterConfigError, available_clusters, load_cluster
 
 GOOD = {
-    "name": "t", "nodes": 2, "ranks_per_node": 4,
+    "name": "t", "backend": "nccl", "nodes": 2, "ranks_per_node": 4,
     "intra": {"bandwidth_gbit_s": 100, "latency_us": 5},
     "inter": {"bandwidth_gbit_s": 10, "latency_us": 20},
     "device": {"name": "x", "sustained_tflops": 10},

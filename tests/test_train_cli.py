@@ -1,4 +1,5 @@
 """``fastscale-train`` end to end: single run with W&B offline, resume, multirun with DDP."""
+import json
 import os
 import re
 import subprocess
@@ -59,6 +60,12 @@ def test_single_run_wandb_offline_then_resume(tmp_path):
     assert f"final val/top1: {logged[-1]:.4f}" in out  # the printed metric is the logged one
     run_file = _only(wandb_run.glob("run-*.wandb")).read_bytes()
     assert b"resnet_small" in run_file and b"ProceduralDataModule" in run_file  # the config
+    # the step breakdown (on by default): logged every log_every_n_steps, report in the run folder
+    assert wandb_logged_values(wandb_run, "breakdown/step_s")
+    assert "Step breakdown" in out and (run_dir / "step_breakdown.png").exists()
+    breakdown = json.loads((run_dir / "step_breakdown.json").read_text())
+    assert breakdown["summary"]["bottleneck"] in breakdown["verdicts"]
+    assert breakdown["summary"]["samples_per_s"] > 0 and breakdown["windows"][0]["first_step"] == 0
 
     last = run_dir / "checkpoints" / "last.ckpt"
     first_state = torch.load(last, map_location="cpu", weights_only=False)
@@ -74,6 +81,9 @@ def test_single_run_wandb_offline_then_resume(tmp_path):
     )
     resumed = torch.load(resumed_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert resumed["epoch"] == 1 and resumed["global_step"] == 12
+    # the resumed run's breakdown is numbered by the global step: steps 6..11
+    windows = json.loads((resumed_dir / "step_breakdown.json").read_text())["windows"]
+    assert windows[0]["first_step"] == 6 and windows[-1]["last_step"] == 11
     assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 6  # untouched
 
 

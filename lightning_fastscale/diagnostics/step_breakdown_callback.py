@@ -60,6 +60,7 @@ class _Windows:
 
     def __init__(self, warmup_steps: int) -> None:
         self.warmup_steps = warmup_steps
+        self.seen = 0
         self.rows = torch.zeros(2, _WIDTH, dtype=torch.float64)  # 0: window, 1: run minus warm-up
         self.rows[:, -2] = float("inf")
         self.rows[:, -1] = -1.0
@@ -69,7 +70,8 @@ class _Windows:
     def add(self, steps: list[StepTimes]) -> None:
         for s in steps:
             row = [1.0, *(s.seconds[p] for p in PHASES), s.samples, s.images or 0.0, float(s.images is not None)]
-            for i in (0, 1) if s.step >= self.warmup_steps else (0,):
+            self.seen += 1
+            for i in (0, 1) if self.seen > self.warmup_steps else (0,):
                 self.rows[i, :-2] += torch.tensor(row, dtype=torch.float64)
                 self.rows[i, -2] = min(self.rows[i, -2].item(), s.step)
                 self.rows[i, -1] = max(self.rows[i, -1].item(), s.step)
@@ -254,7 +256,7 @@ class StepBreakdown(pl.Callback):
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.timer is not None and trainer.training:
+        if self.timer is not None:  # set only during fit, after the sanity check
             self.timer.reset_origin()  # validation inside an epoch is not part of any step
 
     @override
@@ -291,7 +293,8 @@ class StepBreakdown(pl.Callback):
             return
         self.timer.mark("end")
         stepped = self._stepped or not pl_module.automatic_optimization
-        self.timer.end_batch(self._samples, self._images, optimizer_stepped=stepped)
+        # numbered by the global step (0-based), so a resumed run continues the numbering
+        self.timer.end_batch(self._samples, self._images, optimizer_stepped=stepped, step=trainer.global_step - 1)
         self._stepped, self._samples, self._images = False, 0.0, None
         if stepped and self.timer.steps % self._every(trainer) == 0:
             self._flush(trainer, pl_module)

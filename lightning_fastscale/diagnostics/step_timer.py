@@ -188,8 +188,13 @@ class StepTimer:
         """Host seconds spent fetching or copying the coming batch (counted as ``input``)."""
         self._input_s += seconds
 
-    def end_batch(self, samples: float = 0.0, images: float | None = None, optimizer_stepped: bool = True) -> None:
-        """Close the current batch; the step finishes with the batch whose optimizer stepped."""
+    def end_batch(self, samples: float = 0.0, images: float | None = None, optimizer_stepped: bool = True,
+                  step: int | None = None) -> None:
+        """Close the current batch; the step finishes with the batch whose optimizer stepped.
+
+        ``step``: the step's number to report (e.g. the Trainer's global step); default: the
+        count of steps this timer finished before it.
+        """
         if "end" not in self._times:
             self.mark("end")
         batch = {"origin": self._origin_t, "input_s": self._input_s, **self._times}
@@ -208,6 +213,8 @@ class StepTimer:
             self._last_param = self._params[self._grad_index]  # the last gradient of this step
         self._start(end_t, end_event)  # the next batch starts where this one ended
         if optimizer_stepped:
+            if step is not None:
+                pending.step = step
             self._pending.append(pending)
             self._open = None
             self._steps += 1

@@ -1,14 +1,25 @@
 """Communication planner: alpha-beta-gamma cost model, fusion planning, scaling prediction.
 
 Answers before a run which all-reduce algorithm (flat, hierarchical, 2D torus) and which
-gradient buckets to use on a cluster, and how training will scale (``fastscale-plan``).
+gradient buckets to use on a cluster, and how training will scale (``fastscale-plan``), every
+algorithm held against the flat all-reduce plain DDP really runs (measured, or NCCL's ring and
+tree priced): :func:`compare_algorithms`, :func:`measure_flat_allreduce`.
 """
 from lightning_fastscale.planner.auto import AutoPlan, CostModelPlanner, auto_plan, best_chunk_plan, module_profile
+from lightning_fastscale.planner.baseline import (
+    PLAIN_DDP_TOLERANCE, compare_algorithms, crossover_table, format_crossover,
+)
+from lightning_fastscale.planner.calibrate import measure_flat_allreduce
 from lightning_fastscale.planner.cluster import Cluster, ClusterConfigError, available_clusters, load_cluster
 from lightning_fastscale.planner.cost_model import (
     ALGORITHMS,
+    BACKENDS,
     CommParams,
+    FlatMeasurement,
     Topology,
+    flat_allreduce_detail,
+    nccl_ring_time,
+    nccl_tree_time,
     wire_bytes_per_element,
     allreduce_time,
     bandwidth_bound,
@@ -23,12 +34,15 @@ from lightning_fastscale.strategies.options import DEFAULT_PIPELINE_CHUNK_MB
 
 __all__ = [
     "ALGORITHMS",
+    "BACKENDS",
     "DEFAULT_PIPELINE_CHUNK_MB",
+    "PLAIN_DDP_TOLERANCE",
     "AutoPlan",
     "Cluster",
     "ClusterConfigError",
-    "CostModelPlanner",
     "CommParams",
+    "CostModelPlanner",
+    "FlatMeasurement",
     "FusionPlan",
     "GradientProfile",
     "Topology",
@@ -40,10 +54,17 @@ __all__ = [
     "best_chunk_plan",
     "best_uniform_cap",
     "choose_algorithm",
+    "compare_algorithms",
+    "crossover_table",
     "ddp_buckets",
+    "flat_allreduce_detail",
+    "format_crossover",
     "load_cluster",
     "measure_backward_profile",
+    "measure_flat_allreduce",
     "module_profile",
+    "nccl_ring_time",
+    "nccl_tree_time",
     "plan_fusion",
     "plan_two_segment",
     "predict_allreduce",

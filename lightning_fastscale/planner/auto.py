@@ -3,6 +3,12 @@
 For each candidate algorithm the fusion plan is optimised (:func:`plan_fusion`) under that
 algorithm's cost, and the algorithm whose plan ends communication earliest wins (Jia et al.
 2018 choose segments from such a model; the choice of algorithm follows the same rule).
+
+Plain DDP is the baseline every plan is held against: its flat fp32 all-reduce as the
+backend runs it (NCCL's ring or tree; measured where the calibration timed it), with buckets
+planned the same way. Where that plan ends within ``plain_ddp_tolerance`` (5 %) of the best,
+:class:`AutoPlan` says so (``plain_ddp``) and the strategy installs no hook: a hook's own
+overhead and a cast wire dtype are not worth a gain that small.
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from datetime import timedelta
 import torch
 from torch import nn
 
+from lightning_fastscale.planner.baseline import PLAIN_DDP_TOLERANCE
 from lightning_fastscale.planner.cost_model import ALGORITHMS, CommParams, Topology
 from lightning_fastscale.planner.fusion import FusionPlan, plan_fusion
 from lightning_fastscale.planner.profile import GradientProfile, measure_backward_profile, profile_module
@@ -30,20 +37,32 @@ CHUNK_CANDIDATES_MB: tuple[float | None, ...] = (None, 1.0, 2.0, 4.0, 8.0, 16.0,
 
 @dataclass(frozen=True)
 class AutoPlan:
-    """The chosen algorithm, its fusion plan, DDP keyword arguments and every candidate's plan."""
+    """The chosen algorithm, its fusion plan, DDP keyword arguments and every candidate's plan.
+
+    ``baseline``: plain DDP's plan (the flat fp32 all-reduce of the backend, no hook), ``None``
+    on one node or when not asked for. ``plain_ddp``: that baseline is within the tolerance of
+    the best, so ``algorithm`` is ``"flat"``, ``plan`` is the baseline's and no hook is
+    needed; ``reason`` says why in words (for the log).
+    """
 
     algorithm: str
     plan: FusionPlan
     ddp_kwargs: dict
     candidates: dict[str, FusionPlan]
+    baseline: FusionPlan | None = None
+    plain_ddp: bool = False
+    reason: str = ""
 
     def summary(self) -> dict:
         """JSON-friendly summary for logging (rank 0 logs it with the topology)."""
         return {
             "algorithm": self.algorithm,
+            "plain_ddp": self.plain_ddp,
+            "reason": self.reason,
             "plan": self.plan.as_dict(),
             "ddp_kwargs": self.ddp_kwargs,
             "predicted_finish_s": {a: p.finish_s for a, p in self.candidates.items()},
+            "plain_ddp_finish_s": None if self.baseline is None else self.baseline.finish_s,
         }
 
 
@@ -98,16 +117,21 @@ def auto_plan(
     pipeline_chunk_mb: float | str | None = None,
     *,
     chunk_mb: float | str | None = NOT_GIVEN,
+    plain_ddp_tolerance: float | None = None,
 ) -> AutoPlan:
     """Choose the algorithm and the buckets with the earliest predicted end of communication.
 
     Ties go to the earlier entry of ``algorithms`` (flat, hier, torus2d: the simpler one).
     ``pipeline_chunk_mb``: the strategy's option of that name (buckets pipelined in chunks);
     ``chunk_mb`` is its deprecated name. On one node only ``flat`` is considered (all
-    algorithms are then one in-node all-reduce).
+    algorithms are then one in-node all-reduce). ``plain_ddp_tolerance`` (a fraction, e.g.
+    0.05; ``None``: off) also plans plain DDP (flat, fp32, unchunked: DDP's own all-reduce)
+    and keeps it where its plan ends within that fraction of the best.
     """
     pipeline_chunk_mb = renamed_option("auto_plan", "chunk_mb", chunk_mb, "pipeline_chunk_mb", pipeline_chunk_mb)
     algorithms = canonical_algorithms(algorithms)
+    if plain_ddp_tolerance is not None and not plain_ddp_tolerance >= 0:
+        raise ValueError(f"plain_ddp_tolerance={plain_ddp_tolerance!r} must be a fraction >= 0 (0.05 is 5 %) or None")
     if topology.num_nodes == 1:
         algorithms = ("flat",)
     candidates = {
@@ -118,7 +142,21 @@ def auto_plan(
     }
     best = min(algorithms, key=lambda a: (round(candidates[a].finish_s, 12), algorithms.index(a)))
     plan = candidates[best]
-    return AutoPlan(best, plan, plan.ddp_kwargs(), candidates)
+    if plain_ddp_tolerance is None or topology.num_nodes == 1:
+        return AutoPlan(best, plan, plan.ddp_kwargs(), candidates)
+    baseline = plan_fusion(profile.grad_bytes, profile.backward_s,
+                           allreduce_cost("flat", topology, params, "fp32", None, pipeline_chunk_mb=None), max_buckets)
+    fastest = min(plan.finish_s, baseline.finish_s)
+    source = "measured" if params.flat_measured is not None and params.flat_measured.applies_to(topology) else "modelled"
+    if baseline.finish_s <= (1 + plain_ddp_tolerance) * fastest:
+        reason = (f"plain DDP ({params.backend} flat all-reduce, {source}) ends communication at "
+                  f"{baseline.finish_s * 1e3:.3f} ms, within {plain_ddp_tolerance:.0%} of the best "
+                  f"({best}: {plan.finish_s * 1e3:.3f} ms): no communication hook")
+        return AutoPlan("flat", baseline, baseline.ddp_kwargs(), candidates, baseline, True, reason)
+    reason = (f"{best} ends communication at {plan.finish_s * 1e3:.3f} ms, "
+              f"{baseline.finish_s / plan.finish_s:.2f}x sooner than plain DDP ({params.backend} flat all-reduce, "
+              f"{source}: {baseline.finish_s * 1e3:.3f} ms)")
+    return AutoPlan(best, plan, plan.ddp_kwargs(), candidates, baseline, False, reason)
 
 
 def best_chunk_plan(
@@ -159,7 +197,13 @@ class CostModelPlanner:
     (default: the module's ``example_input_array``) and ``sustained_tflops`` (default: the
     cluster's device), else ``backward_time_s`` spread over the gradients by size. The plan is
     computed once per module, topology and settings; every rank computes the same plan from
-    the same inputs (calibrated parameters are broadcast from rank 0).
+    the same inputs (calibrated parameters are broadcast from rank 0). The calibration also
+    times plain DDP's flat all-reduce on the world group at the calibration sizes and the
+    model's gradient size, so every algorithm is compared against that measurement.
+
+    ``plain_ddp_tolerance`` (default 5 %): where the planner picks the algorithm (no fixed
+    ``algorithms``), plain DDP is kept, without a hook, when its plan ends within this
+    fraction of the best (:func:`auto_plan`); ``None`` always takes the best algorithm.
 
     ``wire_dtype``, ``topk_ratio`` and ``pipeline_chunk_mb`` given here are deprecated: they are
     only defaults for calls of :meth:`plan` that do not give them (the strategy always does);
@@ -193,6 +237,7 @@ class CostModelPlanner:
         wire_dtype: str | None = None,
         topk_ratio: float | None = None,
         pipeline_chunk_mb: float | str | None = None,
+        plain_ddp_tolerance: float | None = PLAIN_DDP_TOLERANCE,
     ) -> None:
         from lightning_fastscale.planner.cluster import Cluster, load_cluster
 
@@ -211,6 +256,10 @@ class CostModelPlanner:
         self.example_input = example_input
         self.measure_backward = measure_backward
         self.algorithms = canonical_algorithms(algorithms)
+        if plain_ddp_tolerance is not None and not plain_ddp_tolerance >= 0:
+            raise ValueError(f"CostModelPlanner(plain_ddp_tolerance={plain_ddp_tolerance!r}) must be a fraction "
+                             ">= 0 (0.05 is 5 %) or None")
+        self.plain_ddp_tolerance = plain_ddp_tolerance
         self._defaults: dict = {"wire_dtype": "fp32", "topk_ratio": None, "pipeline_chunk_mb": DEFAULT_PIPELINE_CHUNK_MB}
         for name, value in (("wire_dtype", wire_dtype), ("topk_ratio", topk_ratio),
                             ("pipeline_chunk_mb", pipeline_chunk_mb)):
@@ -224,15 +273,19 @@ class CostModelPlanner:
         chunk_numel_for(self._defaults["pipeline_chunk_mb"])  # validates it now, before any process starts
         self._plans: dict[tuple, AutoPlan] = {}
 
-    def _params(self, topology: Topology, wire_dtype: str, timeout: timedelta | None) -> CommParams:
+    def _params(
+        self, topology: Topology, wire_dtype: str, timeout: timedelta | None, gradient_bytes: int = 0
+    ) -> CommParams:
         if self.params is None or self.calibrate:
             from lightning_fastscale.planner.calibrate import DEFAULT_SIZES, calibrate_process_groups
             from lightning_fastscale.strategies.topology import build_process_groups
 
+            sizes = list(self.calibration_sizes or DEFAULT_SIZES)
+            flat_sizes = sorted(set(sizes) | ({int(gradient_bytes)} if gradient_bytes > 0 else set()))
             groups = build_process_groups(topology, timeout=timeout)
             try:
-                self.params = calibrate_process_groups(groups, self.calibration_sizes or DEFAULT_SIZES,
-                                                       wire_dtype=wire_dtype).params
+                self.params = calibrate_process_groups(groups, sizes, wire_dtype=wire_dtype,
+                                                       flat_sizes=flat_sizes).params
             finally:
                 groups.destroy()
             self.calibrate = False
@@ -271,8 +324,9 @@ class CostModelPlanner:
     ) -> AutoPlan:
         """The :class:`AutoPlan` for ``module`` on ``topology`` under these settings (computed once).
 
-        ``algorithms``: the candidates (default: the planner's); ``timeout``: of the process
-        groups a calibration creates.
+        ``algorithms``: the candidates (default: the planner's, and plain DDP is kept where
+        within ``plain_ddp_tolerance`` of the best; given: the best of them, no plain-DDP
+        fallback); ``timeout``: of the process groups a calibration creates.
         """
         wire_dtype = self._defaults["wire_dtype"] if wire_dtype is None else wire_dtype
         topk_ratio = self._defaults["topk_ratio"] if topk_ratio is NOT_GIVEN else topk_ratio
@@ -282,9 +336,10 @@ class CostModelPlanner:
         key = (id(module), topology, wire_dtype, topk_ratio, pipeline_chunk_mb, candidates)
         if key not in self._plans:
             profile = self._profile(module)
-            params = self._params(topology, wire_dtype, timeout)
+            params = self._params(topology, wire_dtype, timeout, sum(profile.grad_bytes))
+            tolerance = self.plain_ddp_tolerance if algorithms is None else None
             self._plans[key] = auto_plan(profile, topology, params, wire_dtype, topk_ratio, candidates,
-                                         pipeline_chunk_mb=pipeline_chunk_mb)
+                                         pipeline_chunk_mb=pipeline_chunk_mb, plain_ddp_tolerance=tolerance)
         return self._plans[key]
 
     def select_algorithm(self, module: nn.Module, topology: Topology) -> str:

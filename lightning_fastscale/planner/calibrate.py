@@ -32,6 +32,13 @@ and ``beta`` count bytes on the wire), so a 16-bit wire is measured rather than 
 half of fp32 (a backend may add 16-bit numbers more slowly than it moves them). The in-node
 stages stay in fp32, as the strategy runs them.
 
+Plain DDP's own all-reduce is measured as well, not only modelled: :func:`measure_flat_allreduce`
+times a plain ``all_reduce`` on the world group with the real backend (NCCL runs its own ring
+or tree there, gloo its ring) at the given sizes, e.g. the model's gradient and DDP's bucket
+sizes. The result (:class:`~lightning_fastscale.planner.cost_model.FlatMeasurement`) rides in
+``CommParams.flat_measured``, where it replaces the model of the flat path on this topology,
+so every algorithm is compared against what DDP really does here.
+
 Every rank takes part; rank 0's fit is broadcast so all ranks plan identically.
 """
 from __future__ import annotations
@@ -47,6 +54,8 @@ import torch.distributed as dist
 
 from lightning_fastscale.planner.cost_model import (
     CommParams,
+    FlatMeasurement,
+    Topology,
     wire_bytes_per_element,
     allgather_time,
     broadcast_time,
@@ -56,7 +65,7 @@ from lightning_fastscale.planner.cost_model import (
 
 __all__ = [
     "CalibrationResult", "LinkFit", "calibrate", "calibrate_process_groups", "fit_calibration", "fit_link",
-    "intra_primitives",
+    "intra_primitives", "measure_flat_allreduce",
 ]
 
 # Gradient buckets are MBs to 100s of MBs; small sizes would mostly measure start-up effects.
@@ -100,6 +109,7 @@ class CalibrationResult:
     intra: LinkFit | None
     inter: LinkFit | None
     shared: LinkFit | None = None
+    flat: FlatMeasurement | None = None
 
 
 def _nonneg_lstsq(design: np.ndarray, target: np.ndarray) -> np.ndarray:
@@ -151,17 +161,26 @@ def fit_link(
     return LinkFit(float(alpha), float(beta), float(gamma), plain, residual)
 
 
-def _time(op, world_group, reps: int, active: bool) -> float:
-    """Median over ``reps`` of the slowest member's time of ``op`` (after one warm-up)."""
+def _time(op, world_group, reps: int, active: bool, cuda: bool = False) -> float:
+    """Median over ``reps`` of the slowest member's time of ``op`` (after one warm-up).
+
+    ``cuda``: ``op`` enqueues device work (NCCL); the device is synchronised before the clock
+    starts and after ``op``, so the time is the collective's, not its launch's.
+    """
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     times = []
     for rep in range(reps + 1):
+        if cuda:
+            torch.cuda.synchronize()
         dist.barrier(group=world_group)
         elapsed = 0.0
         if active:
             start = time.perf_counter()
             op()
+            if cuda:
+                torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
-        slowest = torch.tensor([elapsed], dtype=torch.float64)
+        slowest = torch.tensor([elapsed], dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=world_group)
         if rep:
             times.append(slowest.item())
@@ -169,6 +188,11 @@ def _time(op, world_group, reps: int, active: bool) -> float:
 
 
 _TORCH_DTYPES = {2: torch.float16, 4: torch.float32}
+
+
+def _on_cuda(group: dist.ProcessGroup | None = None) -> bool:
+    """NCCL collectives take CUDA tensors (and run asynchronously on the device)."""
+    return str(dist.get_backend(group)).lower() == "nccl"
 
 
 def _measure(
@@ -181,11 +205,13 @@ def _measure(
     ``element_size``: 4 (fp32) or 2 (fp16, a 16-bit wire dtype).
     """
     e, dtype = element_size, _TORCH_DTYPES[element_size]
+    cuda = _on_cuda()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     used = [e * max(p, nbytes // e // p * p) for nbytes in sizes]
     samples = {name: (used, []) for name in primitives}
     for nbytes in used:
-        full = torch.ones(nbytes // e, dtype=dtype)
-        part = torch.ones(nbytes // e // p, dtype=dtype)
+        full = torch.ones(nbytes // e, dtype=dtype, device=device)
+        part = torch.ones(nbytes // e // p, dtype=dtype, device=device)
         ops = {
             "allgather": lambda: dist.all_gather_into_tensor(full, part, group=group),
             "allreduce": lambda: dist.all_reduce(full, group=group),
@@ -193,7 +219,7 @@ def _measure(
             "broadcast": lambda: dist.broadcast(full, src=root, group=group),
         }
         for name in primitives:
-            samples[name][1].append(_time(ops[name], None, reps, active))
+            samples[name][1].append(_time(ops[name], None, reps, active, cuda))
     return samples
 
 
@@ -207,11 +233,55 @@ def _measure_shared(
     """
     e = element_size
     used = [e * max(nodes, nbytes // e // ranks_per_node // nodes * nodes) for nbytes in sizes]
-    times = []
+    times, cuda = [], _on_cuda()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     for nbytes in used:
-        shard = torch.ones(nbytes // e, dtype=_TORCH_DTYPES[e])
-        times.append(_time(lambda: dist.all_reduce(shard, group=flow_group), None, reps, True))
+        shard = torch.ones(nbytes // e, dtype=_TORCH_DTYPES[e], device=device)
+        times.append(_time(lambda: dist.all_reduce(shard, group=flow_group), None, reps, True, cuda))
     return {"allreduce": (used, times)}
+
+
+def measure_flat_allreduce(
+    group: dist.ProcessGroup | None,
+    nbytes: int | Sequence[int],
+    topology: Topology,
+    reps: int = 3,
+    wire_dtype: str = "fp32",
+) -> FlatMeasurement:
+    """Time plain DDP's all-reduce: one ``dist.all_reduce`` of ``nbytes`` on ``group`` (collective call).
+
+    ``group``: the world group (``None``) as DDP uses it; its backend is the real one (NCCL
+    tensors live on the current CUDA device, gloo ones on the CPU). ``nbytes``: one size or
+    several (the model's gradient, DDP's bucket sizes), in bytes on the wire, rounded down to
+    whole ``wire_dtype`` elements. ``topology``: the nodes x ranks per node the group spans
+    (what the measurement will price). Each time is the median over ``reps`` (after one
+    warm-up) of the slowest rank's time; every rank returns the same measurement (rank 0's,
+    broadcast).
+    """
+    from lightning_fastscale.strategies.options import wire_torch_dtype
+
+    sizes = [int(nbytes)] if isinstance(nbytes, (int, float)) else [int(n) for n in nbytes]
+    world = dist.get_world_size(group)
+    if topology.world_size != world:
+        raise ValueError(f"measure_flat_allreduce: topology {topology} has {topology.world_size} ranks but the "
+                         f"group has {world}: give the topology the group spans")
+    backend = str(dist.get_backend(group)).lower()
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"measure_flat_allreduce: backend {backend!r}; the planner prices nccl and gloo")
+    cuda = _on_cuda(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dtype, element = wire_torch_dtype(wire_dtype), wire_bytes_per_element(wire_dtype)
+    used, seconds = [], []
+    for size in sizes:
+        numel = max(1, size // element)
+        tensor = torch.ones(numel, dtype=dtype, device=device)
+        seconds.append(_time(lambda: dist.all_reduce(tensor, group=group), group, reps, True, cuda))
+        used.append(numel * element)
+    shared = [seconds]
+    if world > 1:
+        dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return FlatMeasurement(topology.num_nodes, topology.ranks_per_node, backend, tuple(map(float, used)),
+                           tuple(shared[0]), wire_dtype)
 
 
 def fit_calibration(
@@ -220,13 +290,17 @@ def fit_calibration(
     intra_samples: dict | None,
     inter_samples: dict | None,
     shared_samples: dict | None = None,
+    flat: FlatMeasurement | None = None,
+    backend: str = "gloo",
 ) -> CalibrationResult:
     """The :class:`CalibrationResult` of measured samples (``{primitive: (bytes, seconds)}``).
 
     ``intra_samples``: inside a node (``ranks_per_node`` ranks), ``inter_samples``: among the
     node leaders, ``shared_samples``: every rank's inter-node all-reduce at once (bytes per
-    flow). Pure function: :func:`calibrate` measures and calls it, and a benchmark can refit
-    stored samples with it.
+    flow); ``flat``: plain DDP's all-reduce as measured (:func:`measure_flat_allreduce`), kept
+    in the parameters; ``backend``: the backend the samples were taken on (how the model
+    prices the flat path elsewhere). Pure function: :func:`calibrate` measures and calls it,
+    and a benchmark can refit stored samples with it.
     """
     intra = inter = shared = None
     if ranks_per_node > 1 and intra_samples:
@@ -241,8 +315,9 @@ def fit_calibration(
     # The fit gives seconds per byte of each of the ranks_per_node flows; the link's is 1/ranks_per_node of it.
     beta_shared = None if shared is None else shared.beta / ranks_per_node
     params = CommParams(near.alpha, near.beta, far.alpha, far.beta, (intra or inter).gamma,
-                        beta_inter_shared=beta_shared, gamma_inter=None if inter is None else 0.0)
-    return CalibrationResult(params, intra, inter, shared)
+                        beta_inter_shared=beta_shared, gamma_inter=None if inter is None else 0.0,
+                        backend=flat.backend if flat is not None else backend, flat_measured=flat)
+    return CalibrationResult(params, intra, inter, shared, flat)
 
 
 def calibrate(
@@ -256,6 +331,7 @@ def calibrate(
     intra_root: int = 0,
     flow_group: dist.ProcessGroup | None = None,
     wire_dtype: str = "fp32",
+    flat_sizes: Sequence[int] | None = None,
 ) -> CalibrationResult:
     """Measure and fit the link parameters on the running process groups (collective call).
 
@@ -268,6 +344,8 @@ def calibrate(
     ranks with its local rank, one per node), when given with several nodes and several ranks
     per node, measures the torus's concurrent flows (``beta_inter_shared``). ``wire_dtype``:
     the dtype of the inter-node measurements (fp32 or a 16-bit one, timed as fp16).
+    ``flat_sizes`` (bytes): also time plain DDP's fp32 all-reduce on the world group at these
+    sizes (:func:`measure_flat_allreduce`); the planner then compares against it.
     """
     wire = wire_bytes_per_element(wire_dtype)
     intra = inter = shared = None
@@ -280,26 +358,33 @@ def calibrate(
         shared = _measure_shared(flow_group, nodes, ranks_per_node, sizes, reps, wire)
     # Each time is already the slowest rank's; rank 0's samples are broadcast so that every
     # rank fits exactly the same numbers (non-leaders do not hold the leaders' sizes).
+    flat = None
+    if flat_sizes:
+        flat = measure_flat_allreduce(None, flat_sizes, Topology(nodes, ranks_per_node), reps)
     samples = [intra, inter, shared]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(samples, src=0)
-    return fit_calibration(ranks_per_node, nodes, *samples)
+    backend = str(dist.get_backend()).lower()
+    return fit_calibration(ranks_per_node, nodes, *samples, flat=flat,
+                           backend=backend if backend in ("nccl", "gloo") else "gloo")
 
 
 def calibrate_process_groups(
-    groups, sizes: Sequence[int] = DEFAULT_SIZES, reps: int = 3, wire_dtype: str = "fp32"
+    groups, sizes: Sequence[int] = DEFAULT_SIZES, reps: int = 3, wire_dtype: str = "fp32",
+    flat_sizes: Sequence[int] | None = None,
 ) -> CalibrationResult:
     """:func:`calibrate` on the strategy's ``ProcessGroups`` (``strategies/topology.py``).
 
     Uses ``groups.intra``, on local rank 0 ``groups.inter`` (the group of the ranks with the
     same local rank, i.e. the node leaders for local rank 0), and every rank's ``groups.inter``
-    at once for the torus's concurrent flows; the inter-node level in ``wire_dtype``.
+    at once for the torus's concurrent flows; the inter-node level in ``wire_dtype``;
+    ``flat_sizes``: plain DDP's all-reduce on the world group (see :func:`calibrate`).
     """
     topo = groups.topology
     leader = groups.local_rank == 0
     return calibrate(groups.intra, groups.inter if leader else None, topo.ranks_per_node,
                      topo.num_nodes, leader, sizes, reps, groups.intra_ranks[0], flow_group=groups.inter,
-                     wire_dtype=wire_dtype)
+                     wire_dtype=wire_dtype, flat_sizes=flat_sizes)
 
 
 def _main(argv: Sequence[str] | None = None) -> None:
@@ -319,6 +404,8 @@ def _main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES), help="message sizes in bytes")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--wire-dtype", default="fp32", help="dtype of the inter-node measurements (fp32, fp16, bf16)")
+    parser.add_argument("--flat-sizes", type=int, nargs="+", help="sizes in bytes at which to time plain DDP's "
+                        "all-reduce on the world group (default: --sizes; add the model's gradient size)")
     parser.add_argument("--output", required=True, help="JSON file written by rank 0")
     args = parser.parse_args(argv)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -326,13 +413,17 @@ def _main(argv: Sequence[str] | None = None) -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     groups = build_process_groups(Topology.from_world(dist.get_world_size(), args.ranks_per_node))
-    result = calibrate_process_groups(groups, args.sizes, args.reps, args.wire_dtype)
+    result = calibrate_process_groups(groups, args.sizes, args.reps, args.wire_dtype,
+                                      flat_sizes=args.flat_sizes or args.sizes)
     if dist.get_rank() == 0:
         fits = {name: None if fit is None else {"alpha": fit.alpha, "beta": fit.beta, "gamma": fit.gamma,
                                                 "max_rel_residual": fit.max_rel_residual, "samples": fit.samples}
                 for name, fit in (("intra", result.intra), ("inter", result.inter), ("shared", result.shared))}
         with open(args.output, "w") as fh:
+            # "flat_allreduce" has the form of a cluster file's section of that name (planner/cluster.py).
             json.dump({"params": result.params.as_dict(), "fits": fits, "wire_dtype": args.wire_dtype,
+                       "backend": result.params.backend,
+                       "flat_allreduce": None if result.flat is None else result.flat.as_dict(),
                        "nodes": groups.topology.num_nodes, "ranks_per_node": args.ranks_per_node}, fh, indent=2)
     dist.barrier()
     dist.destroy_process_group()

@@ -3,9 +3,14 @@
     fastscale-plan resnet50 tencent_p40_100g
     fastscale-plan bert_large horovod_torus_10gbe --json
     fastscale-plan resnet50 my_cluster.yaml --gpus 512 --plot scaling.png
+    fastscale-plan --crossover
 
 Answers, before any run, "which all-reduce, which buckets, and how well will it scale on this
-cluster?" from the alpha-beta-gamma model of :mod:`lightning_fastscale.planner.cost_model`.
+cluster?" from the alpha-beta-gamma model of :mod:`lightning_fastscale.planner.cost_model`,
+every algorithm held against the flat all-reduce plain DDP runs (NCCL's ring or tree on a GPU
+cluster; measured where the cluster file carries a measurement). ``--crossover`` prints where
+``hier``, ``torus2d``, a 16-bit wire and top-k beat NCCL's own ring and tree
+(:func:`~lightning_fastscale.planner.baseline.crossover_table`).
 """
 from __future__ import annotations
 
@@ -15,9 +20,10 @@ import sys
 from collections.abc import Sequence
 
 from lightning_fastscale.planner.auto import auto_plan, best_chunk_plan
+from lightning_fastscale.planner.baseline import PLAIN_DDP_TOLERANCE, crossover_table, format_crossover
 from lightning_fastscale.planner.cluster import Cluster, ClusterConfigError, available_clusters, load_cluster
 from lightning_fastscale.planner.cost_model import (
-    ALGORITHMS, Topology, bandwidth_bound, predict_allreduce, wire_bytes_per_element,
+    ALGORITHMS, Topology, bandwidth_bound, flat_allreduce_detail, predict_allreduce, wire_bytes_per_element,
 )
 from lightning_fastscale.planner.fusion import MB, best_uniform_cap, plan_two_segment
 from lightning_fastscale.planner.profile import profile_model
@@ -58,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     parser.add_argument("--plot", metavar="PNG", help="write scaling efficiency vs GPU count per algorithm")
     parser.add_argument("--list-clusters", action="store_true", help="list the shipped cluster descriptions")
+    parser.add_argument("--crossover", action="store_true",
+                        help="print where hier, torus2d, a 16-bit wire and top-k beat NCCL's own ring and tree "
+                        "(2-64 nodes of 8 GPUs, 10-400 Gbit/s, ResNet-50 and BERT-Large)")
     return parser
 
 
@@ -86,8 +95,12 @@ def build_report(
     profile = profile_model(model, batch, size, cluster.device.sustained_tflops)
     numel = profile.numel
     allreduce = predict_allreduce(numel, topology, params, wire, topk, chunk_numel=chunk_numel_for(chunk_mb, topology.num_nodes))
-    auto = auto_plan(profile, topology, params, wire, topk, pipeline_chunk_mb=chunk_mb)
-    cost = allreduce_cost(auto.algorithm, topology, params, wire, topk, pipeline_chunk_mb=chunk_mb)
+    auto = auto_plan(profile, topology, params, wire, topk, pipeline_chunk_mb=chunk_mb,
+                     plain_ddp_tolerance=PLAIN_DDP_TOLERANCE)
+    if auto.plain_ddp:  # DDP's own all-reduce: flat, fp32, unchunked
+        cost = allreduce_cost("flat", topology, params, "fp32", None, pipeline_chunk_mb=None)
+    else:
+        cost = allreduce_cost(auto.algorithm, topology, params, wire, topk, pipeline_chunk_mb=chunk_mb)
     two = plan_two_segment(profile.grad_bytes, profile.backward_s, cost)
     cap_mb, cap_plan = best_uniform_cap(profile.grad_bytes, profile.backward_s, cost)
     compute = profile.forward_s + profile.backward_total_s
@@ -109,8 +122,12 @@ def build_report(
             "pipeline_chunk_mb": resolve_chunk_mb(chunk_mb, topology.num_nodes), "pipeline_chunk_setting": chunk_mb,
         },
         "allreduce_s": allreduce,
+        "flat_baseline": {"what": "plain DDP's flat fp32 all-reduce of the whole gradient",
+                          **flat_allreduce_detail(numel, topology, params, "fp32")},
         "bandwidth_bound_s": bandwidth_bound(topology.num_nodes, numel * wire_bytes_per_element(wire), params.beta_inter),
         "chosen_algorithm": auto.algorithm,
+        "plain_ddp": auto.plain_ddp,
+        "plan_reason": auto.reason,
         "fusion": {
             "auto": auto.plan.as_dict(),
             "ddp_kwargs": auto.ddp_kwargs,
@@ -146,11 +163,17 @@ def _text(report: dict) -> str:
         "predicted all-reduce of the whole gradient in one bucket:",
     ]
     lines += [f"  {a:8s} {t * 1e3:10.2f} ms" for a, t in report["allreduce_s"].items()]
-    lines += [f"  (bandwidth bound across nodes: {report['bandwidth_bound_s'] * 1e3:.2f} ms)", ""]
+    lines += [f"  (bandwidth bound across nodes: {report['bandwidth_bound_s'] * 1e3:.2f} ms)"]
+    flat = report["flat_baseline"]
+    detail = f"{flat['backend']} flat all-reduce, {flat['source']}"
+    if flat["nccl_ring_s"] is not None:
+        detail += f"; NCCL ring {flat['nccl_ring_s'] * 1e3:.2f} ms, tree {flat['nccl_tree_s'] * 1e3:.2f} ms (model)"
+    lines += [f"  baseline, plain DDP in fp32: {flat['seconds'] * 1e3:.2f} ms ({detail})", ""]
     auto, two, cap = f["auto"], f["two_segment"], f["best_bucket_cap_mb"]
     lines += [
         f"chosen algorithm: {report['chosen_algorithm']}  (predicted end of communication after backward start: "
         + ", ".join(f"{a} {t * 1e3:.2f} ms" for a, t in f["per_algorithm_finish_s"].items()) + ")",
+        f"  {report['plan_reason']}" if report["plan_reason"] else "",
         f"bucket plan: {auto['num_buckets']} buckets, MiB in backward order: {auto['bucket_mb']}",
         f"  exposed communication {auto['exposed_s'] * 1e3:.2f} ms; DDP arguments for exactly this plan: {f['ddp_kwargs']}",
         f"  best single bucket_cap_mb={cap['bucket_cap_mb']:.2f} ({cap['num_buckets']} buckets, exposed "
@@ -200,6 +223,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.list_clusters:
         print("\n".join(available_clusters()))
+        return 0
+    if args.crossover:
+        rows = crossover_table()
+        print(json.dumps(rows, indent=2) if args.json else format_crossover(rows))
         return 0
     if args.cluster is None and args.model is not None:
         args.model, args.cluster = None, args.model  # `fastscale-plan CLUSTER`: the workload's model

@@ -4,6 +4,7 @@ A description is a YAML file (see ``planner/clusters/*.yaml`` for the shipped on
 its sources and the figures that are assumptions)::
 
     name: my_cluster
+    backend: nccl             # nccl (GPUs: the flat path is NCCL's ring or tree) or gloo (a flat ring)
     nodes: 16                 # or `gpus: 128` (must be a multiple of ranks_per_node)
     ranks_per_node: 8
     intra: {bandwidth_gbit_s: 100, latency_us: 5}    # per rank, inside a node
@@ -15,6 +16,10 @@ its sources and the figures that are assumptions)::
     reduce_gbyte_s: 100       # optional: speed of the reduction arithmetic (gamma)
     device: {name: V100, sustained_tflops: 30}       # training FLOP/s one rank sustains
     workload: {model: resnet50, per_gpu_batch: 64, input_size: 224, wire_dtype: fp16}
+    # optional: plain DDP's all-reduce as measured on this cluster (the calibration's
+    # "flat_allreduce" output); it replaces the model of the flat path on that topology
+    flat_allreduce: {nodes: 16, ranks_per_node: 8, wire_dtype: fp32,
+                     sizes_bytes: [4194304, 102228128], seconds: [0.0031, 0.046]}
     sources: ["..."]
     assumptions: ["..."]
 
@@ -30,7 +35,9 @@ from typing import Any
 
 import yaml
 
-from lightning_fastscale.planner.cost_model import CommParams, Topology, wire_bytes_per_element
+from lightning_fastscale.planner.cost_model import (
+    BACKENDS, CommParams, FlatMeasurement, Topology, wire_bytes_per_element,
+)
 
 __all__ = [
     "Cluster",
@@ -112,6 +119,8 @@ class Cluster:
     sources: tuple[str, ...] = ()
     assumptions: tuple[str, ...] = ()
     published: tuple[dict, ...] = ()
+    backend: str = "nccl"
+    flat_allreduce: FlatMeasurement | None = None
 
     def topology(self, nodes: int | None = None) -> Topology:
         """The topology, optionally with another node count (for scaling curves)."""
@@ -124,7 +133,8 @@ class Cluster:
         shared = None if self.inter.shared_gbit_s is None else 8.0 / (self.inter.shared_gbit_s * 1e9)
         return CommParams(self.intra.alpha, self.intra.beta, self.inter.alpha, self.inter.beta, gamma,
                           beta_inter_shared=shared, beta_flow=flow,
-                          gamma_inter=0.0 if self.inter.reduction_hidden else None)
+                          gamma_inter=0.0 if self.inter.reduction_hidden else None,
+                          backend=self.backend, flat_measured=self.flat_allreduce)
 
     @classmethod
     def from_dict(cls, raw: Any, origin: str = "<dict>") -> "Cluster":
@@ -134,8 +144,9 @@ class Cluster:
 
 _TOP_KEYS = {
     "name", "description", "nodes", "gpus", "ranks_per_node", "intra", "inter", "reduce_gbyte_s",
-    "device", "workload", "sources", "assumptions", "published",
+    "device", "workload", "sources", "assumptions", "published", "backend", "flat_allreduce",
 }
+_FLAT_KEYS = {"nodes", "ranks_per_node", "backend", "wire_dtype", "sizes_bytes", "seconds"}
 _LINK_KEYS = {"bandwidth_gbit_s", "latency_us"}
 _INTER_KEYS = _LINK_KEYS | {"per_flow_gbit_s", "shared_gbit_s", "reduction_hidden"}
 _DEVICE_KEYS = {"name", "sustained_tflops"}
@@ -201,11 +212,41 @@ def _strings(raw: Any, origin: str, key: str) -> tuple[str, ...]:
     return tuple(raw)
 
 
+def _backend(raw: dict, origin: str) -> str:
+    if "backend" not in raw:
+        raise _fail(origin, "backend", f"is missing: give {' or '.join(BACKENDS)} (what the flat all-reduce "
+                    "of plain DDP runs on: nccl on GPUs, gloo on CPUs)")
+    if raw["backend"] not in BACKENDS:
+        raise _fail(origin, "backend", f"={raw['backend']!r} must be one of {list(BACKENDS)}")
+    return raw["backend"]
+
+
+def _flat(raw: Any, origin: str, backend: str, nodes: int, ranks_per_node: int) -> FlatMeasurement | None:
+    if raw is None:
+        return None
+    raw = _mapping(raw, origin, "flat_allreduce", _FLAT_KEYS)
+    missing = sorted({"sizes_bytes", "seconds"} - set(raw))
+    if missing:
+        raise _fail(origin, "flat_allreduce", f"is missing {missing}: give the measured sizes in bytes and seconds "
+                    "(the calibration's flat_allreduce output)")
+    if raw.get("backend", backend) != backend:
+        raise _fail(origin, "flat_allreduce.backend", f"={raw['backend']!r} differs from backend={backend!r}: "
+                    "the measurement belongs to another backend")
+    try:
+        return FlatMeasurement(
+            int(raw.get("nodes", nodes)), int(raw.get("ranks_per_node", ranks_per_node)), backend,
+            tuple(raw["sizes_bytes"]), tuple(raw["seconds"]), raw.get("wire_dtype", "fp32"),
+        )
+    except (TypeError, ValueError) as err:
+        raise _fail(origin, "flat_allreduce", str(err)) from None
+
+
 def _parse(raw: Any, origin: str) -> Cluster:
     raw = _mapping(raw, origin, "<top level>", _TOP_KEYS)
     for key in ("intra", "inter", "device"):
         if key not in raw:
             raise _fail(origin, key, "is missing")
+    backend = _backend(raw, origin)
     ranks_per_node = _count(raw, "ranks_per_node", origin)
     if "gpus" in raw:
         gpus = _count(raw, "gpus", origin)
@@ -262,6 +303,8 @@ def _parse(raw: Any, origin: str) -> Cluster:
         sources=_strings(raw.get("sources"), origin, "sources"),
         assumptions=_strings(raw.get("assumptions"), origin, "assumptions"),
         published=tuple(published),
+        backend=backend,
+        flat_allreduce=_flat(raw.get("flat_allreduce"), origin, backend, nodes, ranks_per_node),
     )
 
 

@@ -18,10 +18,29 @@ node's inter-node link (its NIC), whose bandwidth is shared by every flow leavin
 On top of the primitives, the three algorithms of the strategy
 (:data:`~lightning_fastscale.strategies.options.ALGORITHMS`):
 
-* ``flat``: one flat ring over all ``P = nodes * ranks_per_node`` ranks, ordered node by
-  node. Every step moves ``n/P`` bytes on every edge at once, so a step lasts as long as the
-  slowest edge, each with its own latency: ``max(alpha_inter + n/P beta_inter, alpha_intra +
-  n/P beta_intra)``, with one flow's ``beta_inter`` (:meth:`CommParams.flow_beta`).
+* ``flat``: the all-reduce over all ``P = nodes * ranks_per_node`` ranks that plain DDP runs,
+  priced as the backend runs it (``CommParams.backend``):
+
+  - ``gloo``: one flat ring over all ranks, ordered node by node. Every step moves ``n/P``
+    bytes on every edge at once, so a step lasts as long as the slowest edge, each with its
+    own latency: ``max(alpha_inter + n/P beta_inter, alpha_intra + n/P beta_intra)``, with one
+    flow's ``beta_inter`` (:meth:`CommParams.flow_beta`).
+  - ``nccl``: the better of NCCL's two algorithms (NCCL user guide; its tuning model in
+    ``src/graph/tuning.cc``; nccl-tests ``doc/PERFORMANCE.md``), see :func:`nccl_ring_time`
+    and :func:`nccl_tree_time`. The ring is topology-aware: a node's ranks are contiguous,
+    so every node's link carries ``2(P-1)/P n`` bytes each way (nccl-tests' bus bandwidth
+    ``busbw = algbw * 2(P-1)/P`` is that link's rate) and every in-node link the same; its
+    latency is ``2(N-1)`` inter-node and ``2(P-1) - 2(N-1)`` in-node hops. The tree reduces
+    inside the node along a chain, all-reduces between nodes over a double binary tree
+    (each tree carries half the data; a node is an inner node of at most one of them), and
+    broadcasts inside the node: a node's link carries ``n`` bytes each way on 2 nodes (twice
+    the ring's bus bandwidth, NVIDIA/nccl 946, nccl-tests 196), ``1.5 n`` on 3 and ``2 n`` from
+    4 nodes on; the in-node chain carries ``n``; its latency is
+    ``2 ((G-1) alpha_intra + floor(log2 N) alpha_inter)``.
+
+  A measured flat all-reduce (``CommParams.flat_measured``, :class:`FlatMeasurement`, timed
+  by :mod:`~lightning_fastscale.planner.calibrate` on the world group with the real backend)
+  replaces either model on the topology and wire dtype it was measured on.
 * ``hier`` (Jia et al. 2018, "Highly Scalable Deep Learning Training System with
   Mixed-Precision"): reduce inside the node, ring all-reduce among the node leaders,
   broadcast inside the node.
@@ -73,7 +92,7 @@ planner can price every candidate bucket at once.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -84,23 +103,104 @@ from lightning_fastscale.strategies.topology import Topology
 
 __all__ = [
     "ALGORITHMS",
+    "BACKENDS",
     "CommParams",
+    "FlatMeasurement",
     "Topology",
     "allgather_time",
     "allreduce_time",
     "bandwidth_bound",
     "broadcast_time",
     "choose_algorithm",
+    "flat_allreduce_detail",
+    "nccl_ring_time",
+    "nccl_tree_time",
     "predict_allreduce",
-    "stage_times",
     "reduce_scatter_time",
     "reduce_time",
     "ring_allreduce_time",
+    "stage_times",
     "wire_bytes_per_element",
 ]
 
 _INDEX_BYTES = 4  # top-k sends an int32 index with every value
 _GRAD_BYTES = 4  # gradients (and the sums inside a node) are fp32
+
+BACKENDS: tuple[str, ...] = ("nccl", "gloo")
+"""The torch.distributed backends whose flat all-reduce the model prices (``CommParams.backend``)."""
+
+
+def _check_backend(backend: str, setting: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"{setting}={backend!r}: choose one of {list(BACKENDS)} (nccl on GPUs, gloo on CPUs).")
+    return backend
+
+
+@dataclass(frozen=True)
+class FlatMeasurement:
+    """The flat all-reduce as DDP runs it, timed on a cluster: seconds per message size.
+
+    ``sizes`` are bytes on the wire (elements x ``wire_dtype`` bytes), ``seconds`` the slowest
+    rank's median time of a plain ``all_reduce`` on the world group with ``backend``, on
+    ``nodes x ranks_per_node`` ranks. :meth:`time` interpolates linearly between the measured
+    sizes and extrapolates beyond them with a latency + bandwidth line fitted to all of them
+    (both terms >= 0), so a measurement at the gradient's size prices exactly that size.
+    """
+
+    nodes: int
+    ranks_per_node: int
+    backend: str
+    sizes: tuple[float, ...]
+    seconds: tuple[float, ...]
+    wire_dtype: str = "fp32"
+
+    def __post_init__(self) -> None:
+        _check_backend(self.backend, "FlatMeasurement.backend")
+        wire_bytes_per_element(self.wire_dtype)
+        if self.nodes < 1 or self.ranks_per_node < 1:
+            raise ValueError(f"FlatMeasurement on {self.nodes} x {self.ranks_per_node} ranks: both must be >= 1")
+        if not self.sizes or len(self.sizes) != len(self.seconds):
+            raise ValueError(f"FlatMeasurement needs one time per size, got sizes={self.sizes!r}, seconds={self.seconds!r}")
+        values = [*self.sizes, *self.seconds]
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values):
+            raise ValueError(f"FlatMeasurement sizes and seconds must be finite numbers > 0, got {values!r}")
+        # Sorted by size, so interpolation works on any input order.
+        order = sorted(range(len(self.sizes)), key=lambda i: self.sizes[i])
+        object.__setattr__(self, "sizes", tuple(float(self.sizes[i]) for i in order))
+        object.__setattr__(self, "seconds", tuple(float(self.seconds[i]) for i in order))
+
+    @property
+    def topology(self) -> Topology:
+        """The topology the measurement was taken on."""
+        return Topology(self.nodes, self.ranks_per_node)
+
+    def applies_to(self, topology: Topology, wire_dtype: str = "fp32") -> bool:
+        """True where this measurement, not the model, prices the flat all-reduce."""
+        return topology == self.topology and wire_dtype == self.wire_dtype
+
+    def line(self) -> tuple[float, float]:
+        """``(alpha, beta)`` of the least-squares line ``alpha + beta * bytes`` through the samples (both >= 0)."""
+        x, t = np.asarray(self.sizes), np.asarray(self.seconds)
+        if len(x) == 1 or np.ptp(x) == 0:
+            return 0.0, float(np.mean(t / x))
+        beta, alpha = np.polyfit(x, t, 1)
+        if alpha < 0 or beta <= 0:  # noise: keep a pure bandwidth term, or a pure latency one
+            return (0.0, float(np.dot(x, t) / np.dot(x, x))) if beta > 0 else (float(np.mean(t)), 0.0)
+        return float(alpha), float(beta)
+
+    def time(self, nbytes):
+        """Seconds for ``nbytes`` on the wire (a number or a numpy array)."""
+        x = np.asarray(nbytes, dtype=float)
+        alpha, beta = self.line()
+        inside = np.interp(x, self.sizes, self.seconds)
+        outside = alpha + beta * x
+        result = np.where((x >= self.sizes[0]) & (x <= self.sizes[-1]), inside, outside)
+        return _scalar(np.where(x > 0, result, 0.0))
+
+    def as_dict(self) -> dict:
+        """The measurement as plain data (the ``flat_allreduce`` section of a cluster file)."""
+        return {"nodes": self.nodes, "ranks_per_node": self.ranks_per_node, "backend": self.backend,
+                "wire_dtype": self.wire_dtype, "sizes_bytes": list(self.sizes), "seconds": list(self.seconds)}
 
 
 @dataclass(frozen=True)
@@ -116,6 +216,12 @@ class CommParams:
     (optional, default ``gamma``) is the reduction cost still visible in an all-reduce between
     nodes, 0 where it overlaps the transfer (then ``beta_inter`` is the all-reduce's effective
     seconds per byte, as :mod:`~lightning_fastscale.planner.calibrate` fits it).
+
+    ``backend`` decides how the flat all-reduce (plain DDP's) is priced: ``"gloo"`` (the
+    default for bare parameters, as on the emulated cluster) as one flat ring over all ranks,
+    ``"nccl"`` as the better of NCCL's ring and tree (see the module docstring).
+    ``flat_measured`` (optional) is that all-reduce timed on the cluster; where it applies
+    (:meth:`FlatMeasurement.applies_to`) it replaces the model.
     """
 
     alpha_intra: float
@@ -126,8 +232,13 @@ class CommParams:
     beta_inter_shared: float | None = None
     beta_flow: float = 0.0
     gamma_inter: float | None = None
+    backend: str = "gloo"
+    flat_measured: FlatMeasurement | None = None
 
     def __post_init__(self) -> None:
+        _check_backend(self.backend, "CommParams.backend")
+        if self.flat_measured is not None and not isinstance(self.flat_measured, FlatMeasurement):
+            raise ValueError(f"CommParams.flat_measured={self.flat_measured!r} must be a FlatMeasurement or None")
         for name in ("alpha_intra", "beta_intra", "alpha_inter", "beta_inter", "gamma", "beta_flow"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
@@ -161,9 +272,11 @@ class CommParams:
         share = self.beta_inter if flows <= 1 or self.beta_inter_shared is None else self.beta_inter_shared
         return max(flows * share, self.beta_flow)
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict:
         """The parameters as a plain dict (for JSON output and logging)."""
-        return asdict(self)
+        out = asdict(self)
+        out["flat_measured"] = None if self.flat_measured is None else self.flat_measured.as_dict()
+        return out
 
 
 def ring_allreduce_time(p: int, nbytes: float, alpha: float, beta: float, gamma: float = 0.0) -> float:
@@ -210,6 +323,89 @@ def bandwidth_bound(nodes: int, nbytes: float, beta_inter: float) -> float:
     return 2 * (nodes - 1) / nodes * nbytes * beta_inter
 
 
+def nccl_ring_time(topology: Topology, nbytes, params: CommParams):
+    """NCCL's ring all-reduce of ``nbytes`` (on the wire) across ``topology``.
+
+    NCCL orders a ring's ranks node by node, so it leaves and enters every node once; its
+    chunks are pipelined, so the slowest link sets the rate. Every link, the node's NIC and
+    each in-node link alike, carries ``2(P-1)/P * nbytes`` each way (the factor nccl-tests
+    uses for the all-reduce's bus bandwidth, ``doc/PERFORMANCE.md``). Latency as in NCCL's
+    tuning model: ``2(N-1)`` steps cross a node boundary, the other ``2(P-1) - 2(N-1)`` stay
+    inside a node. ``beta_inter`` is the node link's rate under NCCL's several channels (not
+    one flow's), the reduction cost is the inter-node one (``gamma_inter``).
+    """
+    world, nodes = topology.world_size, topology.num_nodes
+    if world <= 1:
+        return 0.0 * np.asarray(nbytes, dtype=float)
+    steps, inter_steps = 2 * (world - 1), 2 * (nodes - 1)
+    latency = (steps - inter_steps) * params.alpha_intra + inter_steps * params.alpha_inter
+    beta = params.beta_inter if nodes > 1 else 0.0
+    if topology.ranks_per_node > 1:
+        beta = max(beta, params.beta_intra)
+    moved = 2 * (world - 1) / world * np.asarray(nbytes, dtype=float)
+    return _scalar(latency + moved * beta + (world - 1) / world * np.asarray(nbytes, dtype=float) * params.inter_gamma)
+
+
+def _tree_link_load(nodes: int) -> float:
+    """Bytes each way on the busiest node link per byte all-reduced by NCCL's double binary tree.
+
+    Each of the two trees carries half the data; a link to the parent and to each child moves
+    that half once each way. A node is an inner node (a parent and up to two children) in at
+    most one tree and a leaf in the other: ``(3 + 1) / 2 = 2`` from 4 nodes on. On 2 nodes
+    each tree is one root with one child (``(1 + 1) / 2 = 1``); on 3 the inner node of a tree
+    is its root, with two children and no parent (``(2 + 1) / 2 = 1.5``).
+    """
+    if nodes <= 1:
+        return 0.0
+    return {2: 1.0, 3: 1.5}.get(nodes, 2.0)
+
+
+def nccl_tree_time(topology: Topology, nbytes, params: CommParams):
+    """NCCL's tree all-reduce of ``nbytes`` (on the wire) across ``topology``.
+
+    Reduce along a chain inside each node, all-reduce between nodes over a double binary
+    tree, broadcast along the chain (NCCL user guide; NCCL 2.4 release). Pipelined in chunks,
+    so the slowest link sets the rate: the in-node chain carries ``nbytes`` each way, the
+    busiest node link :func:`_tree_link_load` ``* nbytes`` (on 2 nodes half the ring's
+    ``2(P-1)/P``: about twice its bus bandwidth). Latency as in NCCL's tuning model:
+    ``2 ((G-1) alpha_intra + floor(log2 N) alpha_inter)`` with ``G`` ranks per node.
+    """
+    nodes, per_node = topology.num_nodes, topology.ranks_per_node
+    x = np.asarray(nbytes, dtype=float)
+    if topology.world_size <= 1:
+        return 0.0 * x
+    latency = 2 * ((per_node - 1) * params.alpha_intra + (int(math.log2(nodes)) if nodes > 1 else 0) * params.alpha_inter)
+    beta = _tree_link_load(nodes) * params.beta_inter
+    if per_node > 1:
+        beta = max(beta, params.beta_intra)
+    world = topology.world_size
+    return _scalar(latency + x * beta + (world - 1) / world * x * params.inter_gamma)
+
+
+def flat_allreduce_detail(numel: float, topology: Topology, params: CommParams, wire_dtype: str = "fp32") -> dict:
+    """How the flat all-reduce of ``numel`` elements is priced: plain data for reports.
+
+    ``{"backend", "seconds", "source" ("measured" or "model"), "model_s", "measured_s",
+    "nccl_ring_s", "nccl_tree_s"}``; the NCCL entries are ``None`` on gloo, ``measured_s`` is
+    ``None`` without an applicable measurement.
+    """
+    nbytes = float(numel) * wire_bytes_per_element(wire_dtype)
+    model = replace(params, flat_measured=None)
+    model_s = float(allreduce_time("flat", numel, topology, model, wire_dtype))
+    measured = params.flat_measured
+    measured_s = float(measured.time(nbytes)) if measured is not None and measured.applies_to(topology, wire_dtype) else None
+    nccl = params.backend == "nccl" and topology.world_size > 1
+    return {
+        "backend": params.backend,
+        "seconds": model_s if measured_s is None else measured_s,
+        "source": "model" if measured_s is None else "measured",
+        "model_s": model_s,
+        "measured_s": measured_s,
+        "nccl_ring_s": float(nccl_ring_time(topology, nbytes, params)) if nccl else None,
+        "nccl_tree_s": float(nccl_tree_time(topology, nbytes, params)) if nccl else None,
+    }
+
+
 def _inter_stage(
     nodes: int, nbytes, flows: int, params: CommParams, wire: int, topk_ratio: float | None
 ):
@@ -252,8 +448,13 @@ def stage_times(
         return [0.0 * elements]
     on_wire, in_node = elements * wire, elements * _GRAD_BYTES
     ai, bi, g = params.alpha_intra, params.beta_intra, params.gamma
+    measured = params.flat_measured
+    if algorithm == "flat" and measured is not None and measured.applies_to(topology, wire_dtype):
+        return [measured.time(on_wire)]
     if nodes == 1:  # one all-reduce inside the node, all of it in the wire dtype
         return [ring_allreduce_time(p1, on_wire, ai, bi, g)]
+    if algorithm == "flat" and params.backend == "nccl":
+        return [np.minimum(nccl_ring_time(topology, on_wire, params), nccl_tree_time(topology, on_wire, params))]
     if algorithm == "flat":
         # Every step moves n/P bytes on every edge at once: the slowest edge, its own latency
         # plus its own transfer, sets the step's length.

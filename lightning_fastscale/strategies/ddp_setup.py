@@ -153,6 +153,7 @@ class HierarchicalDDPSetup:
         self.topology: Topology | None = None
         self.hook_state: HierarchicalHookState | None = None
         self.resolved_algorithm: str | None = None
+        self.plain_ddp_reason: str | None = None
         self._gradient_bytes = 0
         self._saved_residuals: tuple[str, dict | None] | None = None
 
@@ -229,13 +230,19 @@ class HierarchicalDDPSetup:
 
         Explicit settings win: a fixed ``algorithm``; ``two_segment_split``, ``fusion_plan`` or
         ``bucket_cap_mb`` for the buckets. Otherwise the planner, asked with this strategy's
-        :meth:`planner_settings`, or ``algorithm_selector`` decides.
+        :meth:`planner_settings`, or ``algorithm_selector`` decides. With ``algorithm="auto"``
+        and no user hook, a planner that finds plain DDP within its tolerance of the best sets
+        :attr:`plain_ddp_reason`: the flat path then runs as DDP's own all-reduce, no hook.
         """
         plan = None
+        self.plain_ddp_reason = None
         if self.planner is not None:
             algorithms = None if self.algorithm == "auto" else (self.algorithm,)
             plan = self.planner.plan(model, topology, algorithms=algorithms, timeout=self._timeout,
                                      **self.planner_settings())
+            no_user_hook = self.user_comm_hook is None and self.user_comm_wrapper is None
+            if self.algorithm == "auto" and getattr(plan, "plain_ddp", False) and no_user_hook:
+                self.plain_ddp_reason = plan.reason
         caps: Sequence[float] | None = None
         if self.two_segment_split is not None:
             caps = two_segment_caps_mb(model, self.two_segment_split)
@@ -275,7 +282,7 @@ class HierarchicalDDPSetup:
             user_hook_for_one_node(ddp_model, self.user_comm_hook, self.user_comm_state, self.user_comm_wrapper)
             return
         if self.uses_ddp_allreduce:
-            return
+            return  # plain_ddp_reason, if set, reaches the log through plan_message
         if not dist.is_initialized():
             # Only reachable with a stand-in for DistributedDataParallel (a real one needs the
             # process group): there are no peers to build groups with.
@@ -304,12 +311,17 @@ class HierarchicalDDPSetup:
 
     @property
     def uses_ddp_allreduce(self) -> bool:
-        """True on one node in fp32 without compression or user hook: DDP's own all-reduce, no hook.
+        """True where DDP's own all-reduce runs, without a hook.
 
-        Every algorithm is then one all-reduce inside the node, which DDP's built-in C++ path
-        does without the Python hook and its thread, so one node costs what plain DDP does.
+        On one node in fp32 without compression or user hook: every algorithm is then one
+        all-reduce inside the node, which DDP's built-in C++ path does without the Python hook
+        and its thread, so one node costs what plain DDP does. With ``algorithm="auto"``, also
+        where the planner found plain DDP within its tolerance of the best
+        (:attr:`plain_ddp_reason` says why).
         """
         assert self.topology is not None
+        if self.plain_ddp_reason is not None:
+            return True
         plain = self.wire_dtype == "fp32" and self.compression is None
         no_user_hook = self.user_comm_hook is None and self.user_comm_wrapper is None
         return self.topology.num_nodes == 1 and plain and no_user_hook
@@ -319,6 +331,8 @@ class HierarchicalDDPSetup:
             name = getattr(self.user_comm_hook, "__qualname__", repr(self.user_comm_hook))
             assert self.topology is not None
             return name if self.topology.num_nodes == 1 else f"hier (inter-node stage: {name})"
+        if self.plain_ddp_reason is not None:
+            return "ddp_allreduce (planner: plain DDP within tolerance of the best)"
         if self.uses_ddp_allreduce:
             return "ddp_allreduce (one node)"
         return self.resolved_algorithm
@@ -327,6 +341,7 @@ class HierarchicalDDPSetup:
         """Topology, algorithm, wire dtype and bucket plan of this run (what rank 0 logs)."""
         assert self.topology is not None
         caps = self._ddp_kwargs.get("bucket_cap_mb_list") or [self._ddp_kwargs.get("bucket_cap_mb", 25)]
+        why = {} if self.plain_ddp_reason is None else {"strategy/plain_ddp_reason": self.plain_ddp_reason}
         return {
             "strategy/algorithm": self._algorithm_label(),
             "strategy/num_nodes": self.topology.num_nodes,
@@ -338,6 +353,7 @@ class HierarchicalDDPSetup:
             "strategy/gradient_mb": round(self._gradient_bytes / _MB, 3),
             "strategy/bucket_caps_mb": [round(float(c), 3) for c in caps],
             "strategy/pipeline_chunk_mb": resolve_chunk_mb(self.pipeline_chunk_mb, self.topology.num_nodes),
+            **why,
         }
 
     def plan_message(self) -> str:
