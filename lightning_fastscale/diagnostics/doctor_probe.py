@@ -48,40 +48,27 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _slowest_median(op: Callable[[], Any], reps: int, device: torch.device) -> float:
-    """Median over ``reps`` (after one warm-up) of the slowest rank's seconds for ``op``."""
-    times = []
-    for rep in range(reps + 1):
-        dist.barrier()
-        _sync(device)
-        start = time.perf_counter()
-        op()
-        _sync(device)
-        slowest = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        if rep:
-            times.append(float(slowest.item()))
-    return statistics.median(times)
-
-
 def measure_allreduce(
     numel: int, num_nodes: int, ranks_per_node: int, device: torch.device, reps: int = 2,
     wire_dtypes: tuple[str, ...] = ("fp32", "bf16"),
 ) -> dict[str, float]:
     """Seconds of one all-reduce of ``numel`` fp32 numbers by each ``"algorithm/wire"`` (collective).
 
-    ``flat/fp32`` is ``dist.all_reduce`` on the world group with the job's backend: what DDP
-    runs. The others go through the strategy's own algorithms (``strategies/allreduce.py``)
+    ``flat/fp32`` is plain DDP's all-reduce, timed by the planner's
+    :func:`~lightning_fastscale.planner.calibrate.measure_flat_allreduce` (``dist.all_reduce``
+    on the world group with the job's backend). The others go through the strategy's own algorithms (``strategies/allreduce.py``)
     with its default pipeline chunking; hierarchical and torus only with several nodes.
     """
+    from lightning_fastscale.planner.calibrate import _on_cuda, _time, measure_flat_allreduce
     from lightning_fastscale.strategies.allreduce import (
         flat_allreduce_, hierarchical_allreduce_, torus2d_allreduce_)
     from lightning_fastscale.strategies.options import DEFAULT_PIPELINE_CHUNK_MB, WIRE_DTYPES, chunk_numel_for
     from lightning_fastscale.strategies.topology import Topology, build_process_groups
 
+    topology = Topology(num_nodes, ranks_per_node)
+    results = {FLAT: measure_flat_allreduce(None, 4 * numel, topology, reps).seconds[0]}
     tensor = torch.ones(numel, device=device)
-    results = {FLAT: _slowest_median(lambda: dist.all_reduce(tensor), reps, device)}
-    groups = build_process_groups(Topology(num_nodes, ranks_per_node))
+    groups = build_process_groups(topology)
     chunk = chunk_numel_for(DEFAULT_PIPELINE_CHUNK_MB, num_nodes)
     algorithms: dict[str, Callable[..., Any]] = {"flat": flat_allreduce_}
     if num_nodes > 1:
@@ -94,7 +81,8 @@ def measure_allreduce(
                     continue
                 dtype = None if wire == "fp32" else WIRE_DTYPES[wire]
                 try:
-                    results[label] = _slowest_median(lambda: fn(tensor, groups, dtype, chunk_numel=chunk), reps, device)
+                    results[label] = _time(lambda: fn(tensor, groups, dtype, chunk_numel=chunk), None, reps, True,
+                                           _on_cuda())
                 except (RuntimeError, TypeError) as err:  # a backend without that dtype: not an option here
                     log.warning("all-reduce %s not measured: %s", label, err)
     finally:
