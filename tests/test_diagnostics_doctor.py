@@ -23,7 +23,7 @@ from lightning_fastscale.diagnostics.doctor import (
     plot_report,
     render_report,
 )
-from lightning_fastscale.diagnostics.doctor_cli import merge_overrides
+from lightning_fastscale.diagnostics.doctor_cli import check_settings, merge_overrides
 from lightning_fastscale.diagnostics.doctor_probe import DoctorProbe
 from lightning_fastscale.diagnostics.step_breakdown_callback import StepBreakdown
 from lightning_fastscale.module import ImageClassifier
@@ -125,6 +125,13 @@ def test_fix_overrides_replace_the_command_line_ones():
     merged = merge_overrides(base, ["strategy=ddp"])
     assert merged == ["data.num_workers=0", "+trainer.limit_train_batches=9", "strategy=ddp"]
     assert merge_overrides(base, ["data.num_workers=2"])[-2:] == ["+trainer.limit_train_batches=9", "data.num_workers=2"]
+
+
+def test_settings_that_cannot_measure_are_refused_by_name():
+    check_settings({"warmup_steps": 0, "steps": 20})
+    for name, value in (("steps", 0), ("verify_rounds", -1), ("warmup_steps", 1.5), ("loader_batches", True)):
+        with pytest.raises(ValueError, match=f"doctor.{name}="):
+            check_settings({name: value})
 
 
 def test_probe_in_a_fit_measures_a_slow_loader_and_names_input(tmp_path):

@@ -20,6 +20,8 @@ MODULES = [
     "lightning_fastscale.callbacks.ghost_batch_norm",
     "lightning_fastscale.diagnostics.step_breakdown",
     "lightning_fastscale.diagnostics.step_timer",
+    "lightning_fastscale.diagnostics.doctor",
+    "lightning_fastscale.diagnostics.doctor_cli",
 ]
 
 

@@ -381,7 +381,8 @@ def render_report(d: Diagnosis) -> str:
     """The console report: verdict, breakdown (median and slowest rank), measurements, fixes."""
     m, v = d.measurements, d.verdict
     slowest = m.breakdown().slowest_rank
-    lines = [f"fastscale-doctor: {m.world_size} rank(s) on {m.num_nodes} node(s) x {m.ranks_per_node}, {m.backend}",
+    where = f"{m.num_nodes} node(s) x {m.ranks_per_node}, {m.backend}" if m.world_size > 1 else "one process"
+    lines = [f"fastscale-doctor: {m.world_size} rank(s) on {where}",
              "", f"bottleneck: {v.bottleneck.upper()}", f"  {v.reason}", ""]
     lines.append(f"step breakdown (per step)        median rank   slowest rank ({slowest})")
     for part in PARTS:

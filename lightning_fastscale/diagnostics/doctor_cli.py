@@ -33,7 +33,7 @@ from lightning_fastscale.train import build
 
 log = logging.getLogger(__name__)
 
-__all__ = ["main", "merge_overrides", "run_doctor"]
+__all__ = ["check_settings", "main", "merge_overrides", "run_doctor"]
 
 FLAGS = {"--verify": "doctor.verify=true", "--json": "doctor.json=true"}
 
@@ -104,9 +104,29 @@ def _compose(overrides: list[str]) -> DictConfig:
     return compose(config_name=hydra_cfg.job.config_name, overrides=searchpath + overrides)
 
 
+_AT_LEAST = {"warmup_steps": 0, "steps": 1, "compute_steps": 1, "loader_batches": 1, "allreduce_reps": 1,
+             "verify_warmup_steps": 0, "verify_steps": 1, "verify_rounds": 1}
+
+
+def check_settings(opts: Any) -> None:
+    """Refuse a ``doctor`` setting that cannot be measured with, naming it (before any fit).
+
+    Examples:
+        >>> check_settings({"steps": 0})
+        Traceback (most recent call last):
+        ...
+        ValueError: doctor.steps=0: must be an integer >= 1
+    """
+    for name, low in _AT_LEAST.items():
+        value = opts.get(name, low)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"doctor.{name}={value!r}: must be an integer >= {low}")
+
+
 def run_doctor(cfg: DictConfig) -> Diagnosis:
     """Measure the configured job, diagnose it and, with ``doctor.verify``, verify each fix."""
     opts = cfg.doctor
+    check_settings(opts)
     probe = DoctorProbe(True, opts.compute_steps, opts.loader_batches, opts.allreduce_reps)
     _fit(_for_measuring(cfg, opts.warmup_steps, opts.steps), probe, opts.warmup_steps, opts.steps, _run_dir(), True)
     assert probe.measurements is not None

@@ -127,6 +127,8 @@ def measure_compute(trainer: pl.Trainer, module: pl.LightningModule, batch: Any,
         module._trainer = attached
     if channels_last:
         clone = clone.to(memory_format=torch.channels_last)
+        if hasattr(clone, "channels_last"):  # ImageClassifier also converts its batches
+            clone.channels_last = True
     optimizer = trainer.optimizers[0]
     clone_opt = type(optimizer)(clone.parameters(), **optimizer.defaults)
     device = module.device
