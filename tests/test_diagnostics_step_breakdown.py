@@ -355,3 +355,27 @@ def test_timer_on_cuda_reads_events_lazily_and_uses_the_gpu_timeline(monkeypatch
     (step,) = timer.drain(block=True)
     expected = {"input": 0.004, "compute": 0.040, "communication": 0.020, "optimizer": 0.004, "rest": 0.007}
     assert step.seconds == pytest.approx(expected, abs=1e-9)
+
+
+def _hier_worker(rank: int, world_size: int, tmp: str) -> dict | None:
+    from lightning_fastscale.strategies import HierarchicalAllReduceStrategy
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(7 * 8, 3, 8, 8), torch.randint(0, 4, (7 * 8,)))
+    # 2 emulated nodes of 1 rank: the late hook is the inter-node stage, run on the strategy's
+    # communication thread
+    strategy = HierarchicalAllReduceStrategy(algorithm="hier", ranks_per_node=1, ddp_comm_hook=late_allreduce_hook)
+    breakdown = StepBreakdown(every_n_steps=3, dirpath=Path(tmp), print_table=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[breakdown], use_distributed_sampler=False)
+    trainer.fit(_Net(), DataLoader(data, batch_size=8))
+    return breakdown.summary.to_dict() if breakdown.summary else None
+
+
+@pytest.mark.slow
+def test_hier_ring_late_inter_node_stage_is_communication(tmp_path):
+    c, _ = run_distributed(_hier_worker, 2, str(tmp_path), timeout=240)
+    assert c["bottleneck"] == "communication", c
+    assert c["phases"]["communication"] >= 0.8 * COMM_DELAY and c["phases"]["compute"] < COMM_DELAY

@@ -85,7 +85,7 @@ def test_a_flat_measurement_replaces_the_model_where_it_applies():
     assert detail["baseline"]["source"] == "measured" and detail["baseline"]["seconds"] == pytest.approx(0.2)
     assert detail["baseline"]["model_s"] == pytest.approx(min(nccl_ring_time(topo, S, params),
                                                               nccl_tree_time(topo, S, params)))
-    json.dumps(detail)  # plain data, for fastscale-doctor's report
+    json.dumps(detail)  # plain data (JSON) for reports
 
 
 def _profile():

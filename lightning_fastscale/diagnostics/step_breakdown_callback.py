@@ -129,6 +129,22 @@ class _Windows:
         return summarize(ranks, self.windows[0].first_step, self.windows[-1].last_step)
 
 
+def _all_gather(t: torch.Tensor, device: torch.device, fallback: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``(world, *t.shape)`` from every rank of the default group; ``fallback`` without a group.
+
+    A plain ``all_gather`` (no autograd, which the strategies' ``all_gather`` adds), on the
+    module's device so that NCCL can carry it.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return fallback(t.to(device))
+    t = t.to(device)
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return torch.stack(out)
+
+
 def _metrics(summary: BreakdownSummary, prefix: str) -> dict[str, float]:
     metrics = {f"{prefix}step_s": summary.step_s, f"{prefix}straggler_share": summary.straggler_share,
                f"{prefix}slowest_rank": float(summary.slowest_rank)}
@@ -305,7 +321,7 @@ class StepBreakdown(pl.Callback):
     def _flush(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> BreakdownSummary | None:
         assert self.timer is not None and self._agg is not None
         self._agg.add(self.timer.drain(block=True))
-        summary = self._agg.flush(lambda t: trainer.strategy.all_gather(t.to(pl_module.device)))
+        summary = self._agg.flush(lambda t: _all_gather(t, pl_module.device, trainer.strategy.all_gather))
         self.windows = self._agg.windows
         if summary is not None and trainer.is_global_zero:
             for logger in trainer.loggers:
@@ -405,7 +421,7 @@ class FabricStepBreakdown:
 
     def _flush(self) -> BreakdownSummary | None:
         self._agg.add(self.timer.drain(block=True))
-        summary = self._agg.flush(lambda t: self.fabric.all_gather(t.to(self.fabric.device)))
+        summary = self._agg.flush(lambda t: _all_gather(t, self.fabric.device, self.fabric.all_gather))
         if summary is not None and self.log:
             self.fabric.log_dict(_metrics(summary, self.log_prefix), step=summary.last_step)
         return summary

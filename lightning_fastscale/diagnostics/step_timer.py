@@ -20,7 +20,10 @@ counted as compute.
 On CUDA each mark also records a CUDA event on the current stream, and the parts of a step
 are the event intervals (the GPU's timeline); the events are read only when :meth:`drain`
 is called (every N steps), never per step. The ``input`` part is then the GPU's gap between
-the previous step and this batch, capped by the host time spent fetching and copying it.
+the previous step and this batch, capped by the host time spent fetching and copying it. Only
+one gradient hook records an event: the parameter whose gradient came last in the previous
+step (gradient order is the same from step to step); without that event backward counts as
+compute.
 """
 from __future__ import annotations
 
@@ -104,8 +107,9 @@ class StepTimer:
         >>> for mark in ("batch_start", "before_backward", "after_backward", "end"):
         ...     timer.mark(mark)
         >>> timer.end_batch(samples=8)
-        >>> [s.samples for s in timer.drain()]
-        [8.0]
+        >>> (step,) = timer.drain()
+        >>> step.samples, sorted(step.seconds) == sorted(PHASES)
+        (8.0, True)
     """
 
     def __init__(self, device: torch.device | str | None = None) -> None:
