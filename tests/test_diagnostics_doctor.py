@@ -24,9 +24,10 @@ from lightning_fastscale.diagnostics.doctor import (
     render_report,
 )
 from lightning_fastscale.diagnostics.doctor_cli import check_settings, merge_overrides
-from lightning_fastscale.diagnostics.doctor_probe import DoctorProbe
+from lightning_fastscale.diagnostics.doctor_probe import DoctorProbe, measure_allreduce
 from lightning_fastscale.diagnostics.step_breakdown_callback import StepBreakdown
 from lightning_fastscale.module import ImageClassifier
+from tests.distributed import run_distributed
 from tests.doctor_helpers import InjectedDataModule
 
 
@@ -129,7 +130,8 @@ def test_fix_overrides_replace_the_command_line_ones():
 
 def test_settings_that_cannot_measure_are_refused_by_name():
     check_settings({"warmup_steps": 0, "steps": 20})
-    for name, value in (("steps", 0), ("verify_rounds", -1), ("warmup_steps", 1.5), ("loader_batches", True)):
+    for name, value in (("steps", 0), ("verify_rounds", -1), ("warmup_steps", 1.5), ("loader_batches", True),
+                        ("max_workers", -1)):
         with pytest.raises(ValueError, match=f"doctor.{name}="):
             check_settings({name: value})
 
@@ -155,3 +157,21 @@ def test_probe_in_a_fit_measures_a_slow_loader_and_names_input(tmp_path):
     d = diagnose(m)
     assert d.verdict.bottleneck == "input", render_report(d)
     assert dm.num_workers == 0  # the probe restores the configured worker count
+
+
+def _allreduce_two_nodes(rank: int, world_size: int) -> tuple:
+    import torch
+
+    return measure_allreduce(1 << 18, num_nodes=2, ranks_per_node=1, device=torch.device("cpu"), reps=1)
+
+
+@pytest.mark.slow
+def test_allreduce_probe_times_every_algorithm_and_wire_with_the_planners_view():
+    # two processes as two one-rank "nodes": hier and torus2d have an inter-node stage to run
+    results = run_distributed(_allreduce_two_nodes, 2)
+    (measured, planner), other = results
+    assert other == results[0] or other[0].keys() == measured.keys()
+    assert set(measured) == {f"{a}/{w}" for a in ("flat", "hier", "torus2d") for w in ("fp32", "bf16")}
+    assert all(t > 0 for t in measured.values())
+    if planner is not None:  # the link fit can fail on a machine too loaded for timings to grow with size
+        assert set(measured) <= set(planner["predicted_s"]) and isinstance(planner["plain_ddp"], bool)

@@ -86,6 +86,20 @@ def test_one_slow_rank_is_the_straggler_under_lightnings_launcher(tmp_path):
 
 
 @pytest.mark.slow
+def test_verify_runs_a_sequence_of_fits_under_lightnings_launcher(tmp_path):
+    # rank 0 starts rank 1 by re-running the command line; both then run the measured fit and
+    # the baseline and fix fits one after another on the same process group
+    # (2 workers per rank measured although this machine has 1 core per rank: a fix to verify)
+    doc = _doctor(tmp_path, "model=linear", "data.resolution=8", "trainer.devices=2", "strategy=ddp",
+                  "data.sample_delay_s=0.004", "doctor.max_workers=2", "--verify")
+    assert doc["bottleneck"] == "input", doc["reason"]
+    fix = doc["fixes"][0]
+    assert fix["overrides"][0].startswith("data.num_workers=")
+    assert fix["measured_speedup"] is not None and fix["verified_step_s"] > 0
+    assert doc["baseline_step_s"] > 0 and doc["verify_rounds"] == 1
+
+
+@pytest.mark.slow
 def test_large_model_on_fast_data_is_compute(tmp_path):
     doc = _doctor(tmp_path, "model=resnet_small", "data.batch_size=32")
     assert doc["bottleneck"] == "compute", doc["reason"]

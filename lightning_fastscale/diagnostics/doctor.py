@@ -67,6 +67,9 @@ class Measurements:
         allreduce_s: seconds of one all-reduce of ``grad_bytes`` by each ``"algorithm/wire"``
             label (e.g. ``"flat/fp32"``, ``"hier/bf16"``); ``"flat/fp32"`` is the baseline.
         configured_allreduce: the label the configured strategy runs.
+        planner: the planner's view of the same all-reduces on the calibrated link
+            (``predicted_s`` per label, ``plain_ddp``: whether plain DDP is within its
+            ``tolerance`` of the best measured), or None where the calibration failed.
         compute_alone_s: forward + backward + optimizer on a device-resident batch, per step.
         loader_images_per_s: images/s per rank (slowest rank) at each measured worker count.
         num_workers: the configured worker count.
@@ -90,6 +93,7 @@ class Measurements:
     grad_bytes: int = 0
     allreduce_s: dict[str, float] = field(default_factory=dict)
     configured_allreduce: str = FLAT
+    planner: dict[str, Any] | None = None
     compute_alone_s: float | None = None
     loader_images_per_s: dict[int, float] = field(default_factory=dict)
     num_workers: int = 0
@@ -397,9 +401,16 @@ def render_report(d: Diagnosis) -> str:
         for overrides, t in m.compute_variants.items():
             lines.append(f"    with {overrides}: {_fmt_s(t)}")
     if m.allreduce_s:
-        lines.append(f"  all-reduce of the {m.grad_bytes / 2**20:.1f} MiB gradient (configured: {m.configured_allreduce}):")
+        predicted = (m.planner or {}).get("predicted_s", {})
+        lines.append(f"  all-reduce of the {m.grad_bytes / 2**20:.1f} MiB gradient (configured: {m.configured_allreduce})"
+                     + (", measured | planner on the calibrated link:" if predicted else ":"))
         for label, t in sorted(m.allreduce_s.items(), key=lambda kv: kv[1]):
-            lines.append(f"    {label:<28}{_fmt_s(t)}")
+            model = f" | {_fmt_s(predicted[label])}" if label in predicted else ""
+            lines.append(f"    {label:<28}{_fmt_s(t)}{model}")
+        if m.planner is not None:
+            verdict = "within" if m.planner["plain_ddp"] else "not within"
+            lines.append(f"    plain DDP is {verdict} {m.planner['tolerance']:.0%} of the best "
+                         f"(strategy=hier_auto {'installs no hook' if m.planner['plain_ddp'] else 'installs one'})")
     if m.loader_images_per_s:
         need = m.batch_size / max(m.step_s - m.median_part("input"), 1e-12)
         lines.append(f"  loader images/s per rank (the rest of the step consumes {need:.0f}):")

@@ -117,6 +117,9 @@ def check_settings(opts: Any) -> None:
         ...
         ValueError: doctor.steps=0: must be an integer >= 1
     """
+    workers = opts.get("max_workers")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
+        raise ValueError(f"doctor.max_workers={workers!r}: must be null (the cores per rank) or an integer >= 0")
     for name, low in _AT_LEAST.items():
         value = opts.get(name, low)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -127,7 +130,7 @@ def run_doctor(cfg: DictConfig) -> Diagnosis:
     """Measure the configured job, diagnose it and, with ``doctor.verify``, verify each fix."""
     opts = cfg.doctor
     check_settings(opts)
-    probe = DoctorProbe(True, opts.compute_steps, opts.loader_batches, opts.allreduce_reps)
+    probe = DoctorProbe(True, opts.compute_steps, opts.loader_batches, opts.allreduce_reps, opts.get("max_workers"))
     _fit(_for_measuring(cfg, opts.warmup_steps, opts.steps), probe, opts.warmup_steps, opts.steps, _run_dir(), True)
     assert probe.measurements is not None
     diagnosis = diagnose(probe.measurements)

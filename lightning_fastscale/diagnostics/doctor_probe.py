@@ -51,29 +51,46 @@ def _sync(device: torch.device) -> None:
 def measure_allreduce(
     numel: int, num_nodes: int, ranks_per_node: int, device: torch.device, reps: int = 2,
     wire_dtypes: tuple[str, ...] = ("fp32", "bf16"),
-) -> dict[str, float]:
-    """Seconds of one all-reduce of ``numel`` fp32 numbers by each ``"algorithm/wire"`` (collective).
+) -> tuple[dict[str, float], dict[str, Any] | None]:
+    """Each ``"algorithm/wire"``'s seconds for one all-reduce of ``numel`` fp32 numbers, and the planner's view.
 
-    ``flat/fp32`` is plain DDP's all-reduce, timed by the planner's
-    :func:`~lightning_fastscale.planner.calibrate.measure_flat_allreduce` (``dist.all_reduce``
-    on the world group with the job's backend). The others go through the strategy's own algorithms (``strategies/allreduce.py``)
-    with its default pipeline chunking; hierarchical and torus only with several nodes.
+    Collective. First the planner's calibration on the strategy's process groups, at the
+    gradient's size and a quarter of it, which also times plain DDP's all-reduce (``flat/fp32``:
+    ``dist.all_reduce`` on the world group with the job's backend) at the gradient's size. Then
+    the strategy's own algorithms (``strategies/allreduce.py``, hierarchical and torus only
+    with several nodes) in each wire dtype, with its default pipeline chunking. The planner's
+    view (:func:`~lightning_fastscale.planner.baseline.compare_algorithms` on the fitted link and
+    these measurements) has its predicted seconds per algorithm and whether plain DDP is within
+    its tolerance of the best; ``None`` where the link fit failed (timings that do not grow
+    with size, e.g. a tiny gradient), in which case plain DDP's time comes from
+    :func:`~lightning_fastscale.planner.calibrate.measure_flat_allreduce` alone.
     """
-    from lightning_fastscale.planner.calibrate import _on_cuda, _time, measure_flat_allreduce
+    from lightning_fastscale.planner.baseline import compare_algorithms
+    from lightning_fastscale.planner.calibrate import (
+        _on_cuda, _time, calibrate_process_groups, measure_flat_allreduce)
     from lightning_fastscale.strategies.allreduce import (
         flat_allreduce_, hierarchical_allreduce_, torus2d_allreduce_)
     from lightning_fastscale.strategies.options import DEFAULT_PIPELINE_CHUNK_MB, WIRE_DTYPES, chunk_numel_for
     from lightning_fastscale.strategies.topology import Topology, build_process_groups
 
-    topology = Topology(num_nodes, ranks_per_node)
-    results = {FLAT: measure_flat_allreduce(None, 4 * numel, topology, reps).seconds[0]}
-    tensor = torch.ones(numel, device=device)
+    topology, nbytes = Topology(num_nodes, ranks_per_node), 4 * numel
     groups = build_process_groups(topology)
-    chunk = chunk_numel_for(DEFAULT_PIPELINE_CHUNK_MB, num_nodes)
-    algorithms: dict[str, Callable[..., Any]] = {"flat": flat_allreduce_}
-    if num_nodes > 1:
-        algorithms.update(hier=hierarchical_allreduce_, torus2d=torus2d_allreduce_)
     try:
+        try:
+            calibration = calibrate_process_groups(groups, sizes=(max(nbytes // 4, 4096), nbytes), reps=reps,
+                                                   flat_sizes=[nbytes])
+        except ValueError as err:
+            log.warning("link calibration failed (%s); plain DDP's all-reduce is timed alone", err)
+            calibration = None
+            flat = measure_flat_allreduce(None, nbytes, topology, reps)
+        else:
+            flat = calibration.params.flat_measured
+        results = {FLAT: flat.seconds[-1]}
+        tensor = torch.ones(numel, device=device)
+        chunk = chunk_numel_for(DEFAULT_PIPELINE_CHUNK_MB, num_nodes)
+        algorithms: dict[str, Callable[..., Any]] = {"flat": flat_allreduce_}
+        if num_nodes > 1:
+            algorithms.update(hier=hierarchical_allreduce_, torus2d=torus2d_allreduce_)
         for name, fn in algorithms.items():
             for wire in wire_dtypes:
                 label = f"{name}/{wire}"
@@ -87,7 +104,11 @@ def measure_allreduce(
                     log.warning("all-reduce %s not measured: %s", label, err)
     finally:
         groups.destroy()
-    return results
+    if calibration is None:
+        return results, None
+    view = compare_algorithms(numel, topology, calibration.params, wire_dtypes, measured=dict(results))
+    return results, {"predicted_s": {c["label"]: c["predicted_s"] for c in view["candidates"]},
+                     "plain_ddp": view["plain_ddp"], "tolerance": view["tolerance"]}
 
 
 def measure_loader(
@@ -176,6 +197,8 @@ class DoctorProbe(Callback):
         compute_steps: timed steps of compute alone.
         loader_batches: timed batches per worker count.
         allreduce_reps: timed repetitions of each all-reduce.
+        max_workers: the most loader workers per rank to measure; None: the cores per rank
+            (usable cores of the machine / ranks on it).
 
     After fit, :attr:`measurements` (on every rank) holds every rank's numbers.
 
@@ -187,8 +210,9 @@ class DoctorProbe(Callback):
     """
 
     def __init__(self, measure: bool = True, compute_steps: int = 5, loader_batches: int = 8,
-                 allreduce_reps: int = 2) -> None:
+                 allreduce_reps: int = 2, max_workers: int | None = None) -> None:
         self.measure = measure
+        self.max_workers = max_workers
         self.compute_steps = compute_steps
         self.loader_batches = loader_batches
         self.allreduce_reps = allreduce_reps
@@ -212,14 +236,15 @@ class DoctorProbe(Callback):
         local["num_nodes"], local["ranks_per_node"] = nodes, per_node
         local["backend"] = str(dist.get_backend()) if dist.is_initialized() else "none"
         if trainer.world_size > 1:
-            local["allreduce_s"] = measure_allreduce(grad_numel, nodes, per_node, device, self.allreduce_reps)
+            local["allreduce_s"], local["planner"] = measure_allreduce(grad_numel, nodes, per_node, device,
+                                                                       self.allreduce_reps)
         algorithm = getattr(trainer.strategy, "resolved_algorithm", None) or "flat"
         local["configured_allreduce"] = f"{algorithm}/{getattr(trainer.strategy, 'wire_dtype', 'fp32')}"
         batch_size = getattr(dm, "train_batch_size", None) or getattr(dm, "batch_size", None)
         batch = None
         if dm is not None and hasattr(dm, "num_workers") and isinstance(dm.num_workers, int) and batch_size:
             configured = dm.num_workers
-            cores = _cores_per_rank(trainer)
+            cores = self.max_workers if self.max_workers is not None else _cores_per_rank(trainer)
             counts = sorted({configured} | {w for w in (max(2 * configured, configured + 1), cores) if configured < w <= cores})
             local["loader_images_per_s"] = measure_loader(dm, counts, self.loader_batches, batch_size)
             local["num_workers"] = configured
@@ -275,6 +300,7 @@ def _combine(per_rank: list[dict[str, Any]], parts: list[dict[str, float]]) -> M
         hosts=[r.get("host", "") for r in per_rank],
         grad_bytes=first.get("grad_bytes", 0),
         allreduce_s=first.get("allreduce_s", {}),
+        planner=first.get("planner"),
         configured_allreduce=first.get("configured_allreduce", FLAT),
         compute_alone_s=statistics.median(computes) if computes else None,
         loader_images_per_s=loader,
