@@ -98,8 +98,8 @@ def measure_allreduce(
                     continue
                 dtype = None if wire == "fp32" else WIRE_DTYPES[wire]
                 try:
-                    results[label] = _time(lambda: fn(tensor, groups, dtype, chunk_numel=chunk), None, reps, True,
-                                           _on_cuda())
+                    results[label] = _time(lambda fn=fn, dtype=dtype: fn(tensor, groups, dtype, chunk_numel=chunk),
+                                           None, reps, True, _on_cuda())
                 except (RuntimeError, TypeError) as err:  # a backend without that dtype: not an option here
                     log.warning("all-reduce %s not measured: %s", label, err)
     finally:
@@ -154,7 +154,7 @@ def measure_compute(trainer: pl.Trainer, module: pl.LightningModule, batch: Any,
     clone_opt = type(optimizer)(clone.parameters(), **optimizer.defaults)
     device = module.device
     if precision == "bf16-mixed":
-        context: Callable[[], Any] = lambda: torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
+        context: Callable[[], Any] = lambda: torch.autocast(device.type, dtype=torch.bfloat16)
     else:
         context = trainer.precision_plugin.forward_context
 
