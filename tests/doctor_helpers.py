@@ -51,6 +51,10 @@ class InjectedDataModule(pl.LightningDataModule):
                           num_workers=self.num_workers, persistent_workers=self.persistent_workers,
                           prefetch_factor=self.prefetch_factor)
 
+    def val_dataloader(self) -> DataLoader:
+        # the doctor runs no validation (limit_val_batches=0); defined so the module's validation_step has a loader
+        return DataLoader(self.train_set, batch_size=self.train_batch_size)
+
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         trainer = self.trainer
         if trainer is not None and trainer.training and trainer.global_rank == self.slow_rank:
