@@ -264,25 +264,27 @@ def _input_fixes(m: Measurements) -> list[Fix]:
     if more:
         best = max(more, key=lambda w: (m.loader_images_per_s[w], -w))
         predicted = max(rest, _loader_s(m, best))
+        need = m.batch_size / rest if rest > 0 else float("inf")
         fixes.append(Fix(
             [f"data.num_workers={best}"],
-            f"the loader gives {m.loader_images_per_s[best]:.0f} images/s per rank at {best} workers against "
-            f"{m.loader_images_per_s.get(m.num_workers, float('nan')):.0f} at {m.num_workers}",
+            f"{best} workers prefetch during the step at {m.loader_images_per_s[best]:.0f} images/s per rank "
+            f"(measured); the rest of the step consumes {need:.0f}",
             step / predicted,
             "loader images/s per rank at each worker count; step without its input wait",
         ))
-    if m.stored_max_side and m.resolution and m.num_workers in m.loader_images_per_s:
+    if m.stored_max_side and m.resolution and m.loader_images_per_s:
         side = math.ceil(m.resolution / m.crop_ratio)
         if side < m.stored_max_side:
             # JPEG decode dominates the loader and scales with the stored pixels (estimate).
-            rate = m.loader_images_per_s[max(m.loader_images_per_s, key=m.loader_images_per_s.get)]
-            workers = max(m.loader_images_per_s, key=m.loader_images_per_s.get)
-            faster = rate * (m.stored_max_side / side) ** 2
-            predicted = max(rest, m.batch_size / faster)
+            workers = max(m.loader_images_per_s, key=lambda w: (m.loader_images_per_s[w], -w))
+            cheaper = (m.stored_max_side / side) ** 2
+            loader_s = m.batch_size / (m.loader_images_per_s[workers] * cheaper)
+            # with workers loading overlaps the step; in the training process it adds to it
+            predicted = max(rest, loader_s) if workers > 0 else rest + loader_s
             fixes.append(Fix(
                 [f"data.num_workers={workers}"] if workers != m.num_workers else [],
                 f"images are stored at {m.stored_max_side} px for {m.resolution} px crops; "
-                f"decoding {side} px images is about {(m.stored_max_side / side) ** 2:.1f}x cheaper",
+                f"decoding {side} px images is about {cheaper:.1f}x cheaper",
                 step / predicted,
                 "loader images/s scaled by the stored pixel count (decode-bound estimate, not measured)",
                 command=f"fastscale-data convert SOURCE NEW_ROOT --max-side {side}  (then data.root=NEW_ROOT)",
@@ -419,7 +421,7 @@ def render_report(d: Diagnosis) -> str:
             lines.append(f"    {w:>2} workers: {rate:10.1f}{mark}")
     lines += ["", "fixes:" if d.fixes else "fixes: none of the measured alternatives is predicted to be faster"]
     for i, f in enumerate(d.fixes, 1):
-        what = " ".join(f.overrides) or "(no override)"
+        what = " ".join(f.overrides) or ("(no override; the command below)" if f.command else "(no override)")
         lines.append(f"  {i}. {what}")
         if f.command:
             lines.append(f"     run: {f.command}")
