@@ -12,6 +12,7 @@ import json
 
 import lightning.pytorch as pl
 import pytest
+import torch
 
 from lightning_fastscale.diagnostics.doctor import (
     BOTTLENECKS,
@@ -24,7 +25,7 @@ from lightning_fastscale.diagnostics.doctor import (
     render_report,
 )
 from lightning_fastscale.diagnostics.doctor_cli import check_settings, merge_overrides
-from lightning_fastscale.diagnostics.doctor_probe import DoctorProbe, measure_allreduce
+from lightning_fastscale.diagnostics.doctor_probe import DoctorProbe, measure_allreduce, measure_compute
 from lightning_fastscale.diagnostics.step_breakdown_callback import StepBreakdown
 from lightning_fastscale.module import ImageClassifier
 from tests.distributed import run_distributed
@@ -90,12 +91,12 @@ def test_one_slow_rank_is_the_straggler_named_with_its_host():
 
 def test_compute_bound_step_takes_only_variants_measured_faster():
     m = Measurements(parts=[_parts(input=0.01, compute=0.5, optimizer=0.05)], batch_size=64, compute_alone_s=0.55,
-                     compute_variants={"precision=bf16-mixed model.channels_last=true": 0.25})
+                     compute_variants={"precision=bf16_mixed model.channels_last=true": 0.25})
     d = diagnose(m)
     assert d.verdict.bottleneck == "compute"
-    assert d.fixes[0].overrides == ["precision=bf16-mixed", "model.channels_last=true"]
+    assert d.fixes[0].overrides == ["precision=bf16_mixed", "model.channels_last=true"]
     assert d.fixes[0].predicted_speedup == pytest.approx(0.56 / (0.56 - 0.30))
-    m.compute_variants = {"precision=bf16-mixed model.channels_last=true": 0.7}  # slower on this device
+    m.compute_variants = {"precision=bf16_mixed model.channels_last=true": 0.7}  # slower on this device
     assert diagnose(m).fixes == []
 
 
@@ -161,11 +162,15 @@ def test_probe_in_a_fit_measures_a_slow_loader_and_names_input(tmp_path):
     d = diagnose(m)
     assert d.verdict.bottleneck == "input", render_report(d)
     assert dm.num_workers == 0  # the probe restores the configured worker count
+    # the GPU variant's code path (bf16 autocast, channels-last copy) on this CPU; the real weights stay
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    batch = next(iter(dm.train_dataloader()))
+    assert measure_compute(trainer, module, batch, 1, channels_last=True, precision="bf16-mixed") > 0
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+    assert not module.channels_last
 
 
 def _allreduce_two_nodes(rank: int, world_size: int) -> tuple:
-    import torch
-
     return measure_allreduce(1 << 18, num_nodes=2, ranks_per_node=1, device=torch.device("cpu"), reps=1)
 
 

@@ -4,12 +4,14 @@ Whatever launched the job (Lightning's own launcher, torchrun, SLURM), by ``on_t
 every rank runs in one process group on its device. :class:`DoctorProbe` then measures, on
 every rank at once:
 
-1. the all-reduce at the model's gradient size: the flat one on the world group as DDP runs
-   it, then each algorithm and wire dtype of the hierarchical strategy;
+1. the links (the planner's calibration) and the all-reduce at the model's gradient size: the
+   flat one on the world group as DDP runs it, then each algorithm and wire dtype of the
+   hierarchical strategy;
 2. the configured datamodule's loader, images/s per rank at its worker count and at more
    workers (all ranks of a machine load at the same time, as in training);
 3. compute alone: forward, backward and optimizer step on a device-resident batch of the
-   configured shape, on a copy of the model (no gradient synchronisation, the real weights untouched);
+   configured shape, on a copy of the model (no gradient synchronisation, the real weights
+   untouched); on CUDA also with bf16 autocast and channels-last where the job has neither;
 
 and then lets the fit run its short real run, whose steps the
 :class:`~lightning_fastscale.diagnostics.StepBreakdown` callback splits into parts per rank. At
@@ -32,6 +34,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import Precision
 from typing_extensions import override
 
 from lightning_fastscale.data.worker_autotune import images_per_second
@@ -259,9 +262,15 @@ class DoctorProbe(Callback):
         batch = pl_module._apply_batch_transfer_handler(batch)
         local["compute_alone_s"] = measure_compute(trainer, pl_module, batch, self.compute_steps)
         if device.type == "cuda":
-            fast = "precision=bf16-mixed model.channels_last=true"
-            local["compute_variants"] = {fast: measure_compute(trainer, pl_module, batch, self.compute_steps,
-                                                               channels_last=True, precision="bf16-mixed")}
+            # what the GPU recipe adds where the job lacks it: bf16 autocast instead of plain fp32
+            # (never in place of a precision plugin such as LARS), channels-last memory format
+            to_bf16 = type(trainer.precision_plugin) is Precision
+            to_nhwc = not getattr(pl_module, "channels_last", True)
+            overrides = ["precision=bf16_mixed"] * to_bf16 + ["model.channels_last=true"] * to_nhwc
+            if overrides:
+                local["compute_variants"] = {" ".join(overrides): measure_compute(
+                    trainer, pl_module, batch, self.compute_steps, channels_last=to_nhwc,
+                    precision="bf16-mixed" if to_bf16 else None)}
         self._local = local
         if dist.is_initialized():
             dist.barrier()  # the real run starts together on every rank
