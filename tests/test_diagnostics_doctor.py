@@ -131,6 +131,13 @@ def test_fix_overrides_replace_the_command_line_ones():
     merged = merge_overrides(base, ["strategy=ddp"])
     assert merged == ["data.num_workers=0", "+trainer.limit_train_batches=9", "strategy=ddp"]
     assert merge_overrides(base, ["data.num_workers=2"])[-2:] == ["+trainer.limit_train_batches=9", "data.num_workers=2"]
+    # an all-reduce fix was measured with its own algorithm and wire: the command line's go
+    fix = diagnose(Measurements(parts=[_parts(compute=0.1, communication=0.4)] * 2, batch_size=8,
+                                allreduce_s={"flat/fp32": 0.5, "hier/fp32": 0.2})).fixes[0]
+    assert fix.overrides == ["strategy=hier_ring"]
+    assert merge_overrides(["strategy=hier_ring", "strategy.algorithm=flat", "strategy.wire_dtype=bf16",
+                            "strategy.ranks_per_node=1"], fix.overrides, fix.decides) == [
+        "strategy.ranks_per_node=1", "strategy=hier_ring"]
 
 
 def test_settings_that_cannot_measure_are_refused_by_name():

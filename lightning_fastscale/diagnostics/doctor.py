@@ -152,7 +152,9 @@ class Fix:
     """One proposed change: Hydra overrides (or a command), why, and its predicted speed-up.
 
     ``basis`` says which measurements the prediction comes from; ``measured_speedup`` is filled
-    by ``--verify`` (baseline and fix runs interleaved in the same job).
+    by ``--verify`` (baseline and fix runs interleaved in the same job). ``decides``: settings
+    the fix fixes even where its overrides leave them at the option's default (the command
+    line's values of those are dropped when the fix runs).
     """
 
     overrides: list[str]
@@ -160,6 +162,7 @@ class Fix:
     predicted_speedup: float
     basis: str
     command: str | None = None
+    decides: list[str] = field(default_factory=list)
     measured_speedup: float | None = None
     verified_step_s: float | None = None
 
@@ -243,6 +246,9 @@ def algorithm_overrides(label: str) -> list[str]:
     return overrides
 
 
+# What an all-reduce fix decides: it was measured with exactly this algorithm, wire and no top-k.
+ALLREDUCE_SETTINGS = ["strategy.algorithm", "strategy.wire_dtype", "strategy.compression"]
+
 # A fix must promise at least this much to be worth a run of its own.
 MIN_SPEEDUP = 1.05
 
@@ -315,6 +321,7 @@ def _communication_fixes(m: Measurements) -> list[Fix]:
             f"{current:.4f} s by {m.configured_allreduce}{vs_flat}",
             step / (step - saved),
             "all-reduce seconds at the gradient size per algorithm; exposed communication of the step",
+            decides=list(ALLREDUCE_SETTINGS),
         ))
     return fixes
 

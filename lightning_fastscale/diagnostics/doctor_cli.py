@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import statistics
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -46,21 +47,23 @@ def _key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
-def merge_overrides(base: list[str], fix: list[str]) -> list[str]:
+def merge_overrides(base: list[str], fix: list[str], decides: Iterable[str] = ()) -> list[str]:
     """The command line's overrides with a fix's on top.
 
     A fix's key replaces the same key of ``base``; a fix that switches a config group (e.g.
     ``strategy=hier_ring``) to another option also drops ``base``'s settings inside that group
-    (they belong to the old option).
+    (they belong to the old option); ``decides`` names more keys of ``base`` to drop (settings
+    the fix leaves at the option's default).
 
     Examples:
         >>> merge_overrides(["strategy=ddp", "strategy.process_group_backend=gloo", "data.num_workers=0"],
         ...                 ["strategy=hier_ring", "strategy.wire_dtype=bf16"])
         ['data.num_workers=0', 'strategy=hier_ring', 'strategy.wire_dtype=bf16']
-        >>> merge_overrides(["trainer.devices=2"], ["data.num_workers=2"])
-        ['trainer.devices=2', 'data.num_workers=2']
+        >>> merge_overrides(["strategy=hier_ring", "strategy.algorithm=flat", "strategy.ranks_per_node=1"],
+        ...                 ["strategy=hier_ring", "strategy.wire_dtype=bf16"], decides=["strategy.algorithm"])
+        ['strategy.ranks_per_node=1', 'strategy=hier_ring', 'strategy.wire_dtype=bf16']
     """
-    fix_keys = {_key(o) for o in fix}
+    fix_keys = {_key(o) for o in fix} | set(decides)
     base_values = {_key(o): o.split("=", 1)[-1] for o in base}
     switched = {k for k in fix_keys if "." not in k and any(_key(o) == k and o.split("=", 1)[-1] != base_values.get(k)
                                                              for o in fix)}
@@ -146,7 +149,7 @@ def _verify(cfg: DictConfig, diagnosis: Diagnosis) -> None:
     fixes = [f for f in diagnosis.fixes if f.overrides]
     configs = [_for_measuring(cfg, opts.verify_warmup_steps, opts.verify_steps)]
     for fix in fixes:
-        composed = _compose(merge_overrides(base_overrides, fix.overrides))
+        composed = _compose(merge_overrides(base_overrides, fix.overrides, fix.decides))
         configs.append(_for_measuring(composed, opts.verify_warmup_steps, opts.verify_steps))
     times: list[list[float]] = [[] for _ in configs]
     for _ in range(opts.verify_rounds):
