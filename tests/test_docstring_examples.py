@@ -23,6 +23,8 @@ MODULES = [
     "lightning_fastscale.checkpoint_io",
     "lightning_fastscale.run_folder",
     "lightning_fastscale.strategies.planning",
+    "lightning_fastscale.diagnostics.doctor",
+    "lightning_fastscale.diagnostics.doctor_cli",
 ]
 
 

@@ -1,0 +1,482 @@
+"""``fastscale-doctor``'s pure core: from measurements to a verdict, fixes and their predicted gains.
+
+The measurements (taken on the user's own cluster by :mod:`.doctor_probe`) are plain numbers:
+the step split per rank into input, compute, exposed communication, optimizer and the rest
+(from the step breakdown), the all-reduce at the model's gradient size by every algorithm and
+wire dtype (the flat one as DDP runs it is the baseline), compute alone on a device-resident
+batch, and the loader's images/s per rank at its worker count and at more workers. Nothing
+here touches torch or a process group, so every rule is unit-tested on synthetic numbers.
+
+Verdict: the step breakdown's own (:func:`~lightning_fastscale.diagnostics.step_breakdown.summarize`),
+which prices four candidate causes in seconds per step and names the largest: ``input`` (waiting
+for the next batch), ``compute`` (forward, backward and optimizer), ``communication`` (exposed
+all-reduce not caused by a slow rank) and ``straggler`` (how much longer the slowest rank is busy
+than the median of the others, naming that rank; the doctor adds its host).
+
+Fixes are Hydra overrides (or a ``fastscale-data`` command), each with a predicted speed-up
+computed from the measurements by a stated rule (:func:`propose_fixes`); ``--verify`` then
+measures it. The rules follow from how a data-parallel step overlaps: loader workers prefetch
+while the model computes, so with workers the step is the larger of the loader's time per batch
+and everything else; a faster all-reduce saves at most the communication that was exposed.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_fastscale.diagnostics.step_breakdown import PHASES, VERDICTS, BreakdownSummary, RankTotals, summarize
+
+__all__ = [
+    "BOTTLENECKS",
+    "PARTS",
+    "Diagnosis",
+    "Fix",
+    "Measurements",
+    "Verdict",
+    "algorithm_overrides",
+    "diagnose",
+    "plot_report",
+    "propose_fixes",
+    "render_report",
+    "verdict_of",
+]
+
+PARTS: tuple[str, ...] = PHASES
+"""The parts of one optimizer step, seconds each (the step breakdown's split)."""
+
+BOTTLENECKS: tuple[str, ...] = VERDICTS
+"""What the doctor can name as the cause of a slow step (the step breakdown's verdicts)."""
+
+FLAT = "flat/fp32"
+"""Label of the baseline all-reduce: one all-reduce over every rank in fp32, what DDP runs."""
+
+
+@dataclass
+class Measurements:
+    """Everything the doctor measured, as plain numbers (seconds, images/s, bytes).
+
+    Args:
+        parts: per rank, seconds per step of each of :data:`PARTS` (median over the timed steps).
+        batch_size: samples per rank per step.
+        hosts: host name of each rank (to name a straggler's machine).
+        grad_bytes: bytes of the model's gradient (fp32).
+        allreduce_s: seconds of one all-reduce of ``grad_bytes`` by each ``"algorithm/wire"``
+            label (e.g. ``"flat/fp32"``, ``"hier/bf16"``); ``"flat/fp32"`` is the baseline.
+        configured_allreduce: the label the configured strategy runs.
+        planner: the planner's view of the same all-reduces on the calibrated link
+            (``predicted_s`` per label, ``plain_ddp``: whether plain DDP is within its
+            ``tolerance`` of the best measured), or None where the calibration failed.
+        compute_alone_s: forward + backward + optimizer on a device-resident batch, per step.
+        loader_images_per_s: images/s per rank (slowest rank) at each measured worker count.
+        num_workers: the configured worker count.
+        stored_max_side: the streaming data's stored longer side (None for other datamodules).
+        resolution: the training crop side.
+        crop_ratio: the datamodule's validation crop ratio (the stored side must cover resolution / crop_ratio).
+        compute_variants: seconds of compute alone with other settings, keyed by their overrides.
+        num_nodes, ranks_per_node: the job's shape.
+        backend: ``nccl`` or ``gloo``.
+
+    Examples:
+        >>> m = Measurements(parts=[dict(input=0.01, compute=0.1, communication=0.0, optimizer=0.01, rest=0.0)],
+        ...                  batch_size=32)
+        >>> round(m.step_s, 3)
+        0.12
+    """
+
+    parts: list[dict[str, float]]
+    batch_size: int
+    hosts: list[str] = field(default_factory=list)
+    grad_bytes: int = 0
+    allreduce_s: dict[str, float] = field(default_factory=dict)
+    configured_allreduce: str = FLAT
+    planner: dict[str, Any] | None = None
+    compute_alone_s: float | None = None
+    loader_images_per_s: dict[int, float] = field(default_factory=dict)
+    num_workers: int = 0
+    stored_max_side: int | None = None
+    resolution: int | None = None
+    crop_ratio: float = 0.875
+    compute_variants: dict[str, float] = field(default_factory=dict)
+    num_nodes: int = 1
+    ranks_per_node: int = 1
+    backend: str = "gloo"
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks measured."""
+        return len(self.parts)
+
+    def breakdown(self) -> BreakdownSummary:
+        """The step breakdown's summary of :attr:`parts` (median, slowest rank, scores, verdict)."""
+        return summarize([RankTotals(rank, 1, dict(parts)) for rank, parts in enumerate(self.parts)])
+
+    def rank_step_s(self, rank: int) -> float:
+        """Seconds per step of ``rank``: the sum of its parts."""
+        return sum(self.parts[rank].get(p, 0.0) for p in PARTS)
+
+    @property
+    def step_s(self) -> float:
+        """Median over ranks of the step time."""
+        return self.breakdown().step_s
+
+    def median_part(self, part: str) -> float:
+        """Median over ranks of one part's seconds per step."""
+        return self.breakdown().phases[part]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Measurements:
+        """Inverse of :func:`dataclasses.asdict` (JSON turns the worker-count keys into strings)."""
+        data = dict(data)
+        data["loader_images_per_s"] = {int(k): float(v) for k, v in data.get("loader_images_per_s", {}).items()}
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass
+class Verdict:
+    """The bottleneck, the seconds per step each candidate cause accounts for, and a one-line reason."""
+
+    bottleneck: str
+    seconds: dict[str, float]
+    reason: str
+    straggler_rank: int | None = None
+    straggler_host: str | None = None
+
+
+@dataclass
+class Fix:
+    """One proposed change: Hydra overrides (or a command), why, and its predicted speed-up.
+
+    ``basis`` says which measurements the prediction comes from; ``measured_speedup`` is filled
+    by ``--verify`` (baseline and fix runs interleaved in the same job). ``decides``: settings
+    the fix fixes even where its overrides leave them at the option's default (the command
+    line's values of those are dropped when the fix runs).
+    """
+
+    overrides: list[str]
+    reason: str
+    predicted_speedup: float
+    basis: str
+    command: str | None = None
+    decides: list[str] = field(default_factory=list)
+    measured_speedup: float | None = None
+    verified_step_s: float | None = None
+
+
+@dataclass
+class Diagnosis:
+    """Measurements, verdict and fixes: what ``doctor.json`` holds."""
+
+    measurements: Measurements
+    verdict: Verdict
+    fixes: list[Fix]
+    baseline_step_s: float | None = None
+    verify_rounds: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON document: ``bottleneck``, ``breakdown`` (seconds per step per part), ``fixes``, and the rest."""
+        m = self.measurements
+        summary = m.breakdown()
+        return {
+            "bottleneck": self.verdict.bottleneck,
+            "reason": self.verdict.reason,
+            "seconds_per_cause": self.verdict.seconds,
+            "straggler_rank": self.verdict.straggler_rank,
+            "straggler_host": self.verdict.straggler_host,
+            "step_s": m.step_s,
+            "breakdown": dict(summary.phases),
+            "breakdown_per_rank": m.parts,
+            "slowest_rank": summary.slowest_rank,
+            "straggler_share": summary.straggler_share,
+            "fixes": [asdict(f) for f in self.fixes],
+            "baseline_step_s": self.baseline_step_s,
+            "verify_rounds": self.verify_rounds,
+            "measurements": asdict(m),
+        }
+
+
+def verdict_of(m: Measurements) -> Verdict:
+    """The bottleneck of the measured steps (the step breakdown's verdict), with its numbers and a reason."""
+    if not m.parts:
+        raise ValueError("no step was measured: the doctor needs at least one timed step per rank")
+    summary = m.breakdown()
+    seconds, bottleneck, step = dict(summary.scores), summary.bottleneck, summary.step_s
+    share = seconds[bottleneck] / step if step > 0 else 0.0
+    if bottleneck == "straggler":
+        slow = summary.slowest_rank
+        host = m.hosts[slow] if slow < len(m.hosts) else None
+        busy = summary.per_rank[slow]["busy_s"]
+        reason = (f"rank {slow}{f' on {host}' if host else ''} is busy {busy:.4f} s per step, "
+                  f"{seconds['straggler']:.4f} s more than the other ranks' median "
+                  f"(in {summary.straggler_phase}); they wait for it in every all-reduce")
+        return Verdict(bottleneck, seconds, reason, slow, host)
+    reasons = {
+        "input": f"waiting for the next batch takes {seconds['input']:.4f} s of the {step:.4f} s step ({share:.0%})",
+        "compute": f"forward, backward and optimizer take {seconds['compute']:.4f} s of the {step:.4f} s step ({share:.0%})",
+        "communication": (f"communication left exposed after backward takes {seconds['communication']:.4f} s of the "
+                          f"{step:.4f} s step ({share:.0%}), not counting waits for a slower rank"),
+    }
+    return Verdict(bottleneck, seconds, reasons[bottleneck])
+
+
+_STRATEGY_OF = {"flat": "hier_ring", "hier": "hier_ring", "torus2d": "hier_torus"}
+
+
+def algorithm_overrides(label: str) -> list[str]:
+    """Hydra overrides that make the strategy run the all-reduce ``"algorithm/wire"``.
+
+    Examples:
+        >>> algorithm_overrides("hier/bf16")
+        ['strategy=hier_ring', 'strategy.wire_dtype=bf16']
+        >>> algorithm_overrides("flat/fp32")
+        ['strategy=ddp']
+    """
+    algorithm, _, wire = label.partition("/")
+    if algorithm == "flat" and wire in ("", "fp32"):
+        return ["strategy=ddp"]
+    overrides = [f"strategy={_STRATEGY_OF[algorithm]}"]
+    if algorithm == "flat":
+        overrides.append("strategy.algorithm=flat")
+    if wire and wire != "fp32":
+        overrides.append(f"strategy.wire_dtype={wire}")
+    return overrides
+
+
+# What an all-reduce fix decides: it was measured with exactly this algorithm, wire and no top-k.
+ALLREDUCE_SETTINGS = ["strategy.algorithm", "strategy.wire_dtype", "strategy.compression"]
+
+# A fix must promise at least this much to be worth a run of its own.
+MIN_SPEEDUP = 1.05
+
+
+def _loader_s(m: Measurements, workers: int) -> float:
+    return m.batch_size / m.loader_images_per_s[workers]
+
+
+def _input_fixes(m: Measurements) -> list[Fix]:
+    """More loader workers, and for streaming data a smaller stored image side.
+
+    With workers the loader prefetches while the rank computes, so the predicted step is
+    ``max(step - input wait, batch / loader images/s)``.
+    """
+    fixes = []
+    step, wait = m.step_s, m.median_part("input")
+    rest = step - wait
+    more = [w for w in m.loader_images_per_s if w > m.num_workers]
+    if more:
+        best = max(more, key=lambda w: (m.loader_images_per_s[w], -w))
+        predicted = max(rest, _loader_s(m, best))
+        need = m.batch_size / rest if rest > 0 else float("inf")
+        fixes.append(Fix(
+            [f"data.num_workers={best}"],
+            f"{best} workers prefetch during the step at {m.loader_images_per_s[best]:.0f} images/s per rank "
+            f"(measured); the rest of the step consumes {need:.0f}",
+            step / predicted,
+            "loader images/s per rank at each worker count; step without its input wait",
+        ))
+    if m.stored_max_side and m.resolution and m.loader_images_per_s:
+        side = math.ceil(m.resolution / m.crop_ratio)
+        if side < m.stored_max_side:
+            # JPEG decode dominates the loader and scales with the stored pixels (estimate).
+            workers = max(m.loader_images_per_s, key=lambda w: (m.loader_images_per_s[w], -w))
+            cheaper = (m.stored_max_side / side) ** 2
+            loader_s = m.batch_size / (m.loader_images_per_s[workers] * cheaper)
+            # with workers loading overlaps the step; in the training process it adds to it
+            predicted = max(rest, loader_s) if workers > 0 else rest + loader_s
+            fixes.append(Fix(
+                [f"data.num_workers={workers}"] if workers != m.num_workers else [],
+                f"images are stored at {m.stored_max_side} px for {m.resolution} px crops; "
+                f"decoding {side} px images is about {cheaper:.1f}x cheaper",
+                step / predicted,
+                "loader images/s scaled by the stored pixel count (decode-bound estimate, not measured)",
+                command=f"fastscale-data convert SOURCE NEW_ROOT --max-side {side}  (then data.root=NEW_ROOT)",
+            ))
+    return fixes
+
+
+def _communication_fixes(m: Measurements) -> list[Fix]:
+    """Every measured all-reduce faster than the configured one, best first.
+
+    A faster all-reduce saves at most what was exposed: predicted step =
+    ``step - min(exposed, t_configured - t_alternative)``.
+    """
+    current = m.allreduce_s.get(m.configured_allreduce)
+    if current is None:
+        return []
+    exposed = m.breakdown().scores["communication"]
+    step, fixes = m.step_s, []
+    for label, t in sorted(m.allreduce_s.items(), key=lambda kv: kv[1]):
+        if label == m.configured_allreduce or t >= current:
+            continue
+        saved = min(exposed, current - t)
+        base = m.allreduce_s.get(FLAT)
+        vs_flat = f"; {base / t:.2f}x the flat all-reduce DDP runs" if base else ""
+        fixes.append(Fix(
+            algorithm_overrides(label),
+            f"all-reduce of the {m.grad_bytes / 2**20:.1f} MiB gradient: {t:.4f} s by {label} against "
+            f"{current:.4f} s by {m.configured_allreduce}{vs_flat}",
+            step / (step - saved),
+            "all-reduce seconds at the gradient size per algorithm; exposed communication of the step",
+            decides=list(ALLREDUCE_SETTINGS),
+        ))
+    return fixes
+
+
+def _compute_fixes(m: Measurements) -> list[Fix]:
+    """Settings whose compute alone measured faster: predicted step = step - (t_now - t_variant)."""
+    if m.compute_alone_s is None:
+        return []
+    step, fixes = m.step_s, []
+    for overrides, t in sorted(m.compute_variants.items(), key=lambda kv: kv[1]):
+        if t >= m.compute_alone_s:
+            continue
+        saved = min(m.compute_alone_s - t, m.median_part("compute") + m.median_part("optimizer"))
+        fixes.append(Fix(
+            overrides.split(),
+            f"forward, backward and optimizer take {t:.4f} s with {overrides} against {m.compute_alone_s:.4f} s now",
+            step / (step - saved),
+            "compute alone on a device-resident batch with and without the change",
+        ))
+    return fixes
+
+
+def _straggler_fixes(m: Measurements, verdict: Verdict) -> list[Fix]:
+    """No override makes one machine faster: the fix is to find out why, or leave the machine out."""
+    rank = verdict.straggler_rank
+    if rank is None:
+        return []
+    step = m.step_s
+    saved = min(verdict.seconds["straggler"], step)
+    where = f"rank {rank}" + (f" on {verdict.straggler_host}" if verdict.straggler_host else "")
+    return [Fix(
+        [],
+        f"{where} is the straggler: check its load (other jobs, thermal throttling, a slower device or "
+        "loader) or leave that machine out of the job",
+        step / max(step - saved, 1e-12),
+        "busy time of the slowest rank against the others' median",
+    )]
+
+
+def propose_fixes(m: Measurements, verdict: Verdict) -> list[Fix]:
+    """Fixes for the bottleneck (and any other promising one), predicted speed-up first.
+
+    Only fixes predicted to gain at least :data:`MIN_SPEEDUP` are kept; a straggler's fix is
+    kept whatever its size, since it names the machine.
+    """
+    found = {
+        "input": _input_fixes(m),
+        "communication": _communication_fixes(m),
+        "compute": _compute_fixes(m),
+        "straggler": _straggler_fixes(m, verdict),
+    }
+    ordered = found[verdict.bottleneck] + [f for b in BOTTLENECKS if b != verdict.bottleneck for f in found[b]]
+    kept = [f for f in ordered if f.predicted_speedup >= MIN_SPEEDUP or (not f.overrides and f.command is None)]
+    head = [f for f in kept if f in found[verdict.bottleneck]]
+    tail = sorted((f for f in kept if f not in head), key=lambda f: -f.predicted_speedup)
+    return sorted(head, key=lambda f: -f.predicted_speedup) + tail
+
+
+def diagnose(m: Measurements) -> Diagnosis:
+    """Verdict and fixes of one set of measurements."""
+    verdict = verdict_of(m)
+    return Diagnosis(m, verdict, propose_fixes(m, verdict))
+
+
+def _fmt_s(seconds: float) -> str:
+    return f"{seconds * 1000:8.1f} ms"
+
+
+def render_report(d: Diagnosis) -> str:
+    """The console report: verdict, breakdown (median and slowest rank), measurements, fixes."""
+    m, v = d.measurements, d.verdict
+    slowest = m.breakdown().slowest_rank
+    where = f"{m.num_nodes} node(s) x {m.ranks_per_node}, {m.backend}" if m.world_size > 1 else "one process"
+    lines = [f"fastscale-doctor: {m.world_size} rank(s) on {where}",
+             "", f"bottleneck: {v.bottleneck.upper()}", f"  {v.reason}", ""]
+    lines.append(f"step breakdown (per step)        median rank   slowest rank ({slowest})")
+    for part in PARTS:
+        lines.append(f"  {part:<30}{_fmt_s(m.median_part(part))}    {_fmt_s(m.parts[slowest].get(part, 0.0))}")
+    lines.append(f"  {'step':<30}{_fmt_s(m.step_s)}    {_fmt_s(m.rank_step_s(slowest))}")
+    lines.append(f"  samples/s (all ranks)         {m.batch_size * m.world_size / m.step_s:10.1f}")
+    lines += ["", "seconds per step each cause accounts for:"]
+    lines += [f"  {b:<30}{_fmt_s(v.seconds[b])}" for b in BOTTLENECKS]
+    lines += ["", "measured:"]
+    if m.compute_alone_s is not None:
+        lines.append(f"  compute alone (device-resident batch of {m.batch_size}): {_fmt_s(m.compute_alone_s)}")
+        for overrides, t in m.compute_variants.items():
+            lines.append(f"    with {overrides}: {_fmt_s(t)}")
+    if m.allreduce_s:
+        predicted = (m.planner or {}).get("predicted_s", {})
+        lines.append(f"  all-reduce of the {m.grad_bytes / 2**20:.1f} MiB gradient (configured: {m.configured_allreduce})"
+                     + (", measured | planner on the calibrated link:" if predicted else ":"))
+        for label, t in sorted(m.allreduce_s.items(), key=lambda kv: kv[1]):
+            model = f" | {_fmt_s(predicted[label])}" if label in predicted else ""
+            lines.append(f"    {label:<28}{_fmt_s(t)}{model}")
+        if m.planner is not None:
+            verdict = "within" if m.planner["plain_ddp"] else "not within"
+            lines.append(f"    plain DDP is {verdict} {m.planner['tolerance']:.0%} of the best "
+                         f"(strategy=hier_auto {'installs no hook' if m.planner['plain_ddp'] else 'installs one'})")
+    if m.loader_images_per_s:
+        need = m.batch_size / max(m.step_s - m.median_part("input"), 1e-12)
+        lines.append(f"  loader images/s per rank (the rest of the step consumes {need:.0f}):")
+        for w, rate in sorted(m.loader_images_per_s.items()):
+            mark = "  (configured)" if w == m.num_workers else ""
+            lines.append(f"    {w:>2} workers: {rate:10.1f}{mark}")
+    lines += ["", "fixes:" if d.fixes else "fixes: none of the measured alternatives is predicted to be faster"]
+    for i, f in enumerate(d.fixes, 1):
+        what = " ".join(f.overrides) or ("(no override; the command below)" if f.command else "(no override)")
+        lines.append(f"  {i}. {what}")
+        if f.command:
+            lines.append(f"     run: {f.command}")
+        measured = "" if f.measured_speedup is None else f", measured {f.measured_speedup:.2f}x"
+        lines.append(f"     predicted {f.predicted_speedup:.2f}x{measured}: {f.reason}")
+        lines.append(f"     (from: {f.basis})")
+    if d.verify_rounds:
+        lines.append(f"  measured: {d.verify_rounds} round(s) of baseline and fix runs, interleaved, in this job")
+    return "\n".join(lines)
+
+
+def plot_report(d: Diagnosis, path: str | Path) -> Path:
+    """Stacked bars of the step parts: median rank, slowest rank, and each fix (predicted and measured)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    m = d.measurements
+    slowest = m.breakdown().slowest_rank
+    bars = [("median rank", {p: m.median_part(p) for p in PARTS}), (f"slowest (rank {slowest})", m.parts[slowest])]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * (len(bars) + len(d.fixes))), 4.0))
+    colors = dict(zip(PARTS, ("#4c72b0", "#55a868", "#c44e52", "#8172b2", "#cccccc")))
+    for i, (_, parts) in enumerate(bars):
+        bottom = 0.0
+        for p in PARTS:
+            ax.bar(i, parts.get(p, 0.0), bottom=bottom, color=colors[p], label=p if i == 0 else None)
+            bottom += parts.get(p, 0.0)
+    labels = [name for name, _ in bars]
+    for j, f in enumerate(d.fixes):
+        x = len(bars) + j
+        ax.bar(x, m.step_s / f.predicted_speedup, color="none", edgecolor="black", hatch="//",
+               label="predicted" if j == 0 else None)
+        if f.verified_step_s is not None:
+            ax.plot([x - 0.4, x + 0.4], [f.verified_step_s] * 2, color="black", lw=2,
+                    label="measured" if j == 0 else None)
+        labels.append("\n".join((" ".join(f.overrides) or "straggler").split(" ")))
+    ax.set_xticks(range(len(labels)), labels, fontsize=7)
+    ax.set_ylabel("seconds per step")
+    ax.set_title(f"bottleneck: {d.verdict.bottleneck}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def dumps(d: Diagnosis) -> str:
+    """``doctor.json``'s text."""
+    return json.dumps(d.to_json(), indent=2)

@@ -1,0 +1,324 @@
+"""The doctor's measurements, taken inside Lightning's fit by a callback so every rank takes part.
+
+Whatever launched the job (Lightning's own launcher, torchrun, SLURM), by ``on_train_start``
+every rank runs in one process group on its device. :class:`DoctorProbe` then measures, on
+every rank at once:
+
+1. the links (the planner's calibration) and the all-reduce at the model's gradient size: the
+   flat one on the world group as DDP runs it, then each algorithm and wire dtype of the
+   hierarchical strategy;
+2. the configured datamodule's loader, images/s per rank at its worker count and at more
+   workers (all ranks of a machine load at the same time, as in training);
+3. compute alone: forward, backward and optimizer step on a device-resident batch of the
+   configured shape, on a copy of the model (no gradient synchronisation, the real weights
+   untouched); on CUDA also with bf16 autocast and channels-last where the job has neither;
+
+and then lets the fit run its short real run, whose steps the
+:class:`~lightning_fastscale.diagnostics.StepBreakdown` callback splits into parts per rank. At
+the end of fit every rank holds every rank's numbers (all-gathered), so all ranks reach the same
+verdict and run the same ``--verify`` sequence.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import socket
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import Precision
+from typing_extensions import override
+
+from lightning_fastscale.data.worker_autotune import images_per_second
+from lightning_fastscale.diagnostics.doctor import FLAT, Measurements
+from lightning_fastscale.diagnostics.step_breakdown_callback import StepBreakdown
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DoctorProbe", "measure_allreduce", "measure_compute", "measure_loader"]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_allreduce(
+    numel: int, num_nodes: int, ranks_per_node: int, device: torch.device, reps: int = 2,
+    wire_dtypes: tuple[str, ...] = ("fp32", "bf16"),
+) -> tuple[dict[str, float], dict[str, Any] | None]:
+    """Each ``"algorithm/wire"``'s seconds for one all-reduce of ``numel`` fp32 numbers, and the planner's view.
+
+    Collective. First the planner's calibration on the strategy's process groups, at the
+    gradient's size and a quarter of it, which also times plain DDP's all-reduce (``flat/fp32``:
+    ``dist.all_reduce`` on the world group with the job's backend) at the gradient's size. Then
+    the strategy's own algorithms (``strategies/allreduce.py``, hierarchical and torus only
+    with several nodes) in each wire dtype, with its default pipeline chunking. The planner's
+    view (:func:`~lightning_fastscale.planner.baseline.compare_algorithms` on the fitted link and
+    these measurements) has its predicted seconds per algorithm and whether plain DDP is within
+    its tolerance of the best; ``None`` where the link fit failed (timings that do not grow
+    with size, e.g. a tiny gradient), in which case plain DDP's time comes from
+    :func:`~lightning_fastscale.planner.calibrate.measure_flat_allreduce` alone.
+    """
+    from lightning_fastscale.planner.baseline import compare_algorithms
+    from lightning_fastscale.planner.calibrate import (
+        _on_cuda, _time, calibrate_process_groups, measure_flat_allreduce)
+    from lightning_fastscale.strategies.allreduce import (
+        flat_allreduce_, hierarchical_allreduce_, torus2d_allreduce_)
+    from lightning_fastscale.strategies.options import DEFAULT_PIPELINE_CHUNK_MB, WIRE_DTYPES, chunk_numel_for
+    from lightning_fastscale.strategies.topology import Topology, build_process_groups
+
+    topology, nbytes = Topology(num_nodes, ranks_per_node), 4 * numel
+    groups = build_process_groups(topology)
+    try:
+        try:
+            calibration = calibrate_process_groups(groups, sizes=(max(nbytes // 4, 4096), nbytes), reps=reps,
+                                                   flat_sizes=[nbytes])
+        except ValueError as err:
+            log.warning("link calibration failed (%s); plain DDP's all-reduce is timed alone", err)
+            calibration = None
+            flat = measure_flat_allreduce(None, nbytes, topology, reps)
+        else:
+            flat = calibration.params.flat_measured
+        results = {FLAT: flat.seconds[-1]}
+        tensor = torch.ones(numel, device=device)
+        chunk = chunk_numel_for(DEFAULT_PIPELINE_CHUNK_MB, num_nodes)
+        algorithms: dict[str, Callable[..., Any]] = {"flat": flat_allreduce_}
+        if num_nodes > 1:
+            algorithms.update(hier=hierarchical_allreduce_, torus2d=torus2d_allreduce_)
+        for name, fn in algorithms.items():
+            for wire in wire_dtypes:
+                label = f"{name}/{wire}"
+                if label == FLAT:
+                    continue
+                dtype = None if wire == "fp32" else WIRE_DTYPES[wire]
+                try:
+                    results[label] = _time(lambda fn=fn, dtype=dtype: fn(tensor, groups, dtype, chunk_numel=chunk),
+                                           None, reps, True, _on_cuda())
+                except (RuntimeError, TypeError) as err:  # a backend without that dtype: not an option here
+                    log.warning("all-reduce %s not measured: %s", label, err)
+    finally:
+        groups.destroy()
+    if calibration is None:
+        return results, None
+    view = compare_algorithms(numel, topology, calibration.params, wire_dtypes, measured=dict(results))
+    return results, {"predicted_s": {c["label"]: c["predicted_s"] for c in view["candidates"]},
+                     "plain_ddp": view["plain_ddp"], "tolerance": view["tolerance"]}
+
+
+def measure_loader(
+    datamodule: Any, worker_counts: list[int], batches: int, batch_size: int,
+) -> dict[int, float]:
+    """Images/s of ``datamodule.train_dataloader()`` at each worker count (its ``num_workers`` restored)."""
+    rates = {}
+    saved = {k: getattr(datamodule, k) for k in ("num_workers", "persistent_workers", "prefetch_factor")
+             if hasattr(datamodule, k)}
+    try:
+        for workers in worker_counts:
+            datamodule.num_workers = workers
+            if "persistent_workers" in saved:
+                datamodule.persistent_workers = False  # the probe's loader must stop its workers
+            if "prefetch_factor" in saved:  # DataLoader refuses a prefetch factor without workers
+                datamodule.prefetch_factor = (saved["prefetch_factor"] or 2) if workers > 0 else None
+            rates[workers] = images_per_second(datamodule.train_dataloader(), batches, max(2, workers), batch_size)
+    finally:
+        for k, v in saved.items():
+            setattr(datamodule, k, v)
+    return rates
+
+
+def measure_compute(trainer: pl.Trainer, module: pl.LightningModule, batch: Any, steps: int,
+                    channels_last: bool = False, precision: str | None = None) -> float:
+    """Seconds per step of forward, backward and optimizer on a copy of ``module`` on ``batch``.
+
+    The copy has no DDP around it, so nothing is communicated, and the optimizer is a new one of
+    the configured class and settings over the copy's parameters. ``precision="bf16-mixed"``
+    times that autocast instead of the configured precision.
+    """
+    attached = module._trainer
+    module._trainer = None  # a copy of the module, not of the Trainer it points to
+    try:
+        clone = copy.deepcopy(module)
+    finally:
+        module._trainer = attached
+    if channels_last:
+        clone = clone.to(memory_format=torch.channels_last)
+        if hasattr(clone, "channels_last"):  # ImageClassifier also converts its batches
+            clone.channels_last = True
+    optimizer = trainer.optimizers[0]
+    clone_opt = type(optimizer)(clone.parameters(), **optimizer.defaults)
+    device = module.device
+    if precision == "bf16-mixed":
+        context: Callable[[], Any] = lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    else:
+        context = trainer.precision_plugin.forward_context
+
+    def step() -> None:
+        with context():
+            out = clone.training_step(batch, 0)
+        loss = out["loss"] if isinstance(out, dict) else out
+        loss.backward()
+        clone_opt.step()
+        clone_opt.zero_grad(set_to_none=True)
+
+    with warnings.catch_warnings(), torch.enable_grad():
+        warnings.filterwarnings("ignore", message=".*self.log.*")  # the copy has no Trainer to log to
+        clone.train()
+        step()
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        _sync(device)
+    return (time.perf_counter() - start) / steps
+
+
+def _cores_per_rank(trainer: pl.Trainer) -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, trainer.num_devices))
+
+
+class DoctorProbe(Callback):
+    """Measures what ``fastscale-doctor`` needs during one short fit (see the module docstring).
+
+    Needs a :class:`~lightning_fastscale.diagnostics.StepBreakdown` among the Trainer's callbacks,
+    before this one (its summary of the run's steps is read at the end of fit).
+
+    Args:
+        measure: False: only read the step breakdown (the ``--verify`` runs).
+        compute_steps: timed steps of compute alone.
+        loader_batches: timed batches per worker count.
+        allreduce_reps: timed repetitions of each all-reduce.
+        max_workers: the most loader workers per rank to measure; None: the cores per rank
+            (usable cores of the machine / ranks on it).
+
+    After fit, :attr:`measurements` (on every rank) holds every rank's numbers.
+
+    Example::
+
+        trainer = pl.Trainer(max_steps=25, callbacks=[StepBreakdown(warmup_steps=5), DoctorProbe()])
+        trainer.fit(model, datamodule=dm)
+        print(trainer.callbacks[-1].measurements.step_s)
+    """
+
+    def __init__(self, measure: bool = True, compute_steps: int = 5, loader_batches: int = 8,
+                 allreduce_reps: int = 2, max_workers: int | None = None) -> None:
+        self.measure = measure
+        self.max_workers = max_workers
+        self.compute_steps = compute_steps
+        self.loader_batches = loader_batches
+        self.allreduce_reps = allreduce_reps
+        self.measurements: Measurements | None = None
+        self._local: dict[str, Any] = {}
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if _breakdown_of(trainer) is None:
+            raise RuntimeError("DoctorProbe needs a StepBreakdown callback in the Trainer to read the step parts from")
+        if not self.measure:
+            return
+        device = pl_module.device
+        local: dict[str, Any] = {"host": socket.gethostname()}
+        dm = trainer.datamodule
+        grad_numel = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
+        local["grad_bytes"] = 4 * grad_numel
+        topology = getattr(trainer.strategy, "topology", None)
+        nodes = topology.num_nodes if topology is not None else trainer.num_nodes
+        per_node = topology.ranks_per_node if topology is not None else trainer.num_devices
+        local["num_nodes"], local["ranks_per_node"] = nodes, per_node
+        local["backend"] = str(dist.get_backend()) if dist.is_initialized() else "none"
+        if trainer.world_size > 1:
+            local["allreduce_s"], local["planner"] = measure_allreduce(grad_numel, nodes, per_node, device,
+                                                                       self.allreduce_reps)
+        algorithm = getattr(trainer.strategy, "resolved_algorithm", None) or "flat"
+        local["configured_allreduce"] = f"{algorithm}/{getattr(trainer.strategy, 'wire_dtype', 'fp32')}"
+        batch_size = getattr(dm, "train_batch_size", None) or getattr(dm, "batch_size", None)
+        batch = None
+        if dm is not None and hasattr(dm, "num_workers") and isinstance(dm.num_workers, int) and batch_size:
+            configured = dm.num_workers
+            cores = self.max_workers if self.max_workers is not None else _cores_per_rank(trainer)
+            counts = sorted({configured} | {w for w in (max(2 * configured, configured + 1), cores) if configured < w <= cores})
+            local["loader_images_per_s"] = measure_loader(dm, counts, self.loader_batches, batch_size)
+            local["num_workers"] = configured
+            batch = next(iter(dm.train_dataloader()))
+        else:
+            batch = next(iter(trainer.train_dataloader))
+        local["batch_size"] = int(batch_size or len(batch[0]))
+        metadata = getattr(dm, "metadata", None)
+        local["stored_max_side"] = getattr(metadata, "max_side", None)
+        local["resolution"] = getattr(dm, "train_resolution", None)
+        local["crop_ratio"] = float(getattr(dm, "crop_ratio", 0.875))
+        batch = pl_module._apply_batch_transfer_handler(batch)
+        local["compute_alone_s"] = measure_compute(trainer, pl_module, batch, self.compute_steps)
+        if device.type == "cuda":
+            # what the GPU recipe adds where the job lacks it: bf16 autocast instead of plain fp32
+            # (never in place of a precision plugin such as LARS), channels-last memory format
+            to_bf16 = type(trainer.precision_plugin) is Precision
+            to_nhwc = not getattr(pl_module, "channels_last", True)
+            overrides = ["precision=bf16_mixed"] * to_bf16 + ["model.channels_last=true"] * to_nhwc
+            if overrides:
+                local["compute_variants"] = {" ".join(overrides): measure_compute(
+                    trainer, pl_module, batch, self.compute_steps, channels_last=to_nhwc,
+                    precision="bf16-mixed" if to_bf16 else None)}
+        self._local = local
+        if dist.is_initialized():
+            dist.barrier()  # the real run starts together on every rank
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        summary = _breakdown_of(trainer).summary
+        if summary is None:
+            raise RuntimeError("the step breakdown timed no step: raise doctor.steps (or +trainer.limit_train_batches)")
+        parts = [dict(rank["phases"]) for rank in sorted(summary.per_rank, key=lambda r: r["rank"])]
+        gathered = [self._local]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, self._local)
+        self.measurements = _combine(gathered, parts)
+
+
+def _breakdown_of(trainer: pl.Trainer) -> StepBreakdown | None:
+    return next((c for c in trainer.callbacks if isinstance(c, StepBreakdown)), None)
+
+
+def _combine(per_rank: list[dict[str, Any]], parts: list[dict[str, float]]) -> Measurements:
+    """One :class:`Measurements` from every rank's numbers (the loader: its slowest rank)."""
+    first = per_rank[0]
+    loader: dict[int, float] = {}
+    for rank in per_rank:
+        for w, rate in rank.get("loader_images_per_s", {}).items():
+            loader[w] = min(loader.get(w, rate), rate)
+    computes = [r["compute_alone_s"] for r in per_rank if r.get("compute_alone_s") is not None]
+    variants: dict[str, float] = {}
+    for key in first.get("compute_variants", {}):
+        variants[key] = statistics.median(r["compute_variants"][key] for r in per_rank)
+    return Measurements(
+        parts=parts,
+        batch_size=first.get("batch_size", 0),
+        hosts=[r.get("host", "") for r in per_rank],
+        grad_bytes=first.get("grad_bytes", 0),
+        allreduce_s=first.get("allreduce_s", {}),
+        planner=first.get("planner"),
+        configured_allreduce=first.get("configured_allreduce", FLAT),
+        compute_alone_s=statistics.median(computes) if computes else None,
+        loader_images_per_s=loader,
+        num_workers=first.get("num_workers", 0),
+        stored_max_side=first.get("stored_max_side"),
+        resolution=first.get("resolution"),
+        crop_ratio=first.get("crop_ratio", 0.875),
+        compute_variants=variants,
+        num_nodes=first.get("num_nodes", 1),
+        ranks_per_node=first.get("ranks_per_node", 1),
+        backend=first.get("backend", "none"),
+    )
