@@ -26,7 +26,7 @@ PAGES = {"home": "index.html", "card": "methods/lars_mixed_precision.html", "api
 # a reST role that reached the page unrendered, e.g. :class:`Foo` or :py:meth:`bar`
 RAW_ROLE = re.compile(r":(?:py:)?(?:class|func|meth|mod|attr|data|exc|obj|ref|doc):`")
 # a markdown cross-reference mkdocstrings did not resolve, e.g. [`Foo`][pkg.Foo]
-RAW_XREF = re.compile(r"\]\[[\w.]+\]")
+RAW_XREF = re.compile(r"\]\[[A-Za-z_]\w*(?:\.\w+)+\]")  # "][pkg.Name]": a cross-reference left as text (code like "x[r][i]" is not one)
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 needs_mkdocs = pytest.mark.skipif(

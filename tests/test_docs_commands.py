@@ -49,6 +49,8 @@ BIN = Path(sys.executable).parent
 TRAIN_LIMITS = ("+trainer.limit_train_batches=2 +trainer.limit_val_batches=1 trainer.max_epochs=1 "
                 "trainer.enable_progress_bar=false")
 # the ImageNet-sized data settings of the folder / streaming datamodules and 64K experiments
+DOCTOR_LIMITS = ("doctor.warmup_steps=1 doctor.steps=3 doctor.compute_steps=1 doctor.loader_batches=2 "
+                 "doctor.max_workers=1 doctor.verify_warmup_steps=1 doctor.verify_steps=2")
 DATA_LIMITS = "data.batch_size=4 data.resolution=32 data.num_workers=0 data.persistent_workers=false"
 ONE_CPU_NODE = "trainer.accelerator=cpu trainer.num_nodes=1 trainer.devices=1"
 FINAL = r"final val/top1: \d"
@@ -127,6 +129,11 @@ RULES: list[Rule] = [
     Rule(r"^fastscale-plan ", "run", expect=(r"\S",), slow=True),
     # data tools
     Rule(r"^fastscale-data convert ", "run", files=("stream/train/index.json",)),
+    Rule(r"^fastscale-data verify ", "run", expect=(r"samples read and decoded, 0 problem",)),
+    # the doctor: its own small-run limits (steps of the measured run, compute and loader probes)
+    Rule(r"^fastscale-doctor$", "run", append=f"{DOCTOR_LIMITS} {DATA_LIMITS}", expect=(r"bottleneck",)),
+    Rule(r"^fastscale-doctor ", "run", append=f"{DOCTOR_LIMITS} {DATA_LIMITS}", expect=(r"bottleneck",),
+         slow=True),
     Rule(r"^fastscale-data bench ", "run", append="--batches 2 --warmup 1 --resolution 32 --batch-size 4",
          expect=(r"\S",), slow=True),
     # examples

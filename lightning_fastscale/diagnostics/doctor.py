@@ -1,20 +1,20 @@
 """``fastscale-doctor``'s pure core: from measurements to a verdict, fixes and their predicted gains.
 
-The measurements (taken on the user's own cluster by :mod:`.doctor_probe`) are plain numbers:
+The measurements (taken on the user's own cluster by `doctor_probe`) are plain numbers:
 the step split per rank into input, compute, exposed communication, optimizer and the rest
 (from the step breakdown), the all-reduce at the model's gradient size by every algorithm and
 wire dtype (the flat one as DDP runs it is the baseline), compute alone on a device-resident
 batch, and the loader's images/s per rank at its worker count and at more workers. Nothing
 here touches torch or a process group, so every rule is unit-tested on synthetic numbers.
 
-Verdict: the step breakdown's own (:func:`~lightning_fastscale.diagnostics.step_breakdown.summarize`),
+Verdict: the step breakdown's own ([`summarize`][lightning_fastscale.diagnostics.step_breakdown.summarize]),
 which prices four candidate causes in seconds per step and names the largest: ``input`` (waiting
 for the next batch), ``compute`` (forward, backward and optimizer), ``communication`` (exposed
 all-reduce not caused by a slow rank) and ``straggler`` (how much longer the slowest rank is busy
 than the median of the others, naming that rank; the doctor adds its host).
 
 Fixes are Hydra overrides (or a ``fastscale-data`` command), each with a predicted speed-up
-computed from the measurements by a stated rule (:func:`propose_fixes`); ``--verify`` then
+computed from the measurements by a stated rule ([`propose_fixes`][lightning_fastscale.diagnostics.doctor.propose_fixes]); ``--verify`` then
 measures it. The rules follow from how a data-parallel step overlaps: loader workers prefetch
 while the model computes, so with workers the step is the larger of the loader's time per batch
 and everything else; a faster all-reduce saves at most the communication that was exposed.
@@ -60,7 +60,7 @@ class Measurements:
     """Everything the doctor measured, as plain numbers (seconds, images/s, bytes).
 
     Args:
-        parts: per rank, seconds per step of each of :data:`PARTS` (median over the timed steps).
+        parts: per rank, seconds per step of each of [`PARTS`][lightning_fastscale.diagnostics.doctor.PARTS] (median over the timed steps).
         batch_size: samples per rank per step.
         hosts: host name of each rank (to name a straggler's machine).
         grad_bytes: bytes of the model's gradient (fp32).
@@ -111,7 +111,7 @@ class Measurements:
         return len(self.parts)
 
     def breakdown(self) -> BreakdownSummary:
-        """The step breakdown's summary of :attr:`parts` (median, slowest rank, scores, verdict)."""
+        """The step breakdown's summary of `parts` (median, slowest rank, scores, verdict)."""
         return summarize([RankTotals(rank, 1, dict(parts)) for rank, parts in enumerate(self.parts)])
 
     def rank_step_s(self, rank: int) -> float:
@@ -129,7 +129,7 @@ class Measurements:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Measurements:
-        """Inverse of :func:`dataclasses.asdict` (JSON turns the worker-count keys into strings)."""
+        """Inverse of `dataclasses.asdict` (JSON turns the worker-count keys into strings)."""
         data = dict(data)
         data["loader_images_per_s"] = {int(k): float(v) for k, v in data.get("loader_images_per_s", {}).items()}
         known = {f for f in cls.__dataclass_fields__}
@@ -364,7 +364,7 @@ def _straggler_fixes(m: Measurements, verdict: Verdict) -> list[Fix]:
 def propose_fixes(m: Measurements, verdict: Verdict) -> list[Fix]:
     """Fixes for the bottleneck (and any other promising one), predicted speed-up first.
 
-    Only fixes predicted to gain at least :data:`MIN_SPEEDUP` are kept; a straggler's fix is
+    Only fixes predicted to gain at least `MIN_SPEEDUP` are kept; a straggler's fix is
     kept whatever its size, since it names the machine.
     """
     found = {

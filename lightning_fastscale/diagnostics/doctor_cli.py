@@ -3,9 +3,9 @@
 Takes the same Hydra config and overrides as ``fastscale-train`` (``conf/doctor.yaml`` is
 ``conf/train.yaml`` plus a ``doctor`` block) and runs under the same launchers: Lightning's own
 (``trainer.devices=N``), ``torchrun``, SLURM. It builds the job with
-:func:`lightning_fastscale.train.build` and fits it for a few steps with
-:class:`~.doctor_probe.DoctorProbe`, which measures on every rank; the verdict and the fixes come
-from :mod:`.doctor`. ``--verify`` then fits a few steps with each proposed fix and with the
+`lightning_fastscale.train.build` and fits it for a few steps with
+[`DoctorProbe`][lightning_fastscale.diagnostics.doctor_probe.DoctorProbe], which measures on every rank; the verdict and the fixes come
+from [`doctor`][lightning_fastscale.diagnostics.doctor]. ``--verify`` then fits a few steps with each proposed fix and with the
 baseline, interleaved, in the same processes (the process group stays up between fits).
 
 ``--verify`` and ``--json`` are sugar for the overrides ``doctor.verify=true`` and
@@ -90,7 +90,7 @@ def _for_measuring(cfg: DictConfig, warmup: int, steps: int) -> DictConfig:
 
 
 def _fit(cfg: DictConfig, probe: DoctorProbe, warmup: int, steps: int, report_dir: Path, plot: bool) -> DoctorProbe:
-    """Build the job of ``cfg`` with :func:`~lightning_fastscale.train.build` and fit it with the probe."""
+    """Build the job of ``cfg`` with `build` and fit it with the probe."""
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule, module, trainer = build(cfg)
     breakdown = StepBreakdown(every_n_steps=warmup + steps, dirpath=report_dir, warmup_steps=warmup, plot=plot,

@@ -1,7 +1,7 @@
 """The doctor's measurements, taken inside Lightning's fit by a callback so every rank takes part.
 
 Whatever launched the job (Lightning's own launcher, torchrun, SLURM), by ``on_train_start``
-every rank runs in one process group on its device. :class:`DoctorProbe` then measures, on
+every rank runs in one process group on its device. [`DoctorProbe`][lightning_fastscale.diagnostics.doctor_probe.DoctorProbe] then measures, on
 every rank at once:
 
 1. the links (the planner's calibration) and the all-reduce at the model's gradient size: the
@@ -14,7 +14,7 @@ every rank at once:
    untouched); on CUDA also with bf16 autocast and channels-last where the job has neither;
 
 and then lets the fit run its short real run, whose steps the
-:class:`~lightning_fastscale.diagnostics.StepBreakdown` callback splits into parts per rank. At
+[`StepBreakdown`][lightning_fastscale.diagnostics.StepBreakdown] callback splits into parts per rank. At
 the end of fit every rank holds every rank's numbers (all-gathered), so all ranks reach the same
 verdict and run the same ``--verify`` sequence.
 """
@@ -62,11 +62,11 @@ def measure_allreduce(
     ``dist.all_reduce`` on the world group with the job's backend) at the gradient's size. Then
     the strategy's own algorithms (``strategies/allreduce.py``, hierarchical and torus only
     with several nodes) in each wire dtype, with its default pipeline chunking. The planner's
-    view (:func:`~lightning_fastscale.planner.baseline.compare_algorithms` on the fitted link and
+    view ([`compare_algorithms`][lightning_fastscale.planner.compare_algorithms] on the fitted link and
     these measurements) has its predicted seconds per algorithm and whether plain DDP is within
     its tolerance of the best; ``None`` where the link fit failed (timings that do not grow
     with size, e.g. a tiny gradient), in which case plain DDP's time comes from
-    :func:`~lightning_fastscale.planner.calibrate.measure_flat_allreduce` alone.
+    [`measure_flat_allreduce`][lightning_fastscale.planner.measure_flat_allreduce] alone.
     """
     from lightning_fastscale.planner.baseline import compare_algorithms
     from lightning_fastscale.planner.calibrate import (
@@ -192,7 +192,7 @@ def _cores_per_rank(trainer: pl.Trainer) -> int:
 class DoctorProbe(Callback):
     """Measures what ``fastscale-doctor`` needs during one short fit (see the module docstring).
 
-    Needs a :class:`~lightning_fastscale.diagnostics.StepBreakdown` among the Trainer's callbacks,
+    Needs a [`StepBreakdown`][lightning_fastscale.diagnostics.StepBreakdown] among the Trainer's callbacks,
     before this one (its summary of the run's steps is read at the end of fit).
 
     Args:
@@ -203,7 +203,7 @@ class DoctorProbe(Callback):
         max_workers: the most loader workers per rank to measure; None: the cores per rank
             (usable cores of the machine / ranks on it).
 
-    After fit, :attr:`measurements` (on every rank) holds every rank's numbers.
+    After fit, `measurements` (on every rank) holds every rank's numbers.
 
     Example::
 
@@ -293,7 +293,7 @@ def _breakdown_of(trainer: pl.Trainer) -> StepBreakdown | None:
 
 
 def _combine(per_rank: list[dict[str, Any]], parts: list[dict[str, float]]) -> Measurements:
-    """One :class:`Measurements` from every rank's numbers (the loader: its slowest rank)."""
+    """One [`Measurements`][lightning_fastscale.diagnostics.doctor.Measurements] from every rank's numbers (the loader: its slowest rank)."""
     first = per_rank[0]
     loader: dict[int, float] = {}
     for rank in per_rank:
