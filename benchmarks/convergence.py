@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import multiprocessing as mp
 import os
 import platform
 import subprocess

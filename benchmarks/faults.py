@@ -46,7 +46,6 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.fault_helpers import RECIPE_RUN  # noqa: E402  (the job the fault tests run)
 
-
 RUN = RECIPE_RUN
 SIGNAL_STEP = 9  # epoch 1 (after the ramp doubled the batch), its second of four steps
 TOTAL_STEPS = 12
@@ -75,7 +74,7 @@ def _free_port() -> int:
 
 def launch(run_dir: Path, *extra: str, torchrun: bool = False, run: list[str] | None = None,
            env: dict[str, str] | None = None) -> subprocess.Popen:
-    steps = [f"+callbacks.step_log._target_=benchmarks.fault_helpers.StepLog", f"+callbacks.step_log.folder={run_dir}/steps"]
+    steps = ["+callbacks.step_log._target_=benchmarks.fault_helpers.StepLog", f"+callbacks.step_log.folder={run_dir}/steps"]
     train = ["-m", "lightning_fastscale.train", *(RUN if run is None else run), f"hydra.run.dir={run_dir}", *steps, *extra]
     if torchrun:
         launcher = ["-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",

@@ -16,13 +16,16 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lightning_fastscale.planner.cluster import load_cluster  # noqa: E402
 from dataclasses import replace  # noqa: E402
 
+from lightning_fastscale.planner.cluster import load_cluster  # noqa: E402
 from lightning_fastscale.planner.cost_model import predict_allreduce  # noqa: E402
 from lightning_fastscale.planner.profile import profile_model  # noqa: E402
 from lightning_fastscale.planner.scaling import (  # noqa: E402
-    DEFAULT_PIPELINE_CHUNK_MB, chunk_numel_for, predict_step, topology_for,
+    DEFAULT_PIPELINE_CHUNK_MB,
+    chunk_numel_for,
+    predict_step,
+    topology_for,
 )
 
 CHUNK = DEFAULT_PIPELINE_CHUNK_MB

@@ -47,12 +47,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from planner_verdicts import case_key, format_across, predict_rows, refit_rows  # noqa: E402, F401  (format_across: --across)
+
 from lightning_fastscale.emulation.collectives import measure_allreduce  # noqa: E402
 from lightning_fastscale.emulation.netns_cluster import EmulatedCluster  # noqa: E402
 from lightning_fastscale.planner.calibrate import DEFAULT_SIZES  # noqa: E402
 from lightning_fastscale.planner.cost_model import CommParams  # noqa: E402
 from lightning_fastscale.strategies.options import ALGORITHMS, chunk_numel_for  # noqa: E402
-from planner_verdicts import case_key, format_across, predict_rows, refit_rows  # noqa: E402, F401  (format_across: --across)
 
 CHUNK_MB = 4.0  # the strategy's "auto" chunk on 2 nodes; kept fixed across configs so runs compare
 _PORT = 29511

@@ -21,7 +21,6 @@ from lightning_fastscale.planner.calibrate import INTER_PRIMITIVES, fit_calibrat
 from lightning_fastscale.planner.cost_model import CommParams, Topology, predict_allreduce
 
 
-
 def refit_rows(rows: list[dict]) -> list[dict]:
     """Refit each configuration's parameters from its stored calibration samples with the
     current `fit_calibration` and primitive

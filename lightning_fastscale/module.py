@@ -17,11 +17,10 @@ import torch
 from lightning.fabric.utilities.throughput import measure_flops
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
-from typing_extensions import override
 from torchmetrics.classification import MulticlassAccuracy
+from typing_extensions import override
 
 from .models import create_model
-
 
 
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:

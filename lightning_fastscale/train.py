@@ -17,20 +17,20 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-import torch
 import lightning.pytorch as pl
+import torch
 from hydra.core.hydra_config import HydraConfig
-from lightning.fabric.plugins.environments import LSFEnvironment, SLURMEnvironment, TorchElasticEnvironment
-from lightning.pytorch.callbacks import LearningRateMonitor, ThroughputMonitor
 from hydra.types import RunMode
 from hydra.utils import instantiate
+from lightning.fabric.plugins.environments import LSFEnvironment, SLURMEnvironment, TorchElasticEnvironment
+from lightning.pytorch.callbacks import LearningRateMonitor, ThroughputMonitor
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_fastscale  # noqa: F401  (registers strategies and models)
 
 from . import checkpointing
-from .checkpoint_io import AtomicCheckpointIO
 from ._validation import positive_int, positive_number
+from .checkpoint_io import AtomicCheckpointIO
 from .config_check import ConfigError, setting_errors, show
 from .module import ImageClassifier
 from .run_folder import LOCK_NAME

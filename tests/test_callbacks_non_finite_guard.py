@@ -15,7 +15,7 @@ from torch.nn import functional as F
 
 from lightning_fastscale.callbacks import NonFiniteGuard, NonFiniteStepsError
 from lightning_fastscale.precision import LARSMixedPrecision
-from tests.test_precision_lars_plugin import Tiny, data, make_net, small_scaler, trainer
+from tests.test_precision_lars_plugin import Tiny, data, make_net, small_scaler
 
 
 class Storm(Tiny):
@@ -193,8 +193,8 @@ def test_fastscale_train_diverging_in_fp32_fails_and_keeps_no_nan_checkpoint(tmp
     """``optimizer.lr=1e6`` under the default fp32, a run far shorter than the fp16 skip budget:
     the run stops at the first non-finite loss with a non-zero status, prints no final
     accuracy, and every checkpoint it left holds finite weights."""
-    from lightning_fastscale import checkpointing
     from benchmarks.fault_helpers import finish, start
+    from lightning_fastscale import checkpointing
 
     run = ["data.train_size=64", "data.val_size=16", "data.batch_size=16", "data.resolution=16",
            "model.kwargs.widths=[8,8,8]", "trainer.max_epochs=3", "trainer.enable_progress_bar=false",

@@ -20,9 +20,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_fastscale import train as train_module
 from lightning_fastscale.callbacks import BatchSizeRamp, LabelSmoothing, WarmupDecayLR
+from lightning_fastscale.data.convert import convert
 from lightning_fastscale.precision import LARSMixedPrecision
 from lightning_fastscale.strategies import HierarchicalAllReduceStrategy
-from lightning_fastscale.data.convert import convert
 from tests.test_data_imagefolder import _write_tree
 
 CONF = Path(__file__).resolve().parents[1] / "lightning_fastscale" / "conf"

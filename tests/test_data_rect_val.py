@@ -16,8 +16,7 @@ from PIL import Image
 from torch import nn
 from torchvision.transforms.v2 import functional as F
 
-from lightning_fastscale.data import StreamingDataModule
-from lightning_fastscale.data import fast_decode, rect_val
+from lightning_fastscale.data import StreamingDataModule, fast_decode, rect_val
 from lightning_fastscale.data.convert import convert, stored_sample_count
 from lightning_fastscale.data.streaming import ValidationBatches
 

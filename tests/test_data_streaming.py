@@ -11,13 +11,12 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
-from lightning_fastscale.data import ImageFolderDataModule, StreamingDataModule
-from lightning_fastscale.data import fast_decode
+from lightning_fastscale.data import ImageFolderDataModule, StreamingDataModule, fast_decode
 from lightning_fastscale.data.device_prefetch import DevicePrefetcher
 from lightning_fastscale.data.streaming import DecodedStreamingDataset
 from lightning_fastscale.data.verify import CorruptDataError
-from lightning_fastscale.strategies import HierarchicalAllReduceStrategy
 from lightning_fastscale.data.worker_autotune import WorkerCountCache, pick_smallest_within
+from lightning_fastscale.strategies import HierarchicalAllReduceStrategy
 
 from .data_streaming_utils import convert_tree
 from .distributed import run_distributed

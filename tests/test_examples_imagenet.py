@@ -20,7 +20,7 @@ def run_example(script: str, *extra: str) -> dict[str, float]:
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    line = next(l for l in done.stdout.splitlines() if l.startswith("final "))
+    line = next(text for text in done.stdout.splitlines() if text.startswith("final "))
     return {k: float(v) for k, v in re.findall(r"(\S+)=(\S+)", line)}
 
 

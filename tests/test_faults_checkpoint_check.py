@@ -12,9 +12,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import OmegaConf
 
 from lightning_fastscale import checkpointing
-from lightning_fastscale.config_check import ConfigError
 from lightning_fastscale.callbacks import BatchSizeRamp, CheckpointCheck
 from lightning_fastscale.checkpointing import CheckpointError
+from lightning_fastscale.config_check import ConfigError
 from lightning_fastscale.data import ProceduralDataModule
 from lightning_fastscale.module import ImageClassifier, cosine_schedule
 from lightning_fastscale.train import resolve_resume

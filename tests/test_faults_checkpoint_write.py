@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.fault_helpers import finish, start
 from lightning_fastscale import checkpointing
 from lightning_fastscale.checkpoint_io import partial_files, save_atomically
-from benchmarks.fault_helpers import finish, start
 
 # 1 rank, 64 samples / 16: 4 steps per epoch; checkpoints at the end of epochs 0 and 1 (about 94 kB each)
 RUN = [

@@ -12,11 +12,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from benchmarks.fault_helpers import SignalAtStep
 from lightning_fastscale.callbacks import ExactResume, PreemptionCheckpoint
 from lightning_fastscale.callbacks.exact_resume import SkipFirstBatches
 from lightning_fastscale.callbacks.preemption import parse_signals, slurm_job_id
 from lightning_fastscale.data import ProceduralDataModule
-from benchmarks.fault_helpers import SignalAtStep
 
 
 class DropoutNet(pl.LightningModule):
@@ -183,7 +183,11 @@ def test_the_large_batch_recipe_resumes_bitwise_mid_epoch(tmp_path):
     """Ramp, warmup + poly LR, resizing, label smoothing, no-decay groups, zero-init BN: all resume
     mid-epoch (Lightning calls no on_train_epoch_start there, so each must restore on its own)."""
     from lightning_fastscale.callbacks import (
-        BatchSizeRamp, LabelSmoothing, NoWeightDecayOnBiasNorm, ProgressiveResizing, WarmupDecayLR,
+        BatchSizeRamp,
+        LabelSmoothing,
+        NoWeightDecayOnBiasNorm,
+        ProgressiveResizing,
+        WarmupDecayLR,
         ZeroInitResidualBN,
     )
     from lightning_fastscale.module import ImageClassifier

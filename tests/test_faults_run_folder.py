@@ -13,13 +13,13 @@ import sys
 import pytest
 import yaml
 
+from benchmarks.fault_helpers import finish, kill_group, start
 from lightning_fastscale.run_folder import (
     LOCK_NAME,
     RunFolderInUseError,
     claim,
     global_rank_from_env,
 )
-from benchmarks.fault_helpers import finish, kill_group, start
 
 RUN = [
     "data.train_size=64", "data.val_size=16", "data.batch_size=16", "data.resolution=16",

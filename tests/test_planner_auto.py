@@ -4,7 +4,13 @@ import torch
 from torch import nn
 
 from lightning_fastscale.planner import (
-    CommParams, CostModelPlanner, Topology, auto_plan, choose_algorithm, load_cluster, module_profile,
+    CommParams,
+    CostModelPlanner,
+    Topology,
+    auto_plan,
+    choose_algorithm,
+    load_cluster,
+    module_profile,
 )
 from lightning_fastscale.planner.fusion import MB
 from lightning_fastscale.planner.scaling import DEFAULT_PIPELINE_CHUNK_MB

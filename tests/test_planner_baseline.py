@@ -13,8 +13,16 @@ import pytest
 from torch import nn
 
 from lightning_fastscale.planner import (
-    CommParams, CostModelPlanner, FlatMeasurement, Topology, allreduce_time, auto_plan, compare_algorithms,
-    module_profile, nccl_ring_time, nccl_tree_time,
+    CommParams,
+    CostModelPlanner,
+    FlatMeasurement,
+    Topology,
+    allreduce_time,
+    auto_plan,
+    compare_algorithms,
+    module_profile,
+    nccl_ring_time,
+    nccl_tree_time,
 )
 from lightning_fastscale.planner.baseline import crossover_params, crossover_table
 from lightning_fastscale.planner.cli import main

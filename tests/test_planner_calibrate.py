@@ -2,7 +2,11 @@
 import pytest
 
 from lightning_fastscale.planner.calibrate import (
-    PRIMITIVES, calibrate_process_groups, fit_calibration, fit_link, intra_primitives,
+    PRIMITIVES,
+    calibrate_process_groups,
+    fit_calibration,
+    fit_link,
+    intra_primitives,
 )
 from lightning_fastscale.planner.cost_model import ring_allreduce_time
 from tests.distributed import run_distributed

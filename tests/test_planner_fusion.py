@@ -8,7 +8,13 @@ from torch import nn
 
 from lightning_fastscale.planner.cost_model import CommParams, Topology
 from lightning_fastscale.planner.fusion import (
-    MB, best_uniform_cap, ddp_buckets, ddp_supports_bucket_list, plan_fusion, plan_two_segment, simulate,
+    MB,
+    best_uniform_cap,
+    ddp_buckets,
+    ddp_supports_bucket_list,
+    plan_fusion,
+    plan_two_segment,
+    simulate,
 )
 from lightning_fastscale.planner.scaling import allreduce_cost
 

@@ -1,11 +1,11 @@
 """The all-reduce algorithms sum exactly like a flat all-reduce (2x2, 4x1, 1x4 layouts on gloo)."""
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.distributed as dist
-
-from functools import partial
 
 from lightning_fastscale.strategies.allreduce import ALLREDUCE_FUNCTIONS, TopKErrorFeedback, torus2d_allreduce_
 from lightning_fastscale.strategies.topology import Topology, build_process_groups

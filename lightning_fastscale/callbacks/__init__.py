@@ -8,17 +8,17 @@ from lightning_fastscale.callbacks.ghost_batch_norm import (
     apply_ghost_batch_norm,
     ghost_batch_norm,
 )
+from lightning_fastscale.callbacks.label_smoothing import LabelSmoothing, smooth_targets, smoothing_at_epoch
 from lightning_fastscale.callbacks.lr_schedule import WarmupDecayLR
+from lightning_fastscale.callbacks.non_finite_guard import NonFiniteGuard, NonFiniteStepsError
 from lightning_fastscale.callbacks.preemption import PreemptionCheckpoint
 from lightning_fastscale.callbacks.progressive_resizing import ProgressiveResizing
-from lightning_fastscale.callbacks.label_smoothing import LabelSmoothing, smooth_targets, smoothing_at_epoch
-from lightning_fastscale.callbacks.non_finite_guard import NonFiniteGuard, NonFiniteStepsError
 from lightning_fastscale.callbacks.skip_weight_decay import (
     NoWeightDecayOnBiasNorm,
     param_groups_without_decay,
 )
-from lightning_fastscale.diagnostics.step_breakdown_callback import StepBreakdown
 from lightning_fastscale.callbacks.zero_init_residual_bn import ZeroInitResidualBN, zero_init_residual_bn
+from lightning_fastscale.diagnostics.step_breakdown_callback import StepBreakdown
 
 __all__ = [
     "BatchSizeRamp",

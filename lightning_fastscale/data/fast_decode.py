@@ -39,7 +39,8 @@ try:
         return _torchcodec_decode_jpeg(data, mode="RGB", device=device)
 
 except (ImportError, OSError, RuntimeError):  # not installed, or built for another torch
-    from torchvision.io import ImageReadMode, decode_jpeg as _torchvision_decode_jpeg
+    from torchvision.io import ImageReadMode
+    from torchvision.io import decode_jpeg as _torchvision_decode_jpeg
 
     def _decode_jpeg_rgb(data: torch.Tensor | list[torch.Tensor], device: torch.device | str = "cpu") -> Any:
         return _torchvision_decode_jpeg(data, mode=ImageReadMode.RGB, device=device)

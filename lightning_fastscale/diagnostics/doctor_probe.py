@@ -21,6 +21,7 @@ verdict and run the same ``--verify`` sequence.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 import socket
@@ -69,10 +70,8 @@ def measure_allreduce(
     [`measure_flat_allreduce`][lightning_fastscale.planner.measure_flat_allreduce] alone.
     """
     from lightning_fastscale.planner.baseline import compare_algorithms
-    from lightning_fastscale.planner.calibrate import (
-        _on_cuda, _time, calibrate_process_groups, measure_flat_allreduce)
-    from lightning_fastscale.strategies.allreduce import (
-        flat_allreduce_, hierarchical_allreduce_, torus2d_allreduce_)
+    from lightning_fastscale.planner.calibrate import _on_cuda, _time, calibrate_process_groups, measure_flat_allreduce
+    from lightning_fastscale.strategies.allreduce import flat_allreduce_, hierarchical_allreduce_, torus2d_allreduce_
     from lightning_fastscale.strategies.options import DEFAULT_PIPELINE_CHUNK_MB, WIRE_DTYPES, chunk_numel_for
     from lightning_fastscale.strategies.topology import Topology, build_process_groups
 
@@ -157,7 +156,7 @@ def measure_compute(trainer: pl.Trainer, module: pl.LightningModule, batch: Any,
     clone_opt = type(optimizer)(clone.parameters(), **optimizer.defaults)
     device = module.device
     if precision == "bf16-mixed":
-        context: Callable[[], Any] = lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+        context: Callable[[], Any] = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
     else:
         context = trainer.precision_plugin.forward_context
 

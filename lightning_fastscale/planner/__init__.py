@@ -7,7 +7,10 @@ tree priced): [`compare_algorithms`][lightning_fastscale.planner.compare_algorit
 """
 from lightning_fastscale.planner.auto import AutoPlan, CostModelPlanner, auto_plan, best_chunk_plan, module_profile
 from lightning_fastscale.planner.baseline import (
-    PLAIN_DDP_TOLERANCE, compare_algorithms, crossover_table, format_crossover,
+    PLAIN_DDP_TOLERANCE,
+    compare_algorithms,
+    crossover_table,
+    format_crossover,
 )
 from lightning_fastscale.planner.calibrate import measure_flat_allreduce
 from lightning_fastscale.planner.cluster import Cluster, ClusterConfigError, available_clusters, load_cluster
@@ -17,15 +20,15 @@ from lightning_fastscale.planner.cost_model import (
     CommParams,
     FlatMeasurement,
     Topology,
-    flat_allreduce_detail,
-    nccl_ring_time,
-    nccl_tree_time,
-    wire_bytes_per_element,
     allreduce_time,
     bandwidth_bound,
     choose_algorithm,
+    flat_allreduce_detail,
+    nccl_ring_time,
+    nccl_tree_time,
     predict_allreduce,
     stage_times,
+    wire_bytes_per_element,
 )
 from lightning_fastscale.planner.fusion import FusionPlan, best_uniform_cap, ddp_buckets, plan_fusion, plan_two_segment
 from lightning_fastscale.planner.profile import GradientProfile, measure_backward_profile, profile_model, profile_module

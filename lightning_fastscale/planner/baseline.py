@@ -20,10 +20,17 @@ import math
 from collections.abc import Mapping, Sequence
 
 from lightning_fastscale.planner.cost_model import (
-    CommParams, Topology, allreduce_time, flat_allreduce_detail,
+    CommParams,
+    Topology,
+    allreduce_time,
+    flat_allreduce_detail,
 )
 from lightning_fastscale.strategies.options import (
-    ALGORITHMS, DEFAULT_PIPELINE_CHUNK_MB, check_algorithms, chunk_numel_for, wire_bytes_per_element,
+    ALGORITHMS,
+    DEFAULT_PIPELINE_CHUNK_MB,
+    check_algorithms,
+    chunk_numel_for,
+    wire_bytes_per_element,
 )
 
 __all__ = [

@@ -56,11 +56,11 @@ from lightning_fastscale.planner.cost_model import (
     CommParams,
     FlatMeasurement,
     Topology,
-    wire_bytes_per_element,
     allgather_time,
     broadcast_time,
     reduce_time,
     ring_allreduce_time,
+    wire_bytes_per_element,
 )
 
 __all__ = [

@@ -23,13 +23,22 @@ from lightning_fastscale.planner.auto import auto_plan, best_chunk_plan
 from lightning_fastscale.planner.baseline import PLAIN_DDP_TOLERANCE, crossover_table, format_crossover
 from lightning_fastscale.planner.cluster import Cluster, ClusterConfigError, available_clusters, load_cluster
 from lightning_fastscale.planner.cost_model import (
-    ALGORITHMS, Topology, bandwidth_bound, flat_allreduce_detail, predict_allreduce, wire_bytes_per_element,
+    ALGORITHMS,
+    Topology,
+    bandwidth_bound,
+    flat_allreduce_detail,
+    predict_allreduce,
+    wire_bytes_per_element,
 )
 from lightning_fastscale.planner.fusion import MB, best_uniform_cap, plan_two_segment
 from lightning_fastscale.planner.profile import profile_model
 from lightning_fastscale.planner.scaling import allreduce_cost, default_gpu_counts, scaling_curve
 from lightning_fastscale.strategies.options import (
-    AUTO_CHUNK_MB_PER_NODE, DEFAULT_PIPELINE_CHUNK_MB, WIRE_DTYPES, chunk_numel_for, resolve_chunk_mb,
+    AUTO_CHUNK_MB_PER_NODE,
+    DEFAULT_PIPELINE_CHUNK_MB,
+    WIRE_DTYPES,
+    chunk_numel_for,
+    resolve_chunk_mb,
 )
 
 __all__ = ["build_report", "main"]

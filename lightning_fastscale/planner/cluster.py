@@ -36,7 +36,11 @@ from typing import Any
 import yaml
 
 from lightning_fastscale.planner.cost_model import (
-    BACKENDS, CommParams, FlatMeasurement, Topology, wire_bytes_per_element,
+    BACKENDS,
+    CommParams,
+    FlatMeasurement,
+    Topology,
+    wire_bytes_per_element,
 )
 
 __all__ = [

@@ -97,7 +97,10 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 from lightning_fastscale.strategies.options import (
-    ALGORITHMS, check_algorithm, check_algorithms, wire_bytes_per_element,
+    ALGORITHMS,
+    check_algorithm,
+    check_algorithms,
+    wire_bytes_per_element,
 )
 from lightning_fastscale.strategies.topology import Topology
 

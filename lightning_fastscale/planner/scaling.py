@@ -18,7 +18,10 @@ from lightning_fastscale.planner.cost_model import ALGORITHMS, CommParams, Topol
 from lightning_fastscale.planner.fusion import FusionPlan, ddp_buckets, plan_fusion, simulate
 from lightning_fastscale.planner.profile import GradientProfile
 from lightning_fastscale.strategies.options import (
-    DEFAULT_PIPELINE_CHUNK_MB, check_algorithm, check_algorithms, chunk_numel_for,
+    DEFAULT_PIPELINE_CHUNK_MB,
+    check_algorithm,
+    check_algorithms,
+    chunk_numel_for,
 )
 
 __all__ = [
