@@ -9,7 +9,10 @@ import os
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import yaml
 
@@ -28,21 +31,42 @@ RUN = [
 ]
 
 
+class HoldUntil(pl.Callback):
+    """Keep a run at its start until ``path`` exists (bounded), so a second run surely meets it."""
+
+    def __init__(self, path: str, timeout: float = 300.0) -> None:
+        self.path, self.timeout = Path(path), timeout
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        deadline = time.monotonic() + self.timeout
+        while not self.path.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
 def test_two_runs_started_together_on_one_folder(tmp_path):
-    folder = tmp_path / "run"
-    first, second = start(folder, "seed=1", run=RUN), start(folder, "seed=2", run=RUN)
+    folder, go_on = tmp_path / "run", tmp_path / "go-on"
+    hold = [f"+callbacks.hold._target_={__name__}.HoldUntil", f"+callbacks.hold.path={go_on}"]
+    first = start(folder, "seed=1", *hold, run=RUN)
+    second = None
     try:
-        (code_a, out_a), (code_b, out_b) = finish(first), finish(second)
+        deadline = time.monotonic() + 300
+        while not (folder / LOCK_NAME).exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (folder / LOCK_NAME).exists(), "the first run never claimed its folder"
+        second = start(folder, "seed=2", run=RUN)
+        code_b, refused = finish(second)
+        go_on.touch()
+        code_a, winner = finish(first)
     finally:
-        kill_group(first), kill_group(second)
-    assert sorted([code_a, code_b]) == [0, 1], (out_a[-2000:], out_b[-2000:])
-    (winner, seed), (refused, pid) = (
-        ((out_a, 1), (out_b, first.pid)) if code_a == 0 else ((out_b, 2), (out_a, second.pid))
-    )
-    assert f"run folder {folder} is in use by pid {pid} on host {socket.gethostname()}" in refused
+        go_on.touch()
+        kill_group(first)
+        if second is not None:
+            kill_group(second)
+    assert (code_a, code_b) == (0, 1), (winner[-2000:], refused[-2000:])
+    assert f"run folder {folder} is in use by pid {first.pid} on host {socket.gethostname()}" in refused
     assert "Traceback" not in refused and "final val/top1" in winner
     # nothing of the refused run in the folder: the config is the winner's, the lock is released
-    assert yaml.safe_load((folder / ".hydra" / "config.yaml").read_text())["seed"] == seed
+    assert yaml.safe_load((folder / ".hydra" / "config.yaml").read_text())["seed"] == 1
     assert not (folder / LOCK_NAME).exists()
     assert [p.name for p in (folder / "checkpoints").glob("epoch*.ckpt")] == ["epoch000.ckpt"]
 
