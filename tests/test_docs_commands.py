@@ -113,6 +113,12 @@ RULES: list[Rule] = [
     # every other fastscale-train command: a short run
     Rule(r"^fastscale-train ", "run", append=TRAIN_LIMITS, expect=(FINAL,), slow=True),
     # multi-node launchers
+    Rule(r"^torchrun --nnodes 2 --node_rank \$NODE_RANK .*fastscale-doctor", "torchrun",
+         append=f"{DOCTOR_LIMITS} {DATA_LIMITS}", expect=(r"bottleneck",), slow=True,
+         reason="two nodes of 8 GPUs: two launches on this machine, one CPU rank each"),
+    Rule(r"^srun --nodes 2 --ntasks-per-node 8 --gpus-per-node 8 fastscale-doctor ", "srun",
+         append=f"{DOCTOR_LIMITS} {DATA_LIMITS}", expect=(r"bottleneck",), slow=True,
+         reason="no SLURM here: a stand-in srun starts the tasks with srun's variables, 2 nodes x 1 CPU task"),
     Rule(r"^torchrun --nnodes 2 --node_rank \$NODE_RANK ", "torchrun",
          append=f"{TRAIN_LIMITS}", expect=(FINAL,), slow=True,
          reason="two nodes of 8 GPUs: two launches on this machine, one CPU rank each"),
@@ -345,7 +351,10 @@ def test_documented_command_runs(command: Command, rule: Rule, workdir: Path) ->
     for name in rule.files:
         assert (workdir / name).exists(), f"{command.text}: {name} was not written"
     if "--json" in command.text:
-        json.loads(out[out.index("{"):])
+        # the document starts on a line of its own; the launcher's lines may follow it
+        start = re.search(r"^\{$", out, re.M)
+        assert start, f"{command.text}: no JSON document in the output"
+        json.JSONDecoder().raw_decode(out[start.start():])
 
 
 def stream_from_docs(work: Path) -> None:

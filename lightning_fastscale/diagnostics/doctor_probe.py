@@ -72,7 +72,7 @@ def measure_allreduce(
     from lightning_fastscale.planner.baseline import compare_algorithms
     from lightning_fastscale.planner.calibrate import _on_cuda, _time, calibrate_process_groups, measure_flat_allreduce
     from lightning_fastscale.strategies.allreduce import flat_allreduce_, hierarchical_allreduce_, torus2d_allreduce_
-    from lightning_fastscale.strategies.options import DEFAULT_PIPELINE_CHUNK_MB, WIRE_DTYPES, chunk_numel_for
+    from lightning_fastscale.strategies.options import DEFAULT_PIPELINE_CHUNK_MB, chunk_numel_for
     from lightning_fastscale.strategies.topology import Topology, build_process_groups
 
     topology, nbytes = Topology(num_nodes, ranks_per_node), 4 * numel
@@ -98,9 +98,8 @@ def measure_allreduce(
                 label = f"{name}/{wire}"
                 if label == FLAT:
                     continue
-                dtype = None if wire == "fp32" else WIRE_DTYPES[wire]
                 try:
-                    results[label] = _time(lambda fn=fn, dtype=dtype: fn(tensor, groups, dtype, chunk_numel=chunk),
+                    results[label] = _time(lambda fn=fn, wire=wire: fn(tensor, groups, wire, chunk_numel=chunk),
                                            None, reps, True, _on_cuda())
                 except (RuntimeError, TypeError) as err:  # a backend without that dtype: not an option here
                     log.warning("all-reduce %s not measured: %s", label, err)
