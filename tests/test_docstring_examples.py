@@ -23,6 +23,12 @@ MODULES = [
     "lightning_fastscale.checkpoint_io",
     "lightning_fastscale.run_folder",
     "lightning_fastscale.strategies.planning",
+    "lightning_fastscale.strategies.option_checks",
+    "lightning_fastscale.strategies.plan_resolution",
+    "lightning_fastscale.strategies.node_checks",
+    "lightning_fastscale.strategies.plan_report",
+    "lightning_fastscale.strategies.topk_residuals",
+    "lightning_fastscale.strategies.user_hooks",
     "lightning_fastscale.diagnostics.doctor",
     "lightning_fastscale.diagnostics.doctor_cli",
 ]

@@ -31,6 +31,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lightning_fastscale.strategies.options import MB
+
 __all__ = [
     "FusionPlan",
     "best_uniform_cap",
@@ -40,8 +42,6 @@ __all__ = [
     "plan_two_segment",
     "simulate",
 ]
-
-MB = 1024 * 1024  # DDP's "MB" is a mebibyte
 
 CostFn = Callable[[np.ndarray], np.ndarray]
 """Seconds to all-reduce buckets of the given sizes in bytes (vectorised over a numpy array)."""

@@ -22,7 +22,7 @@ from lightning_fastscale.strategies.comm_hooks import (
 )
 from lightning_fastscale.strategies.fabric import FabricHierarchicalAllReduceStrategy, register_fabric_strategies
 from lightning_fastscale.strategies.hierarchical import HierarchicalAllReduceStrategy, register_strategies
-from lightning_fastscale.strategies.hierarchical_mixin import HierarchicalAllReduceMixin, two_segment_caps_mb
+from lightning_fastscale.strategies.hierarchical_mixin import HierarchicalAllReduceMixin
 from lightning_fastscale.strategies.options import (
     ALGORITHMS,
     DEFAULT_PIPELINE_CHUNK_MB,
@@ -32,6 +32,7 @@ from lightning_fastscale.strategies.options import (
     resolve_chunk_mb,
     wire_bytes_per_element,
 )
+from lightning_fastscale.strategies.plan_resolution import two_segment_caps_mb
 from lightning_fastscale.strategies.planning import CommPlan, CommPlanner, NodeCountPlanner, PlanRequest
 from lightning_fastscale.strategies.topology import (
     ProcessGroups,

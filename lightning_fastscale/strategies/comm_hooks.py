@@ -128,9 +128,7 @@ class HierarchicalHookState:
 
     def submit(self, job: Callable[[torch.futures.Future], None], device: torch.device) -> torch.futures.Future:
         """Run ``job(future)`` on the communication thread (started on first use); ``job`` completes ``future``."""
-        future: torch.futures.Future = (
-            torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()
-        )
+        future = _future(device)
         if self._worker is None:
             self._worker = _CommWorker()
         self._worker.submit(job, future)
@@ -155,6 +153,11 @@ class HierarchicalHookState:
             self._worker = None
 
 
+def _future(device: torch.device) -> torch.futures.Future:
+    """A future for a bucket on ``device`` (CUDA-aware on a GPU, so DDP's use of it waits on its stream)."""
+    return torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()
+
+
 def _fail(state: HierarchicalHookState, index: int, error: BaseException) -> CommHookError:
     if state.error is None:
         stage = error.stage if isinstance(error, CollectiveStageError) else "hook"
@@ -162,6 +165,33 @@ def _fail(state: HierarchicalHookState, index: int, error: BaseException) -> Com
         wrapped.__cause__ = error.__cause__ if isinstance(error, CollectiveStageError) else error
         state.error = wrapped
     return state.error
+
+
+def run_bucket_job(
+    state: HierarchicalHookState, tensor: Tensor, index: int, work: Callable[[torch.futures.Future], None]
+) -> torch.futures.Future:
+    """Run ``work(future)`` for DDP bucket ``index`` inline or on the communication thread; ``work`` sets the result.
+
+    What every hook of the strategy shares: inline on NCCL, in bucket order on the worker thread
+    otherwise (see the module docstring); an exception completes the future with the run's
+    [`CommHookError`][lightning_fastscale.strategies.CommHookError], and once a bucket has failed
+    the later ones fail at once instead of waiting on the broken groups.
+    """
+
+    def job(future: torch.futures.Future) -> None:
+        if state.error is not None:  # the groups are broken: do not wait on them again
+            future.set_exception(state.error)
+            return
+        try:
+            work(future)
+        except Exception as error:
+            future.set_exception(_fail(state, index, error))
+
+    if state.inline:
+        future = _future(tensor.device)
+        job(future)
+        return future
+    return state.submit(job, tensor.device)
 
 
 def _residual_coordinates(
@@ -214,48 +244,28 @@ def _enqueue(state: HierarchicalHookState, bucket: dist.GradBucket, algorithm: C
             buffer[start:start + size].copy_(canonical[done:done + size])
             done += size
 
-    if state.inline:
-        future: torch.futures.Future = torch.futures.Future(devices=[tensor.device]) if tensor.is_cuda \
-            else torch.futures.Future()
-        if state.error is not None:
-            future.set_exception(state.error)
-            return future
-        try:
-            reduce(tensor)
-        except Exception as error:
-            future.set_exception(_fail(state, index, error))
-            return future
-        future.set_result(tensor)
-        return future
-
     ready: Any = None
-    if tensor.is_cuda:
+    if tensor.is_cuda and not state.inline:
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(tensor.device))
 
-    def job(future: torch.futures.Future) -> None:
-        if state.error is not None:  # the groups are broken: do not wait on them again
-            future.set_exception(state.error)
+    def work(future: torch.futures.Future) -> None:
+        if ready is None:
+            reduce(tensor)
+            future.set_result(tensor)
             return
-        try:
-            if ready is None:
+        stream = state.comm_stream(tensor.device)
+        with torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            if state.groups.backend == "gloo":
+                host = tensor.to("cpu")
+                reduce(host)
+                tensor.copy_(host)
+            else:
                 reduce(tensor)
-                future.set_result(tensor)
-                return
-            stream = state.comm_stream(tensor.device)
-            with torch.cuda.stream(stream):
-                stream.wait_event(ready)
-                if state.groups.backend == "gloo":
-                    host = tensor.to("cpu")
-                    reduce(host)
-                    tensor.copy_(host)
-                else:
-                    reduce(tensor)
-                future.set_result(tensor)  # records an event on ``stream``: DDP waits for it
-        except Exception as error:
-            future.set_exception(_fail(state, index, error))
+            future.set_result(tensor)  # records an event on ``stream``: DDP waits for it
 
-    return state.submit(job, tensor.device)
+    return run_bucket_job(state, tensor, index, work)
 
 
 def flat_hook(state: HierarchicalHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

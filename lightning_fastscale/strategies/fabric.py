@@ -44,12 +44,8 @@ class FabricHierarchicalAllReduceStrategy(HierarchicalAllReduceMixin, DDPStrateg
     _front = "Fabric"
 
     @override
-    def setup_environment(self) -> None:
-        """Validate the topology before the process group starts, then check the nodes agree."""
+    def _set_world_ranks_now(self) -> None:
         self._set_world_ranks()
-        self.topology = self._resolve_topology()
-        super().setup_environment()
-        self._check_nodes_uniform()
 
     @override
     def setup_module(self, module: nn.Module) -> DistributedDataParallel:
@@ -63,12 +59,8 @@ class FabricHierarchicalAllReduceStrategy(HierarchicalAllReduceMixin, DDPStrateg
     @override
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         """Fabric's backward, raising a failed bucket all-reduce as the Trainer strategy's ``backward`` does."""
-        try:
+        with self._raising_hook_failure():
             super().backward(tensor, module, *args, **kwargs)
-        except RuntimeError:
-            if self.hook_state is not None:
-                self.hook_state.raise_if_failed()
-            raise
 
 
 def register_fabric_strategies() -> None:

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_fastscale.strategies.hierarchical_mixin import HierarchicalAllReduceMixin
+from lightning_fastscale.strategies.topk_residuals import residual_path, residual_state
 
 
 class HierarchicalAllReduceStrategy(HierarchicalAllReduceMixin, DDPStrategy):
@@ -88,12 +89,8 @@ class HierarchicalAllReduceStrategy(HierarchicalAllReduceMixin, DDPStrategy):
     """
 
     @override
-    def setup_environment(self) -> None:
-        """Validate the topology before the process group starts, then check the nodes agree."""
+    def _set_world_ranks_now(self) -> None:
         self.set_world_ranks()
-        self.topology = self._resolve_topology()
-        super().setup_environment()
-        self._check_nodes_uniform()
 
     @override
     def _setup_model(self, model: nn.Module) -> DistributedDataParallel:
@@ -123,9 +120,6 @@ class HierarchicalAllReduceStrategy(HierarchicalAllReduceMixin, DDPStrategy):
         for logger in trainer.loggers:
             logger.log_hyperparams(summary)
 
-    def _residual_path(self, filepath: Any) -> str:
-        return f"{filepath}.topk-residuals-rank{self.global_rank}"
-
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Save the checkpoint (rank 0); with top-k, every rank also saves its error-feedback residuals.
@@ -137,16 +131,15 @@ class HierarchicalAllReduceStrategy(HierarchicalAllReduceMixin, DDPStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         state = self.hook_state
         if state is not None and state.topk is not None:
-            residuals = {"layout": self._comm_layout(), "iteration": state.iteration,
-                         "errors": {key: t.detach().cpu() for key, t in state.topk.errors.items()}}
-            self.checkpoint_io.save_checkpoint(residuals, self._residual_path(filepath))
+            residuals = residual_state(state, self._comm_layout())
+            self.checkpoint_io.save_checkpoint(residuals, residual_path(filepath, self.global_rank))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load the checkpoint; with top-k, also this rank's residuals (restored once the hook exists)."""
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         if self.compression == "topk":
-            path = self._residual_path(checkpoint_path)
+            path = residual_path(checkpoint_path, self.global_rank)
             try:
                 self._saved_residuals = (path, self.checkpoint_io.load_checkpoint(path))
             except FileNotFoundError:
@@ -159,7 +152,7 @@ class HierarchicalAllReduceStrategy(HierarchicalAllReduceMixin, DDPStrategy):
         super().remove_checkpoint(filepath)
         if self.compression == "topk":
             try:
-                self.checkpoint_io.remove_checkpoint(self._residual_path(filepath))
+                self.checkpoint_io.remove_checkpoint(residual_path(filepath, self.global_rank))
             except FileNotFoundError:
                 pass
 
@@ -170,12 +163,8 @@ class HierarchicalAllReduceStrategy(HierarchicalAllReduceMixin, DDPStrategy):
         DDP reports an exception from a hook's future only as a value it cannot cast to a
         tensor; the hook state keeps the real error (algorithm, stage, bucket, cause).
         """
-        try:
+        with self._raising_hook_failure():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        except RuntimeError:
-            if self.hook_state is not None:
-                self.hook_state.raise_if_failed()
-            raise
 
 
 def register_strategies() -> None:

@@ -16,7 +16,8 @@ The algorithms are Jia et al. 2018 (hierarchical, arXiv:1807.11205) and Mikami e
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -25,45 +26,27 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_fastscale._validation import positive_number
-from lightning_fastscale.strategies.allreduce import TopKErrorFeedback
-from lightning_fastscale.strategies.comm_hooks import HOOKS, HierarchicalHookState
-from lightning_fastscale.strategies.options import (
-    DEFAULT_PIPELINE_CHUNK_MB,
-    check_algorithm,
-    chunk_numel_for,
-    resolve_chunk_mb,
-    wire_torch_dtype,
+from lightning_fastscale.strategies.comm_hooks import HierarchicalHookState
+from lightning_fastscale.strategies.hook_install import install_comm_hook
+from lightning_fastscale.strategies.node_checks import (
+    check_launcher,
+    check_nodes_uniform,
+    configured_topology,
+    gather_node_reports,
 )
-from lightning_fastscale.strategies.planning import CommPlan, CommPlanner, NodeCountPlanner, PlanRequest
-from lightning_fastscale.strategies.topology import Topology, build_process_groups, detect_ranks_per_node
-from lightning_fastscale.strategies.user_hooks import (
-    LeaderHookState,
-    check_user_hook,
-    leader_hook,
-    user_hook_for_one_node,
+from lightning_fastscale.strategies.option_checks import check_strategy_options
+from lightning_fastscale.strategies.options import DEFAULT_PIPELINE_CHUNK_MB, chunk_numel_for
+from lightning_fastscale.strategies.plan_report import hook_name, plan_message, plan_summary
+from lightning_fastscale.strategies.plan_resolution import (
+    explicit_caps_mb,
+    gradient_bytes,
+    resolve_comm_plan,
+    runs_ddp_allreduce,
 )
-
-_MB = 1024 * 1024
-
-def two_segment_caps_mb(module: nn.Module, split: int) -> list[float]:
-    """DDP bucket caps (MB, in gradient-ready order) giving two buckets split before parameter ``split``.
-
-    Jia et al. 2018 fuse all gradients into two segments (ResNet-50 split between tensors 76 and
-    77): the late layers, whose gradients are ready first, go out while backward continues, the
-    rest in one large message. ``split`` indexes ``module.parameters()`` that require grad.
-    """
-    params = [p for p in module.parameters() if p.requires_grad]
-    if not 0 < split < len(params):
-        raise ValueError(
-            f"two_segment_split={split} must lie between 1 and {len(params) - 1} (the model has "
-            f"{len(params)} trainable parameter tensors)."
-        )
-    tail = sum(p.numel() * p.element_size() for p in params[split:])
-    head = sum(p.numel() * p.element_size() for p in params[:split])
-    # DDP closes a bucket once it reaches its cap: the tail bucket ends exactly at the split,
-    # and a cap above the head size keeps the rest in one bucket.
-    return [tail / _MB, (head + tail) / _MB + 1.0]
+from lightning_fastscale.strategies.planning import CommPlanner, PlanRequest
+from lightning_fastscale.strategies.topk_residuals import SavedResiduals, comm_layout, restore_residuals
+from lightning_fastscale.strategies.topology import Topology
+from lightning_fastscale.strategies.user_hooks import UserHook
 
 
 class HierarchicalAllReduceMixin:
@@ -93,41 +76,13 @@ class HierarchicalAllReduceMixin:
         ddp_comm_wrapper: Callable | None = None,
         **kwargs: Any,
     ) -> None:
-        check_algorithm(algorithm, extra=("auto",))
-        wire_torch_dtype(wire_dtype)
-        if planner is not None and not isinstance(planner, CommPlanner):
-            raise TypeError(
-                f"planner={planner!r} has no plan_comm(request) method: pass e.g. "
-                "lightning_fastscale.planner.CostModelPlanner(...) or any CommPlanner."
-            )
-        if compression not in (None, "topk"):
-            raise ValueError(f"compression={compression!r}: choose None or 'topk'.")
-        if compression == "topk" and algorithm == "flat":
-            raise ValueError(
-                "compression='topk' compresses the inter-node stage, which algorithm='flat' does not "
-                "have: use algorithm='hier' or 'torus2d'."
-            )
-        if compression == "topk":
-            TopKErrorFeedback(topk_ratio)  # validates the ratio now, before any process starts
-        if topk_start_iter < 1:
-            raise ValueError(f"topk_start_iter={topk_start_iter} must be >= 1 (DDP rebuilds buckets after iteration 0).")
-        if ranks_per_node is not None and ranks_per_node < 1:
-            raise ValueError(f"ranks_per_node={ranks_per_node} must be >= 1 (or None to detect it).")
-        if bucket_cap_mb is not None:
-            positive_number("bucket_cap_mb", bucket_cap_mb, hint="DDP's bucket size in MB (None: 25)")
-        if sum(x is not None for x in (bucket_cap_mb, fusion_plan, two_segment_split)) > 1:
-            raise ValueError("set only one of bucket_cap_mb, fusion_plan and two_segment_split.")
-        if fusion_plan is not None and (not fusion_plan or min(fusion_plan) <= 0):
-            raise ValueError(f"fusion_plan={list(fusion_plan)}: bucket caps must be a non-empty list of positive MB.")
-        chunk_numel_for(pipeline_chunk_mb)  # validates it before any process starts
-        check_user_hook(ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper, algorithm, wire_dtype, compression)
-        if kwargs.get("model_averaging_period") is not None:
-            raise ValueError(
-                "model_averaging_period= (post-local SGD) replaces the gradient all-reduce by periodic "
-                "model averaging, so there is no gradient all-reduce left to make hierarchical: use "
-                "lightning's DDPStrategy for post-local SGD."
-            )
-        kwargs.pop("model_averaging_period", None)
+        user_hook = UserHook(ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
+        check_strategy_options(
+            algorithm=algorithm, ranks_per_node=ranks_per_node, wire_dtype=wire_dtype, bucket_cap_mb=bucket_cap_mb,
+            fusion_plan=fusion_plan, two_segment_split=two_segment_split, compression=compression,
+            topk_ratio=topk_ratio, topk_start_iter=topk_start_iter, pipeline_chunk_mb=pipeline_chunk_mb,
+            planner=planner, user_hook=user_hook, model_averaging_period=kwargs.pop("model_averaging_period", None),
+        )
         if bucket_cap_mb is not None:
             kwargs["bucket_cap_mb"] = bucket_cap_mb
         super().__init__(**kwargs)
@@ -141,15 +96,13 @@ class HierarchicalAllReduceMixin:
         self.topk_start_iter = topk_start_iter
         self.pipeline_chunk_mb = pipeline_chunk_mb
         self.planner = planner
-        self.user_comm_hook = ddp_comm_hook
-        self.user_comm_state = ddp_comm_state
-        self.user_comm_wrapper = ddp_comm_wrapper
+        self.user_hook = user_hook
         self.topology: Topology | None = None
         self.hook_state: HierarchicalHookState | None = None
         self.resolved_algorithm: str | None = None
         self.plain_ddp_reason: str | None = None
         self._gradient_bytes = 0
-        self._saved_residuals: tuple[str, dict | None] | None = None
+        self._saved_residuals: SavedResiduals | None = None
 
     _front = "Trainer"
     """What the user configures devices and nodes on, for error messages."""
@@ -165,58 +118,36 @@ class HierarchicalAllReduceMixin:
     _timeout: Any
     root_device: torch.device
 
+    def _set_world_ranks_now(self) -> None:
+        """Set the ranks and the environment's world size (each DDP strategy spells this differently)."""
+        raise NotImplementedError
+
+    @override
+    def setup_environment(self) -> None:
+        """Validate the topology before the process group starts, then check the nodes agree."""
+        self._set_world_ranks_now()
+        self.topology = self._resolve_topology()
+        super().setup_environment()  # type: ignore[misc]
+        self._check_nodes_uniform()
+
     def check_topology(self) -> Topology:
         """The topology the Trainer's devices and nodes give with ``ranks_per_node``; no launcher needed.
 
         Callable right after the Trainer is built, before any process starts: raises
         ``ValueError`` naming ``ranks_per_node`` and the devices when they do not divide.
         """
-        world_size = self.num_nodes * self.num_processes
-        try:
-            return Topology.from_world(world_size, self.ranks_per_node or self.num_processes)
-        except ValueError as error:
-            raise ValueError(
-                f"{type(self).__name__}(ranks_per_node={self.ranks_per_node}) with "
-                f"{self._front}(devices={self.num_processes}, num_nodes={self.num_nodes}): {error}"
-            ) from None
+        return configured_topology(type(self).__name__, self._front, self.num_nodes, self.num_processes,
+                                   self.ranks_per_node)
 
     def _resolve_topology(self) -> Topology:
-        world_size = self.num_nodes * self.num_processes
-        launcher = detect_ranks_per_node(self.cluster_environment)
-        if launcher is not None and launcher != self.num_processes:
-            raise ValueError(
-                f"the launcher runs {launcher} ranks per node (LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE) "
-                f"but {self._front}(devices={self.num_processes}): set devices={launcher}."
-            )
-        env_world = self.cluster_environment.world_size() if self.cluster_environment is not None else world_size
-        if env_world != world_size:
-            raise ValueError(
-                f"{self._front}(num_nodes={self.num_nodes}, devices={self.num_processes}) gives {world_size} ranks "
-                f"but the launcher's world size is {env_world}: make num_nodes * devices match it."
-            )
+        check_launcher(self._front, self.num_nodes, self.num_processes, self.cluster_environment)
         return self.check_topology()
 
     def _check_nodes_uniform(self) -> None:
-        # Every node must report the same local size, and ranks must be contiguous per node,
-        # else "intra" groups would span nodes without the user asking for it. One process has
-        # nothing to compare with, and issues no collective.
-        if self.world_size == 1:
-            return
-        mine = (self.global_rank, self.node_rank, detect_ranks_per_node(self.cluster_environment))
-        everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, mine)
-        sizes = {size for _, _, size in everyone}
-        if len(sizes) > 1:
-            raise ValueError(
-                f"nodes report different numbers of ranks per node {sorted(map(str, sizes))}: every node "
-                "must run the same number of processes (torchrun --nproc_per_node / SLURM --ntasks-per-node)."
-            )
-        scattered = [(rank, node) for rank, node, _ in everyone if rank // self.num_processes != node]
-        if scattered:
-            raise ValueError(
-                f"global ranks are not contiguous per node (rank, node) = {scattered[:4]}: launch with "
-                "consecutive ranks per node (torchrun and Lightning do) or pass ranks_per_node explicitly."
-            )
+        # One process has nothing to compare with, and issues no collective.
+        if self.world_size > 1:
+            reports = gather_node_reports(self.global_rank, self.node_rank, self.world_size, self.cluster_environment)
+            check_nodes_uniform(reports, self.num_processes)
 
     def plan_request(self, model: nn.Module, topology: Topology) -> PlanRequest:
         """What this strategy asks its planner: ``model`` on ``topology`` under its wire dtype, top-k and chunking."""
@@ -239,25 +170,14 @@ class HierarchicalAllReduceMixin:
         With ``algorithm="auto"`` and no user hook, a plan that finds plain DDP as good as the
         best sets `plain_ddp_reason`: the flat path then runs as DDP's own all-reduce, no hook.
         """
-        self.plain_ddp_reason = None
-        planner = self.planner
-        if planner is None and self.algorithm == "auto":
-            planner = NodeCountPlanner()
-        plan: CommPlan | None = None
-        if planner is not None:
-            plan = planner.plan_comm(self.plan_request(model, topology))
-            no_user_hook = self.user_comm_hook is None and self.user_comm_wrapper is None
-            if self.algorithm == "auto" and no_user_hook:
-                self.plain_ddp_reason = plan.plain_ddp_reason
-        caps: Sequence[float] | None = None
-        if self.two_segment_split is not None:
-            caps = two_segment_caps_mb(model, self.two_segment_split)
-        elif self.fusion_plan is not None:
-            caps = list(self.fusion_plan)
-        elif plan is not None and self._ddp_kwargs.get("bucket_cap_mb") is None:
-            caps = plan.bucket_caps_mb
-        algorithm = self.algorithm if plan is None or self.algorithm != "auto" else plan.algorithm
-        return algorithm, None if caps is None else list(caps)
+        plan = resolve_comm_plan(
+            self.plan_request(model, topology), self.planner, algorithm=self.algorithm,
+            caps_mb=explicit_caps_mb(model, self.fusion_plan, self.two_segment_split),
+            uniform_cap=self._ddp_kwargs.get("bucket_cap_mb") is not None, user_hook=self.user_hook.given,
+        )
+        self.plain_ddp_reason = plan.plain_ddp_reason
+        caps = plan.bucket_caps_mb
+        return plan.algorithm, None if caps is None else list(caps)
 
     def _plan_ddp(self, model: nn.Module) -> None:
         """Choose the algorithm and the bucket caps (into the DDP kwargs), before DDP wraps ``model``."""
@@ -269,17 +189,16 @@ class HierarchicalAllReduceMixin:
             self.resolved_algorithm = "flat"
         if caps is not None:
             self._ddp_kwargs["bucket_cap_mb_list"] = caps
-        if self.user_comm_hook is not None and self.topology.num_nodes > 1:
-            check_user_hook(self.user_comm_hook, self.user_comm_state, self.user_comm_wrapper,
-                            self.resolved_algorithm, self.wire_dtype, self.compression)
-        self._gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        if self.user_hook.hook is not None and self.topology.num_nodes > 1:
+            self.user_hook.check(self.resolved_algorithm, self.wire_dtype, self.compression)
+        self._gradient_bytes = gradient_bytes(model)
 
     def _install_hook(self, ddp_model: DistributedDataParallel) -> None:
         """Build the node groups and register the communication hook (collective: every rank calls it)."""
         assert self.topology is not None and self.resolved_algorithm is not None
-        if self.user_comm_hook is not None and self.topology.num_nodes == 1:
+        if self.user_hook.hook is not None and self.topology.num_nodes == 1:
             # No inter-node stage: the user's hook is the whole all-reduce, as with plain DDP.
-            user_hook_for_one_node(ddp_model, self.user_comm_hook, self.user_comm_state, self.user_comm_wrapper)
+            self.user_hook.register_alone(ddp_model)
             return
         if self.uses_ddp_allreduce:
             return  # plain_ddp_reason, if set, reaches the log through plan_message
@@ -288,26 +207,31 @@ class HierarchicalAllReduceMixin:
             # process group): there are no peers to build groups with.
             warnings.warn(f"{type(self).__name__}: no process group, so no communication hook was installed")
             return
-        groups = build_process_groups(self.topology, timeout=self._timeout)
-        self.hook_state = HierarchicalHookState(
-            groups=groups,
-            wire_dtype=self.wire_dtype,
-            topk=TopKErrorFeedback(self.topk_ratio) if self.compression == "topk" else None,
-            topk_start_iter=self.topk_start_iter,
+        self.hook_state = install_comm_hook(
+            ddp_model, self.topology, self.resolved_algorithm, wire_dtype=self.wire_dtype,
+            topk_ratio=self.topk_ratio if self.compression == "topk" else None, topk_start_iter=self.topk_start_iter,
             chunk_numel=chunk_numel_for(self.pipeline_chunk_mb, self.topology.num_nodes),
-            algorithm=self.resolved_algorithm,
-            param_index={id(p): i for i, p in enumerate(ddp_model.parameters())},
+            user_hook=self.user_hook, timeout=self._timeout,
         )
-        self._restore_residuals()
-        if self.user_comm_hook is not None:
-            state = LeaderHookState.create(self.hook_state, self.user_comm_hook, self.user_comm_state,
-                                           self.user_comm_wrapper)
-            ddp_model.register_comm_hook(state, leader_hook)
-            return
-        hook = HOOKS[self.resolved_algorithm]
-        if self.user_comm_wrapper is not None:
-            hook = self.user_comm_wrapper(hook)
-        ddp_model.register_comm_hook(self.hook_state, hook)
+        saved, self._saved_residuals = self._saved_residuals, None
+        if saved is not None and self.hook_state.topk is not None:
+            # gloo works on host copies of the buckets (CUDA ones too), so the residuals live there
+            device = torch.device("cpu") if self.hook_state.groups.backend == "gloo" else self.root_device
+            restore_residuals(self.hook_state, saved, self._comm_layout(), self.global_rank, device)
+
+    @contextmanager
+    def _raising_hook_failure(self) -> Iterator[None]:
+        """Re-raise a failed bucket all-reduce as the hook's [`CommHookError`][lightning_fastscale.strategies.CommHookError].
+
+        DDP reports an exception from a hook's future only as a value it cannot cast to a
+        tensor; the hook state keeps the real error (algorithm, stage, bucket, cause).
+        """
+        try:
+            yield
+        except RuntimeError:
+            if self.hook_state is not None:
+                self.hook_state.raise_if_failed()
+            raise
 
     @property
     def uses_ddp_allreduce(self) -> bool:
@@ -320,18 +244,8 @@ class HierarchicalAllReduceMixin:
         (`plain_ddp_reason` says why).
         """
         assert self.topology is not None
-        if self.plain_ddp_reason is not None:
-            return True
-        plain = self.wire_dtype == "fp32" and self.compression is None
-        no_user_hook = self.user_comm_hook is None and self.user_comm_wrapper is None
-        return self.topology.num_nodes == 1 and plain and no_user_hook
-
-    def _algorithm_label(self) -> str | None:
-        if self.user_comm_hook is not None:
-            name = getattr(self.user_comm_hook, "__qualname__", repr(self.user_comm_hook))
-            assert self.topology is not None
-            return name if self.topology.num_nodes == 1 else f"hier (inter-node stage: {name})"
-        return self.resolved_algorithm
+        return runs_ddp_allreduce(self.topology, self.wire_dtype, self.compression, self.user_hook.given,
+                                  self.plain_ddp_reason)
 
     @property
     def comm_hook(self) -> str | None:
@@ -341,12 +255,7 @@ class HierarchicalAllReduceMixin:
         """
         if self.topology is None or self.resolved_algorithm is None:
             return None
-        if self.user_comm_hook is not None:
-            return getattr(self.user_comm_hook, "__qualname__", repr(self.user_comm_hook))
-        if self.uses_ddp_allreduce:
-            return None
-        hook = HOOKS[self.resolved_algorithm]
-        return getattr(hook, "__name__", repr(hook))
+        return hook_name(self.resolved_algorithm, self.user_hook, self.uses_ddp_allreduce)
 
     @property
     def comm_hook_calls(self) -> int:
@@ -360,60 +269,22 @@ class HierarchicalAllReduceMixin:
     def plan_summary(self) -> dict[str, Any]:
         """Topology, algorithm, wire dtype and bucket plan of this run (what rank 0 logs)."""
         assert self.topology is not None
-        caps = self._ddp_kwargs.get("bucket_cap_mb_list") or [self._ddp_kwargs.get("bucket_cap_mb", 25)]
-        why = {} if self.plain_ddp_reason is None else {"strategy/plain_ddp_reason": self.plain_ddp_reason}
-        return {
-            "strategy/algorithm": self._algorithm_label(),
-            "strategy/num_nodes": self.topology.num_nodes,
-            "strategy/ranks_per_node": self.topology.ranks_per_node,
-            "strategy/world_size": self.topology.world_size,
-            "strategy/backend": self.hook_state.groups.backend if self.hook_state else None,
-            "strategy/wire_dtype": self.wire_dtype,
-            "strategy/compression": f"topk:{self.topk_ratio}" if self.compression else "none",
-            "strategy/gradient_mb": round(self._gradient_bytes / _MB, 3),
-            # three significant digits: a cap of a few hundred bytes must not read as 0.0
-            "strategy/bucket_caps_mb": [float(f"{float(c):.3g}") for c in caps],
-            "strategy/pipeline_chunk_mb": resolve_chunk_mb(self.pipeline_chunk_mb, self.topology.num_nodes),
-            "strategy/comm_hook": self.comm_hook or "none (DDP's own all-reduce)",
-            **why,
-        }
+        return plan_summary(
+            topology=self.topology, algorithm=self.resolved_algorithm, user_hook=self.user_hook, hook=self.comm_hook,
+            backend=self.hook_state.groups.backend if self.hook_state else None, wire_dtype=self.wire_dtype,
+            compression=self.compression, topk_ratio=self.topk_ratio, gradient_bytes=self._gradient_bytes,
+            bucket_caps_mb=self._ddp_kwargs.get("bucket_cap_mb_list") or [self._ddp_kwargs.get("bucket_cap_mb", 25)],
+            pipeline_chunk_mb=self.pipeline_chunk_mb, plain_ddp_reason=self.plain_ddp_reason,
+        )
 
     def plan_message(self) -> str:
         """`plan_summary` as one line, for rank-zero info at setup."""
-        return f"{type(self).__name__}: " + ", ".join(
-            f"{key.split('/')[1]}={value}" for key, value in self.plan_summary().items()
-        )
+        return plan_message(type(self).__name__, self.plan_summary())
 
     def _comm_layout(self) -> dict[str, Any]:
         assert self.topology is not None and self.hook_state is not None
-        return {
-            "world_size": self.topology.world_size, "ranks_per_node": self.topology.ranks_per_node,
-            "algorithm": self.resolved_algorithm, "topk_ratio": self.topk_ratio,
-            "chunk_numel": self.hook_state.chunk_numel, "rank": self.global_rank,
-        }
-
-    def _restore_residuals(self) -> None:
-        saved = self._saved_residuals
-        if saved is None or self.hook_state is None or self.hook_state.topk is None:
-            return
-        self._saved_residuals = None
-        path, state = saved
-        if state is None:
-            warnings.warn(f"no top-k residuals for rank {self.global_rank} at {path}: error feedback restarts "
-                          "from zero, so this run will not equal an uninterrupted one.", stacklevel=2)
-            return
-        now, then = self._comm_layout(), state.get("layout", {})
-        differ = {k: (then.get(k), v) for k, v in now.items() if then.get(k) != v}
-        if differ:
-            what = ", ".join(f"{k} {a!r} in the checkpoint vs {b!r} now" for k, (a, b) in differ.items())
-            warnings.warn(f"top-k residuals at {path} belong to another layout ({what}): error feedback restarts "
-                          "from zero.", stacklevel=2)
-            return
-        # gloo works on host copies of the buckets (CUDA ones too), so the residuals live there
-        device = torch.device("cpu") if self.hook_state.groups.backend == "gloo" else self.root_device
-        self.hook_state.topk.errors = {key: t.to(device) for key, t in state["errors"].items()}
-        self.hook_state.topk.restored = set(state["errors"])
-        self.hook_state.iteration = int(state["iteration"])
+        return comm_layout(self.topology, self.resolved_algorithm, self.topk_ratio, self.hook_state.chunk_numel,
+                           self.global_rank)
 
     @override
     def teardown(self) -> None:

@@ -16,6 +16,7 @@ __all__ = [
     "ALGORITHMS",
     "AUTO_CHUNK_MB_PER_NODE",
     "DEFAULT_PIPELINE_CHUNK_MB",
+    "MB",
     "WIRE_DTYPES",
     "check_algorithm",
     "check_algorithms",
@@ -37,6 +38,9 @@ WIRE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.floa
 """``wire_dtype`` name -> the torch dtype gradients are cast to for the inter-node stage.
 
 ``"fp32"`` is full precision: no cast, each gradient crosses in its own dtype."""
+
+MB = 1024 * 1024
+"""Bytes in one "MB" of every ``*_mb`` option: a mebibyte, as DDP's ``bucket_cap_mb`` counts it."""
 
 AUTO_CHUNK_MB_PER_NODE = 2.0
 DEFAULT_PIPELINE_CHUNK_MB = "auto"
@@ -96,4 +100,4 @@ def resolve_chunk_mb(pipeline_chunk_mb: float | str | None, num_nodes: int) -> f
 def chunk_numel_for(pipeline_chunk_mb: float | str | None, num_nodes: int = 1, element_size: int = 4) -> int | None:
     """Elements per pipeline chunk for ``pipeline_chunk_mb`` on ``num_nodes`` nodes (``None``: one piece)."""
     chunk_mb = resolve_chunk_mb(pipeline_chunk_mb, num_nodes)
-    return None if chunk_mb is None else max(1, int(chunk_mb * 1024 * 1024) // element_size)
+    return None if chunk_mb is None else max(1, int(chunk_mb * MB) // element_size)

@@ -30,14 +30,14 @@ What combines and what does not, and why:
 # No ``from __future__ import annotations``: DDP checks the hook's annotations as real objects.
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_fastscale.strategies.comm_hooks import HierarchicalHookState, _fail
+from lightning_fastscale.strategies.comm_hooks import HierarchicalHookState, run_bucket_job
 
 
 def _name(hook: Callable) -> str:
@@ -97,11 +97,43 @@ def check_user_hook(
         )
 
 
-def user_hook_for_one_node(
-    ddp_model: DistributedDataParallel, hook: Callable, state: Any, wrapper: Callable | None
-) -> None:
-    """Register the user's hook as plain DDP would (one node: the hook is the whole all-reduce)."""
-    ddp_model.register_comm_hook(state, wrapper(hook) if wrapper is not None else hook)
+@dataclass(frozen=True)
+class UserHook:
+    """A user's ``ddp_comm_hook``, ``ddp_comm_state`` and ``ddp_comm_wrapper``, each optional.
+
+    Examples:
+        >>> from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        >>> hook = UserHook(default_hooks.fp16_compress_hook)
+        >>> hook.given, hook.name, UserHook().given
+        (True, 'fp16_compress_hook', False)
+    """
+
+    hook: Optional[Callable] = None
+    state: Any = None
+    wrapper: Optional[Callable] = None
+
+    @property
+    def given(self) -> bool:
+        """Whether the user's hook or wrapper takes the place of the strategy's plain hook."""
+        return self.hook is not None or self.wrapper is not None
+
+    @property
+    def name(self) -> Optional[str]:
+        """The hook's qualified name (``None`` without a hook)."""
+        return None if self.hook is None else _name(self.hook)
+
+    def check(self, algorithm: str, wire_dtype: str, compression: Optional[str]) -> None:
+        """[`check_user_hook`][lightning_fastscale.strategies.user_hooks.check_user_hook] against these settings."""
+        check_user_hook(self.hook, self.state, self.wrapper, algorithm, wire_dtype, compression)
+
+    def wrap(self, hook: Callable) -> Callable:
+        """``hook`` inside the user's wrapper, if there is one."""
+        return self.wrapper(hook) if self.wrapper is not None else hook
+
+    def register_alone(self, ddp_model: DistributedDataParallel) -> None:
+        """Register the user's hook as plain DDP would (one node: the hook is the whole all-reduce)."""
+        assert self.hook is not None
+        ddp_model.register_comm_hook(self.state, self.wrap(self.hook))
 
 
 @dataclass
@@ -113,16 +145,16 @@ class LeaderHookState:
     hook_state: Any
 
     @classmethod
-    def create(
-        cls, hierarchy: HierarchicalHookState, hook: Callable, state: Any, wrapper: Callable | None
-    ) -> "LeaderHookState":
-        """Point ``state`` (``None`` or an object with ``process_group=None``) at the node leaders' group."""
+    def create(cls, hierarchy: HierarchicalHookState, user: UserHook) -> "LeaderHookState":
+        """Point the user's state (``None`` or an object with ``process_group=None``) at the node leaders' group."""
+        assert user.hook is not None
         inter = hierarchy.groups.inter
+        state = user.state
         if state is None:
             state = inter
         else:
             state.process_group = inter
-        return cls(hierarchy=hierarchy, hook=wrapper(hook) if wrapper is not None else hook, hook_state=state)
+        return cls(hierarchy=hierarchy, hook=user.wrap(user.hook), hook_state=state)
 
 
 def leader_hook(state: LeaderHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -151,20 +183,8 @@ def leader_hook(state: LeaderHookState, bucket: dist.GradBucket) -> torch.future
         if per_node > 1:
             dist.broadcast(tensor, src=leader, group=groups.intra_out)
 
-    def job(future: torch.futures.Future) -> None:
-        if hierarchy.error is not None:  # the groups are broken: do not wait on them again
-            future.set_exception(hierarchy.error)
-            return
-        try:
-            reduce()
-            future.set_result(tensor)
-        except Exception as error:
-            future.set_exception(_fail(hierarchy, index, error))
+    def work(future: torch.futures.Future) -> None:
+        reduce()
+        future.set_result(tensor)
 
-    if hierarchy.inline:
-        future: torch.futures.Future = (
-            torch.futures.Future(devices=[tensor.device]) if tensor.is_cuda else torch.futures.Future()
-        )
-        job(future)
-        return future
-    return hierarchy.submit(job, tensor.device)
+    return run_bucket_job(hierarchy, tensor, index, work)

@@ -1,0 +1,86 @@
+"""The hierarchical all-reduce strategy's options, checked together before any process starts.
+
+[`check_strategy_options`][lightning_fastscale.strategies.option_checks.check_strategy_options]
+is what the Trainer's and Fabric's strategies run in their constructor: each bad value or bad
+combination is a ``ValueError`` (``TypeError`` for a planner without ``plan_comm``) naming the
+argument and the fix, so a wrong setting fails when the strategy is built, not on the first
+bucket of a multi-node job.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from lightning_fastscale._validation import positive_number
+from lightning_fastscale.strategies.allreduce import TopKErrorFeedback
+from lightning_fastscale.strategies.options import check_algorithm, chunk_numel_for, wire_torch_dtype
+from lightning_fastscale.strategies.planning import CommPlanner
+from lightning_fastscale.strategies.user_hooks import UserHook
+
+
+def check_strategy_options(
+    *,
+    algorithm: str,
+    ranks_per_node: int | None,
+    wire_dtype: str,
+    bucket_cap_mb: float | None,
+    fusion_plan: Sequence[float] | None,
+    two_segment_split: int | None,
+    compression: str | None,
+    topk_ratio: float,
+    topk_start_iter: int,
+    pipeline_chunk_mb: float | str | None,
+    planner: Any,
+    user_hook: UserHook,
+    model_averaging_period: Any = None,
+) -> None:
+    """Raise naming the argument when an option of the strategy, or a combination of them, is invalid.
+
+    ``algorithm`` may be ``"auto"``; the user's hook is checked against it again once the
+    planner has chosen. ``model_averaging_period`` (post-local SGD, a Lightning ``DDPStrategy``
+    argument) is refused: it leaves no gradient all-reduce to make hierarchical.
+
+    Examples:
+        >>> options = dict(algorithm="hier", ranks_per_node=None, wire_dtype="fp16", bucket_cap_mb=None,
+        ...                fusion_plan=None, two_segment_split=None, compression=None, topk_ratio=0.01,
+        ...                topk_start_iter=2, pipeline_chunk_mb="auto", planner=None, user_hook=UserHook())
+        >>> check_strategy_options(**options)
+        >>> check_strategy_options(**{**options, "bucket_cap_mb": 5, "fusion_plan": [1.0]})
+        Traceback (most recent call last):
+        ...
+        ValueError: set only one of bucket_cap_mb, fusion_plan and two_segment_split.
+    """
+    check_algorithm(algorithm, extra=("auto",))
+    wire_torch_dtype(wire_dtype)
+    if planner is not None and not isinstance(planner, CommPlanner):
+        raise TypeError(
+            f"planner={planner!r} has no plan_comm(request) method: pass e.g. "
+            "lightning_fastscale.planner.CostModelPlanner(...) or any CommPlanner."
+        )
+    if compression not in (None, "topk"):
+        raise ValueError(f"compression={compression!r}: choose None or 'topk'.")
+    if compression == "topk" and algorithm == "flat":
+        raise ValueError(
+            "compression='topk' compresses the inter-node stage, which algorithm='flat' does not "
+            "have: use algorithm='hier' or 'torus2d'."
+        )
+    if compression == "topk":
+        TopKErrorFeedback(topk_ratio)  # validates the ratio
+    if topk_start_iter < 1:
+        raise ValueError(f"topk_start_iter={topk_start_iter} must be >= 1 (DDP rebuilds buckets after iteration 0).")
+    if ranks_per_node is not None and ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node={ranks_per_node} must be >= 1 (or None to detect it).")
+    if bucket_cap_mb is not None:
+        positive_number("bucket_cap_mb", bucket_cap_mb, hint="DDP's bucket size in MB (None: 25)")
+    if sum(x is not None for x in (bucket_cap_mb, fusion_plan, two_segment_split)) > 1:
+        raise ValueError("set only one of bucket_cap_mb, fusion_plan and two_segment_split.")
+    if fusion_plan is not None and (not fusion_plan or min(fusion_plan) <= 0):
+        raise ValueError(f"fusion_plan={list(fusion_plan)}: bucket caps must be a non-empty list of positive MB.")
+    chunk_numel_for(pipeline_chunk_mb)  # validates it
+    user_hook.check(algorithm, wire_dtype, compression)
+    if model_averaging_period is not None:
+        raise ValueError(
+            "model_averaging_period= (post-local SGD) replaces the gradient all-reduce by periodic "
+            "model averaging, so there is no gradient all-reduce left to make hierarchical: use "
+            "lightning's DDPStrategy for post-local SGD."
+        )
