@@ -1,0 +1,137 @@
+"""The strategy's pieces alone, without processes: node checks, plan resolution, hook jobs, residuals, report."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from lightning_fastscale.strategies.allreduce import TopKErrorFeedback
+from lightning_fastscale.strategies.comm_hooks import CommHookError, HierarchicalHookState, run_bucket_job
+from lightning_fastscale.strategies.node_checks import check_nodes_uniform
+from lightning_fastscale.strategies.plan_report import algorithm_label, hook_name, plan_message
+from lightning_fastscale.strategies.plan_resolution import resolve_comm_plan, runs_ddp_allreduce
+from lightning_fastscale.strategies.planning import CommPlan, PlanRequest
+from lightning_fastscale.strategies.topk_residuals import comm_layout, residual_state, restore_residuals
+from lightning_fastscale.strategies.topology import ProcessGroups, Topology
+from lightning_fastscale.strategies.user_hooks import UserHook
+
+TWO_BY_TWO = Topology(num_nodes=2, ranks_per_node=2)
+
+
+def _hook_state(inline: bool, topk: TopKErrorFeedback | None = None) -> HierarchicalHookState:
+    # No collective runs here, so the groups themselves are never touched.
+    groups = ProcessGroups(TWO_BY_TWO, rank=1, backend="gloo", intra=None, intra_out=None, inter=None,  # type: ignore[arg-type]
+                           world=None, intra_ranks=[0, 1], inter_ranks=[1, 3])  # type: ignore[arg-type]
+    return HierarchicalHookState(groups=groups, algorithm="hier", inline=inline, topk=topk)
+
+
+def test_nodes_with_different_sizes_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"different numbers of ranks per node \['2', '3'\]"):
+        check_nodes_uniform([(0, 0, 2), (1, 0, 2), (2, 1, 3), (3, 1, 3)], devices=2)
+
+
+class _Planner:
+    def __init__(self, plan: CommPlan) -> None:
+        self.plan, self.requests = plan, []
+
+    def plan_comm(self, request: PlanRequest) -> CommPlan:
+        self.requests.append(request)
+        return self.plan
+
+
+def test_explicit_settings_win_over_the_plan() -> None:
+    request = PlanRequest(nn.Linear(2, 2), TWO_BY_TWO)
+    planner = _Planner(CommPlan("torus2d", (2.0, 30.0), plain_ddp_reason="cheap"))
+    assert resolve_comm_plan(request, planner, algorithm="auto") == CommPlan("torus2d", (2.0, 30.0), "cheap")
+    assert resolve_comm_plan(request, planner, algorithm="hier") == CommPlan("hier", (2.0, 30.0))
+    assert resolve_comm_plan(request, planner, algorithm="auto", caps_mb=[1.0]) == CommPlan("torus2d", (1.0,), "cheap")
+    assert resolve_comm_plan(request, planner, algorithm="auto", uniform_cap=True).bucket_caps_mb is None
+    # A user hook takes the place of the plain path, so plain DDP is never chosen for it.
+    assert resolve_comm_plan(request, planner, algorithm="auto", user_hook=True).plain_ddp_reason is None
+    assert len(planner.requests) == 5  # asked once per resolution
+    assert resolve_comm_plan(request, None, algorithm="torus2d") == CommPlan("torus2d")
+
+
+def test_ddp_allreduce_only_where_nothing_needs_a_hook() -> None:
+    one = Topology(1, 4)
+    assert runs_ddp_allreduce(one, "fp32", None, False, None)
+    assert not runs_ddp_allreduce(one, "fp32", "topk", False, None)
+    assert not runs_ddp_allreduce(one, "fp32", None, True, None)
+    assert not runs_ddp_allreduce(TWO_BY_TWO, "fp32", None, False, None)
+    assert runs_ddp_allreduce(TWO_BY_TWO, "fp16", None, False, "plain DDP within 5%")
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_a_failed_bucket_fails_the_later_ones_without_running_them(inline: bool) -> None:
+    state = _hook_state(inline)
+    tensor, ran = torch.ones(4), []
+
+    def fails(future: torch.futures.Future) -> None:
+        ran.append("first")
+        raise RuntimeError("peer gone")
+
+    def would_run(future: torch.futures.Future) -> None:
+        ran.append("second")
+        future.set_result(tensor)
+
+    try:
+        with pytest.raises(CommHookError, match="hier all-reduce of DDP bucket 3 failed on rank 1 in stage 'hook'"):
+            run_bucket_job(state, tensor, 3, fails).wait()
+        with pytest.raises(CommHookError, match="bucket 3"):
+            run_bucket_job(state, tensor, 4, would_run).wait()
+        assert ran == ["first"] and isinstance(state.error.__cause__, RuntimeError)
+    finally:
+        state.close()
+
+
+def test_a_good_bucket_completes_with_its_tensor() -> None:
+    state = _hook_state(inline=False)
+    tensor = torch.ones(3)
+    try:
+        assert run_bucket_job(state, tensor, 0, lambda future: future.set_result(tensor.mul_(2))).wait() is tensor
+        assert state.error is None and tensor.tolist() == [2.0, 2.0, 2.0]
+    finally:
+        state.close()
+
+
+def test_residuals_restore_only_on_their_layout() -> None:
+    saved = _hook_state(inline=True, topk=TopKErrorFeedback(0.5))
+    saved.topk.errors = {(0, 1): torch.tensor([0.25, -1.0])}
+    saved.iteration = 7
+    layout = comm_layout(TWO_BY_TWO, "hier", 0.5, None, rank=1)
+    content = residual_state(saved, layout)
+
+    resumed = _hook_state(inline=True, topk=TopKErrorFeedback(0.5))
+    restore_residuals(resumed, ("r1", content), layout, 1, torch.device("cpu"))
+    assert resumed.iteration == 7 and resumed.topk.restored == {(0, 1)}
+    assert torch.equal(resumed.topk.errors[(0, 1)], torch.tensor([0.25, -1.0]))
+
+    other = _hook_state(inline=True, topk=TopKErrorFeedback(0.5))
+    with pytest.warns(UserWarning, match="algorithm 'hier' in the checkpoint vs 'torus2d' now"):
+        restore_residuals(other, ("r1", content), {**layout, "algorithm": "torus2d"}, 1, torch.device("cpu"))
+    with pytest.warns(UserWarning, match="no top-k residuals for rank 1 at r1"):
+        restore_residuals(other, ("r1", None), layout, 1, torch.device("cpu"))
+    assert other.iteration == 0 and other.topk.errors == {}
+
+
+def test_report_names_the_users_hook_and_where_it_runs() -> None:
+    user = UserHook(default_hooks.fp16_compress_hook)
+    assert hook_name("hier", user, ddp_allreduce=False) == "fp16_compress_hook"
+    assert algorithm_label("hier", user, num_nodes=2) == "hier (inter-node stage: fp16_compress_hook)"
+    assert algorithm_label("flat", user, num_nodes=1) == "fp16_compress_hook"
+    assert plan_message("S", {"strategy/a": 1, "strategy/b": [2.0]}) == "S: a=1, b=[2.0]"
+
+
+def test_user_hook_registers_inside_its_wrapper() -> None:
+    class _DDP:
+        def register_comm_hook(self, state, hook) -> None:
+            self.registered = (state, hook)
+
+    def wrapper(hook):
+        return ("wrapped", hook)
+
+    ddp = _DDP()
+    UserHook(default_hooks.fp16_compress_hook, "state", wrapper).register_alone(ddp)  # type: ignore[arg-type]
+    assert ddp.registered == ("state", ("wrapped", default_hooks.fp16_compress_hook))
+    assert UserHook(wrapper=wrapper).given and not UserHook().given
