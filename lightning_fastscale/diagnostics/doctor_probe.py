@@ -71,7 +71,7 @@ def measure_allreduce(
     """
     from lightning_fastscale.planner.baseline import compare_algorithms
     from lightning_fastscale.planner.calibrate import _on_cuda, _time, calibrate_process_groups, measure_flat_allreduce
-    from lightning_fastscale.strategies.allreduce import flat_allreduce_, hierarchical_allreduce_, torus2d_allreduce_
+    from lightning_fastscale.strategies.allreduce import ALLREDUCE_FUNCTIONS
     from lightning_fastscale.strategies.options import DEFAULT_PIPELINE_CHUNK_MB, chunk_numel_for
     from lightning_fastscale.strategies.topology import Topology, build_process_groups
 
@@ -90,9 +90,8 @@ def measure_allreduce(
         results = {FLAT: flat.seconds[-1]}
         tensor = torch.ones(numel, device=device)
         chunk = chunk_numel_for(DEFAULT_PIPELINE_CHUNK_MB, num_nodes)
-        algorithms: dict[str, Callable[..., Any]] = {"flat": flat_allreduce_}
-        if num_nodes > 1:
-            algorithms.update(hier=hierarchical_allreduce_, torus2d=torus2d_allreduce_)
+        # On one node every algorithm is the flat all-reduce: only that one is timed.
+        algorithms = {name: fn for name, fn in ALLREDUCE_FUNCTIONS.items() if num_nodes > 1 or name == "flat"}
         for name, fn in algorithms.items():
             for wire in wire_dtypes:
                 label = f"{name}/{wire}"
