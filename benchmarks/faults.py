@@ -33,7 +33,6 @@ import argparse
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.fault_helpers import RECIPE_RUN  # noqa: E402  (the job the fault tests run)
+from lightning_fastscale.emulation.faults import free_port  # noqa: E402
 
 RUN = RECIPE_RUN
 SIGNAL_STEP = 9  # epoch 1 (after the ramp doubled the batch), its second of four steps
@@ -66,19 +66,13 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(run_dir: Path, *extra: str, torchrun: bool = False, run: list[str] | None = None,
            env: dict[str, str] | None = None) -> subprocess.Popen:
     steps = ["+callbacks.step_log._target_=benchmarks.fault_helpers.StepLog", f"+callbacks.step_log.folder={run_dir}/steps"]
     train = ["-m", "lightning_fastscale.train", *(RUN if run is None else run), f"hydra.run.dir={run_dir}", *steps, *extra]
     if torchrun:
         launcher = ["-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-                    "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}"]
+                    "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
         cmd = [sys.executable, *launcher, *train]
     else:
         cmd = [sys.executable, *train]

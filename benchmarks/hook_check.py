@@ -11,22 +11,17 @@ check, skipped cleanly where CUDA is not available.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 
+from lightning_fastscale.emulation.faults import free_port
+
 # Relative error of the final weights against plain DDP: fp32 differs only in summation order;
 # a 16-bit wire rounds every step's gradient (2^-11 for fp16).
 TOLERANCE = {"fp32": 1e-5, "fp16": 5e-3, "bf16": 3e-2}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _train(rank: int, world_size: int, device: str, hook: Any, state: Any, steps: int) -> torch.Tensor:
@@ -113,7 +108,7 @@ def check_hooks(
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     procs = mp.start_processes(
-        _rank_entry, args=(world_size, _free_port(), device, ranks_per_node, list(cases), steps, results),
+        _rank_entry, args=(world_size, free_port(), device, ranks_per_node, list(cases), steps, results),
         nprocs=world_size, join=False, start_method="spawn",
     )
     import time

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -12,12 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from lightning_fastscale.emulation.faults import free_port
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:

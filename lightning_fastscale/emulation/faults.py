@@ -80,7 +80,8 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (for a rendezvous on this machine)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -124,7 +125,7 @@ def run_fault_scenario(
         cfg = dict(strategy=strategy, fault=fault, timeout_s=timeout_s, world_size=world_size,
                    ranks_per_node=ranks_per_node, fault_rank=fault_rank, fault_step=fault_step, out=str(out),
                    startup_s=startup_s)
-        port = _free_port()
+        port = free_port()
         procs: list[subprocess.Popen] = []
         logs = []
         try:
