@@ -7,14 +7,19 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from lightning_fastscale.strategies.allreduce import TopKErrorFeedback
-from lightning_fastscale.strategies.comm_hooks import CommHookError, HierarchicalHookState, run_bucket_job
+from lightning_fastscale.strategies.comm_hooks import (
+    CommHookError,
+    HierarchicalHookState,
+    hierarchical_hook,
+    run_bucket_job,
+)
 from lightning_fastscale.strategies.node_checks import check_nodes_uniform
 from lightning_fastscale.strategies.plan_report import algorithm_label, hook_name, plan_message
 from lightning_fastscale.strategies.plan_resolution import resolve_comm_plan, runs_ddp_allreduce
 from lightning_fastscale.strategies.planning import CommPlan, PlanRequest
 from lightning_fastscale.strategies.topk_residuals import comm_layout, residual_state, restore_residuals
 from lightning_fastscale.strategies.topology import ProcessGroups, Topology
-from lightning_fastscale.strategies.user_hooks import UserHook
+from lightning_fastscale.strategies.user_hooks import UserHook, leader_hook
 
 TWO_BY_TWO = Topology(num_nodes=2, ranks_per_node=2)
 
@@ -123,15 +128,29 @@ def test_report_names_the_users_hook_and_where_it_runs() -> None:
     assert plan_message("S", {"strategy/a": 1, "strategy/b": [2.0]}) == "S: a=1, b=[2.0]"
 
 
+class _DDP:
+    def register_comm_hook(self, state, hook) -> None:
+        self.registered = (state, hook)
+
+
+def _wrapper(hook):
+    return ("wrapped", hook)
+
+
 def test_user_hook_registers_inside_its_wrapper() -> None:
-    class _DDP:
-        def register_comm_hook(self, state, hook) -> None:
-            self.registered = (state, hook)
-
-    def wrapper(hook):
-        return ("wrapped", hook)
-
     ddp = _DDP()
-    UserHook(default_hooks.fp16_compress_hook, "state", wrapper).register_alone(ddp)  # type: ignore[arg-type]
+    UserHook(default_hooks.fp16_compress_hook, "state", _wrapper).register_alone(ddp)  # type: ignore[arg-type]
     assert ddp.registered == ("state", ("wrapped", default_hooks.fp16_compress_hook))
-    assert UserHook(wrapper=wrapper).given and not UserHook().given
+    assert UserHook(wrapper=_wrapper).given and not UserHook().given
+
+
+def test_registered_hook_is_the_strategys_or_the_users_among_leaders() -> None:
+    state, ddp = _hook_state(inline=True), _DDP()
+    UserHook().register(ddp, state)  # type: ignore[arg-type]
+    assert ddp.registered == (state, hierarchical_hook)
+    UserHook(wrapper=_wrapper).register(ddp, state)  # type: ignore[arg-type]
+    assert ddp.registered == (state, ("wrapped", hierarchical_hook))
+    UserHook(default_hooks.fp16_compress_hook).register(ddp, state)  # type: ignore[arg-type]
+    leader_state, hook = ddp.registered
+    assert hook is leader_hook and leader_state.hierarchy is state
+    assert leader_state.hook is default_hooks.fp16_compress_hook and leader_state.hook_state is state.groups.inter

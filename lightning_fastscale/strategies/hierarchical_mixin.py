@@ -7,7 +7,7 @@ the options and the run's state and calls, in order, one module per concern: `op
 (the options, before any process starts), `node_checks` (devices and nodes against the
 launcher, every node holding the same contiguous ranks), `plan_resolution` (its planner's
 answer, [`planning`][lightning_fastscale.strategies.planning], under the explicit settings),
-`hook_install` (the node groups and the hook, with a user's hook from `user_hooks`),
+`topology` and `user_hooks` (the node groups, and the hook: the strategy's own or a user's),
 `topk_residuals` (top-k state across a resume) and `plan_report` (what is logged); it releases
 the groups at teardown. It relies only on what both DDP strategies share (``num_nodes``,
 ``num_processes``, ``cluster_environment``, ``global_rank``, ``node_rank``, ``world_size``,
@@ -28,8 +28,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_fastscale.strategies.allreduce import TopKErrorFeedback
 from lightning_fastscale.strategies.comm_hooks import HierarchicalHookState
-from lightning_fastscale.strategies.hook_install import install_comm_hook
 from lightning_fastscale.strategies.node_checks import (
     check_launcher,
     check_nodes_uniform,
@@ -47,7 +47,7 @@ from lightning_fastscale.strategies.plan_resolution import (
 )
 from lightning_fastscale.strategies.planning import CommPlanner, PlanRequest
 from lightning_fastscale.strategies.topk_residuals import SavedResiduals, comm_layout, restore_residuals
-from lightning_fastscale.strategies.topology import Topology
+from lightning_fastscale.strategies.topology import Topology, build_process_groups
 from lightning_fastscale.strategies.user_hooks import UserHook
 
 
@@ -209,12 +209,16 @@ class HierarchicalAllReduceMixin:
             # process group): there are no peers to build groups with.
             warnings.warn(f"{type(self).__name__}: no process group, so no communication hook was installed")
             return
-        self.hook_state = install_comm_hook(
-            ddp_model, self.topology, self.resolved_algorithm, wire_dtype=self.wire_dtype,
-            topk_ratio=self.topk_ratio if self.compression == "topk" else None, topk_start_iter=self.topk_start_iter,
+        self.hook_state = HierarchicalHookState(
+            groups=build_process_groups(self.topology, timeout=self._timeout),
+            wire_dtype=self.wire_dtype,
+            topk=TopKErrorFeedback(self.topk_ratio) if self.compression == "topk" else None,
+            topk_start_iter=self.topk_start_iter,
             chunk_numel=chunk_numel_for(self.pipeline_chunk_mb, self.topology.num_nodes),
-            user_hook=self.user_hook, timeout=self._timeout,
+            algorithm=self.resolved_algorithm,
+            param_index={id(p): i for i, p in enumerate(ddp_model.parameters())},
         )
+        self.user_hook.register(ddp_model, self.hook_state)
         saved, self._saved_residuals = self._saved_residuals, None
         if saved is not None and self.hook_state.topk is not None:
             # gloo works on host copies of the buckets (CUDA ones too), so the residuals live there

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_fastscale.strategies.comm_hooks import HierarchicalHookState, run_bucket_job
+from lightning_fastscale.strategies.comm_hooks import HOOKS, HierarchicalHookState, run_bucket_job
 
 
 def _name(hook: Callable) -> str:
@@ -134,6 +134,17 @@ class UserHook:
         """Register the user's hook as plain DDP would (one node: the hook is the whole all-reduce)."""
         assert self.hook is not None
         ddp_model.register_comm_hook(self.state, self.wrap(self.hook))
+
+    def register(self, ddp_model: DistributedDataParallel, hierarchy: HierarchicalHookState) -> None:
+        """Register the hook ``ddp_model`` runs with the strategy's ``hierarchy`` state.
+
+        With a user's hook: `leader_hook`, the hook as the inter-node stage. Otherwise the
+        strategy's hook for ``hierarchy.algorithm`` (`comm_hooks.HOOKS`), inside the wrapper if given.
+        """
+        if self.hook is not None:
+            ddp_model.register_comm_hook(LeaderHookState.create(hierarchy, self), leader_hook)
+        else:
+            ddp_model.register_comm_hook(hierarchy, self.wrap(HOOKS[hierarchy.algorithm]))
 
 
 @dataclass
