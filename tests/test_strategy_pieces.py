@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from lightning_fastscale.strategies.allreduce import TopKErrorFeedback
@@ -15,8 +14,7 @@ from lightning_fastscale.strategies.comm_hooks import (
 )
 from lightning_fastscale.strategies.node_checks import check_nodes_uniform
 from lightning_fastscale.strategies.plan_report import algorithm_label, hook_name, plan_message
-from lightning_fastscale.strategies.plan_resolution import resolve_comm_plan, runs_ddp_allreduce
-from lightning_fastscale.strategies.planning import CommPlan, PlanRequest
+from lightning_fastscale.strategies.plan_resolution import runs_ddp_allreduce
 from lightning_fastscale.strategies.topk_residuals import comm_layout, residual_state, restore_residuals
 from lightning_fastscale.strategies.topology import ProcessGroups, Topology
 from lightning_fastscale.strategies.user_hooks import UserHook, leader_hook
@@ -34,28 +32,6 @@ def _hook_state(inline: bool, topk: TopKErrorFeedback | None = None) -> Hierarch
 def test_nodes_with_different_sizes_are_refused() -> None:
     with pytest.raises(ValueError, match=r"different numbers of ranks per node \['2', '3'\]"):
         check_nodes_uniform([(0, 0, 2), (1, 0, 2), (2, 1, 3), (3, 1, 3)], devices=2)
-
-
-class _Planner:
-    def __init__(self, plan: CommPlan) -> None:
-        self.plan, self.requests = plan, []
-
-    def plan_comm(self, request: PlanRequest) -> CommPlan:
-        self.requests.append(request)
-        return self.plan
-
-
-def test_explicit_settings_win_over_the_plan() -> None:
-    request = PlanRequest(nn.Linear(2, 2), TWO_BY_TWO)
-    planner = _Planner(CommPlan("torus2d", (2.0, 30.0), plain_ddp_reason="cheap"))
-    assert resolve_comm_plan(request, planner, algorithm="auto") == CommPlan("torus2d", (2.0, 30.0), "cheap")
-    assert resolve_comm_plan(request, planner, algorithm="hier") == CommPlan("hier", (2.0, 30.0))
-    assert resolve_comm_plan(request, planner, algorithm="auto", caps_mb=[1.0]) == CommPlan("torus2d", (1.0,), "cheap")
-    assert resolve_comm_plan(request, planner, algorithm="auto", uniform_cap=True).bucket_caps_mb is None
-    # A user hook takes the place of the plain path, so plain DDP is never chosen for it.
-    assert resolve_comm_plan(request, planner, algorithm="auto", user_hook=True).plain_ddp_reason is None
-    assert len(planner.requests) == 5  # asked once per resolution
-    assert resolve_comm_plan(request, None, algorithm="torus2d") == CommPlan("torus2d")
 
 
 def test_ddp_allreduce_only_where_nothing_needs_a_hook() -> None:

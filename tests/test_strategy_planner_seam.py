@@ -5,6 +5,7 @@ from torch import nn
 
 from lightning_fastscale.planner import CommParams, CostModelPlanner
 from lightning_fastscale.strategies import CommPlan, HierarchicalAllReduceStrategy, PlanRequest, Topology
+from lightning_fastscale.strategies.plan_resolution import resolve_comm_plan
 
 TWO_BY_FOUR = Topology(num_nodes=2, ranks_per_node=4)
 # In-node links 100x faster than the node link unless said otherwise; 1 ms messages across nodes.
@@ -90,3 +91,16 @@ def test_any_comm_planner_plugs_in_and_is_asked_once() -> None:
         HierarchicalAllReduceStrategy(algorithm="auto", planner=lambda module, topology: "hier")
     with pytest.raises(ValueError, match="choose one of"):
         CommPlan("ring")
+
+
+def test_resolution_alone_overlays_the_explicit_settings_on_the_plan() -> None:
+    request = PlanRequest(nn.Linear(2, 2), TWO_BY_FOUR)
+    planner = _Recorder(CommPlan("torus2d", (2.0, 30.0), plain_ddp_reason="cheap"))
+    assert resolve_comm_plan(request, planner, algorithm="auto") == CommPlan("torus2d", (2.0, 30.0), "cheap")
+    assert resolve_comm_plan(request, planner, algorithm="hier") == CommPlan("hier", (2.0, 30.0))
+    assert resolve_comm_plan(request, planner, algorithm="auto", caps_mb=[1.0]) == CommPlan("torus2d", (1.0,), "cheap")
+    assert resolve_comm_plan(request, planner, algorithm="auto", uniform_cap=True).bucket_caps_mb is None
+    # A user hook takes the place of the plain path, so plain DDP is never chosen for it.
+    assert resolve_comm_plan(request, planner, algorithm="auto", user_hook=True).plain_ddp_reason is None
+    assert len(planner.requests) == 5  # asked once per resolution
+    assert resolve_comm_plan(request, None, algorithm="torus2d") == CommPlan("torus2d")
