@@ -53,7 +53,7 @@ from lightning_fastscale.emulation.collectives import measure_allreduce  # noqa:
 from lightning_fastscale.emulation.netns_cluster import EmulatedCluster  # noqa: E402
 from lightning_fastscale.planner.calibrate import DEFAULT_SIZES  # noqa: E402
 from lightning_fastscale.planner.cost_model import CommParams  # noqa: E402
-from lightning_fastscale.strategies.options import ALGORITHMS, chunk_numel_for  # noqa: E402
+from lightning_fastscale.strategies.options import ALGORITHMS, WIRE_DTYPES, chunk_numel_for  # noqa: E402
 
 CHUNK_MB = 4.0  # the strategy's "auto" chunk on 2 nodes; kept fixed across configs so runs compare
 _PORT = 29511
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=5, help="interleaved rounds (5: the paired sign test's 3 %%)")
     parser.add_argument("--chunk-mb", type=float, default=CHUNK_MB,
                         help="pipeline chunk in MiB whose chunk counts are measured (0: unchunked only)")
-    parser.add_argument("--wire-dtype", choices=["fp32", "fp16", "bf16"], default="fp32",
+    parser.add_argument("--wire-dtype", choices=list(WIRE_DTYPES), default="fp32",
                         help="wire_dtype of the measured algorithms (cast on the inter-node stage)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     parser.add_argument("--from-json", help="measure nothing: re-predict the rows of an earlier --json file "

@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_fastscale.models import create_model
 from lightning_fastscale.strategies import HierarchicalAllReduceStrategy
+from lightning_fastscale.strategies.options import WIRE_DTYPES
 
 
 class _Classifier(pl.LightningModule):
@@ -108,7 +109,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--ranks-per-node", type=int, default=None, help="default: all devices form one node")
     parser.add_argument("--strategies", nargs="+", default=["ddp", "hier_ring", "hier_torus"])
-    parser.add_argument("--wire-dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
+    parser.add_argument("--wire-dtype", default="fp32", choices=list(WIRE_DTYPES))
     parser.add_argument("--model", default="resnet_small")
     parser.add_argument("--resolution", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
