@@ -35,14 +35,14 @@ def _batch_size(device: torch.device) -> int | None:
     return _CPU_SLICE if device.type == "cpu" else None
 
 
-def _slices(columns: Sequence[Sequence[Tensor | None]], size: int) -> Iterator[tuple[int, list[Any]]]:
-    """Matching slices of at most ``size`` values of equally shaped tensors, one row per index,
-    with the index (a strided tensor is one slice; None stays None)."""
+def _slices(columns: Sequence[Sequence[Tensor]], size: int) -> Iterator[tuple[int, list[Tensor]]]:
+    """Matching slices of at most ``size`` values of equally shaped tensors, with the index of
+    the tensors they came from (a strided tensor is one slice)."""
     for i, row in enumerate(zip(*columns)):
-        if all(t is None or t.is_contiguous() for t in row):
-            flat = [None if t is None else t.view(-1) for t in row]
+        if all(t.is_contiguous() for t in row):
+            flat = [t.view(-1) for t in row]
             for s in range(0, row[0].numel(), size):
-                yield i, [None if f is None else f[s : s + size] for f in flat]
+                yield i, [f[s : s + size] for f in flat]
         else:
             yield i, list(row)
 
@@ -62,21 +62,6 @@ def foreach_norms(tensors: Sequence[Tensor]) -> Tensor:
     return torch.stack(torch._foreach_norm(list(tensors), 2, dtype=torch.float32 if half else None))
 
 
-def trust_ratios(
-    params: Sequence[Tensor], g_norms: Tensor, *, lr: float, weight_decay: float, eta: float, eps: float,
-    trust_clip: bool, adapt: Sequence[bool] | Tensor,
-) -> list[float]:
-    """Per-tensor ratios (1 where not ``adapt``), in one stacked fp32 tensor copied to the host once."""
-    w_norms = foreach_norms(params)
-    g_norms = g_norms.to(w_norms.dtype)
-    adapt = torch.as_tensor(adapt, dtype=torch.bool, device=w_norms.device)
-    ratio = eta * w_norms / (g_norms + weight_decay * w_norms + eps)
-    ratio = torch.where(adapt & (w_norms > 0) & (g_norms > 0), ratio, 1.0)
-    if trust_clip:  # clipping is part of LARS: parameters it does not adapt keep ratio 1
-        ratio = torch.where(adapt, (ratio / lr).clamp(max=1.0), ratio)
-    return ratio.tolist()
-
-
 @torch.no_grad()
 def lars_update_(
     params: list[Tensor], grads: list[Tensor], bufs: list[Tensor | None] | None, *, lr: float,
@@ -84,17 +69,23 @@ def lars_update_(
     momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False, in_place: bool = True,
     g_norms: Tensor | None = None,
 ) -> list[float]:
-    """``g' = r * (g + wd * w)``, then, given ``bufs``, torch SGD's update on ``g'`` (weight
-    decay 0; new momentum buffers are stored in ``bufs``). Returns the ratios.
+    """``g' = r * (g + wd * w)`` with the ratios ``r`` (1 where not ``adapt``), then, given
+    ``bufs``, torch SGD's update on ``g'`` (weight decay 0; new momentum buffers are stored in
+    ``bufs``). Returns the ratios.
 
     ``in_place``: ``g'`` (and, as in torch SGD, nesterov's ``g' + m * buf``) is written into
     ``grads``; else the gradients stay as they were. ``g_norms``: their stacked norms if known.
     """
     if not params:
         return []
-    g_norms = foreach_norms(grads) if g_norms is None else g_norms
-    r = trust_ratios(params, g_norms, lr=lr, weight_decay=weight_decay, eta=eta, eps=eps, trust_clip=trust_clip,
-                     adapt=adapt)
+    w_norms = foreach_norms(params)
+    g_norms = (foreach_norms(grads) if g_norms is None else g_norms).to(w_norms.dtype)
+    adapt = torch.as_tensor(adapt, dtype=torch.bool, device=w_norms.device)
+    ratio = eta * w_norms / (g_norms + weight_decay * w_norms + eps)
+    ratio = torch.where(adapt & (w_norms > 0) & (g_norms > 0), ratio, 1.0)
+    if trust_clip:  # clipping is part of LARS: parameters it does not adapt keep ratio 1
+        ratio = torch.where(adapt, (ratio / lr).clamp(max=1.0), ratio)
+    r = ratio.tolist()  # one copy to the host
     size = _batch_size(params[0].device)
     if size is None:
         if in_place:
@@ -111,12 +102,13 @@ def lars_update_(
             sgd(params, e, bufs, foreach=True, weight_decay=0.0, momentum=momentum, lr=lr, dampening=dampening,
                 nesterov=nesterov, maximize=False)
         return r
+    # CPU: each slice's operations in a row, on a cache-sized scratch unless in place
+    momentum = momentum if bufs is not None else 0.0
     fresh = [b is None for b in bufs or ()]
-    if bufs is not None and momentum:
-        bufs[:] = [torch.empty_like(p) if b is None else b for p, b in zip(params, bufs)]
+    if momentum:
+        bufs[:] = [torch.empty_like(p) if b is None else b for p, b in zip(params, bufs)]  # type: ignore[index]
     scratch = None if in_place else torch.empty(size, dtype=grads[0].dtype, device=grads[0].device)
-    for i, (p, g, b) in _slices([params, grads, bufs if bufs is not None and momentum else [None] * len(params)],
-                                size):
+    for i, (p, g, *b) in _slices([params, grads, bufs] if momentum else [params, grads], size):  # type: ignore[list-item]
         if in_place:
             out = g
         elif g.numel() <= size and g.dtype == scratch.dtype:  # type: ignore[union-attr]
@@ -130,16 +122,16 @@ def lars_update_(
             torch.mul(g, r[i], out=out)
         if bufs is None:
             continue
-        if b is not None:
+        if momentum:
             if fresh[i]:
-                b.copy_(out)  # torch SGD starts a buffer from the first gradient, undampened
+                b[0].copy_(out)  # torch SGD starts a buffer from the first gradient, undampened
             elif dampening:
-                b.mul_(momentum).add_(out, alpha=1.0 - dampening)
+                b[0].mul_(momentum).add_(out, alpha=1.0 - dampening)
             else:
-                torch.add(out, b, alpha=momentum, out=b)  # buf <- g' + m * buf in one pass
+                torch.add(out, b[0], alpha=momentum, out=b[0])  # buf <- g' + m * buf in one pass
             if nesterov:
-                out.add_(b, alpha=momentum)
-        p.add_(out if b is None or nesterov else b, alpha=-lr)
+                out.add_(b[0], alpha=momentum)
+        p.add_(b[0] if momentum and not nesterov else out, alpha=-lr)
     return r
 
 
@@ -163,16 +155,13 @@ def lars_rescale_(
 class LARS(torch.optim.Optimizer):
     """Momentum SGD with LARS layer-wise learning rates (You et al. 2017), for plain PyTorch.
 
-    ``torch.optim.SGD`` on the gradient ``r * (g + wd * w)``, with SGD's state layout
-    (``momentum_buffer``); the gradients are left as they were. Given bare parameters, those
-    with ``ndim <= 1`` (bias, norm affine) are not adapted but still decayed, as by SGD;
-    [`from_module`][lightning_fastscale.precision.LARS.from_module] applies the full rule of
-    [`lightning_fastscale.param_groups`][lightning_fastscale.param_groups] and gives the excluded
-    parameters neither LARS nor weight decay (Jia et al. 2018). A group with ``lars=False`` is
-    plain SGD. Under Lightning, prefer
-    [`LARSMixedPrecision`][lightning_fastscale.precision.LARSMixedPrecision] (loss scaling,
-    non-finite skip). Same trajectory as ``timm.optim.Lars(trust_coeff=eta)`` with the excluded
-    parameters in a group of weight decay 0 and ``always_adapt=True`` on the others.
+    ``torch.optim.SGD`` on the gradient ``r * (g + wd * w)``, with SGD's state layout; the
+    gradients are left as they were. A group with ``lars=False`` is plain SGD, and parameters
+    with ``ndim <= 1`` are not adapted (but decayed, as by SGD);
+    [`from_module`][lightning_fastscale.precision.LARS.from_module] gives the bias/norm
+    parameters neither LARS nor weight decay (Jia et al. 2018). The trajectory of
+    ``timm.optim.Lars(trust_coeff=eta, always_adapt=True)`` on the adapted group. Under
+    Lightning, prefer [`LARSMixedPrecision`][lightning_fastscale.precision.LARSMixedPrecision].
 
     Args:
         params: parameters or parameter groups.

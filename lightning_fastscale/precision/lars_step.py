@@ -24,7 +24,7 @@ from .lars import LARS, check_lars_options, foreach_norms, lars_update_
 
 log = logging.getLogger(__name__)
 
-PRECISIONS = ("16-mixed", "bf16-mixed", "32-true")
+_PRECISIONS = ("16-mixed", "bf16-mixed", "32-true")
 _ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
 
 
@@ -36,8 +36,6 @@ class LARSStepMixin:
         skipped_steps: steps skipped for non-finite gradients, in total (saved in checkpoints).
         consecutive_skipped_steps: steps skipped in a row up to now (0 after an applied step).
         last_step_skipped: whether the most recent step was skipped.
-        first_nonfinite_parameter: the first parameter (optimizer order) whose gradient was
-            non-finite at the last skipped step; None if this rank's were finite.
     """
 
     precision: str
@@ -49,8 +47,8 @@ class LARSStepMixin:
     ) -> None:
         name = type(self).__name__
         precision = _ALIASES.get(str(precision), str(precision))
-        if precision not in PRECISIONS:
-            raise ValueError(f"{name}(precision={precision!r}) is not supported; use one of {PRECISIONS} ('32' is '32-true')")
+        if precision not in _PRECISIONS:
+            raise ValueError(f"{name}(precision={precision!r}) is not supported; use one of {_PRECISIONS} ('32' is '32-true')")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device not in ("cuda", "cpu"):
             raise ValueError(f"{name}(device={device!r}) must be 'cuda' or 'cpu'")
@@ -65,9 +63,7 @@ class LARSStepMixin:
         self.eta, self.eps, self.trust_clip, self.exclude = eta, eps, trust_clip, validate_patterns(exclude)
         self.skipped_steps = self.consecutive_skipped_steps = 0
         self.last_step_skipped = False
-        self.first_nonfinite_parameter: str | None = None
-        self._names: dict[int, str] | None = None
-        self._adapted: set[int] = set()
+        self._excluded: set[int] | None = None  # ids of the set-up module's parameters LARS leaves alone
         self._validated: set[int] = set()
         self._hidden: dict[int, list[tuple[Tensor, Tensor]]] = {}  # gradients held while SGD's step runs
         self._unscaled: set[int] = set()  # optimizers Fabric's clip_gradients unscaled ahead of the step
@@ -79,21 +75,15 @@ class LARSStepMixin:
 
     def classify(self, module: nn.Module) -> None:
         """Record which of ``module``'s parameters LARS adapts (the bias/norm rule plus ``exclude``)."""
-        adapted, excluded = split_parameters(module, self.exclude)
-        self._adapted = {id(p) for _, p in adapted}
-        self._names = {id(p): n for n, p in (*adapted, *excluded)}
+        self._excluded = {id(p) for _, p in split_parameters(module, self.exclude)[1]}
 
     def _adapts(self, p: Tensor) -> bool:
-        assert self._names is not None
-        return id(p) in self._adapted if id(p) in self._names else not is_excluded("", p)
+        return id(p) not in self._excluded and not is_excluded("", p)  # type: ignore[operator]
 
     def validate(self, optimizer: Optimizer) -> None:
         """Refuse what LARS cannot serve (LBFGS, a LARS optimizer, nothing adapted, half weights,
         decoupled decay); warn about decayed bias/norm parameters."""
-        self._validated.add(id(optimizer))
         name = type(self).__name__
-        if type(optimizer) is torch.optim.SGD:
-            optimizer.register_step_post_hook(self._restore_grads)
         if isinstance(optimizer, LBFGS):
             raise TypeError(f"{name} does not support LBFGS (a closure-driven line search)")
         if isinstance(optimizer, LARS):
@@ -118,6 +108,9 @@ class LARSStepMixin:
             rank_zero_warn(f"{name}: {decayed} parameters that LARS excludes (bias/norm) are in groups with weight "
                            "decay, so they are still decayed (Jia et al. 2018 decay neither); build the groups "
                            "with lightning_fastscale.param_groups")
+        if type(optimizer) is torch.optim.SGD:  # registered now, so before any post-hook the user adds later
+            optimizer.register_step_post_hook(self._restore_grads)
+        self._validated.add(id(optimizer))
 
     def lars_step(self, optimizer: Optimizer, agree: Callable[[bool], bool] | None = None, **kwargs: Any) -> Any:
         """On unscaled gradients: skip if non-finite, else LARS and ``optimizer.step(**kwargs)``.
@@ -131,7 +124,7 @@ class LARSStepMixin:
         real ``optimizer.step()``: its hooks, profiler record and LR-scheduler tracking run as
         usual, pre-hooks see the gradients as given, post-hooks see them rescaled.
         """
-        if self._names is None:
+        if self._excluded is None:
             raise RuntimeError(f"{type(self).__name__}: no module set up; call classify(module), or in Fabric "
                                "fabric.setup(model, optimizer) (or fabric.setup_module), before the first step")
         if id(optimizer) not in self._validated:
@@ -141,18 +134,13 @@ class LARSStepMixin:
             params = [p for p in group["params"] if p.grad is not None]
             if params:
                 groups.append((group, params, foreach_norms([p.grad for p in params])))
-        finite = torch.cat([n for *_, n in groups]).isfinite() if groups else torch.ones(0, dtype=torch.bool)
-        nonfinite = not bool(finite.all())
+        nonfinite = bool(groups) and not bool(torch.cat([n for *_, n in groups]).isfinite().all())
         self.last_step_skipped = agree(nonfinite) if agree is not None else nonfinite
         if self.last_step_skipped:
             self.skipped_steps += 1
             self.consecutive_skipped_steps += 1
-            params = [p for _, ps, _ in groups for p in ps]
-            bad = [params[int(i)] for i in (~finite).nonzero()[:1]]
-            self.first_nonfinite_parameter = self._names.get(id(bad[0]), "<unnamed parameter>") if bad else None
-            log.info("LARS: non-finite gradient (first: %s), step skipped (%d in a row, %d in total)",
-                     self.first_nonfinite_parameter or "on another rank", self.consecutive_skipped_steps,
-                     self.skipped_steps)
+            log.info("LARS: non-finite gradient on %s, step skipped (%d in a row, %d in total)",
+                     "this rank" if nonfinite else "another rank", self.consecutive_skipped_steps, self.skipped_steps)
             return None
         self.consecutive_skipped_steps = 0
         # a subclass may change the update; closure, maximize, differentiable and fused modes are SGD's own
@@ -162,7 +150,6 @@ class LARSStepMixin:
         decays = [group.get("weight_decay", 0.0) for group, _, _ in groups]
 
         def rescale(*_: Any) -> None:
-            hidden = self._hidden.setdefault(id(optimizer), [])
             for (group, params, g_norms), wd in zip(groups, decays):
                 adapt = [self._adapts(p) for p in params]
                 bufs = [optimizer.state[p].get("momentum_buffer") for p in params] if one_pass else None
@@ -175,7 +162,7 @@ class LARSStepMixin:
                 for p, buf in zip(params, bufs or ()):  # SGD's own update then finds no gradients
                     if buf is not None:
                         optimizer.state[p]["momentum_buffer"] = buf
-                    hidden.append((p, p.grad))
+                    self._hidden.setdefault(id(optimizer), []).append((p, p.grad))
                     p.grad = None
 
         if not one_pass:
@@ -195,8 +182,7 @@ class LARSStepMixin:
             self._restore_grads(optimizer)
 
     def _restore_grads(self, optimizer: Optimizer, *_: Any) -> None:
-        """Give back the gradients held during SGD's step (a step post-hook registered when the
-        optimizer is validated, so before any the user adds later)."""
+        """Give back the gradients held during SGD's step (a step post-hook)."""
         for p, g in self._hidden.pop(id(optimizer), ()):
             p.grad = g
 
@@ -209,9 +195,9 @@ class LARSStepMixin:
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what `state_dict` saved (missing counters: a fresh count)."""
-        if self.scaler is not None and state_dict.get("scaler"):
+        """Restore what `state_dict` saved."""
+        if self.scaler is not None:
             self.scaler.load_state_dict(state_dict["scaler"])
-        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
-        self.consecutive_skipped_steps = int(state_dict.get("consecutive_skipped_steps", 0))
-        self.last_step_skipped = bool(state_dict.get("last_step_skipped", False))
+        self.skipped_steps = state_dict["skipped_steps"]
+        self.consecutive_skipped_steps = state_dict["consecutive_skipped_steps"]
+        self.last_step_skipped = state_dict["last_step_skipped"]
