@@ -6,14 +6,14 @@ random gradients. Every variant gets the same two parameter groups from the shar
 
     variant            what runs
     torch_sgd_foreach  torch.optim.SGD(foreach=True)                      (the baseline)
-    lars (ours)        lightning_fastscale.precision.LARS (ratio folded into momentum)
+    lars (ours)        lightning_fastscale.precision.LARS (gradients left unchanged)
     plugin (ours)      LARSMixedPrecision.lars_step around torch SGD foreach: non-finite
                        check, then SGD.step with the rescale and SGD's update in one pass
     timm_lars          timm.optim.Lars with its default (foreach=None: per-tensor loop on CPU)
     timm_lars_foreach  timm.optim.Lars(foreach=True)
 
-Variants run round-robin within each repeat so that load on the machine hits them alike;
-the table gives medians and the ratio to the baseline's median, all from one process.
+Variants run round-robin within each repeat, the order rotated from repeat to repeat, so that
+load on the machine and what the previous variant left in memory hit them alike; the table gives medians and the ratio to the baseline's median, all from one process.
 ``--against REV`` adds ``lars`` and ``plugin`` as of git revision REV (its ``precision/`` and
 ``param_groups.py`` imported under another name), for a before/after table from one process.
 
@@ -155,8 +155,10 @@ def main() -> None:
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     clock = time.process_time if args.clock == "process" else time.perf_counter
     times: dict[str, list[float]] = {k: [] for k in steps}
+    names = list(steps)
     for rep in range(args.warmup + args.repeats):
-        for name, step in steps.items():
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:  # each variant at each position
+            step = steps[name]
             restore()
             sync()
             t0 = clock()

@@ -109,6 +109,14 @@ def lars_update_(
         bufs[:] = [torch.empty_like(p) if b is None else b for p, b in zip(params, bufs)]  # type: ignore[index]
     scratch = None if in_place else torch.empty(size, dtype=grads[0].dtype, device=grads[0].device)
     for i, (p, g, *b) in _slices([params, grads, bufs] if momentum else [params, grads], size):  # type: ignore[list-item]
+        if b and not (in_place or fresh[i] or dampening or nesterov) and 1e-30 < r[i] < 1e30:
+            # no scratch: buf <- r * (g + wd * w + (m / r) * buf), in place
+            torch.add(g, b[0], alpha=momentum / r[i], out=b[0])
+            if weight_decay:
+                b[0].add_(p, alpha=weight_decay)
+            b[0].mul_(r[i])
+            p.add_(b[0], alpha=-lr)
+            continue
         if in_place:
             out = g
         elif g.numel() <= size and g.dtype == scratch.dtype:  # type: ignore[union-attr]
