@@ -102,20 +102,20 @@ def lars_update_(
             sgd(params, e, bufs, foreach=True, weight_decay=0.0, momentum=momentum, lr=lr, dampening=dampening,
                 nesterov=nesterov, maximize=False)
         return r
-    # CPU: each slice's operations in a row, on a cache-sized scratch unless in place
+    # CPU: each slice's operations in a row; out of place on a cache-sized scratch
     momentum = momentum if bufs is not None else 0.0
     fresh = [b is None for b in bufs or ()]
     if momentum:
         bufs[:] = [torch.empty_like(p) if b is None else b for p, b in zip(params, bufs)]  # type: ignore[index]
     scratch = None if in_place else torch.empty(size, dtype=grads[0].dtype, device=grads[0].device)
-    for i, (p, g, *b) in _slices([params, grads, bufs] if momentum else [params, grads], size):  # type: ignore[list-item]
-        if b and not (in_place or fresh[i] or dampening or nesterov) and 1e-30 < r[i] < 1e30:
-            # no scratch: buf <- r * (g + wd * w + (m / r) * buf), in place
-            torch.add(g, b[0], alpha=momentum / r[i], out=b[0])
+    for i, (p, g, *rest) in _slices([params, grads, bufs] if momentum else [params, grads], size):  # type: ignore[list-item]
+        buf = rest[0] if rest else None
+        if buf is not None and not (in_place or fresh[i] or dampening or nesterov) and 1e-30 < r[i] < 1e30:
+            torch.add(g, buf, alpha=momentum / r[i], out=buf)  # buf <- r * (g + wd * w + m / r * buf)
             if weight_decay:
-                b[0].add_(p, alpha=weight_decay)
-            b[0].mul_(r[i])
-            p.add_(b[0], alpha=-lr)
+                buf.add_(p, alpha=weight_decay)
+            buf.mul_(r[i])
+            p.add_(buf, alpha=-lr)
             continue
         if in_place:
             out = g
@@ -130,23 +130,22 @@ def lars_update_(
             torch.mul(g, r[i], out=out)
         if bufs is None:
             continue
-        if momentum:
+        if buf is not None:
             if fresh[i]:
-                b[0].copy_(out)  # torch SGD starts a buffer from the first gradient, undampened
+                buf.copy_(out)  # torch SGD starts a buffer from the first gradient, undampened
             elif dampening:
-                b[0].mul_(momentum).add_(out, alpha=1.0 - dampening)
+                buf.mul_(momentum).add_(out, alpha=1.0 - dampening)
             else:
-                torch.add(out, b[0], alpha=momentum, out=b[0])  # buf <- g' + m * buf in one pass
+                torch.add(out, buf, alpha=momentum, out=buf)  # buf <- g' + m * buf in one pass
             if nesterov:
-                out.add_(b[0], alpha=momentum)
-        p.add_(b[0] if momentum and not nesterov else out, alpha=-lr)
+                out.add_(buf, alpha=momentum)
+        p.add_(buf if buf is not None and not nesterov else out, alpha=-lr)
     return r
 
 
 def lars_rescale_(
     params: Sequence[Tensor], grads: Sequence[Tensor], *, lr: float, weight_decay: float = 0.0, eta: float = 1e-3,
     eps: float = 1e-8, trust_clip: bool = False, adapt: Sequence[bool] | Tensor | None = None,
-    g_norms: Tensor | None = None,
 ) -> list[float]:
     """In place: ``grads[i] <- r_i * (grads[i] + weight_decay * params[i])``; returns the ratios.
 
@@ -156,8 +155,7 @@ def lars_rescale_(
     LARS adapts (default all).
     """
     return lars_update_(list(params), list(grads), None, lr=lr, weight_decay=weight_decay, eta=eta, eps=eps,
-                        trust_clip=trust_clip, adapt=[True] * len(params) if adapt is None else adapt,
-                        g_norms=g_norms)
+                        trust_clip=trust_clip, adapt=[True] * len(params) if adapt is None else adapt)
 
 
 class LARS(torch.optim.Optimizer):
