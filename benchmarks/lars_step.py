@@ -15,7 +15,8 @@ random gradients. Every variant gets the same two parameter groups from the shar
 Variants run round-robin within each repeat, the order rotated from repeat to repeat, so that
 load on the machine and what the previous variant left in memory hit them alike; the table gives medians and the ratio to the baseline's median, all from one process.
 ``--against REV`` adds ``lars`` and ``plugin`` as of git revision REV (its ``precision/`` and
-``param_groups.py`` imported under another name), for a before/after table from one process.
+``param_groups.py`` imported under another name), for a before/after table from one process,
+and the median over repeats of each repeat's ratio ours / REV.
 
     python benchmarks/lars_step.py --repeats 15 --threads 1 [--clock process|wall] [--device cpu|cuda] [--against REV]
 """
@@ -180,9 +181,16 @@ def main() -> None:
         med = statistics.median(ts)
         rows[name] = {"median_s": med, "min_s": min(ts), "ratio": med / base}
         print(f"| {name} | {med * 1e3:.1f} | {min(ts) * 1e3:.1f} | {med / base:.2f}x |")
+    paired = {}
+    if args.against:  # within a repeat both versions saw the same load: the ratio of the pair is steadier
+        print(f"\n| variant | median of per-repeat ratios ours / {args.against} |\n|---|---|")
+        for kind in ("lars", "plugin"):
+            ours, before = times[f"{kind} (ours)"], times[f"{kind} ({args.against})"]
+            paired[kind] = statistics.median(a / b for a, b in zip(ours, before))
+            print(f"| {kind} | {paired[kind]:.3f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"info": info, "args": vars(args), "results": rows}, f, indent=2)
+            json.dump({"info": info, "args": vars(args), "results": rows, "paired": paired}, f, indent=2)
 
 
 if __name__ == "__main__":
