@@ -108,9 +108,12 @@ def lars_update_(
     if momentum:
         bufs[:] = [torch.empty_like(p) if b is None else b for p, b in zip(params, bufs)]  # type: ignore[index]
     scratch = None if in_place else torch.empty(size, dtype=grads[0].dtype, device=grads[0].device)
+    # out of place, an existing buffer takes the ratio folded in: no scratch; two more roundings,
+    # so single or double precision only, with m / r well inside their range
+    fold = momentum and not (in_place or dampening or nesterov) and params[0].dtype in (torch.float32, torch.float64)
     for i, (p, g, *rest) in _slices([params, grads, bufs] if momentum else [params, grads], size):  # type: ignore[list-item]
         buf = rest[0] if rest else None
-        if buf is not None and not (in_place or fresh[i] or dampening or nesterov) and 1e-30 < r[i] < 1e30:
+        if fold and not fresh[i] and 1e-30 < r[i] < 1e30:
             torch.add(g, buf, alpha=momentum / r[i], out=buf)  # buf <- r * (g + wd * w + m / r * buf)
             if weight_decay:
                 buf.add_(p, alpha=weight_decay)
