@@ -25,7 +25,6 @@ from .lars import LARS, check_lars_options, foreach_norms, lars_update_
 log = logging.getLogger(__name__)
 
 _PRECISIONS = ("16-mixed", "bf16-mixed", "32-true")
-_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
 
 
 class LARSStepMixin:
@@ -46,7 +45,7 @@ class LARSStepMixin:
         trust_clip: bool = False, exclude: Sequence[str] = (), scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         name = type(self).__name__
-        precision = _ALIASES.get(str(precision), str(precision))
+        precision = "32-true" if str(precision) == "32" else str(precision)  # as Trainer(precision=32)
         if precision not in _PRECISIONS:
             raise ValueError(f"{name}(precision={precision!r}) is not supported; use one of {_PRECISIONS} ('32' is '32-true')")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
