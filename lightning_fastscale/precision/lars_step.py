@@ -151,7 +151,9 @@ class LARSStepMixin:
         def rescale(*_: Any) -> None:
             for (group, params, g_norms), wd in zip(groups, decays):
                 adapt = [self._adapts(p) for p in params]
-                bufs = [optimizer.state[p].get("momentum_buffer") for p in params] if one_pass else None
+                bufs = None  # only rescale, unless SGD's update runs here too
+                if one_pass:  # (without momentum, SGD keeps no state: reading optimizer.state would add some)
+                    bufs = [optimizer.state[p].get("momentum_buffer") if group["momentum"] else None for p in params]
                 if bufs is None and not wd and not any(adapt):
                     continue  # every ratio 1 and no decay: nothing to rescale
                 lars_update_(params, [p.grad for p in params], bufs, lr=float(group["lr"]), weight_decay=wd,
