@@ -1,7 +1,6 @@
 """Cases of the LARS kernel that the model-level tests do not reach: parameters that are not
 contiguous (channels-last convolutions, updated whole, larger than a slice) and ratios outside
-the range where the optimizer folds the ratio into the momentum buffer; and the plugin's update
-keeps torch SGD's state layout."""
+the range where the optimizer folds the ratio into the momentum buffer; torch SGD's state layout."""
 from __future__ import annotations
 
 import pytest
@@ -76,16 +75,20 @@ def test_momentum_steps_equal_the_formula_for_any_ratio(big: bool) -> None:
     torch.testing.assert_close(weight.detach().double(), w, rtol=1e-5, atol=0)
 
 
-def test_plugin_state_layout_is_sgds() -> None:
-    """Around torch SGD the plugin's update keeps SGD's state layout: a momentum buffer per
-    parameter with momentum, no state at all without (as SGD's own step)."""
-    for momentum in (0.0, 0.9):
-        net = conv_net(False)
-        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=momentum)
-        plugin = LARSMixedPrecision("32-true", "cpu")
-        plugin.classify(net)
-        for p in net.parameters():
-            p.grad = torch.ones_like(p)
-        plugin.lars_step(opt)
-        expected = [{"momentum_buffer"}] * len(list(net.parameters())) if momentum else []
-        assert [set(s) for s in opt.state.values()] == expected
+def test_state_layout_is_sgds() -> None:
+    """The ``LARS`` optimizer and the plugin's update around torch SGD keep SGD's state layout:
+    a momentum buffer per parameter with momentum, no state at all without."""
+    for kind in ("lars", "plugin"):
+        for momentum in (0.0, 0.9):
+            net = conv_net(False)
+            if kind == "lars":
+                opt = LARS(net.parameters(), lr=0.1, momentum=momentum)
+            else:
+                opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=momentum)
+                plugin = LARSMixedPrecision("32-true", "cpu")
+                plugin.classify(net)
+            for p in net.parameters():
+                p.grad = torch.ones_like(p)
+            opt.step() if kind == "lars" else plugin.lars_step(opt)
+            expected = [{"momentum_buffer"}] * len(list(net.parameters())) if momentum else []
+            assert [set(s) for s in opt.state.values()] == expected, (kind, momentum)

@@ -168,9 +168,9 @@ class LARS(torch.optim.Optimizer):
     gradients are left as they were. A group with ``lars=False`` is plain SGD, and parameters
     with ``ndim <= 1`` are not adapted (but decayed, as by SGD);
     [`from_module`][lightning_fastscale.precision.LARS.from_module] gives the bias/norm
-    parameters neither LARS nor weight decay (Jia et al. 2018). The trajectory of
-    ``timm.optim.Lars(trust_coeff=eta, always_adapt=True)`` on the adapted group. Under
-    Lightning, prefer [`LARSMixedPrecision`][lightning_fastscale.precision.LARSMixedPrecision].
+    parameters neither LARS nor weight decay (Jia et al. 2018); timm's ``Lars(trust_coeff=eta)``
+    takes the same steps given ``always_adapt=True`` on the adapted group. Under Lightning,
+    prefer [`LARSMixedPrecision`][lightning_fastscale.precision.LARSMixedPrecision].
 
     Args:
         params: parameters or parameter groups.
@@ -232,7 +232,7 @@ class LARS(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            bufs = [self.state[p].get("momentum_buffer") for p in params]
+            bufs = [self.state[p].get("momentum_buffer") if group["momentum"] else None for p in params]
             lars_update_(params, [p.grad for p in params], bufs, lr=float(group["lr"]), momentum=group["momentum"],
                          dampening=group["dampening"], nesterov=group["nesterov"], in_place=False,
                          weight_decay=group["weight_decay"], eta=group["eta"], eps=group["eps"],
