@@ -1,18 +1,14 @@
-"""LARS: layer-wise adaptive rate scaling, as functions over tensor lists and a torch optimizer.
-
-You, Gitman & Ginsburg 2017 ("Large Batch Training of Convolutional Networks",
-arXiv:1708.03888) give each layer its own learning rate:
+"""LARS (You, Gitman & Ginsburg 2017, arXiv:1708.03888): layer-wise learning rates, as one
+update function over tensor lists and a torch optimizer.
 
     r  = eta * ||w|| / (||g|| + wd * ||w|| + eps)
     g' = r * (g + wd * w)        then momentum SGD with the global lr.
 
 As in timm's ``Lars`` and NVIDIA apex LARC, ``r`` is 1 where ``||w||`` or ``||g||`` is 0 or the
-parameter is not adapted, and ``trust_clip`` is LARC's clip mode (``r = min(r / lr, 1)``). Jia
-et al. 2018 (arXiv:1807.11205) compute the ratio in fp32 on fp32 master weights.
-
-One kernel per device kind. On the CPU, each cache-sized slice gets the rescale and SGD's
-update in a row, so every value is read from memory once. On accelerators, multi-tensor
-(``torch._foreach_*``) operations over the whole list, then torch's own ``sgd`` function.
+parameter is not adapted; ``trust_clip`` is LARC's clip mode (``r = min(r / lr, 1)``). Jia et
+al. 2018 (arXiv:1807.11205) compute the ratio in fp32 on fp32 master weights. One kernel per
+device kind: on the CPU each cache-sized slice gets the rescale and SGD's update in a row (every
+value read from memory once); on accelerators, multi-tensor operations, then torch's ``sgd``.
 """
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""The LARS step, its counters and its checkpoint state, shared by the Trainer and Fabric plugins.
-
-Jia et al. 2018 (arXiv:1807.11205) compute the LARS ratio (You et al. 2017) in fp32 on fp32
-master weights from the *unscaled* gradient. Given unscaled gradients, `LARSStepMixin.lars_step`
-skips the step on every rank if any rank has a non-finite gradient; else it replaces every
-gradient by ``r * (g + wd * w)`` (``r`` = 1 for bias/norm parameters) and runs
-``optimizer.step()`` with the groups' weight decay set to 0 for the call, as apex LARC does.
-"""
+"""The LARS step shared by the Trainer and Fabric plugins: Jia et al. 2018 (arXiv:1807.11205)
+compute the LARS ratio (You et al. 2017) in fp32, on fp32 master weights, from the *unscaled*
+gradient, and skip a step whose gradient is non-finite on any rank."""
 from __future__ import annotations
 
 import logging
@@ -112,16 +107,15 @@ class LARSStepMixin:
         self._validated.add(id(optimizer))
 
     def lars_step(self, optimizer: Optimizer, agree: Callable[[bool], bool] | None = None, **kwargs: Any) -> Any:
-        """On unscaled gradients: skip if non-finite, else LARS and ``optimizer.step(**kwargs)``.
+        """On unscaled gradients: skip if non-finite, else ``g <- r * (g + wd * w)`` and
+        ``optimizer.step(**kwargs)`` with the groups' weight decay 0 for the call (as apex LARC).
 
         ``agree`` turns this rank's "non-finite" flag into all ranks' decision (a rank that
         stepped while another skipped would fork the replicas). Returns the optimizer's
-        return value, None for a skipped step.
-
-        Around a plain ``torch.optim.SGD`` the rescale and SGD's update run together, in one
-        pass over each slice of the weights, from a step pre-hook registered last inside the
-        real ``optimizer.step()``: its hooks, profiler record and LR-scheduler tracking run as
-        usual, pre-hooks see the gradients as given, post-hooks see them rescaled.
+        return value, None for a skipped step. Around a plain ``torch.optim.SGD`` the rescale
+        and SGD's update run together, from a step pre-hook registered last inside the real
+        ``optimizer.step()``: its hooks, profiler record and LR-scheduler tracking run as usual,
+        pre-hooks see the gradients as given, post-hooks see them rescaled.
         """
         if self._excluded is None:
             raise RuntimeError(f"{type(self).__name__}: no module set up; call classify(module), or in Fabric "
