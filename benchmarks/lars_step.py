@@ -23,10 +23,12 @@ and the median over repeats of each repeat's ratio ours / REV.
 from __future__ import annotations
 
 import argparse
+import atexit
 import copy
 import importlib
 import io
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -53,6 +55,7 @@ def precision_at(rev: str) -> ModuleType:
     paths = ["lightning_fastscale/precision", "lightning_fastscale/param_groups.py"]
     archive = subprocess.run(["git", "-C", str(root), "archive", rev, *paths], check=True, capture_output=True).stdout
     where = Path(tempfile.mkdtemp(prefix="lars_step_"))
+    atexit.register(shutil.rmtree, where, True)
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(where, filter="data")
     (where / "lightning_fastscale" / "__init__.py").touch()
