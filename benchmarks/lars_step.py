@@ -6,37 +6,65 @@ random gradients. Every variant gets the same two parameter groups from the shar
 
     variant            what runs
     torch_sgd_foreach  torch.optim.SGD(foreach=True)                      (the baseline)
-    lars (ours)        lightning_fastscale.precision.LARS (ratio folded into momentum)
+    lars (ours)        lightning_fastscale.precision.LARS (gradients left unchanged)
     plugin (ours)      LARSMixedPrecision.lars_step around torch SGD foreach: non-finite
                        check, then SGD.step with the rescale and SGD's update in one pass
     timm_lars          timm.optim.Lars with its default (foreach=None: per-tensor loop on CPU)
     timm_lars_foreach  timm.optim.Lars(foreach=True)
 
-Variants run round-robin within each repeat so that load on the machine hits them alike;
-the table gives medians and the ratio to the baseline's median, all from one process.
+Variants run round-robin within each repeat, the order rotated from repeat to repeat, so that
+load on the machine and what the previous variant left in memory hit them alike; the table gives medians and the ratio to the baseline's median, all from one process.
+``--against REV`` adds ``lars`` and ``plugin`` as of git revision REV (its ``precision/`` and
+``param_groups.py`` imported under another name), for a before/after table from one process,
+and the median over repeats of each repeat's ratio ours / REV.
 
-    python benchmarks/lars_step.py --repeats 15 --threads 1 [--clock process|wall] [--device cpu|cuda]
+    python benchmarks/lars_step.py --repeats 15 --threads 1 [--clock process|wall] [--device cpu|cuda] [--against REV]
 """
 from __future__ import annotations
 
 import argparse
+import atexit
 import copy
+import importlib
+import io
 import json
+import shutil
 import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 
 import timm.optim
 import torch
 import torchvision
 
+import lightning_fastscale.precision
 from lightning_fastscale.param_groups import split_parameters
-from lightning_fastscale.precision import LARS, LARSMixedPrecision
 
 LR, MOMENTUM, WD, ETA = 0.1, 0.9, 5e-5, 1e-3
 
 
-def setup(device: str) -> tuple[dict[str, Callable[[], None]], dict]:
+def precision_at(rev: str) -> ModuleType:
+    """``lightning_fastscale.precision`` as of git revision ``rev``, importable next to today's."""
+    root = Path(__file__).resolve().parents[1]
+    paths = ["lightning_fastscale/precision", "lightning_fastscale/param_groups.py"]
+    archive = subprocess.run(["git", "-C", str(root), "archive", rev, *paths], check=True, capture_output=True).stdout
+    where = Path(tempfile.mkdtemp(prefix="lars_step_"))
+    atexit.register(shutil.rmtree, where, True)
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(where, filter="data")
+    (where / "lightning_fastscale" / "__init__.py").touch()
+    (where / "lightning_fastscale").rename(where / "lightning_fastscale_before")
+    sys.path.insert(0, str(where))
+    return importlib.import_module("lightning_fastscale_before.precision")
+
+
+def setup(device: str, against: str | None = None) -> tuple[dict[str, Callable[[], None]], dict]:
     """Build each variant's model copy, gradients and optimizer; return step callables."""
     base = torchvision.models.resnet50(weights=None)
     adapted, excluded = split_parameters(base)
@@ -64,26 +92,33 @@ def setup(device: str) -> tuple[dict[str, Callable[[], None]], dict]:
     )
     steps["torch_sgd_foreach"] = sgd.step
 
-    _, a, e = clone()
-    lars = LARS(
-        [{"params": a}, {"params": e, "weight_decay": 0.0, "lars": False}],
-        lr=LR, momentum=MOMENTUM, weight_decay=WD, eta=ETA,
-    )
-    steps["lars (ours)"] = lars.step
+    restores = []
+    versions = {"ours": lightning_fastscale.precision}
+    if against:
+        versions[against] = precision_at(against)
+    for version, precision in versions.items():
+        _, a, e = clone()
+        lars = precision.LARS(
+            [{"params": a}, {"params": e, "weight_decay": 0.0, "lars": False}],
+            lr=LR, momentum=MOMENTUM, weight_decay=WD, eta=ETA,
+        )
+        steps[f"lars ({version})"] = lars.step
 
-    # the plugin's own step code (non-finite check, LARS, SGD), without a Trainer
-    net, a, e = clone()
-    inner = torch.optim.SGD(
-        [{"params": a}, {"params": e, "weight_decay": 0.0}], lr=LR, momentum=MOMENTUM, weight_decay=WD, foreach=True
-    )
-    plugin = LARSMixedPrecision("32", device.split(":")[0], eta=ETA)
-    plugin.classify(net)
-    all_grads = [p.grad for p in net.parameters()]
-    saved = [g.clone() for g in all_grads]
-    steps["plugin (ours)"] = lambda: plugin.lars_step(inner)
+        # the plugin's own step code (non-finite check, LARS, SGD), without a Trainer
+        net, a, e = clone()
+        inner = torch.optim.SGD(
+            [{"params": a}, {"params": e, "weight_decay": 0.0}], lr=LR, momentum=MOMENTUM, weight_decay=WD,
+            foreach=True,
+        )
+        plugin = precision.LARSMixedPrecision("32", device.split(":")[0], eta=ETA)
+        plugin.classify(net)
+        steps[f"plugin ({version})"] = lambda plugin=plugin, inner=inner: plugin.lars_step(inner)
+        all_grads = [p.grad for p in net.parameters()]
+        restores.append((all_grads, [g.clone() for g in all_grads]))
 
-    def restore() -> None:  # outside the timed region: the plugin rescales gradients in place
-        torch._foreach_copy_(all_grads, saved)
+    def restore() -> None:  # outside the timed region: the plugins rescale gradients in place
+        for grads, saved in restores:
+            torch._foreach_copy_(grads, saved)
 
     steps["_restore_plugin_grads"] = restore
 
@@ -115,16 +150,19 @@ def main() -> None:
         "use with --threads 1); wall: perf_counter (use on a quiet machine or with CUDA)",
     )
     ap.add_argument("--json", default=None, help="also write the results to this file")
+    ap.add_argument("--against", default=None, help="also time LARS and the plugin as of this git revision")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    steps, info = setup(args.device)
+    steps, info = setup(args.device, args.against)
     restore = steps.pop("_restore_plugin_grads")
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     clock = time.process_time if args.clock == "process" else time.perf_counter
     times: dict[str, list[float]] = {k: [] for k in steps}
+    names = list(steps)
     for rep in range(args.warmup + args.repeats):
-        for name, step in steps.items():
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:  # each variant at each position
+            step = steps[name]
             restore()
             sync()
             t0 = clock()
@@ -146,9 +184,16 @@ def main() -> None:
         med = statistics.median(ts)
         rows[name] = {"median_s": med, "min_s": min(ts), "ratio": med / base}
         print(f"| {name} | {med * 1e3:.1f} | {min(ts) * 1e3:.1f} | {med / base:.2f}x |")
+    paired = {}
+    if args.against:  # within a repeat both versions saw the same load: the ratio of the pair is steadier
+        print(f"\n| variant | median of per-repeat ratios ours / {args.against} |\n|---|---|")
+        for kind in ("lars", "plugin"):
+            ours, before = times[f"{kind} (ours)"], times[f"{kind} ({args.against})"]
+            paired[kind] = statistics.median(a / b for a, b in zip(ours, before))
+            print(f"| {kind} | {paired[kind]:.3f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"info": info, "args": vars(args), "results": rows}, f, indent=2)
+            json.dump({"info": info, "args": vars(args), "results": rows, "paired": paired}, f, indent=2)
 
 
 if __name__ == "__main__":

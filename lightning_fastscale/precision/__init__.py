@@ -1,22 +1,13 @@
 """Precision: half-precision compute with fp32 master weights, loss scaling and LARS.
 
-[`LARS`][lightning_fastscale.precision.LARS] is the optimizer (You et al. 2017); [`LARSMixedPrecision`][lightning_fastscale.precision.LARSMixedPrecision] (Trainer) and
-[`LARSFabricPrecision`][lightning_fastscale.precision.LARSFabricPrecision] (Fabric) are the precision plugins of Jia et al. 2018 that apply
-LARS to a plain optimizer, in fp32, on the unscaled gradients, and skip non-finite steps.
+[`LARS`][lightning_fastscale.precision.LARS] is the optimizer (You et al. 2017);
+[`LARSMixedPrecision`][lightning_fastscale.precision.LARSMixedPrecision] (Trainer) and
+[`LARSFabricPrecision`][lightning_fastscale.precision.LARSFabricPrecision] (Fabric) are the
+precision plugins of Jia et al. 2018 that apply LARS to a plain optimizer, in fp32, on the
+unscaled gradients, and skip non-finite steps.
 """
-from .lars import LARS, foreach_norms, lars_rescale_, lars_sgd_, trust_ratios
+from .lars import LARS, lars_rescale_
 from .lars_fabric import LARSFabricPrecision
 from .lars_mixed_precision import LARSMixedPrecision
-from .lars_step import PRECISIONS, LARSStepMixin
 
-__all__ = [
-    "LARS",
-    "PRECISIONS",
-    "LARSFabricPrecision",
-    "LARSMixedPrecision",
-    "LARSStepMixin",
-    "foreach_norms",
-    "lars_rescale_",
-    "lars_sgd_",
-    "trust_ratios",
-]
+__all__ = ["LARS", "LARSFabricPrecision", "LARSMixedPrecision", "lars_rescale_"]

@@ -1,9 +1,9 @@
 """``LARSFabricPrecision``: the LARS mixed-precision plugin for Lightning Fabric loops.
 
-The step of the Trainer's [`LARSMixedPrecision`][lightning_fastscale.precision.LARSMixedPrecision] (Jia et
-al. 2018; You et al. 2017) in Fabric's calling convention: ``fabric.backward(loss)`` scales
-the loss, ``optimizer.step()`` unscales, skips a non-finite step on every rank (agreed over
-torch.distributed's default group), else applies LARS and steps, then updates the scaler.
+The step of the Trainer's [`LARSMixedPrecision`][lightning_fastscale.precision.LARSMixedPrecision]
+(Jia et al. 2018; You et al. 2017) in Fabric's calling convention: ``fabric.backward(loss)``
+scales the loss; ``optimizer.step()`` unscales, skips a non-finite step on every rank (agreed
+over torch.distributed's default group), else applies LARS and steps, then updates the scaler.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from lightning.fabric.plugins.precision import MixedPrecision
 from lightning.fabric.utilities.types import Optimizable
 from torch import nn
-from torch.optim import LBFGS, Optimizer
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from .lars_step import LARSStepMixin
@@ -73,11 +73,6 @@ class LARSFabricPrecision(LARSStepMixin, MixedPrecision):
     @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         """Unscale, the LARS step (skip if non-finite on any rank), scaler update."""
-        if isinstance(optimizer, LBFGS):
-            raise TypeError("LARSFabricPrecision does not support LBFGS (a closure-driven line search)")
-        if self._names is None:
-            raise RuntimeError("LARSFabricPrecision: call fabric.setup(model, optimizer) (or fabric.setup_module) "
-                               "first, so the plugin knows which parameters LARS adapts")
         self.unscale_gradients(optimizer)  # type: ignore[arg-type]
         self._unscaled.discard(id(optimizer))
         device = next((p.grad.device for g in optimizer.param_groups for p in g["params"] if p.grad is not None),

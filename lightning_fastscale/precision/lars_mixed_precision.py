@@ -3,9 +3,7 @@
 Jia et al. 2018 (arXiv:1807.11205) trained ResNet-50 at batch 64K with fp16 compute and LARS
 (You et al. 2017); LARS on fp16 weights lost its updates to rounding. Their fix, as a Lightning
 ``MixedPrecision``: autocast compute on fp32 master weights, the loss scaled (``"16-mixed"``),
-the ratio and the update in fp32 from the *unscaled* gradient. The step: closure, unscale,
-Lightning's hooks and gradient clipping, the LARS step (skip if non-finite on any rank, else
-LARS and ``optimizer.step()``), ``scaler.update()``.
+the ratio and the update in fp32 from the *unscaled* gradient.
 """
 from __future__ import annotations
 
@@ -17,12 +15,12 @@ from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
-from torch.optim import LBFGS, Optimizer
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from .lars_step import LARSStepMixin
 
-# keys under which checkpoints of earlier class layouts hold this plugin's state
+# keys under which checkpoints of the earlier per-mode classes hold this plugin's state
 _CHECKPOINT_KEYS = ("LARSAutocastPrecision", "LARSFP32Precision")
 
 
@@ -36,12 +34,13 @@ def _lightning_module(model: nn.Module) -> nn.Module:
 class LARSMixedPrecision(LARSStepMixin, MixedPrecision):
     """Lightning Trainer plugin: autocast compute, fp32 master weights, loss scaling, LARS.
 
-    Use with a plain optimizer (momentum SGD) built over the module's fp32 parameters. Bias and
-    norm parameters are not adapted ([`lightning_fastscale.param_groups`][lightning_fastscale.param_groups], plus ``exclude``).
-    For ``lightning.Fabric`` use [`LARSFabricPrecision`][lightning_fastscale.precision.LARSFabricPrecision].
-    Skips are counted (``skipped_steps``, ``consecutive_skipped_steps``, ``last_step_skipped``,
-    ``first_nonfinite_parameter``), logged as ``lars/skipped_steps`` with ``lars/loss_scale``,
-    and saved with the scaler state in checkpoints.
+    Use with a plain optimizer (momentum SGD) over the module's fp32 parameters. Bias and norm
+    parameters are not adapted ([`lightning_fastscale.param_groups`][lightning_fastscale.param_groups],
+    plus ``exclude``). The step: closure, unscale, Lightning's hooks and gradient clipping, then
+    skip if any rank's gradient is non-finite, else LARS and ``optimizer.step()``; then
+    ``scaler.update()``. Skips are counted, logged as ``lars/skipped_steps`` with
+    ``lars/loss_scale``, and saved with the scaler state in checkpoints. For ``lightning.Fabric``
+    use [`LARSFabricPrecision`][lightning_fastscale.precision.LARSFabricPrecision].
 
     Args:
         precision: ``"16-mixed"`` (fp16 autocast + dynamic loss scaling), ``"bf16-mixed"``
@@ -73,10 +72,8 @@ class LARSMixedPrecision(LARSStepMixin, MixedPrecision):
     def convert_module(self, module: nn.Module) -> nn.Module:
         """The module unchanged (its fp32 parameters are the master weights); refuses Fabric."""
         if not isinstance(_lightning_module(module), pl.LightningModule):
-            raise TypeError(
-                "LARSMixedPrecision is the Trainer's plugin; in lightning.Fabric use "
-                "lightning_fastscale.precision.LARSFabricPrecision with the same arguments"
-            )
+            raise TypeError("LARSMixedPrecision is the Trainer's plugin; in lightning.Fabric use "
+                            "lightning_fastscale.precision.LARSFabricPrecision with the same arguments")
         return module
 
     @override
@@ -92,8 +89,6 @@ class LARSMixedPrecision(LARSStepMixin, MixedPrecision):
         self, optimizer: Optimizable, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         """Closure, unscale, hooks and clipping, the LARS step, scaler update."""
-        if isinstance(optimizer, LBFGS):
-            raise TypeError("LARSMixedPrecision does not support LBFGS (a closure-driven line search)")
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
             return closure_result  # training_step returned None: no backward, nothing to step
@@ -115,7 +110,7 @@ class LARSMixedPrecision(LARSStepMixin, MixedPrecision):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Read the state that checkpoints of earlier class layouts keep under another key."""
+        """Read the state that checkpoints of the earlier per-mode classes keep under their names."""
         old = next((k for k in _CHECKPOINT_KEYS if k in checkpoint), None)
         if type(self).__qualname__ not in checkpoint and old is not None:
             self.load_state_dict(checkpoint[old])

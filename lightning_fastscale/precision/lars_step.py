@@ -1,18 +1,6 @@
-"""What the Trainer and Fabric LARS plugins add to Lightning's precision plugins.
-
-Jia et al. 2018 (arXiv:1807.11205) compute the LARS ratio (You et al. 2017) in fp32 on fp32
-master weights from the *unscaled* gradient. Given unscaled gradients, `LARSStepMixin.lars_step`
-
-1. skips the step on every rank if any rank has a non-finite gradient (no weight, momentum or
-   LARS change), counting it and naming the first parameter whose gradient was non-finite;
-2. else replaces every gradient by ``r * (g + wd * w)`` (`lars_rescale_`; ``r`` = 1
-   for bias/norm parameters) and runs ``optimizer.step()`` with the groups' weight decay set to
-   0 for the call, as apex LARC does, so nothing is decayed twice. Around a plain
-   ``torch.optim.SGD`` the rescale and SGD's update run together in one cache-batched pass,
-   from a step pre-hook inside the real ``optimizer.step()`` (its hooks, profiler record and
-   LR-scheduler tracking run as usual; step pre-hooks see the gradients before the rescale,
-   and the ratio is taken from them as they were when the LARS step began).
-"""
+"""The LARS step shared by the Trainer and Fabric plugins: Jia et al. 2018 (arXiv:1807.11205)
+compute the LARS ratio (You et al. 2017) in fp32, on fp32 master weights, from the *unscaled*
+gradient, and skip a step whose gradient is non-finite on any rank."""
 from __future__ import annotations
 
 import logging
@@ -23,46 +11,25 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
-from torch.optim import Optimizer
+from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from ..param_groups import is_excluded, split_parameters, validate_patterns
-from .lars import LARS, check_lars_options, foreach_norms, lars_rescale_, lars_sgd_
+from .lars import LARS, check_lars_options, foreach_norms, lars_update_
 
 log = logging.getLogger(__name__)
 
-PRECISIONS = ("16-mixed", "bf16-mixed", "32-true")
-_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
-
-
-def _sgd_in_one_pass(optimizer: Optimizer, groups: list[tuple[dict, list[Tensor], Tensor]], kwargs: dict) -> bool:
-    """Whether the plugin may run the rescale and the update of ``optimizer`` together: a plain
-    ``torch.optim.SGD`` (a subclass may change the update) without closure, maximize,
-    differentiable or fused mode, over dense fp32/fp64 gradients on one device per group."""
-    if type(optimizer) is not torch.optim.SGD or "closure" in kwargs:
-        return False
-    for group, params, _ in groups:
-        if group["maximize"] or group["differentiable"] or group.get("fused"):
-            return False
-        if len({(p.device, p.dtype) for p in params}) != 1 or params[0].dtype not in (torch.float32, torch.float64):
-            return False
-        if any(p.grad.is_sparse or p.grad.dtype != p.dtype for p in params):
-            return False
-    return True
+_PRECISIONS = ("16-mixed", "bf16-mixed", "32-true")
 
 
 class LARSStepMixin:
-    """The LARS step, its counters and its checkpoint state, for a Lightning precision plugin.
-
-    Put before Lightning's ``MixedPrecision`` (Trainer's or Fabric's) in the bases: ``"32-true"``
-    sets up no autocast and no scaler; the mixed modes are Lightning's own.
+    """The LARS step for a Lightning precision plugin; put it before Lightning's ``MixedPrecision``
+    (Trainer's or Fabric's) in the bases. ``"32-true"`` sets up no autocast and no scaler.
 
     Attributes:
         skipped_steps: steps skipped for non-finite gradients, in total (saved in checkpoints).
         consecutive_skipped_steps: steps skipped in a row up to now (0 after an applied step).
         last_step_skipped: whether the most recent step was skipped.
-        first_nonfinite_parameter: the first parameter (optimizer order) whose gradient was
-            non-finite at the last skipped step; None if this rank's were finite.
     """
 
     precision: str
@@ -73,9 +40,9 @@ class LARSStepMixin:
         trust_clip: bool = False, exclude: Sequence[str] = (), scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         name = type(self).__name__
-        precision = _ALIASES.get(str(precision), str(precision))
-        if precision not in PRECISIONS:
-            raise ValueError(f"{name}(precision={precision!r}) is not supported; use one of {PRECISIONS} ('32' is '32-true')")
+        precision = "32-true" if str(precision) == "32" else str(precision)  # as Trainer(precision=32)
+        if precision not in _PRECISIONS:
+            raise ValueError(f"{name}(precision={precision!r}) is not supported; use one of {_PRECISIONS} ('32' is '32-true')")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device not in ("cuda", "cpu"):
             raise ValueError(f"{name}(device={device!r}) must be 'cuda' or 'cpu'")
@@ -90,12 +57,10 @@ class LARSStepMixin:
         self.eta, self.eps, self.trust_clip, self.exclude = eta, eps, trust_clip, validate_patterns(exclude)
         self.skipped_steps = self.consecutive_skipped_steps = 0
         self.last_step_skipped = False
-        self.first_nonfinite_parameter: str | None = None
-        self._names: dict[int, str] | None = None
-        self._adapted: set[int] = set()
+        self._excluded: set[int] | None = None  # ids of the set-up module's parameters LARS leaves alone
         self._validated: set[int] = set()
-        self._hidden: dict[int, list[tuple[Tensor, Tensor]]] = {}  # gradients held during SGD's step
-        self._unscaled: set[int] = set()  # optimizers unscaled ahead of the step (Fabric's clip_gradients)
+        self._hidden: dict[int, list[tuple[Tensor, Tensor]]] = {}  # gradients held while SGD's step runs
+        self._unscaled: set[int] = set()  # optimizers Fabric's clip_gradients unscaled ahead of the step
 
     @override
     def forward_context(self) -> AbstractContextManager:
@@ -103,23 +68,18 @@ class LARSStepMixin:
         return nullcontext() if self.precision == "32-true" else super().forward_context()  # type: ignore[misc]
 
     def classify(self, module: nn.Module) -> None:
-        """Record which of ``module``'s parameters LARS adapts (the shared bias/norm rule + ``exclude``);
-        the plugins call it when the module is set up."""
-        adapted, excluded = split_parameters(module, self.exclude)
-        self._adapted = {id(p) for _, p in adapted}
-        self._names = {id(p): n for n, p in (*adapted, *excluded)}
+        """Record which of ``module``'s parameters LARS adapts (the bias/norm rule plus ``exclude``)."""
+        self._excluded = {id(p) for _, p in split_parameters(module, self.exclude)[1]}
 
     def _adapts(self, p: Tensor) -> bool:
-        assert self._names is not None
-        return id(p) in self._adapted if id(p) in self._names else not is_excluded("", p)
+        return id(p) not in self._excluded and not is_excluded("", p)  # type: ignore[operator]
 
     def validate(self, optimizer: Optimizer) -> None:
-        """Refuse what LARS cannot serve (a LARS optimizer, nothing adapted, half weights, decoupled
-        decay); warn about decayed bias/norm parameters."""
-        self._validated.add(id(optimizer))
-        if type(optimizer) is torch.optim.SGD:
-            optimizer.register_step_post_hook(self._restore_grads)
+        """Refuse what LARS cannot serve (LBFGS, a LARS optimizer, nothing adapted, half weights,
+        decoupled decay); warn about decayed bias/norm parameters."""
         name = type(self).__name__
+        if isinstance(optimizer, LBFGS):
+            raise TypeError(f"{name} does not support LBFGS (a closure-driven line search)")
         if isinstance(optimizer, LARS):
             raise ValueError(f"{name} would apply LARS a second time on top of the LARS optimizer; use a plain "
                              "optimizer (torch.optim.SGD), or LARS with Lightning's own precision")
@@ -142,16 +102,24 @@ class LARSStepMixin:
             rank_zero_warn(f"{name}: {decayed} parameters that LARS excludes (bias/norm) are in groups with weight "
                            "decay, so they are still decayed (Jia et al. 2018 decay neither); build the groups "
                            "with lightning_fastscale.param_groups")
+        if type(optimizer) is torch.optim.SGD:  # registered now, so before any post-hook the user adds later
+            optimizer.register_step_post_hook(self._restore_grads)
+        self._validated.add(id(optimizer))
 
     def lars_step(self, optimizer: Optimizer, agree: Callable[[bool], bool] | None = None, **kwargs: Any) -> Any:
-        """On unscaled gradients: skip if non-finite, else LARS and ``optimizer.step(**kwargs)``.
+        """On unscaled gradients: skip if non-finite, else ``g <- r * (g + wd * w)`` and
+        ``optimizer.step(**kwargs)`` with the groups' weight decay 0 for the call (as apex LARC).
 
         ``agree`` turns this rank's "non-finite" flag into all ranks' decision (a rank that
         stepped while another skipped would fork the replicas). Returns the optimizer's
-        return value, None for a skipped step.
+        return value, None for a skipped step. Around a plain ``torch.optim.SGD`` the rescale
+        and SGD's update run together, from a step pre-hook registered last inside the real
+        ``optimizer.step()``: its hooks, profiler record and LR-scheduler tracking run as usual,
+        pre-hooks see the gradients as given, post-hooks see them rescaled.
         """
-        if self._names is None:
-            raise RuntimeError(f"{type(self).__name__}: classify(module) before the first step")
+        if self._excluded is None:
+            raise RuntimeError(f"{type(self).__name__}: no module set up; call classify(module), or in Fabric "
+                               "fabric.setup(model, optimizer) (or fabric.setup_module), before the first step")
         if id(optimizer) not in self._validated:
             self.validate(optimizer)
         groups = []
@@ -159,29 +127,44 @@ class LARSStepMixin:
             params = [p for p in group["params"] if p.grad is not None]
             if params:
                 groups.append((group, params, foreach_norms([p.grad for p in params])))
-        finite = torch.cat([n for *_, n in groups]).isfinite() if groups else torch.ones(0, dtype=torch.bool)
-        nonfinite = not bool(finite.all())
+        nonfinite = bool(groups) and not bool(torch.cat([n for *_, n in groups]).isfinite().all())
         self.last_step_skipped = agree(nonfinite) if agree is not None else nonfinite
         if self.last_step_skipped:
             self.skipped_steps += 1
             self.consecutive_skipped_steps += 1
-            params = [p for _, ps, _ in groups for p in ps]
-            bad = [params[int(i)] for i in (~finite).nonzero()[:1]]
-            self.first_nonfinite_parameter = self._names.get(id(bad[0]), "<unnamed parameter>") if bad else None
-            log.info("LARS: non-finite gradient (first: %s), step skipped (%d in a row, %d in total)",
-                     self.first_nonfinite_parameter or "on another rank", self.consecutive_skipped_steps,
-                     self.skipped_steps)
+            log.info("LARS: non-finite gradient on %s, step skipped (%d in a row, %d in total)",
+                     "this rank" if nonfinite else "another rank", self.consecutive_skipped_steps, self.skipped_steps)
             return None
         self.consecutive_skipped_steps = 0
-        if _sgd_in_one_pass(optimizer, groups, kwargs):
-            return self._sgd_step(optimizer, groups, kwargs)
+        # a subclass may change the update; closure, maximize, differentiable and fused modes are SGD's own
+        one_pass = type(optimizer) is torch.optim.SGD and "closure" not in kwargs and not any(
+            g["maximize"] or g["differentiable"] or g.get("fused") or any(p.grad.is_sparse for p in ps)
+            for g, ps, _ in groups)
         decays = [group.get("weight_decay", 0.0) for group, _, _ in groups]
-        try:
+
+        def rescale(*_: Any) -> None:
             for (group, params, g_norms), wd in zip(groups, decays):
                 adapt = [self._adapts(p) for p in params]
-                if wd or any(adapt):
-                    lars_rescale_(params, [p.grad for p in params], lr=float(group["lr"]), weight_decay=wd,
-                                  eta=self.eta, eps=self.eps, trust_clip=self.trust_clip, adapt=adapt, g_norms=g_norms)
+                bufs = None  # only rescale, unless SGD's update runs here too
+                if one_pass:  # (without momentum, SGD keeps no state: reading optimizer.state would add some)
+                    bufs = [optimizer.state[p].get("momentum_buffer") if group["momentum"] else None for p in params]
+                if bufs is None and not wd and not any(adapt):
+                    continue  # every ratio 1 and no decay: nothing to rescale
+                lars_update_(params, [p.grad for p in params], bufs, lr=float(group["lr"]), weight_decay=wd,
+                             eta=self.eta, eps=self.eps, trust_clip=self.trust_clip, adapt=adapt, g_norms=g_norms,
+                             momentum=group.get("momentum", 0.0), dampening=group.get("dampening", 0.0),
+                             nesterov=group.get("nesterov", False))
+                for p, buf in zip(params, bufs or ()):  # SGD's own update then finds no gradients
+                    if buf is not None:
+                        optimizer.state[p]["momentum_buffer"] = buf
+                    self._hidden.setdefault(id(optimizer), []).append((p, p.grad))
+                    p.grad = None
+
+        if not one_pass:
+            rescale()
+        handle = optimizer.register_step_pre_hook(rescale) if one_pass else None
+        try:
+            for (group, _, _), wd in zip(groups, decays):
                 if wd:
                     group["weight_decay"] = 0.0
             return optimizer.step(**kwargs)
@@ -189,42 +172,12 @@ class LARSStepMixin:
             for (group, _, _), wd in zip(groups, decays):
                 if wd:
                     group["weight_decay"] = wd
-
-    def _sgd_step(self, optimizer: Optimizer, groups: list[tuple[dict, list[Tensor], Tensor]], kwargs: dict) -> Any:
-        """``optimizer.step()`` of a plain ``torch.optim.SGD`` with the rescale and SGD's update run
-        together (`lars_sgd_` with ``rescale_grads``; cache-sized batches on the CPU).
-
-        The update runs in a step pre-hook registered last, so every other pre-hook runs before
-        it, as before SGD's own update; it then hands the gradients to `_restore_grads`, so
-        SGD's step finds none and only its bookkeeping (hooks, profiler, LR-scheduler tracking)
-        runs. The gradients are back, rescaled, before the post-hooks added after the plugin
-        validated the optimizer run.
-        """
-        def update(opt: Optimizer, args: Any, kw: Any) -> None:
-            hidden = self._hidden.setdefault(id(opt), [])
-            for group, params, g_norms in groups:
-                momentum = group["momentum"]
-                bufs = [opt.state[p].get("momentum_buffer") for p in params] if momentum else [None] * len(params)
-                lars_sgd_(params, [p.grad for p in params], bufs, lr=float(group["lr"]), momentum=momentum,
-                          dampening=group["dampening"], nesterov=group["nesterov"],
-                          weight_decay=group["weight_decay"], eta=self.eta, eps=self.eps, trust_clip=self.trust_clip,
-                          adapt=[self._adapts(p) for p in params], g_norms=g_norms, rescale_grads=True)
-                for p, buf in zip(params, bufs):
-                    if momentum:
-                        opt.state[p]["momentum_buffer"] = buf
-                    hidden.append((p, p.grad))
-                    p.grad = None
-
-        handle = optimizer.register_step_pre_hook(update)
-        try:
-            return optimizer.step(**kwargs)
-        finally:
-            handle.remove()
+            if handle is not None:
+                handle.remove()
             self._restore_grads(optimizer)
 
     def _restore_grads(self, optimizer: Optimizer, *_: Any) -> None:
-        """Give back the gradients `_sgd_step` held while SGD's step ran (a step post-hook,
-        registered when the optimizer is validated, so before any the user adds later)."""
+        """Give back the gradients held during SGD's step (a step post-hook)."""
         for p, g in self._hidden.pop(id(optimizer), ()):
             p.grad = g
 
@@ -237,9 +190,9 @@ class LARSStepMixin:
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what `state_dict` saved (missing counters: a fresh count)."""
-        if self.scaler is not None and state_dict.get("scaler"):
+        """Restore what `state_dict` saved."""
+        if self.scaler is not None:
             self.scaler.load_state_dict(state_dict["scaler"])
-        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
-        self.consecutive_skipped_steps = int(state_dict.get("consecutive_skipped_steps", 0))
-        self.last_step_skipped = bool(state_dict.get("last_step_skipped", False))
+        self.skipped_steps = state_dict["skipped_steps"]
+        self.consecutive_skipped_steps = state_dict["consecutive_skipped_steps"]
+        self.last_step_skipped = state_dict["last_step_skipped"]
