@@ -172,7 +172,7 @@ class NonFiniteGuard(Callback):
 
     def _message(self, trainer: pl.Trainer, pl_module: pl.LightningModule, scale: float | None, step: int | None = None) -> str:
         plugin = trainer.precision_plugin
-        name = getattr(plugin, "first_nonfinite_parameter", None) or first_nonfinite_gradient(pl_module)
+        name = first_nonfinite_gradient(pl_module)
         fix = ("The run diverged or a layer produces inf/NaN: lower the learning rate or lengthen the warmup, "
                "check the data and that layer")
         if getattr(plugin, "scaler", None) is None:
