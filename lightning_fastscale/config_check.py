@@ -184,7 +184,8 @@ def translate(error: BaseException, prefix: str, node: Any = None, extra: dict[s
 def setting_errors(prefix: str, node: Any = None, extra: dict[str, Any] | None = None) -> Iterator[None]:
     """Turn a library's refusal of an argument, raised inside the block, into a [`ConfigError`][lightning_fastscale.config_check.ConfigError].
 
-    ``ValueError`` (and Lightning's ``MisconfigurationException``) is the refusal of a value; a
+    ``ValueError`` (and Lightning's ``MisconfigurationException``) is the refusal of a value,
+    ``FileNotFoundError`` that of a path setting naming no file (``data.root``, ``model.pretrained``); a
     ``TypeError`` counts only when it is about the arguments themselves (an unknown or missing
     keyword), since elsewhere it marks a bug.
     """
@@ -196,7 +197,7 @@ def setting_errors(prefix: str, node: Any = None, extra: dict[str, Any] | None =
         from lightning.fabric.utilities.exceptions import MisconfigurationException
 
         root = _root_error(error)
-        is_refusal = isinstance(root, (ValueError, MisconfigurationException)) or (
+        is_refusal = isinstance(root, (ValueError, MisconfigurationException, FileNotFoundError)) or (
             isinstance(root, TypeError) and re.search(r"argument|takes \d+ positional", str(root)) is not None
         )
         if not is_refusal:

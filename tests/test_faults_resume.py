@@ -145,7 +145,7 @@ def test_a_checkpoint_of_another_world_size_is_refused_unless_allowed(tmp_path):
     per rank and the generators, so the resume would not be exact."""
     checkpoint = {"callbacks": {"ExactResume": {"world_size": 2}}}
     trainer = SimpleNamespace(world_size=1, ckpt_path="run/checkpoints/last.ckpt")
-    with pytest.raises(WorldSizeChangeError, match=r"written by 2 processes, this run has 1.*global batch.*allow_world_size_change=true"):
+    with pytest.raises(WorldSizeChangeError, match=r"written by 2 processes, this run has 1.*global batch.*ExactResume\(allow_world_size_change=True\)"):
         ExactResume().on_load_checkpoint(trainer, None, checkpoint)
     with pytest.warns(UserWarning, match="written by 2 processes"):
         ExactResume(allow_world_size_change=True).on_load_checkpoint(trainer, None, checkpoint)
