@@ -21,7 +21,7 @@ Examples:
     >>> [name for name in ("hier_ring", "hier_torus") if name in StrategyRegistry]
     ['hier_ring', 'hier_torus']
 """
-from . import strategies  # noqa: F401  (registers "hier_ring", "hier_torus" and _spawn variants)
+from . import conf, strategies  # noqa: F401  (registers the configs' resolver; "hier_ring", "hier_torus" and _spawn variants)
 from .callbacks import (
     BatchSizeRamp,
     LabelSmoothing,

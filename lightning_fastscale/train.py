@@ -26,7 +26,7 @@ from lightning.fabric.plugins.environments import LSFEnvironment, SLURMEnvironme
 from lightning.pytorch.callbacks import LearningRateMonitor, ThroughputMonitor
 from omegaconf import DictConfig, OmegaConf
 
-import lightning_fastscale  # noqa: F401  (registers strategies and models)
+import lightning_fastscale  # noqa: F401  (registers strategies, models and the configs' resolver)
 
 from . import checkpointing
 from ._validation import positive_int, positive_number
@@ -49,25 +49,6 @@ def cluster_launches_ranks() -> bool:
     launcher with one task per GPU), ``torchrun`` / torchelastic, LSF's ``jsrun``.
     """
     return any(env.detect() for env in (SLURMEnvironment, TorchElasticEnvironment, LSFEnvironment))
-
-
-def autocast_device(accelerator: str) -> str:
-    """``torch.autocast``'s device type for the Trainer's ``accelerator``, as Lightning picks it.
-
-    The precision group's resolver (``${autocast_device:${trainer.accelerator}}``): a precision
-    plugin is built before the Trainer, so it is told the device type the Trainer will run on.
-    ``"auto"`` is CUDA when a GPU is visible, else Apple's MPS when present, else the CPU.
-    """
-    if accelerator in ("cpu", "mps"):
-        return accelerator
-    if accelerator == "auto":
-        if torch.cuda.is_available():
-            return "cuda"
-        return "mps" if torch.backends.mps.is_available() else "cpu"
-    return "cuda"
-
-
-OmegaConf.register_new_resolver("autocast_device", autocast_device, replace=True)
 
 
 def build_strategy(cfg: DictConfig, devices: Any) -> Any:

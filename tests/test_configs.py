@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_fastscale import train as train_module
 from lightning_fastscale.callbacks import BatchSizeRamp, LabelSmoothing, WarmupDecayLR
+from lightning_fastscale.conf import autocast_device
 from lightning_fastscale.data.convert import convert
 from lightning_fastscale.precision import LARSMixedPrecision
 from lightning_fastscale.strategies import HierarchicalAllReduceStrategy
@@ -196,7 +197,7 @@ def test_lightning_precision_configs_build_lightnings_plugins(override, plugin, 
 def test_autocast_device_follows_the_accelerator(accelerator, cuda, expected, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
-    assert train_module.autocast_device(accelerator) == expected
+    assert autocast_device(accelerator) == expected
 
 
 def test_imagenet_resnet50_preset_carries_the_published_settings(tmp_path, monkeypatch):
