@@ -122,7 +122,7 @@ def _hydra_literal(written: str) -> str:
     return written
 
 
-def translate(error: BaseException, prefix: str, node: Any = None, extra: dict[str, Any] | None = None) -> ConfigError:
+def translate(error: BaseException, prefix: str, node: Any = None) -> ConfigError:
     """``error`` (a library's refusal of one of its arguments) re-worded with Hydra keys.
 
     Args:
@@ -134,7 +134,6 @@ def translate(error: BaseException, prefix: str, node: Any = None, extra: dict[s
             ``HierarchicalAllReduceStrategy.bucket_cap_mb``) by ``strategy.bucket_cap_mb=-5``.
             Other arguments the message names as ``name=value`` get their keys too, their Python
             values written as on the command line (``compile=True`` as ``model.compile=true``).
-        extra: further argument name -> (Hydra key, value) pairs that were not in ``node``.
 
     Returns:
         A [`ConfigError`][lightning_fastscale.config_check.ConfigError] whose one-line message starts with ``<key>=<value>`` when the
@@ -143,7 +142,6 @@ def translate(error: BaseException, prefix: str, node: Any = None, extra: dict[s
     error = _root_error(error)
     message = " ".join(str(error).split())  # one line
     leaves = _leaves(node, prefix) if node is not None else {}
-    leaves.update(extra or {})
     best: tuple[int, str, bool] | None = None
     for assigned in (True, False):
         for leaf in leaves:
@@ -181,7 +179,7 @@ def translate(error: BaseException, prefix: str, node: Any = None, extra: dict[s
 
 
 @contextlib.contextmanager
-def setting_errors(prefix: str, node: Any = None, extra: dict[str, Any] | None = None) -> Iterator[None]:
+def setting_errors(prefix: str, node: Any = None) -> Iterator[None]:
     """Turn a library's refusal of an argument, raised inside the block, into a [`ConfigError`][lightning_fastscale.config_check.ConfigError].
 
     ``ValueError`` (and Lightning's ``MisconfigurationException``) is the refusal of a value,
@@ -202,4 +200,4 @@ def setting_errors(prefix: str, node: Any = None, extra: dict[str, Any] | None =
         )
         if not is_refusal:
             raise
-        raise translate(root, prefix, node, extra) from root
+        raise translate(root, prefix, node) from root
