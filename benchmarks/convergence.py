@@ -141,7 +141,7 @@ def quick_overrides(preset: str) -> list[str]:
     """Tiny data, model and epochs for the smoke test; same arms and techniques."""
     out = [
         "data.train_size=512", "data.val_size=128", "data.resolution=16",
-        "model.kwargs.widths=[8,16,32]", "trainer.max_epochs=2",
+        "model.model_kwargs.widths=[8,16,32]", "trainer.max_epochs=2",
     ]
     if preset not in ("convergence_baseline", "convergence_linear_scaling"):
         out.append("callbacks.warmup_decay_lr.warmup_epochs=1")

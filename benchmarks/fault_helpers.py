@@ -18,7 +18,7 @@ import torch
 # A 2-rank fastscale-train job with the large-batch recipe, small enough for a test (CPU, gloo):
 RECIPE_RUN = [
     "data.train_size=256", "data.val_size=32", "data.batch_size=32", "data.resolution=16",
-    "model.kwargs.widths=[8,8,8]", "trainer.max_epochs=2", "trainer.enable_progress_bar=false",
+    "model.model_kwargs.widths=[8,8,8]", "trainer.max_epochs=2", "trainer.enable_progress_bar=false",
     "trainer.log_every_n_steps=1", "callbacks=large_batch", "callbacks.model_checkpoint.save_top_k=-1",
     "callbacks.batch_size_ramp.lr_milestones=[1]",
     "callbacks.progressive_resizing.size_increment=2", "trainer.devices=2",

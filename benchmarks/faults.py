@@ -183,7 +183,7 @@ def comm_rows(root: Path) -> list[Row]:
 # the storage rows' job: 1 process, default callbacks and cosine schedule, 64 samples / 16 = 4 steps per epoch
 SMALL_RUN = [
     "data.train_size=64", "data.val_size=16", "data.batch_size=16", "data.resolution=16",
-    "model.kwargs.widths=[8,8,8]", "trainer.max_epochs=2", "trainer.enable_progress_bar=false",
+    "model.model_kwargs.widths=[8,8,8]", "trainer.max_epochs=2", "trainer.enable_progress_bar=false",
     "trainer.log_every_n_steps=1", "trainer.accelerator=cpu", "logger=csv",
 ]
 

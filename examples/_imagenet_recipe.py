@@ -21,7 +21,6 @@ from lightning_fastscale import ImageClassifier, ImageFolderDataModule, Procedur
 from lightning_fastscale.callbacks import (
     BatchSizeRamp,
     LabelSmoothing,
-    NoWeightDecayOnBiasNorm,
     WarmupDecayLR,
     ZeroInitResidualBN,
 )
@@ -100,7 +99,6 @@ def run(recipe: Recipe, args: argparse.Namespace) -> pl.Trainer:
         BatchSizeRamp(schedule, max_per_device_batch=recipe.max_per_device_batch),
         WarmupDecayLR(warmup_epochs=recipe.warmup_epochs, decay="poly", power=2.0,
                       end_lr=recipe.end_lr, reference_batch=recipe.reference_batch),
-        NoWeightDecayOnBiasNorm(),
     ]
     if recipe.label_smoothing:
         callbacks.append(LabelSmoothing(recipe.label_smoothing))
@@ -127,7 +125,7 @@ def run(recipe: Recipe, args: argparse.Namespace) -> pl.Trainer:
     )
     module = ImageClassifier(
         recipe.model, num_classes=datamodule.num_classes, optimizer=optimizer,
-        model_kwargs=recipe.model_kwargs,
+        model_kwargs=recipe.model_kwargs, no_weight_decay_on_bias_norm=True,
     )
     trainer.fit(module, datamodule=datamodule)
     if trainer.is_global_zero:

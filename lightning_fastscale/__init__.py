@@ -21,11 +21,10 @@ Examples:
     >>> [name for name in ("hier_ring", "hier_torus") if name in StrategyRegistry]
     ['hier_ring', 'hier_torus']
 """
-from . import strategies  # noqa: F401  (registers "hier_ring", "hier_torus" and _spawn variants)
+from . import conf, strategies  # noqa: F401  (registers the configs' resolver; "hier_ring", "hier_torus" and _spawn variants)
 from .callbacks import (
     BatchSizeRamp,
     LabelSmoothing,
-    NoWeightDecayOnBiasNorm,
     ProgressiveResizing,
     WarmupDecayLR,
     ZeroInitResidualBN,
@@ -33,7 +32,7 @@ from .callbacks import (
 from .data import ImageFolderDataModule, ProceduralDataModule, ProceduralShapes
 from .models import create_model, register_model
 from .module import ImageClassifier
-from .param_groups import is_excluded, split_parameters
+from .param_groups import is_excluded, param_groups_without_decay, split_parameters
 from .precision import LARS, LARSMixedPrecision
 from .strategies import HierarchicalAllReduceStrategy
 
@@ -47,7 +46,6 @@ __all__ = [
     "LARS",
     "LARSMixedPrecision",
     "LabelSmoothing",
-    "NoWeightDecayOnBiasNorm",
     "ProceduralDataModule",
     "ProceduralShapes",
     "ProgressiveResizing",
@@ -55,6 +53,7 @@ __all__ = [
     "ZeroInitResidualBN",
     "create_model",
     "is_excluded",
+    "param_groups_without_decay",
     "register_model",
     "split_parameters",
 ]

@@ -92,17 +92,48 @@ def _root_error(error: BaseException) -> BaseException:
     return error
 
 
-def translate(error: BaseException, prefix: str, node: Any = None, extra: dict[str, Any] | None = None) -> ConfigError:
+_VALUE = r"""(?:'[^']*'|"[^"]*"|\[[^\]]*\]|[^\s,;:()\[\]`]+)"""
+"""A value as a message writes it after ``name=``: quoted, a list, or one word."""
+
+
+def _mention(leaf: str, assigned: bool) -> str:
+    """Regex of ``leaf`` named in a message: ``leaf=value`` (``assigned``), else ``leaf`` alone.
+
+    ``Class.leaf`` counts as ``leaf``. Alone, only a name no prose uses counts: one with an
+    underscore or in backquotes (``max_steps``, `` `devices` ``), so ``model`` in "unknown model"
+    is not taken for the setting ``model``.
+    """
+    name = rf"(?<![\w.])(?:\w+\.)?{re.escape(leaf)}"
+    if assigned:
+        return rf"{name}={_VALUE}"
+    if "_" in leaf:
+        return rf"{name}(?![\w=])"
+    return rf"(?<=`)(?:\w+\.)?{re.escape(leaf)}(?=`)"
+
+
+def _hydra_literal(written: str) -> str:
+    """A Python literal of a message (``True``, ``None``, ``'max-autotune'``) as Hydra writes it."""
+    if written in ("True", "False"):
+        return written.lower()
+    if written == "None":
+        return "null"
+    if len(written) >= 2 and written[0] == written[-1] and written[0] in "'\"":
+        return written[1:-1]
+    return written
+
+
+def translate(error: BaseException, prefix: str, node: Any = None) -> ConfigError:
     """``error`` (a library's refusal of one of its arguments) re-worded with Hydra keys.
 
     Args:
         error: the exception the library raised (Hydra's instantiation wrapper is looked through).
         prefix: the config group the object was built from, e.g. ``"strategy"``.
-        node: that group's config node; the argument named first in the message is found among
-            its keys (nested nodes too) and replaced by its Hydra key, e.g. ``bucket_cap_mb``
-            (or ``HierarchicalAllReduceStrategy.bucket_cap_mb``) by ``strategy.bucket_cap_mb``.
-        extra: further argument name -> (Hydra key, value) pairs that were not in ``node``
-            (e.g. the Trainer's ``precision``, which comes from the ``precision`` group).
+        node: that group's config node; the argument named first in the message (as
+            ``name=value`` before a bare ``name``) is found among its keys (nested nodes too) and
+            replaced by its Hydra key and the configured value, e.g. ``bucket_cap_mb=-5`` (or
+            ``HierarchicalAllReduceStrategy.bucket_cap_mb``) by ``strategy.bucket_cap_mb=-5``.
+            Other arguments the message names as ``name=value`` get their keys too, their Python
+            values written as on the command line (``compile=True`` as ``model.compile=true``).
 
     Returns:
         A [`ConfigError`][lightning_fastscale.config_check.ConfigError] whose one-line message starts with ``<key>=<value>`` when the
@@ -111,25 +142,35 @@ def translate(error: BaseException, prefix: str, node: Any = None, extra: dict[s
     error = _root_error(error)
     message = " ".join(str(error).split())  # one line
     leaves = _leaves(node, prefix) if node is not None else {}
-    leaves.update(extra or {})
-    best: tuple[int, str] | None = None
-    for leaf in leaves:
-        match = re.search(rf"(?<![\w.])(?:\w+\.)?{re.escape(leaf)}(?!\w)", message)
-        if match and (best is None or match.start() < best[0]):
-            best = (match.start(), leaf)
+    best: tuple[int, str, bool] | None = None
+    for assigned in (True, False):
+        for leaf in leaves:
+            match = re.search(_mention(leaf, assigned), message)
+            if match and (best is None or match.start() < best[0]):
+                best = (match.start(), leaf, assigned)
+        if best is not None:
+            break
     fix = ""
     if best is None:
         lowered = message.lower()
         for phrase, leaf, hint in _TORCH_PHRASES:
             if phrase in lowered and leaf in leaves:
-                best, fix = (0, leaf), hint
+                best, fix = (0, leaf, False), hint
                 break
     if best is None:
         return ConfigError(f"{prefix}: {message}")
-    leaf = best[1]
+    _, leaf, assigned = best
     key, value = leaves[leaf]
-    if re.search(rf"(?<![\w.]){re.escape(key)}(?!\w)", message) is None:
+    if assigned:
+        message = re.sub(_mention(leaf, True), lambda _: f"{key}={show(value)}", message, count=1)
+    elif re.search(rf"(?<![\w.]){re.escape(key)}(?!\w)", message) is None:
         message = re.sub(rf"(?<![\w.])(?:\w+\.)?{re.escape(leaf)}(?!\w)", key, message, count=1)
+    for other, (other_key, _) in leaves.items():
+        if other != leaf:
+            message = re.sub(
+                rf"(?<![\w.])(?:\w+\.)?{re.escape(other)}=({_VALUE})",
+                lambda m, k=other_key: f"{k}={_hydra_literal(m.group(1))}", message,
+            )
     if not message.startswith(f"{key}="):
         message = f"{key}={show(value)}: {message}"
     if fix:
@@ -138,10 +179,11 @@ def translate(error: BaseException, prefix: str, node: Any = None, extra: dict[s
 
 
 @contextlib.contextmanager
-def setting_errors(prefix: str, node: Any = None, extra: dict[str, Any] | None = None) -> Iterator[None]:
+def setting_errors(prefix: str, node: Any = None) -> Iterator[None]:
     """Turn a library's refusal of an argument, raised inside the block, into a [`ConfigError`][lightning_fastscale.config_check.ConfigError].
 
-    ``ValueError`` (and Lightning's ``MisconfigurationException``) is the refusal of a value; a
+    ``ValueError`` (and Lightning's ``MisconfigurationException``) is the refusal of a value,
+    ``FileNotFoundError`` that of a path setting naming no file (``data.root``, ``model.pretrained``); a
     ``TypeError`` counts only when it is about the arguments themselves (an unknown or missing
     keyword), since elsewhere it marks a bug.
     """
@@ -153,9 +195,9 @@ def setting_errors(prefix: str, node: Any = None, extra: dict[str, Any] | None =
         from lightning.fabric.utilities.exceptions import MisconfigurationException
 
         root = _root_error(error)
-        is_refusal = isinstance(root, (ValueError, MisconfigurationException)) or (
+        is_refusal = isinstance(root, (ValueError, MisconfigurationException, FileNotFoundError)) or (
             isinstance(root, TypeError) and re.search(r"argument|takes \d+ positional", str(root)) is not None
         )
         if not is_refusal:
             raise
-        raise translate(root, prefix, node, extra) from root
+        raise translate(root, prefix, node) from root

@@ -9,18 +9,20 @@ from __future__ import annotations
 import copy
 import inspect
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.throughput import measure_flops
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
 from .models import create_model
+from .param_groups import param_groups_without_decay, split_parameters, validate_patterns
 
 
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -69,6 +71,13 @@ class ImageClassifier(pl.LightningModule):
             checkpoints keep their parameter names) when the Trainer configures the model.
         compile_mode: ``torch.compile``'s ``mode`` (``None``: torch's default,
             ``"reduce-overhead"``, ``"max-autotune"``, ...).
+        no_weight_decay_on_bias_norm: give bias and normalisation parameters weight decay 0
+            (Jia et al. 2018; Goyal et al. 2017 for BN): the optimizer is built over the two
+            groups of [`param_groups_without_decay`][lightning_fastscale.param_groups.param_groups_without_decay], the first with the optimizer's own
+            weight decay. The rule is the one LARS uses to skip adaptation.
+        no_weight_decay_patterns: glob patterns on parameter names (as ``named_parameters()``
+            gives them, e.g. ``"model.fc.*"``) that also get weight decay 0; needs
+            ``no_weight_decay_on_bias_norm``.
 
     The loss is the ``criterion`` attribute (an ``nn.CrossEntropyLoss``) so that callbacks such
     as ``LabelSmoothing`` can act on it. ``flops_per_batch`` (training FLOPs of the last batch's
@@ -99,16 +108,20 @@ class ImageClassifier(pl.LightningModule):
         channels_last: bool = False,
         compile: bool = False,
         compile_mode: str | None = None,
+        no_weight_decay_on_bias_norm: bool = False,
+        no_weight_decay_patterns: Sequence[str] = (),
     ) -> None:
         super().__init__()
         if scheduler_interval not in ("step", "epoch"):
-            raise ValueError(f"scheduler_interval must be 'step' or 'epoch', got {scheduler_interval!r}")
+            raise ValueError(f"scheduler_interval={scheduler_interval!r} is not 'step' or 'epoch'")
         if compile_mode not in COMPILE_MODES:
-            raise ValueError(f"model.compile_mode={compile_mode!r}: choose one of {list(COMPILE_MODES)}")
+            raise ValueError(f"compile_mode={compile_mode!r} is not one of {list(COMPILE_MODES)}")
         if compile_mode is not None and not compile:
-            raise ValueError(f"model.compile_mode={compile_mode!r} has no effect without model.compile=true")
+            raise ValueError(f"compile_mode={compile_mode!r} has no effect without compile=True")
         if not isinstance(model, str) and pretrained is not False:
-            raise ValueError("pretrained applies to a model given by name; load weights into your nn.Module yourself")
+            raise ValueError(
+                f"pretrained={pretrained!r} applies to a model given by name; load weights into your nn.Module yourself"
+            )
         self.save_hyperparameters(ignore=["model", "optimizer", "scheduler"])
         self.model = (
             create_model(model, num_classes, pretrained=pretrained, **(model_kwargs or {}))
@@ -122,6 +135,19 @@ class ImageClassifier(pl.LightningModule):
             self.model.to(memory_format=torch.channels_last)
         self._flops_per_sample: dict[tuple[int, ...], int] = {}
         self._last_batch_shape: tuple[int, ...] | None = None
+        self.no_weight_decay_patterns = validate_patterns(no_weight_decay_patterns)
+        if self.no_weight_decay_patterns and not no_weight_decay_on_bias_norm:
+            raise ValueError(
+                f"no_weight_decay_patterns={self.no_weight_decay_patterns} has no effect without "
+                "no_weight_decay_on_bias_norm=True"
+            )
+        if no_weight_decay_on_bias_norm and not split_parameters(self, self.no_weight_decay_patterns)[1]:
+            raise ValueError(
+                f"no_weight_decay_on_bias_norm=True: {type(self.model).__name__} has no trainable bias or "
+                "normalisation parameters (and none matches no_weight_decay_patterns), so nothing would "
+                "be left without weight decay; set no_weight_decay_on_bias_norm=False or add patterns"
+            )
+        self.no_weight_decay_on_bias_norm = no_weight_decay_on_bias_norm
         self.criterion = nn.CrossEntropyLoss()
         self.optimizer_factory = optimizer or default_optimizer
         self.scheduler_factory = scheduler
@@ -197,7 +223,6 @@ class ImageClassifier(pl.LightningModule):
         self.log("val/per_class_top1", self.val_per_class_top1)
 
     @override
-    @override
     def setup(self, stage: str) -> None:
         """Take one per-device training batch as ``example_input_array`` from the datamodule.
 
@@ -212,8 +237,10 @@ class ImageClassifier(pl.LightningModule):
             if isinstance(batch, int) and isinstance(side, int):
                 self.example_input_array = torch.zeros(batch, 3, side, side)
 
+    @override
     def configure_optimizers(self) -> Any:
-        optimizer = self.optimizer_factory(self.parameters())
+        """The optimizer over the module's parameters (two weight-decay groups when asked), and its scheduler."""
+        optimizer = self.optimizer_factory(self._optimizer_parameters())
         if self.scheduler_factory is None:
             return optimizer
         if "total_steps" in inspect.signature(self.scheduler_factory).parameters:
@@ -224,6 +251,17 @@ class ImageClassifier(pl.LightningModule):
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": self.scheduler_interval},
         }
+
+    def _optimizer_parameters(self) -> Any:
+        if not self.no_weight_decay_on_bias_norm:
+            return self.parameters()
+        groups = param_groups_without_decay(self, None, self.no_weight_decay_patterns)
+        excluded = sum(len(g["params"]) for g in groups if g["name"] == "no_decay")
+        rank_zero_info(
+            f"ImageClassifier: weight decay 0 on {excluded} bias/normalisation parameters of "
+            f"{sum(len(g['params']) for g in groups)}"
+        )
+        return groups
 
     def _total_scheduler_steps(self) -> int:
         if self.scheduler_interval == "epoch":

@@ -4,8 +4,9 @@ Jia et al. 2018 (Tencent, "Highly Scalable Deep Learning Training System with
 Mixed-Precision: Training ImageNet in Four Minutes") removed weight decay from the bias and
 the batch-norm beta/gamma (+1.3% top-1 for AlexNet at batch 64K); the MLPerf LARS reference
 likewise gives these parameters neither weight decay nor LARS adaptation. Every component of
-this package that needs the distinction (``NoWeightDecayOnBiasNorm``, ``LARSMixedPrecision``, the
-``LARS`` optimizer) asks [`is_excluded`][lightning_fastscale.param_groups.is_excluded]; none re-implements it.
+this package that needs the distinction (the optimizer groups of
+[`param_groups_without_decay`][lightning_fastscale.param_groups.param_groups_without_decay], ``LARSMixedPrecision``, the ``LARS``
+optimizer) asks [`is_excluded`][lightning_fastscale.param_groups.is_excluded]; none re-implements it.
 
 The rule: a parameter is excluded when it has ``ndim <= 1`` (biases, norm-layer affine
 parameters, scalars such as layer-scale gammas), when it belongs to a normalisation layer
@@ -16,8 +17,12 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from torch import nn
+
+DECAY_GROUP = "decay"
+NO_DECAY_GROUP = "no_decay"
 
 NORM_LAYER_TYPES: tuple[type[nn.Module], ...] = (
     nn.modules.batchnorm._NormBase,
@@ -86,3 +91,49 @@ def validate_patterns(patterns: Iterable[str]) -> list[str]:
                 "parameter names such as '*.bias' or 'head.*'"
             )
     return out
+
+
+def param_groups_without_decay(
+    module: nn.Module,
+    weight_decay: float | None = None,
+    extra_patterns: Sequence[str] = (),
+) -> list[dict[str, Any]]:
+    """Optimizer parameter groups where bias/normalisation parameters get no weight decay.
+
+    Jia et al. 2018 removed weight decay from biases and batch-norm beta/gamma (+1.3% top-1 for
+    AlexNet at batch 64K); Goyal et al. 2017 likewise leave BN parameters undecayed. The groups
+    are built where the optimizer is built, as timm's ``param_groups_weight_decay`` does, so an
+    LR scheduler built on the optimizer schedules both and a checkpoint's optimizer state
+    resumes into the same layout.
+
+    Args:
+        module: the model whose trainable parameters are grouped (frozen ones are left out).
+        weight_decay: weight decay of the first group; ``None`` leaves it unset so that the
+            optimizer's own ``weight_decay`` argument applies.
+        extra_patterns: glob patterns on qualified parameter names (``fnmatch``, e.g.
+            ``"head.*"``) that also go to the no-decay group.
+
+    Returns:
+        ``[{"name": "decay", "params": [...]}, {"name": "no_decay", "params": [...],
+        "weight_decay": 0.0}]`` in ``named_parameters()`` order, ready for any
+        ``torch.optim`` optimizer; an empty group is omitted. The split is the shared rule
+        of [`split_parameters`][lightning_fastscale.param_groups.split_parameters].
+
+    Examples:
+        >>> model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Flatten(), nn.Linear(8, 2))
+        >>> [(g["name"], len(g["params"]), g.get("weight_decay")) for g in param_groups_without_decay(model, 5e-5)]
+        [('decay', 2, 5e-05), ('no_decay', 4, 0.0)]
+
+        In a LightningModule: ``torch.optim.SGD(param_groups_without_decay(self), lr=0.1,
+        weight_decay=5e-5)`` in ``configure_optimizers``.
+    """
+    decayed, excluded = split_parameters(module, validate_patterns(extra_patterns))
+    groups: list[dict[str, Any]] = []
+    if decayed:
+        group: dict[str, Any] = {"name": DECAY_GROUP, "params": [p for _, p in decayed]}
+        if weight_decay is not None:
+            group["weight_decay"] = weight_decay
+        groups.append(group)
+    if excluded:
+        groups.append({"name": NO_DECAY_GROUP, "params": [p for _, p in excluded], "weight_decay": 0.0})
+    return groups

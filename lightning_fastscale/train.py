@@ -26,7 +26,7 @@ from lightning.fabric.plugins.environments import LSFEnvironment, SLURMEnvironme
 from lightning.pytorch.callbacks import LearningRateMonitor, ThroughputMonitor
 from omegaconf import DictConfig, OmegaConf
 
-import lightning_fastscale  # noqa: F401  (registers strategies and models)
+import lightning_fastscale  # noqa: F401  (registers strategies, models and the configs' resolver)
 
 from . import checkpointing
 from ._validation import positive_int, positive_number
@@ -52,7 +52,7 @@ def cluster_launches_ranks() -> bool:
 
 
 def build_strategy(cfg: DictConfig, devices: Any) -> Any:
-    """Strategy object or name from the ``strategy`` group.
+    """The strategy the ``strategy`` group describes, or ``"auto"`` (Lightning's default) for an empty node.
 
     Lightning's default DDP launcher re-executes the script once per extra rank, which does
     not mix with Hydra multirun (each re-executed child would start the whole sweep again).
@@ -62,32 +62,12 @@ def build_strategy(cfg: DictConfig, devices: Any) -> Any:
     starts no processes, and spawning would multiply the ranks.
     """
     node = cfg.get("strategy")
-    if node is None or (isinstance(node, DictConfig) and not node):
+    if not node:
         return "auto"
-    if not isinstance(node, DictConfig):
-        return node
     multi_device = devices not in (1, "1", None) and not (isinstance(devices, list) and len(devices) == 1)
-    spawn = _is_multirun() and multi_device and not cluster_launches_ranks()
-    if "_target_" in node:
-        if spawn:
-            return instantiate(node, start_method="spawn")
-        return instantiate(node)
-    name = node.get("name", "auto")
-    if spawn and name == "ddp":
-        return "ddp_spawn"
-    return name
-
-
-def build_precision(cfg: DictConfig) -> tuple[Any, list[Any]]:
-    """``(precision_string_or_None, plugins)`` from the ``precision`` group."""
-    node = cfg.get("precision")
-    if node is None or (isinstance(node, DictConfig) and not node):
-        return None, []
-    if isinstance(node, DictConfig) and "_target_" in node:
-        return None, [instantiate(node)]
-    if isinstance(node, DictConfig):
-        return node.get("value"), []
-    return node, []
+    if _is_multirun() and multi_device and not cluster_launches_ranks():
+        return instantiate(node, start_method="spawn")
+    return instantiate(node)
 
 
 def build_logger(cfg: DictConfig) -> Any:
@@ -182,23 +162,13 @@ def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.
     num_classes = getattr(datamodule, "num_classes", None)
     if num_classes is None:
         raise ValueError(f"{type(datamodule).__name__} has no num_classes attribute; the classifier needs it")
-    model_cfg = cfg.model
     with setting_errors("optimizer", cfg.get("optimizer")):
         optimizer = instantiate(cfg.optimizer) if cfg.get("optimizer") else None
     with setting_errors("scheduler", cfg.get("scheduler")):
         scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
-    with setting_errors("model", model_cfg):
-        module = ImageClassifier(
-            model=model_cfg.name,
-            num_classes=num_classes,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            model_kwargs=OmegaConf.to_container(model_cfg.kwargs, resolve=True) if model_cfg.get("kwargs") else {},
-            pretrained=model_cfg.get("pretrained", False),
-            channels_last=bool(model_cfg.get("channels_last", False)),
-            compile=bool(model_cfg.get("compile", False)),
-            compile_mode=model_cfg.get("compile_mode"),
-        )
+    # the one link between groups: the classifier's outputs are the datamodule's classes
+    with setting_errors("model", cfg.model):
+        module = instantiate(cfg.model, num_classes=num_classes, optimizer=optimizer, scheduler=scheduler)
     callbacks = []
     for name, node in (cfg.get("callbacks") or {}).items():
         if node:
@@ -209,22 +179,18 @@ def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.
     if not logger:  # these only report to a logger, and Lightning refuses them without one
         callbacks = [c for c in callbacks if not isinstance(c, (LearningRateMonitor, ThroughputMonitor))]
     with setting_errors("precision", cfg.get("precision")):
-        precision, plugins = build_precision(cfg)
+        plugins = [instantiate(cfg.precision)] if cfg.get("precision") else []
     with setting_errors("strategy", cfg.get("strategy")):
         strategy = build_strategy(cfg, cfg.trainer.get("devices"))
-    trainer_kwargs: dict[str, Any] = {
-        "strategy": strategy,
-        "callbacks": callbacks,
-        "logger": logger,
-        # every checkpoint written atomically beside its target (no partial file under a final name)
-        "plugins": [*plugins, AtomicCheckpointIO()],
-    }
-    if precision is not None:
-        trainer_kwargs["precision"] = precision
-    # The Trainer's refusals of the precision and strategy name their Trainer arguments.
-    from_groups = {"precision": ("precision.value", precision), "strategy": ("strategy.name", strategy)}
-    with setting_errors("trainer", cfg.trainer, extra=from_groups):
-        trainer: pl.Trainer = instantiate(cfg.trainer, **trainer_kwargs)
+    with setting_errors("trainer", cfg.trainer):
+        trainer: pl.Trainer = instantiate(
+            cfg.trainer,
+            strategy=strategy,
+            callbacks=callbacks,
+            logger=logger,
+            # every checkpoint written atomically beside its target (no partial file under a final name)
+            plugins=[*plugins, AtomicCheckpointIO()],
+        )
     check_parts(cfg, module, trainer)
     return datamodule, module, trainer
 

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_fastscale.param_groups import param_groups_without_decay
+
 
 def tensor_loader(
     n: int = 32, batch_size: int = 8, resolution: int = 8, classes: int = 4, seed: int = 0
@@ -41,8 +43,8 @@ def make_trainer(
 class TinyClassifier(pl.LightningModule):
     """conv(bias) - BN - ReLU - pool - linear, trained with ``self.criterion`` and SGD.
 
-    ``configure_optimizers`` builds SGD over ``self.parameters()`` (the ordinary pattern) plus
-    an optional per-step LambdaLR. Training and validation steps record what they computed so
+    ``configure_optimizers`` builds SGD over ``self.parameters()`` (the ordinary pattern), or over
+    ``param_groups_without_decay(self)`` with ``no_decay_on_bias_norm``, plus an optional per-step LambdaLR. Training and validation steps record what they computed so
     tests can recompute the losses by hand; validation deliberately uses ``self.criterion`` too.
     """
 
@@ -52,6 +54,7 @@ class TinyClassifier(pl.LightningModule):
         weight_decay: float = 0.1,
         with_scheduler: bool = False,
         classes: int = 4,
+        no_decay_on_bias_norm: bool = False,
     ) -> None:
         super().__init__()
         self.model = model or nn.Sequential(
@@ -65,6 +68,7 @@ class TinyClassifier(pl.LightningModule):
         self.criterion = nn.CrossEntropyLoss()
         self.weight_decay = weight_decay
         self.with_scheduler = with_scheduler
+        self.no_decay_on_bias_norm = no_decay_on_bias_norm
         self.train_records: list[tuple[int, torch.Tensor, torch.Tensor, float, float]] = []
         self.val_records: list[tuple[torch.Tensor, torch.Tensor, float]] = []
 
@@ -86,7 +90,8 @@ class TinyClassifier(pl.LightningModule):
         self.val_records.append((logits.detach().clone(), y, self.criterion(logits, y).item()))
 
     def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, weight_decay=self.weight_decay)
+        params = param_groups_without_decay(self) if self.no_decay_on_bias_norm else self.parameters()
+        optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=self.weight_decay)
         if not self.with_scheduler:
             return optimizer
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))

@@ -197,7 +197,7 @@ def test_fastscale_train_diverging_in_fp32_fails_and_keeps_no_nan_checkpoint(tmp
     from lightning_fastscale import checkpointing
 
     run = ["data.train_size=64", "data.val_size=16", "data.batch_size=16", "data.resolution=16",
-           "model.kwargs.widths=[8,8,8]", "trainer.max_epochs=3", "trainer.enable_progress_bar=false",
+           "model.model_kwargs.widths=[8,8,8]", "trainer.max_epochs=3", "trainer.enable_progress_bar=false",
            "trainer.log_every_n_steps=1", "trainer.accelerator=cpu", "logger=csv", "optimizer.lr=1e6"]
     code, out = finish(start(tmp_path / "run", run=run))
     assert code != 0, out[-3000:]

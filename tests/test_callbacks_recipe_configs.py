@@ -11,7 +11,6 @@ from omegaconf import DictConfig
 from lightning_fastscale.callbacks import (
     BatchSizeRamp,
     LabelSmoothing,
-    NoWeightDecayOnBiasNorm,
     ProgressiveResizing,
     WarmupDecayLR,
     ZeroInitResidualBN,
@@ -24,7 +23,6 @@ RECIPE = {
     "warmup_decay_lr": WarmupDecayLR,
     "progressive_resizing": ProgressiveResizing,
     "label_smoothing": LabelSmoothing,
-    "no_weight_decay_on_bias_norm": NoWeightDecayOnBiasNorm,
     "zero_init_residual_bn": ZeroInitResidualBN,
 }
 
@@ -44,6 +42,7 @@ def test_large_batch_turns_on_every_technique_and_keeps_the_defaults() -> None:
     built = _recipe_callbacks(cfg)
     assert {name: type(cb) for name, cb in built.items()} == RECIPE
     assert not cfg.scheduler  # WarmupDecayLR owns the LR: the cosine scheduler is switched off
+    assert cfg.model.no_weight_decay_on_bias_norm is True  # in the optimizer's groups, not a callback
 
 
 @pytest.mark.parametrize(
@@ -60,7 +59,8 @@ def test_large_batch_turns_on_every_technique_and_keeps_the_defaults() -> None:
 )
 def test_presets_compose_and_instantiate(experiment, model, epochs, active) -> None:
     cfg = _compose(f"experiment={experiment}", "data.root=/nonexistent")
-    assert (cfg.model.name, cfg.trainer.max_epochs) == (model, epochs)
+    assert (cfg.model.model, cfg.trainer.max_epochs) == (model, epochs)
+    assert cfg.model.no_weight_decay_on_bias_norm is True
     assert cfg.strategy._target_.endswith("HierarchicalAllReduceStrategy")
     built = _recipe_callbacks(cfg)
     assert set(built) == active
@@ -82,7 +82,7 @@ def test_default_job_trains_with_the_whole_recipe(tmp_path) -> None:
         f"trainer.default_root_dir={tmp_path}",
         f"callbacks.model_checkpoint.dirpath={tmp_path}/ckpt",
         f"callbacks.step_breakdown.dirpath={tmp_path}",
-        "model.kwargs.widths=[4,8,8]",
+        "model.model_kwargs.widths=[4,8,8]",
         "data.train_size=64",
         "data.val_size=32",
         "data.batch_size=16",

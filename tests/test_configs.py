@@ -15,11 +15,12 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_class
 from lightning.pytorch.callbacks import LearningRateMonitor, ThroughputMonitor
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_fastscale import train as train_module
 from lightning_fastscale.callbacks import BatchSizeRamp, LabelSmoothing, WarmupDecayLR
+from lightning_fastscale.conf import autocast_device
 from lightning_fastscale.data.convert import convert
 from lightning_fastscale.precision import LARSMixedPrecision
 from lightning_fastscale.strategies import HierarchicalAllReduceStrategy
@@ -71,7 +72,10 @@ def assert_built_as_configured(cfg: DictConfig, datamodule: Any, module: Any, tr
     assert type(datamodule) is get_class(cfg.data._target_)
     assert datamodule.train_batch_size == cfg.data.batch_size
     assert datamodule.train_resolution == cfg.data.resolution
-    # model: a classifier over the datamodule's classes at the configured resolution
+    # model: the configured classifier over the datamodule's classes at the configured resolution
+    assert type(module) is get_class(cfg.model._target_)
+    for key in ("channels_last", "compile", "compile_mode", "no_weight_decay_on_bias_norm"):
+        assert module.hparams[key] == cfg.model[key], key
     side = cfg.data.resolution
     module.model.eval()
     with torch.no_grad():
@@ -86,26 +90,23 @@ def assert_built_as_configured(cfg: DictConfig, datamodule: Any, module: Any, tr
         assert isinstance(configured, dict) and configured["lr_scheduler"]["scheduler"] is not None
     else:
         assert not isinstance(configured, dict), "scheduler=none still returned a scheduler"
-    # precision
-    node = cfg.get("precision")
-    if node and "_target_" in node:
-        plugin = trainer.precision_plugin
-        assert isinstance(plugin, get_class(node._target_))
-        assert plugin.precision == node.precision and plugin.eta == node.eta
-    elif node:
-        # Lightning runs "16-mixed" as "bf16-mixed" on the CPU (torch's CPU autocast is bf16)
-        expected = "bf16-mixed" if node.value == "16-mixed" else node.value
-        assert trainer.precision == expected
-    # strategy
+    # precision: every option is a precision plugin handed to the Trainer
+    node = cfg.precision
+    plugin = trainer.precision_plugin
+    assert type(plugin) is get_class(node._target_)
+    for key in ("precision", "device", "eta"):
+        if key in node:
+            assert getattr(plugin, key) == node[key], key
+    if "device" in node:
+        assert node.device == "cpu"  # trainer.accelerator=cpu: autocast on the CPU
+    # strategy: a _target_ node, or empty for Lightning's default ("auto": one CPU device, no DDP)
     node = cfg.get("strategy")
-    if node and "_target_" in node:
+    if node:
         assert type(trainer.strategy) is get_class(node._target_)
         if "algorithm" in node:
             assert trainer.strategy.algorithm == node.algorithm
     else:
-        # a name: on one CPU device "auto" is a single-device strategy, "ddp" stays DDP
-        expected = DDPStrategy if node and node.get("name", "auto") != "auto" else SingleDeviceStrategy
-        assert isinstance(trainer.strategy, expected)
+        assert isinstance(trainer.strategy, SingleDeviceStrategy)
     # logger
     node = cfg.get("logger")
     if node:
@@ -170,6 +171,33 @@ def test_large_batch_callbacks_replace_the_scheduler(tmp_path, monkeypatch):
     assert {BatchSizeRamp, WarmupDecayLR, LabelSmoothing} <= types
     # WarmupDecayLR owns the LR, so the group turns the module's scheduler off
     assert not cfg.scheduler and not isinstance(module.configure_optimizers(), dict)
+    # and the optimizer's bias/BN group gets no weight decay
+    assert [g["weight_decay"] for g in module.configure_optimizers().param_groups] == [cfg.optimizer.weight_decay, 0.0]
+
+
+@pytest.mark.parametrize(
+    "override, plugin, precision",
+    [("precision=fp32", "Precision", "32-true"), ("precision=bf16_mixed", "MixedPrecision", "bf16-mixed"),
+     ("precision=fp16_mixed", "MixedPrecision", "16-mixed")],
+)
+def test_lightning_precision_configs_build_lightnings_plugins(override, plugin, precision, tmp_path, monkeypatch):
+    """Lightning's own plugins, autocast on the device of trainer.accelerator (here the CPU)."""
+    _, _, _, trainer = build([override], tmp_path, monkeypatch)
+    assert type(trainer.precision_plugin).__name__ == plugin
+    assert trainer.precision == precision
+    if plugin == "MixedPrecision":
+        assert trainer.precision_plugin.device == "cpu"
+        assert (trainer.precision_plugin.scaler is not None) == (precision == "16-mixed")
+
+
+@pytest.mark.parametrize(
+    "accelerator, cuda, expected",
+    [("cpu", True, "cpu"), ("gpu", True, "cuda"), ("cuda", True, "cuda"), ("auto", True, "cuda"), ("auto", False, "cpu")],
+)
+def test_autocast_device_follows_the_accelerator(accelerator, cuda, expected, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    assert autocast_device(accelerator) == expected
 
 
 def test_imagenet_resnet50_preset_carries_the_published_settings(tmp_path, monkeypatch):

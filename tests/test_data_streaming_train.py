@@ -12,7 +12,7 @@ from lightning_fastscale.data.cli import main as fastscale_data
 from .data_streaming_utils import convert_tree
 
 # Small-run limits only: the model summary, the throughput monitor and the progress bar stay on.
-_SMALL = ["model.kwargs.widths=[8,16,16]", "trainer.max_epochs=1", "logger=csv"]
+_SMALL = ["model.model_kwargs.widths=[8,16,16]", "trainer.max_epochs=1", "logger=csv"]
 
 
 def _train(tmp_path, run_dir, overrides):

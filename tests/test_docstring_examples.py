@@ -15,7 +15,7 @@ MODULES = [
     "lightning_fastscale.callbacks.lr_schedule",
     "lightning_fastscale.callbacks.progressive_resizing",
     "lightning_fastscale.callbacks.label_smoothing",
-    "lightning_fastscale.callbacks.skip_weight_decay",
+    "lightning_fastscale.param_groups",
     "lightning_fastscale.callbacks.zero_init_residual_bn",
     "lightning_fastscale.callbacks.ghost_batch_norm",
     "lightning_fastscale.diagnostics.step_breakdown",

@@ -21,7 +21,7 @@ from lightning_fastscale.checkpoint_io import partial_files, save_atomically
 # 1 rank, 64 samples / 16: 4 steps per epoch; checkpoints at the end of epochs 0 and 1 (about 94 kB each)
 RUN = [
     "data.train_size=64", "data.val_size=16", "data.batch_size=16", "data.resolution=16",
-    "model.kwargs.widths=[8,8,8]", "trainer.max_epochs=2", "trainer.enable_progress_bar=false",
+    "model.model_kwargs.widths=[8,8,8]", "trainer.max_epochs=2", "trainer.enable_progress_bar=false",
     "trainer.log_every_n_steps=1", "trainer.accelerator=cpu", "logger=csv",
 ]
 

@@ -185,7 +185,6 @@ def test_the_large_batch_recipe_resumes_bitwise_mid_epoch(tmp_path):
     from lightning_fastscale.callbacks import (
         BatchSizeRamp,
         LabelSmoothing,
-        NoWeightDecayOnBiasNorm,
         ProgressiveResizing,
         WarmupDecayLR,
         ZeroInitResidualBN,
@@ -203,12 +202,13 @@ def test_the_large_batch_recipe_resumes_bitwise_mid_epoch(tmp_path):
         module = ImageClassifier(
             "resnet_small", num_classes=4, model_kwargs={"widths": [8, 8, 8]},
             optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=5e-4),
+            no_weight_decay_on_bias_norm=True,
         )
         callbacks = [
             BatchSizeRamp(initial_global_batch=16, lr_milestones=[1], lr_decay_factor=0.5),
             WarmupDecayLR(warmup_epochs=1, decay="poly", power=2.0, reference_batch=64),
             ProgressiveResizing(full_resolution=16, initial_scale=0.5, finish_fraction=0.5, size_increment=4),
-            LabelSmoothing(0.1), NoWeightDecayOnBiasNorm(), ZeroInitResidualBN(), ExactResume(), Record(),
+            LabelSmoothing(0.1), ZeroInitResidualBN(), ExactResume(), Record(),
             PreemptionCheckpoint(dirpath=str(tmp_path / "ckpt")), *extra,
         ]
         trainer = pl.Trainer(

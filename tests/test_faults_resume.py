@@ -27,7 +27,7 @@ from lightning_fastscale.data.convert import convert
 # steps 0..15; large_batch ramps the global batch to 64 in epoch 1: steps 8..11). SIGTERM on the
 # last rank as step 9 starts: every rank finishes step 9 and stops with global_step 10, mid-epoch 1.
 RUN = [
-    "data.batch_size=32", "data.resolution=16", "model.kwargs.widths=[8,8,8]", "trainer.max_epochs=2",
+    "data.batch_size=32", "data.resolution=16", "model.model_kwargs.widths=[8,8,8]", "trainer.max_epochs=2",
     "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1", "trainer.accelerator=cpu", "logger=csv",
 ]
 PROCEDURAL = ["data.train_size=256", "data.val_size=32"]
@@ -145,7 +145,7 @@ def test_a_checkpoint_of_another_world_size_is_refused_unless_allowed(tmp_path):
     per rank and the generators, so the resume would not be exact."""
     checkpoint = {"callbacks": {"ExactResume": {"world_size": 2}}}
     trainer = SimpleNamespace(world_size=1, ckpt_path="run/checkpoints/last.ckpt")
-    with pytest.raises(WorldSizeChangeError, match=r"written by 2 processes, this run has 1.*global batch.*allow_world_size_change=true"):
+    with pytest.raises(WorldSizeChangeError, match=r"written by 2 processes, this run has 1.*global batch.*ExactResume\(allow_world_size_change=True\)"):
         ExactResume().on_load_checkpoint(trainer, None, checkpoint)
     with pytest.warns(UserWarning, match="written by 2 processes"):
         ExactResume(allow_world_size_change=True).on_load_checkpoint(trainer, None, checkpoint)

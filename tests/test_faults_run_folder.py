@@ -26,7 +26,7 @@ from lightning_fastscale.run_folder import (
 
 RUN = [
     "data.train_size=64", "data.val_size=16", "data.batch_size=16", "data.resolution=16",
-    "model.kwargs.widths=[8,8,8]", "trainer.max_epochs=1", "trainer.enable_progress_bar=false",
+    "model.model_kwargs.widths=[8,8,8]", "trainer.max_epochs=1", "trainer.enable_progress_bar=false",
     "trainer.log_every_n_steps=1", "trainer.accelerator=cpu", "logger=csv",
 ]
 

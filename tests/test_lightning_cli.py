@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("jsonargparse", reason="needs the [cli] extra")
 
-from lightning_fastscale.callbacks import LabelSmoothing, NoWeightDecayOnBiasNorm, ZeroInitResidualBN  # noqa: E402
+from lightning_fastscale.callbacks import LabelSmoothing, ZeroInitResidualBN  # noqa: E402
 from lightning_fastscale.planner import CostModelPlanner  # noqa: E402
 from lightning_fastscale.precision import LARSMixedPrecision  # noqa: E402
 from lightning_fastscale.strategies import HierarchicalAllReduceStrategy  # noqa: E402
@@ -40,10 +40,11 @@ def test_yaml_builds_strategy_plugin_callbacks_and_factories(tmp_path, monkeypat
     assert isinstance(trainer.strategy, HierarchicalAllReduceStrategy)
     assert isinstance(trainer.precision_plugin, LARSMixedPrecision)
     kinds = {type(c) for c in trainer.callbacks}
-    assert {NoWeightDecayOnBiasNorm, ZeroInitResidualBN, LabelSmoothing} <= kinds
+    assert {ZeroInitResidualBN, LabelSmoothing} <= kinds
     assert module.hparams.num_classes == 7  # linked from the datamodule
-    optimizer = module.optimizer_factory(module.parameters())
+    optimizer = module.configure_optimizers()["optimizer"]
     assert isinstance(optimizer, torch.optim.SGD) and optimizer.defaults["lr"] == 0.1
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [5e-5, 0.0]  # no decay on bias/norm
     scheduler = module.scheduler_factory(optimizer)
     assert isinstance(scheduler, torch.optim.lr_scheduler.CosineAnnealingLR) and scheduler.T_max == 100
 
@@ -88,7 +89,7 @@ def test_fit_two_steps_from_the_yaml(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "HierarchicalAllReduceStrategy: algorithm=hier, num_nodes=2, ranks_per_node=1, world_size=2" in out
-    assert "NoWeightDecayOnBiasNorm: weight decay 0" in out and "ZeroInitResidualBN: zeroed" in out
+    assert "ImageClassifier: weight decay 0" in out and "ZeroInitResidualBN: zeroed" in out
     (ckpt,) = (tmp_path / "checkpoints").glob("*.ckpt")
     state = torch.load(ckpt, map_location="cpu", weights_only=False)
     assert state["global_step"] == 2  # 128 samples / (2 ranks x 64) = 1 step per epoch, 2 epochs

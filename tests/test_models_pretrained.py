@@ -50,7 +50,7 @@ def test_fastscale_checkpoint_fine_tunes_into_a_new_module(tmp_path):
 
 
 def test_bad_weights_are_named(tmp_path):
-    with pytest.raises(FileNotFoundError, match="model.pretrained"):
+    with pytest.raises(FileNotFoundError, match=r"^pretrained=.*missing.pth.: no such file"):
         create_model("resnet_small", 10, pretrained=tmp_path / "missing.pth", **SMALL)
     torch.save(create_model("resnet20", 10).state_dict(), tmp_path / "other.pth")
     with pytest.raises(ValueError, match="does not fit this model"):
@@ -61,8 +61,11 @@ def test_bad_weights_are_named(tmp_path):
         create_model("torchvision.resnet18", 10, pretrained=True)
 
 
-def test_default_is_random_init_and_string_false_is_false():
-    assert isinstance(create_model("resnet18", 3, pretrained="false"), torch.nn.Module)
+def test_default_is_random_init_and_a_string_is_a_file():
+    assert isinstance(create_model("resnet18", 3), torch.nn.Module)
+    # no coercion of "false": a string is a weights file (Hydra and LightningCLI give booleans)
+    with pytest.raises(FileNotFoundError, match="pretrained='false': no such file"):
+        create_model("resnet18", 3, pretrained="false")
 
 
 def test_library_weights_offline_give_a_clear_error(tmp_path):
@@ -71,5 +74,5 @@ def test_library_weights_offline_give_a_clear_error(tmp_path):
     code = "from lightning_fastscale.models import create_model; create_model('resnet18', 10, pretrained=True)"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    assert "model.pretrained=true: could not get the timm" in proc.stderr
-    assert "model.pretrained=/path/to/weights.pth" in proc.stderr
+    assert "pretrained=True: could not get the timm" in proc.stderr
+    assert "pretrained='/path/to/weights.pth'" in proc.stderr

@@ -75,9 +75,9 @@ def test_compile_wraps_the_network_in_place_with_the_mode(tmp_path, monkeypatch)
 
 def test_compile_off_by_default_and_bad_mode_refused():
     assert ImageClassifier("linear", num_classes=3, model_kwargs={"resolution": 8}).compile_network is False
-    with pytest.raises(ValueError, match="compile_mode"):
+    with pytest.raises(ValueError, match=r"^compile_mode='fastest' is not one of \[None, 'default'"):
         ImageClassifier("linear", num_classes=3, compile=True, compile_mode="fastest", model_kwargs={"resolution": 8})
-    with pytest.raises(ValueError, match="model.compile=true"):
+    with pytest.raises(ValueError, match=r"^compile_mode='max-autotune' has no effect without compile=True$"):
         ImageClassifier("linear", num_classes=3, compile_mode="max-autotune", model_kwargs={"resolution": 8})
 
 

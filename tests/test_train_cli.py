@@ -11,7 +11,7 @@ import torch
 
 TINY = [
     "data.train_size=192", "data.val_size=64", "data.batch_size=32",
-    "model.kwargs.widths=[8,16,16]", "trainer.max_epochs=1", "trainer.enable_progress_bar=false",
+    "model.model_kwargs.widths=[8,16,16]", "trainer.max_epochs=1", "trainer.enable_progress_bar=false",
     "trainer.log_every_n_steps=1",
 ]
 

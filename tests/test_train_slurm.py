@@ -70,7 +70,7 @@ def test_sweep_through_submitit_local_launcher(tmp_path):
     proc = subprocess.run(
         [str(Path(sys.executable).with_name("fastscale-train")), "-m", "hydra/launcher=submitit_local",
          "hydra.launcher.timeout_min=5", "optimizer.lr=0.05,0.1", "logger=csv", "trainer.accelerator=cpu",
-         "data.train_size=32", "data.val_size=32", "data.batch_size=16", "model.kwargs.widths=[8,8,8]",
+         "data.train_size=32", "data.val_size=32", "data.batch_size=16", "model.model_kwargs.widths=[8,8,8]",
          "trainer.max_epochs=1", "trainer.enable_progress_bar=false", f"hydra.sweep.dir={sweep_dir}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
     )

@@ -69,7 +69,7 @@ def test_fastscale_train_runs_from_the_wheel(installed_venv):
     out = _run(
         [env_dir / "bin" / "fastscale-train", "logger=none", "trainer.max_steps=2", "trainer.max_epochs=1",
          "trainer.accelerator=cpu", "data.train_size=32", "data.val_size=32", "data.batch_size=16",
-         "model.kwargs.widths=[8,8,8]", "trainer.enable_progress_bar=false",
+         "model.model_kwargs.widths=[8,8,8]", "trainer.enable_progress_bar=false",
          f"hydra.run.dir={run_dir}"],
         work, {**env, "OMP_NUM_THREADS": "1"}, timeout=180,
     )

@@ -13,10 +13,6 @@ from lightning_fastscale.callbacks.lr_schedule import WarmupDecayLR
 from lightning_fastscale.callbacks.non_finite_guard import NonFiniteGuard, NonFiniteStepsError
 from lightning_fastscale.callbacks.preemption import PreemptionCheckpoint
 from lightning_fastscale.callbacks.progressive_resizing import ProgressiveResizing
-from lightning_fastscale.callbacks.skip_weight_decay import (
-    NoWeightDecayOnBiasNorm,
-    param_groups_without_decay,
-)
 from lightning_fastscale.callbacks.zero_init_residual_bn import ZeroInitResidualBN, zero_init_residual_bn
 from lightning_fastscale.diagnostics.step_breakdown_callback import StepBreakdown
 
@@ -27,7 +23,6 @@ __all__ = [
     "GhostBatchNorm",
     "GhostBatchNormLayer",
     "LabelSmoothing",
-    "NoWeightDecayOnBiasNorm",
     "PreemptionCheckpoint",
     "NonFiniteGuard",
     "NonFiniteStepsError",
@@ -37,7 +32,6 @@ __all__ = [
     "ZeroInitResidualBN",
     "apply_ghost_batch_norm",
     "ghost_batch_norm",
-    "param_groups_without_decay",
     "smooth_targets",
     "smoothing_at_epoch",
     "zero_init_residual_bn",

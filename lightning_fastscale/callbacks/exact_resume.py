@@ -396,9 +396,8 @@ class ExactResume(Callback):
         )
         if not self.allow_world_size_change:
             raise WorldSizeChangeError(
-                f"ExactResume: {what_changes}. Resume with {saved} processes (trainer.devices x "
-                "trainer.num_nodes), or set callbacks.exact_resume.allow_world_size_change=true "
-                "(ExactResume(allow_world_size_change=True)) to continue anyway"
+                f"ExactResume: {what_changes}. Resume with {saved} processes (the Trainer's devices x "
+                "num_nodes), or set ExactResume(allow_world_size_change=True) to continue anyway"
             )
         rank_zero_warn(f"ExactResume: {what_changes} (allow_world_size_change=True)")
 

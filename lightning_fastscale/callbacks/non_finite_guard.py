@@ -182,7 +182,7 @@ class NonFiniteGuard(Callback):
                 f"NonFiniteGuard: optimizer step {last} (counted from 1) {what}; no loss scaler (fp32/bf16), so "
                 "nothing recovers it and the run stops before the weights take it; "
                 f"first parameter with a non-finite gradient: {name or 'none found on this rank'}. {fix} "
-                "(callbacks.non_finite_guard.max_consecutive is the skip budget of fp16 loss scaling only)"
+                "(max_consecutive is the skip budget of fp16 loss scaling only)"
             )
         assert scale is not None
         scale_text = f"loss scale {scale:g}" + (" (underflowed to 0)" if scale == 0 or not math.isfinite(scale) else "")
@@ -192,7 +192,7 @@ class NonFiniteGuard(Callback):
             f"optimizer steps {last - self.consecutive + 1} to {last} (trainer.global_step={last}), more than "
             f"max_consecutive={self.max_consecutive}; {scale_text}; "
             f"first parameter with a non-finite gradient: {name or 'none found on this rank'}. {fix}, "
-            "or raise callbacks.non_finite_guard.max_consecutive"
+            "or raise NonFiniteGuard(max_consecutive=...)"
         )
 
     @override

@@ -37,12 +37,12 @@ class _ResizableDataModule(pl.LightningDataModule):
         val_batch_size: int | None,
     ) -> None:
         super().__init__()
-        self.train_batch_size = check_positive("data.batch_size", batch_size)
-        self.val_batch_size = check_positive("data.val_batch_size", val_batch_size or batch_size)
-        self.train_resolution = check_positive("data.resolution", resolution)
-        self.val_resolution = check_positive("data.val_resolution", val_resolution or resolution)
+        self.train_batch_size = check_positive("batch_size", batch_size)
+        self.val_batch_size = check_positive("val_batch_size", val_batch_size or batch_size)
+        self.train_resolution = check_positive("resolution", resolution)
+        self.val_resolution = check_positive("val_resolution", val_resolution or resolution)
         if num_workers < 0:
-            raise ValueError(f"data.num_workers must be >= 0, got {num_workers}")
+            raise ValueError(f"num_workers={num_workers} must be >= 0")
         self.num_workers = num_workers
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.persistent_workers = persistent_workers and num_workers > 0
@@ -171,7 +171,7 @@ class ImageFolderDataModule(_ResizableDataModule):
             persistent_workers, prefetch_factor, val_batch_size,
         )
         if not 0 < crop_ratio <= 1:
-            raise ValueError(f"data.crop_ratio must be in (0, 1], got {crop_ratio}")
+            raise ValueError(f"crop_ratio={crop_ratio} must be in (0, 1]")
         self.root = Path(os.path.expanduser(str(root)))
         self.crop_ratio = crop_ratio
         self.train_dir, self.val_dir = self.root / "train", self.root / "val"
@@ -222,7 +222,7 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 def _check_class_tree(directory: Path) -> None:
     if not directory.is_dir():
         raise FileNotFoundError(
-            f"data directory {directory} does not exist; set data.root to a folder holding "
+            f"data directory {directory} does not exist; give root a folder holding "
             "train/<class>/*.JPEG and val/<class>/* (the ImageNet layout)"
         )
     classes = [p for p in directory.iterdir() if p.is_dir()]

@@ -111,13 +111,13 @@ class ProceduralShapes(Dataset):
         normalize: bool = True,
     ) -> None:
         if not 2 <= num_classes <= MAX_CLASSES:
-            raise ValueError(f"data.num_classes must be between 2 and {MAX_CLASSES}, got {num_classes}")
+            raise ValueError(f"num_classes={num_classes} must be between 2 and {MAX_CLASSES}")
         if size < 1:
             raise ValueError(f"dataset size must be positive, got {size}")
         if split not in _SPLIT_IDS:
             raise ValueError(f"split must be one of {sorted(_SPLIT_IDS)}, got {split!r}")
         if noise < 0 or clutter < 0:
-            raise ValueError("data.noise and data.clutter must be >= 0")
+            raise ValueError(f"noise={noise} and clutter={clutter} must be >= 0")
         self.num_classes, self.size, self.seed, self.split = num_classes, size, seed, split
         self.noise, self.clutter, self.normalize = noise, clutter, normalize
         self.set_resolution(resolution)

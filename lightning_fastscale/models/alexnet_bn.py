@@ -46,7 +46,7 @@ class AlexNetBN(nn.Module):
     def __init__(self, num_classes: int = 1000, dropout: float = 0.5, in_channels: int = 3) -> None:
         super().__init__()
         if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"model.dropout={dropout} must be in [0, 1)")
+            raise ValueError(f"dropout={dropout} must be in [0, 1)")
         self.features = nn.Sequential(
             *_conv_bn_relu(in_channels, 96, 11, 4, 2),
             nn.MaxPool2d(3, 2),
@@ -73,7 +73,7 @@ class AlexNetBN(nn.Module):
         if min(x.shape[-2:]) < MIN_RESOLUTION:
             raise ValueError(
                 f"AlexNetBN needs images of at least {MIN_RESOLUTION} px, got {tuple(x.shape[-2:])}; "
-                "raise the input resolution (data.resolution, or the smallest size of a "
+                "raise the input resolution (the datamodule's resolution, or the smallest size of a "
                 "ProgressiveResizing schedule)"
             )
         return self.classifier(self.bn_pool5(self.pool5(self.features(x))))

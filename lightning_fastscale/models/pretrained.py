@@ -47,8 +47,8 @@ def load_pretrained_weights(model: nn.Module, path: str | Path) -> nn.Module:
     file = Path(path).expanduser()
     if not file.is_file():
         raise FileNotFoundError(
-            f"model.pretrained={str(path)!r}: no such file; give a state_dict or checkpoint path, "
-            "true for the library's weights, or false for random initialisation"
+            f"pretrained={str(path)!r}: no such file; give a state_dict or checkpoint path, "
+            "True for the library's weights, or False for random initialisation"
         )
     loaded = torch.load(file, map_location="cpu", weights_only=False)
     if isinstance(loaded, nn.Module):
@@ -59,7 +59,7 @@ def load_pretrained_weights(model: nn.Module, path: str | Path) -> nn.Module:
                 loaded = loaded[key]
                 break
     if not isinstance(loaded, Mapping) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
-        raise ValueError(f"model.pretrained={str(path)!r} holds no state_dict of tensors")
+        raise ValueError(f"pretrained={str(path)!r} holds no state_dict of tensors")
     own = model.state_dict()
     state = _network_state(loaded, set(own)) or dict(loaded)
     reshaped = sorted(k for k, v in state.items() if k in own and own[k].shape != v.shape)
@@ -68,13 +68,13 @@ def load_pretrained_weights(model: nn.Module, path: str | Path) -> nn.Module:
     unexpected = sorted(state.keys() - set(own))
     if missing or unexpected:
         raise ValueError(
-            f"model.pretrained={str(path)!r} does not fit this model: missing {missing[:5]}, unexpected "
-            f"{unexpected[:5]}{' ...' if len(missing) > 5 or len(unexpected) > 5 else ''}; check model.name "
-            "and model.kwargs against the model the weights came from"
+            f"pretrained={str(path)!r} does not fit this model: missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]}{' ...' if len(missing) > 5 or len(unexpected) > 5 else ''}; check the model's "
+            "name and arguments against the model the weights came from"
         )
     model.load_state_dict(state, strict=False)
     rank_zero_info(
-        f"model.pretrained: loaded {len(state)} tensors from {file}"
+        f"pretrained: loaded {len(state)} tensors from {file}"
         + (f"; kept the fresh initialisation of {', '.join(reshaped)} (shape differs)" if reshaped else "")
     )
     return model

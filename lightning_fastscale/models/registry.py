@@ -51,16 +51,14 @@ def create_model(name: str, num_classes: int, pretrained: bool | str | Path = Fa
     torchvision's need its own class count), or a path to a local ``state_dict`` / Lightning
     checkpoint (`load_pretrained_weights`).
     """
-    positive_int("model.num_classes", num_classes)
-    if isinstance(pretrained, (str, Path)) and str(pretrained).lower() in ("true", "false"):
-        pretrained = str(pretrained).lower() == "true"
+    positive_int("num_classes", num_classes)
     from_file = not isinstance(pretrained, bool)
     library_weights = pretrained is True
     if name in _OWN_MODELS:
         if library_weights:
             raise ValueError(
-                f"model.pretrained=true: {name!r} is this package's own model and has no published "
-                "weights; give a local weights file (model.pretrained=/path/to/weights.pth) or false"
+                f"pretrained=True: {name!r} is this package's own model and has no published "
+                "weights; give a local weights file (pretrained='/path/to/weights.pth') or False"
             )
         model = _OWN_MODELS[name](num_classes=num_classes, **kwargs)
     elif name.startswith("torchvision."):
@@ -81,10 +79,10 @@ def create_model(name: str, num_classes: int, pretrained: bool | str | Path = Fa
 
 def _fetch_error(name: str, source: str, error: Exception) -> RuntimeError:
     return RuntimeError(
-        f"model.pretrained=true: could not get the {source} weights of {name!r} ({type(error).__name__}: "
+        f"pretrained=True: could not get the {source} weights of {name!r} ({type(error).__name__}: "
         f"{error}). Without network they must already be in the {source} cache; otherwise download them "
-        "once where there is network, or pass a local file (model.pretrained=/path/to/weights.pth), "
-        "or train from scratch (model.pretrained=false)"
+        "once where there is network, or pass a local file (pretrained='/path/to/weights.pth'), "
+        "or train from scratch (pretrained=False)"
     )
 
 
@@ -104,7 +102,7 @@ def _unknown(name: str) -> str:
     return (
         f"unknown model {name!r}: not one of this package's models ({', '.join(own_model_names())}), "
         "not a timm model (timm.list_models()) and not a torchvision model "
-        "(torchvision.models.list_models()); set model.name to one of those"
+        "(torchvision.models.list_models()); give one of those names"
     )
 
 
@@ -120,7 +118,7 @@ def _torchvision_model(name: str, num_classes: int, pretrained: bool, kwargs: di
     classes = len(available[str(weights)].meta["categories"])  # "DEFAULT" is an alias of the enum
     if classes != num_classes:
         raise ValueError(
-            f"model.pretrained=true: torchvision's {name} weights have {classes} classes, not {num_classes}; "
+            f"pretrained=True: torchvision's {name} weights have {classes} classes, not {num_classes}; "
             "use the timm model of that name (it re-initialises the head) or a local weights file"
         )
     try:

@@ -58,8 +58,8 @@ class ResNetSmall(nn.Module):
             blocks_per_stage = [blocks_per_stage] * len(widths)
         if len(blocks_per_stage) != len(widths) or min(blocks_per_stage) < 1:
             raise ValueError(
-                f"model.blocks_per_stage={list(blocks_per_stage)} must give >= 1 block for each "
-                f"of the {len(widths)} stages in model.widths"
+                f"blocks_per_stage={list(blocks_per_stage)} must give >= 1 block for each "
+                f"of the {len(widths)} stages in widths"
             )
         self.stem = nn.Sequential(
             nn.Conv2d(in_channels, widths[0], 3, 1, 1, bias=False),

@@ -1,5 +1,7 @@
-"""No weight decay on bias/norm: which parameters, the optimizer groups, resume, misuse."""
+"""No weight decay on bias/norm: which parameters, the optimizer groups, training, resume, LARS, misuse."""
 from __future__ import annotations
+
+import functools
 
 import pytest
 import timm
@@ -8,8 +10,10 @@ import torchvision
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
-from lightning_fastscale.callbacks import NoWeightDecayOnBiasNorm, param_groups_without_decay
+from lightning_fastscale import ImageClassifier
 from lightning_fastscale.models.alexnet_bn import AlexNetBN
+from lightning_fastscale.param_groups import param_groups_without_decay
+from lightning_fastscale.precision import LARS
 from tests.callbacks_recipe_utils import TinyClassifier, make_trainer, tensor_loader
 
 
@@ -73,12 +77,20 @@ def test_extra_patterns_add_names_and_bad_patterns_are_rejected() -> None:
     with pytest.raises(ValueError, match="not a non-empty string"):
         param_groups_without_decay(model, extra_patterns=[""])
     with pytest.raises(ValueError, match="not a non-empty string"):
-        NoWeightDecayOnBiasNorm(extra_patterns=[3])
+        ImageClassifier("resnet_small", 4, no_weight_decay_on_bias_norm=True, no_weight_decay_patterns=[3])
+    with pytest.raises(ValueError, match=r"^no_weight_decay_patterns=\['model.fc.\*'\] has no effect without"):
+        ImageClassifier("resnet_small", 4, no_weight_decay_patterns=["model.fc.*"])
 
 
-def test_callback_regroups_an_ordinary_configure_optimizers(tmp_path) -> None:
-    module = TinyClassifier(weight_decay=0.1, with_scheduler=True)
-    trainer = make_trainer(tmp_path, [NoWeightDecayOnBiasNorm()], max_steps=3)
+def _tiny_image_classifier(**kwargs) -> ImageClassifier:
+    """The TinyClassifier network in an ImageClassifier: SGD lr 0.1, momentum 0.9, weight decay 0.1."""
+    kwargs.setdefault("optimizer", functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=0.1))
+    return ImageClassifier(TinyClassifier().model, num_classes=4, no_weight_decay_on_bias_norm=True, **kwargs)
+
+
+def test_image_classifier_builds_its_optimizer_over_the_two_groups(tmp_path) -> None:
+    module = _tiny_image_classifier(scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s)))
+    trainer = make_trainer(tmp_path, [], max_steps=3)
     trainer.fit(module, tensor_loader())
     (optimizer,) = trainer.optimizers
     decay, no_decay = optimizer.param_groups
@@ -87,21 +99,22 @@ def test_callback_regroups_an_ordinary_configure_optimizers(tmp_path) -> None:
     assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
     # the scheduler was built on the two groups and schedules both: lr = 0.1 / (1 + 3)
     assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.025, 0.025])
-    # the original configure_optimizers is back after the fit
-    assert "configure_optimizers" not in module.__dict__
-    assert len(module.configure_optimizers()["optimizer"].param_groups) == 1
+    # off (the default): one group, every parameter with the optimizer's weight decay
+    plain = ImageClassifier(TinyClassifier().model, num_classes=4, optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    assert len(plain.configure_optimizers().param_groups) == 1
 
 
-class _ZeroLoss(TinyClassifier):
+class _ZeroLoss(ImageClassifier):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return (self(batch[0]) * 0.0).sum()
 
 
 def test_zero_decay_really_applies_to_excluded_parameters(tmp_path) -> None:
     """With an all-zero gradient, only weight decay moves parameters in the first SGD step."""
-    module = _ZeroLoss(weight_decay=0.5)
+    module = _ZeroLoss(TinyClassifier().model, num_classes=4, no_weight_decay_on_bias_norm=True,
+                       optimizer=functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=0.5))
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
-    make_trainer(tmp_path, [NoWeightDecayOnBiasNorm()], max_steps=1).fit(module, tensor_loader())
+    make_trainer(tmp_path, [], max_steps=1).fit(module, tensor_loader())
     for name, p in module.named_parameters():
         if name in {"model.0.weight", "model.5.weight"}:
             torch.testing.assert_close(p.detach(), before[name] * (1 - 0.1 * 0.5))  # SGD: w -= lr*wd*w
@@ -109,50 +122,54 @@ def test_zero_decay_really_applies_to_excluded_parameters(tmp_path) -> None:
             torch.testing.assert_close(p.detach(), before[name], rtol=0, atol=0)
 
 
+def test_lars_leaves_the_same_parameters_alone(tmp_path) -> None:
+    """One rule: the no-decay group is exactly what LARS leaves unadapted and undecayed, and with
+    the LARS optimizer over the two groups those parameters do not move on a zero gradient."""
+    module = _ZeroLoss(TinyClassifier().model, num_classes=4, no_weight_decay_on_bias_norm=True,
+                       optimizer=functools.partial(LARS, lr=0.1, momentum=0.9, weight_decay=0.5, eta=1e-3))
+    groups = param_groups_without_decay(module)
+    lars_groups = LARS.from_module(module, lr=0.1, weight_decay=0.5).param_groups
+    assert [_group_names(module, g) for g in groups] == [_group_names(module, g) for g in lars_groups]
+    assert lars_groups[1]["lars"] is False and lars_groups[1]["weight_decay"] == 0.0
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    make_trainer(tmp_path, [], max_steps=1).fit(module, tensor_loader())
+    for name, p in module.named_parameters():
+        if name in _group_names(module, groups[1]):
+            torch.testing.assert_close(p.detach(), before[name], rtol=0, atol=0)
+        else:  # weight decay through LARS moved the decayed ones
+            assert not torch.equal(p.detach(), before[name]), name
+
+
 def _final_weights(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
 def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path) -> None:
+    schedule = functools.partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=lambda s: 1 / (1 + s))
     torch.manual_seed(0)
-    straight = TinyClassifier(with_scheduler=True)
+    straight = _tiny_image_classifier(scheduler=schedule)
     torch.manual_seed(0)
-    first_half = TinyClassifier(with_scheduler=True)
+    first_half = _tiny_image_classifier(scheduler=schedule)
     torch.manual_seed(0)
-    resumed = TinyClassifier(with_scheduler=True)
+    resumed = _tiny_image_classifier(scheduler=schedule)
 
-    make_trainer(tmp_path / "a", [NoWeightDecayOnBiasNorm()], max_epochs=4).fit(straight, tensor_loader())
+    make_trainer(tmp_path / "a", [], max_epochs=4).fit(straight, tensor_loader())
 
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
-    make_trainer(tmp_path / "b", [NoWeightDecayOnBiasNorm(), ckpt], max_epochs=2, enable_checkpointing=True).fit(
-        first_half, tensor_loader()
-    )
+    make_trainer(tmp_path / "b", [ckpt], max_epochs=2, enable_checkpointing=True).fit(first_half, tensor_loader())
     saved = torch.load(ckpt.last_model_path, weights_only=False)
     saved_groups = saved["optimizer_states"][0]["param_groups"]
     assert [(g["name"], g["weight_decay"], len(g["params"])) for g in saved_groups] == [
         ("decay", 0.1, 2), ("no_decay", 0.0, 4)
     ]
-    make_trainer(tmp_path / "c", [NoWeightDecayOnBiasNorm()], max_epochs=4).fit(
-        resumed, tensor_loader(), ckpt_path=ckpt.last_model_path
-    )
+    make_trainer(tmp_path / "c", [], max_epochs=4).fit(resumed, tensor_loader(), ckpt_path=ckpt.last_model_path)
     expected, got = _final_weights(straight), _final_weights(resumed)
     assert not torch.equal(expected["model.0.weight"], _final_weights(first_half)["model.0.weight"])
     for key in expected:
         torch.testing.assert_close(got[key], expected[key], rtol=0, atol=0, msg=key)
 
 
-def test_module_without_bias_or_norm_is_rejected(tmp_path) -> None:
-    module = TinyClassifier(model=nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 4, bias=False)))
-    with pytest.raises(ValueError, match="no trainable bias or normalisation parameters"):
-        make_trainer(tmp_path, [NoWeightDecayOnBiasNorm()], max_steps=1).fit(module, tensor_loader())
-    assert module.train_records == []
-
-
-def test_optimizer_not_built_from_self_parameters_is_rejected_before_training(tmp_path) -> None:
-    module = TinyClassifier()
-    module.configure_optimizers = lambda: torch.optim.SGD(  # type: ignore[method-assign]
-        module.model.parameters(), lr=0.1, weight_decay=0.1
-    )
-    with pytest.raises(RuntimeError, match="did not build its optimizer from self.parameters"):
-        make_trainer(tmp_path, [NoWeightDecayOnBiasNorm()], max_steps=1).fit(module, tensor_loader())
-    assert module.train_records == []
+def test_module_without_bias_or_norm_is_rejected_when_built() -> None:
+    network = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 4, bias=False))
+    with pytest.raises(ValueError, match=r"^no_weight_decay_on_bias_norm=True: Sequential has no trainable bias"):
+        ImageClassifier(network, num_classes=4, no_weight_decay_on_bias_norm=True)
