@@ -56,6 +56,9 @@ except (ImportError, OSError, RuntimeError):  # not installed, or built for anot
     def _decode_jpeg_rgb(data: torch.Tensor | list[torch.Tensor], device: torch.device | str = "cpu") -> Any:
         return _torchvision_decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
 
+# torchvision's antialiased bilinear resize kernel, in its variant that writes into a given tensor
+_upsample_bilinear_aa_out = torch.ops.aten._upsample_bilinear2d_aa.out
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -188,17 +191,26 @@ def _crop_resize_flip_into(
     torchvision's antialiased bilinear resize, as `crop_resize_flip`.
     """
     top, left, h, w = box
-    src = _hwc(image) if _cv2 is not None and h <= size and w <= size else None
+    src = _hwc(image) if _cv2 is not None else None
+    dst = _hwc(slot) if src is not None else None
     if src is None:
         slot.copy_(crop_resize_flip(image, box, size, flip))
-        return
-    dst = _hwc(slot)
-    resized = _upscale_linear(src[top : top + h, left : left + w], (size, size), dst)
-    if dst is None:
-        view = torch.from_numpy(resized).permute(2, 0, 1)
-        slot.copy_(view.flip(-1) if flip else view)
-    elif flip:
-        _cv2.flip(dst, 1, dst=dst)
+    elif h <= size and w <= size:
+        resized = _upscale_linear(src[top : top + h, left : left + w], (size, size), dst)
+        if dst is None:
+            view = torch.from_numpy(resized).permute(2, 0, 1)
+            slot.copy_(view.flip(-1) if flip else view)
+        elif flip:
+            _cv2.flip(dst, 1, dst=dst)
+    elif dst is None:
+        slot.copy_(crop_resize_flip(image, box, size, flip))
+    else:
+        # the kernel behind torchvision's resize, on (1, C, H, W) views with pixel-interleaved
+        # strides (its vectorised uint8 path), written into the slot: no temporary, no copy
+        crop = torch.from_numpy(src[top : top + h, left : left + w]).unsqueeze(0).permute(0, 3, 1, 2)
+        _upsample_bilinear_aa_out(crop, [size, size], False, None, None, out=slot.unsqueeze(0))
+        if flip:
+            _cv2.flip(dst, 1, dst=dst)
 
 
 def val_transform(data: torch.Tensor, size: int, crop_ratio: float = 0.875) -> torch.Tensor:
