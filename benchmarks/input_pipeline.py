@@ -198,6 +198,65 @@ def decoder_ms(tree: Path, files: int = 100, repeats: int = 5) -> dict[str, floa
     return best
 
 
+def kernel_ms(stored: tuple[list[torch.Tensor], list[int]], resolution: int, files: int, repeats: int = 5) -> dict[str, float]:
+    """Best-of-``repeats`` ms per image, one thread, of each step of the training transform on
+    the same stored bytes, crop boxes and flips: the decode, today's per-image resize against
+    `train_batch`'s (OpenCV bilinear for crops enlarged on both axes, torchvision's antialiased
+    kernel into the batch slot otherwise), and the whole per-image and batch paths."""
+    import cv2
+
+    from lightning_fastscale.data import fast_decode
+
+    jpegs = stored[0][:files]
+    images = [fast_decode.decode_rgb(j) for j in jpegs]
+    plans = [fast_decode.draw_crop(im.shape[1], im.shape[2], fast_decode.sample_generator(0, 0, i))
+             for i, im in enumerate(images)]
+    out = torch.empty(len(jpegs), 3, resolution, resolution, dtype=torch.uint8, memory_format=torch.channels_last)
+    scratch = np.empty((resolution, resolution, 3), np.uint8)
+    enlarged = [i for i, (box, _) in enumerate(plans) if box[2] <= resolution and box[3] <= resolution]
+
+    def area(i: int) -> None:  # FFCV's resize: INTER_AREA on the crop region, whatever the scale
+        (top, left, h, w), _ = plans[i]
+        cv2.resize(images[i].permute(1, 2, 0).numpy()[top : top + h, left : left + w], (resolution, resolution),
+                   dst=scratch, interpolation=cv2.INTER_AREA)
+
+    cases: dict[str, Any] = {
+        "decode (TorchCodec `decode_jpeg`)": (lambda i: fast_decode.decode_rgb(jpegs[i]), range(len(jpegs))),
+        "resize + flip, torchvision `resized_crop` (per-image path)": (
+            lambda i: fast_decode.crop_resize_flip(images[i], *plans[i][:1], resolution, plans[i][1]), range(len(jpegs))),
+        "resize + flip, `train_batch`'s (into the batch slot)": (
+            lambda i: fast_decode._crop_resize_flip_into(images[i], plans[i][0], resolution, plans[i][1], out[i]),
+            range(len(jpegs))),
+        "resize, OpenCV INTER_AREA on the crop (FFCV's)": (area, range(len(jpegs))),
+        "crops enlarged on both axes only: torchvision `resized_crop`": (
+            lambda i: fast_decode.crop_resize_flip(images[i], *plans[i][:1], resolution, plans[i][1]), enlarged),
+        "the same crops: `train_batch`'s (OpenCV bilinear)": (
+            lambda i: fast_decode._crop_resize_flip_into(images[i], plans[i][0], resolution, plans[i][1], out[i]),
+            enlarged),
+        "whole transform, per image (`train_transform`)": (
+            lambda i: fast_decode.train_transform(jpegs[i], resolution, fast_decode.sample_generator(0, 0, i)),
+            range(len(jpegs))),
+    }
+    best = {name: math.inf for name in cases}
+    batch_best = math.inf
+    gens = lambda: [fast_decode.sample_generator(0, 0, i) for i in range(len(jpegs))]  # noqa: E731
+    for _ in range(repeats):
+        for name, (fn, which) in cases.items():
+            if not which:
+                continue
+            start = time.process_time()
+            for i in which:
+                fn(i)
+            best[name] = min(best[name], (time.process_time() - start) / len(which) * 1e3)
+        g = gens()
+        start = time.process_time()
+        fast_decode.train_batch(jpegs, g, resolution, out=out)
+        batch_best = min(batch_best, (time.process_time() - start) / len(jpegs) * 1e3)
+    best["whole transform, `train_batch` (1 thread)"] = batch_best
+    best["share of crops enlarged on both axes"] = len(enlarged) / len(jpegs)
+    return best
+
+
 def _measure(pipeline: str, root: Path, args: argparse.Namespace, workers: int, normalize: bool = True) -> float:
     # one process (workers=0): images per CPU-second of this process, robust to other load;
     # with workers: wall clock, since the work happens in the worker processes
@@ -478,6 +537,8 @@ def main() -> None:
                         help="also the epoch table: 1 core and all cores, ratios to ImageFolder and to FFCV")
     parser.add_argument("--repeat", type=int, default=10, help="--versus-ffcv: times each training file is in an epoch")
     parser.add_argument("--epoch-rounds", type=int, default=3, help="--versus-ffcv: interleaved rounds")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also ms per image of each step of the training transform, source and max side 256")
     parser.add_argument("--quick", action="store_true", help="a short run that checks the script works (few images)")
     args = parser.parse_args()
     if args.quick:
@@ -542,6 +603,13 @@ def main() -> None:
         print(f"| nvJPEG batched decode on the GPU @ source size | {'skipped' if rate is None else f'{rate:.0f}'} | | | |")
         print(f"\nmedians of {args.rounds} interleaved rounds; ratios are medians of per-round ratios")
 
+    if args.kernels:
+        rows = {side: kernel_ms(stored_train(streams[side]), args.resolution, 48 if args.quick else 200)
+                for side in (640, 256) if side in streams}
+        print(f"\n| step, 1 thread, {args.resolution} px | ms per image, source | ms per image, max side 256 |\n|---|---:|---:|")
+        for name in rows[640]:
+            print(f"| {name} | " + " | ".join(f"{rows[side][name]:.3f}" for side in rows) + " |")
+        print(f"({48 if args.quick else 200} stored images of each size, best of 5, images per CPU-second)")
     if args.versus_ffcv:
         versus_ffcv(args, tree)
     if args.decoders:

@@ -100,6 +100,8 @@ def test_train_batch_threads_and_out_change_nothing(jpegs):
     out = out.contiguous(memory_format=torch.channels_last)
     two = fast_decode.train_batch(jpegs, _generators(len(jpegs)), RESOLUTION, threads=2, out=out)
     assert two is out and torch.equal(two, one)
+    contiguous = torch.zeros(len(jpegs), 3, RESOLUTION, RESOLUTION, dtype=torch.uint8)  # not pixel-interleaved
+    assert torch.equal(fast_decode.train_batch(jpegs, _generators(len(jpegs)), RESOLUTION, out=contiguous), one)
     assert torch.equal(fast_decode.train_batch(jpegs, _generators(len(jpegs)), RESOLUTION, threads=3), one)
 
 
