@@ -609,7 +609,7 @@ def main() -> None:
         print(f"\n| step, 1 thread, {args.resolution} px | ms per image, source | ms per image, max side 256 |\n|---|---:|---:|")
         for name in rows[640]:
             print(f"| {name} | " + " | ".join(f"{rows[side][name]:.3f}" for side in rows) + " |")
-        print(f"({48 if args.quick else 200} stored images of each size, best of 5, images per CPU-second)")
+        print(f"({48 if args.quick else 200} stored images of each size, best of 5, ms of this process's CPU time)")
     if args.versus_ffcv:
         versus_ffcv(args, tree)
     if args.decoders:
