@@ -254,6 +254,21 @@ def kernel_ms(stored: tuple[list[torch.Tensor], list[int]], resolution: int, fil
         batch_best = min(batch_best, (time.process_time() - start) / len(jpegs) * 1e3)
     best["whole transform, `train_batch` (1 thread)"] = batch_best
     best["share of crops enlarged on both axes"] = len(enlarged) / len(jpegs)
+    # accuracy against the per-image path (torchvision's antialiased bilinear), in grey levels
+    reduced = [i for i in range(len(jpegs)) if i not in set(enlarged)]
+    for name, which, fn in (("`train_batch`", range(len(jpegs)), None), ("OpenCV INTER_AREA, reduced crops", reduced, area)):
+        diffs = []
+        for i in which:
+            ref = fast_decode.crop_resize_flip(images[i], plans[i][0], resolution, False).permute(1, 2, 0).numpy()
+            if fn is None:
+                fast_decode._crop_resize_flip_into(images[i], plans[i][0], resolution, False, out[i])
+                got = out[i].permute(1, 2, 0).numpy()
+            else:
+                fn(i)
+                got = scratch
+            diffs.append(np.abs(got.astype(np.int16) - ref.astype(np.int16)))
+        best[f"{name}: mean abs diff to torchvision"] = float(np.mean([d.mean() for d in diffs])) if diffs else math.nan
+        best[f"{name}: max abs diff to torchvision"] = float(max(d.max() for d in diffs)) if diffs else math.nan
     return best
 
 
