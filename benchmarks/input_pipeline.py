@@ -177,6 +177,13 @@ def decoder_ms(tree: Path, files: int = 100, repeats: int = 5) -> dict[str, floa
         "torchvision decode_jpeg": lambda i: torchvision_decode_jpeg(datas[i]),
     }
     try:
+        import cv2
+    except ImportError:
+        print("opencv not installed: cv2.imdecode row skipped")
+    else:
+        arrays = [np.frombuffer(r, np.uint8) for r in raw]
+        cases["OpenCV imdecode, RGB"] = lambda i: cv2.imdecode(arrays[i], cv2.IMREAD_COLOR_RGB)
+    try:
         import simplejpeg
     except ImportError:
         print("simplejpeg not installed: DCT-domain scaling rows skipped")
@@ -481,6 +488,8 @@ def versus_ffcv(args: argparse.Namespace, tree: Path) -> None:
         stored[side] = stored_train(streams[side])
         betons[side] = ffcv_beton(streams[side], args.workdir / f"ffcv-x{args.repeat}-{side}.beton")
     n = len(stored[640][0])
+    if args.epoch_rounds < 1:  # the data only (set-up of a later run)
+        return
     label = {640: "source", 256: "256"}
     rows: dict[str, tuple[str, Any]] = {"ImageFolderDataModule (PIL decode, float out)": ("source", lambda c: datamodule_epoch_rate(
         "imagefolder", big, args, 0 if c == 1 else c))}
