@@ -234,19 +234,25 @@ def val_transform(data: torch.Tensor, size: int, crop_ratio: float = 0.875) -> t
     return F.center_crop(image, [size, size])
 
 
-_pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, threads, pool), reused across calls
-_pool_lock = threading.Lock()
+_pools: dict[int, ThreadPoolExecutor] = {}  # by thread count; reused across calls
+_pools_lock = threading.Lock()
+
+
+def _forget_pools() -> None:  # a forked child has none of its parent's threads (nor a held lock)
+    global _pools_lock
+    _pools.clear()
+    _pools_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pools)
 
 
 def _thread_pool(threads: int) -> ThreadPoolExecutor:
-    """This process's pool of ``threads`` threads (a forked worker makes its own)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid() or _pool[1] != threads:
-            if _pool is not None and _pool[0] == os.getpid():
-                _pool[2].shutdown(wait=False)
-            _pool = (os.getpid(), threads, ThreadPoolExecutor(threads, thread_name_prefix="fast_decode"))
-        return _pool[2]
+    """This process's pool of ``threads`` threads, made on first use and kept."""
+    with _pools_lock:
+        if threads not in _pools:
+            _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="fast_decode")
+        return _pools[threads]
 
 
 def _map(fn: Callable[[int], Any], count: int, threads: int) -> list[BaseException | None]:
@@ -261,11 +267,12 @@ def _map(fn: Callable[[int], Any], count: int, threads: int) -> list[BaseExcepti
 
     if threads <= 1 or count <= 1:
         return [guarded(i) for i in range(count)]
-    pool = _thread_pool(threads)
-    # contiguous blocks, one per thread: one task per thread, not per image
-    bounds = [count * t // threads for t in range(threads + 1)]
-    blocks = pool.map(lambda t: [guarded(i) for i in range(bounds[t], bounds[t + 1])], range(threads))
-    return [err for block in blocks for err in block]
+    # about four runs of consecutive samples per thread: few tasks, yet images of unequal
+    # sizes (decode cost grows with pixels) still even out across the threads
+    step = max(1, count // (4 * threads))
+    runs = _thread_pool(threads).map(lambda a: [guarded(i) for i in range(a, min(a + step, count))],
+                                     range(0, count, step))
+    return [err for run in runs for err in run]
 
 
 def train_batch(
