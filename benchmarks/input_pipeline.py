@@ -405,15 +405,21 @@ def ffcv_beton(stream_root: Path, path: Path) -> Path | None:
     return path
 
 
-def _epoch_rate(run_epoch: Any, clock: str) -> float:
-    """Images/s of one timed epoch after one untimed warm-up epoch; ``run_epoch()`` returns the
-    number of images it delivered. ``clock="process"``: per CPU-second of this process (all its
-    threads), the per-core figure; ``"wall"``: what a training loop waits on."""
+def _warmed(run_epoch: Any, clock: str) -> Any:
+    """Run one untimed warm-up epoch; return a function that times one more epoch (images/s).
+
+    ``run_epoch()`` runs an epoch and returns the number of images it delivered.
+    ``clock="process"``: per CPU-second of this process (all its threads), the per-core figure;
+    ``"wall"``: what a training loop waits on."""
     timer = time.process_time if clock == "process" else time.perf_counter
     run_epoch()
-    start = timer()
-    seen = run_epoch()
-    return seen / (timer() - start)
+
+    def timed() -> float:
+        start = timer()
+        seen = run_epoch()
+        return seen / (timer() - start)
+
+    return timed
 
 
 def _loader_epochs(loader: Any) -> Any:
@@ -425,7 +431,7 @@ def _loader_epochs(loader: Any) -> Any:
     return run
 
 
-def datamodule_epoch_rate(pipeline: str, root: Path, args: argparse.Namespace, workers: int) -> float:
+def datamodule_epochs(pipeline: str, root: Path, args: argparse.Namespace, workers: int) -> Any:
     """A datamodule's training loader (what ``fastscale-train`` iterates), uint8 batches for the
     streaming pipeline (normalised on the device), float for ImageFolder (its transform's own)."""
     from lightning_fastscale.data.cli import make_datamodule
@@ -433,10 +439,10 @@ def datamodule_epoch_rate(pipeline: str, root: Path, args: argparse.Namespace, w
     dm = make_datamodule(pipeline, str(root), args.resolution, args.batch_size, workers)
     if hasattr(dm, "setup"):
         dm.setup("fit")
-    return _epoch_rate(_loader_epochs(dm.train_dataloader()), "process" if workers == 0 else "wall")
+    return _warmed(_loader_epochs(dm.train_dataloader()), "process" if workers == 0 else "wall")
 
 
-def train_batch_epoch_rate(stored: tuple[list[torch.Tensor], list[int]], args: argparse.Namespace, threads: int) -> float:
+def train_batch_epochs(stored: tuple[list[torch.Tensor], list[int]], args: argparse.Namespace, threads: int) -> Any:
     """`fast_decode.train_batch` over the stored bytes held in memory (no chunk reads): shuffled
     batches, one generator per sample, ``threads`` threads, one reused output buffer."""
     from lightning_fastscale.data import fast_decode
@@ -457,10 +463,10 @@ def train_batch_epoch_rate(stored: tuple[list[torch.Tensor], list[int]], args: a
             seen += len(idx)
         return seen
 
-    return _epoch_rate(run, "process" if threads == 1 else "wall")
+    return _warmed(run, "process" if threads == 1 else "wall")
 
 
-def ffcv_epoch_rate(beton: Path, args: argparse.Namespace, threads: int) -> float:
+def ffcv_epochs(beton: Path, args: argparse.Namespace, threads: int) -> Any:
     """FFCV's loader: fused decode + random resized crop (its defaults: scale 0.08-1, ratio
     3/4-4/3), flip, uint8 ``(N, 3, H, W)`` torch batches, ``threads`` Numba threads, random order."""
     from ffcv.fields.basics import IntDecoder
@@ -473,7 +479,7 @@ def ffcv_epoch_rate(beton: Path, args: argparse.Namespace, threads: int) -> floa
                         "image": [RandomResizedCropRGBImageDecoder((args.resolution, args.resolution)),
                                   RandomHorizontalFlip(), ToTensor(), ToTorchImage()],
                         "label": [IntDecoder(), ToTensor()]})
-    return _epoch_rate(_loader_epochs(loader), "process" if threads == 1 else "wall")
+    return _warmed(_loader_epochs(loader), "process" if threads == 1 else "wall")
 
 
 def versus_ffcv(args: argparse.Namespace, tree: Path) -> None:
@@ -491,28 +497,34 @@ def versus_ffcv(args: argparse.Namespace, tree: Path) -> None:
     if args.epoch_rounds < 1:  # the data only (set-up of a later run)
         return
     label = {640: "source", 256: "256"}
-    rows: dict[str, tuple[str, Any]] = {"ImageFolderDataModule (PIL decode, float out)": ("source", lambda c: datamodule_epoch_rate(
+    # each row: (stored side, make(cores) -> a warmed-up epoch timer, or None where skipped)
+    rows: dict[str, tuple[str, Any]] = {"ImageFolderDataModule (PIL decode, float out)": ("source", lambda c: datamodule_epochs(
         "imagefolder", big, args, 0 if c == 1 else c))}
     for side in (640, 256):
-        rows[f"StreamingDataModule, {label[side]}"] = (label[side], lambda c, side=side: datamodule_epoch_rate(
+        rows[f"StreamingDataModule, {label[side]}"] = (label[side], lambda c, side=side: datamodule_epochs(
             "streaming", streams[side], args, 0 if c == 1 else c))
-        rows[f"`train_batch`, bytes in memory, {label[side]}"] = (label[side], lambda c, side=side: train_batch_epoch_rate(
+        rows[f"`train_batch`, bytes in memory, {label[side]}"] = (label[side], lambda c, side=side: train_batch_epochs(
             stored[side], args, c))
-        rows[f"FFCV 1.0.2, {label[side]}"] = (label[side], lambda c, side=side: None if betons[side] is None else ffcv_epoch_rate(
+        rows[f"FFCV 1.0.2, {label[side]}"] = (label[side], lambda c, side=side: None if betons[side] is None else ffcv_epochs(
             betons[side], args, c))
-    rows["DALI CPU, source"] = ("source", lambda c: dali_images_per_s(
-        big, args.resolution, args.batch_size, c, n // args.batch_size, "process" if c == 1 else "wall"))
+
+    def dali(c: int) -> Any:  # builds its pipeline per call, with its own warm-up batches
+        probe = lambda: dali_images_per_s(big, args.resolution, args.batch_size, c, n // args.batch_size,  # noqa: E731
+                                          "process" if c == 1 else "wall")
+        return probe if probe() is not None else None
+
+    rows["DALI CPU, source"] = ("source", dali)
     names = list(rows)
     cols = (1, cores)
+    timers: dict[tuple[str, int], Any] = {}
     results: dict[tuple[str, int], list[float | None]] = {(r, c): [] for r in names for c in cols}
     for rnd in range(args.epoch_rounds):  # interleaved, order rotated: load drift lands on all alike
         order = names[rnd % len(names):] + names[: rnd % len(names)]
         for c in cols:
             for r in order:
-                if rnd > 0 and results[(r, c)][0] is None:  # skipped once, skipped always
-                    results[(r, c)].append(None)
-                    continue
-                results[(r, c)].append(rows[r][1](c))
+                if (r, c) not in timers:  # made (and warmed up by one epoch) on first use
+                    timers[(r, c)] = rows[r][1](c)
+                results[(r, c)].append(None if timers[(r, c)] is None else timers[(r, c)]())
                 print(f"round {rnd} {r}, {c} core(s): {results[(r, c)][-1]}", flush=True)
 
     def ratio(r: str, base: str, c: int) -> str:
@@ -522,8 +534,8 @@ def versus_ffcv(args: argparse.Namespace, tree: Path) -> None:
         return f"{statistics.median(v / b for v, b in zip(vals, refs)):.2f}"
 
     print(f"\n{n} images per epoch ({n // args.repeat} files x {args.repeat}), {args.resolution} px, batch "
-          f"{args.batch_size}, uint8 out unless noted; medians of {args.epoch_rounds} interleaved rounds, one warm-up "
-          f"epoch each; 1 core: images per CPU-second of one process (FFCV and `train_batch`: 1 thread); "
+          f"{args.batch_size}, uint8 out unless noted; one warm-up epoch per pipeline, then medians of "
+          f"{args.epoch_rounds} interleaved rounds of one epoch each; 1 core: images per CPU-second of one process (FFCV and `train_batch`: 1 thread); "
           f"{cores} cores: wall clock, {cores} loader workers or threads")
     print(f"\n| pipeline | stored max side | 1 core | x ImageFolder | x FFCV | {cores} cores | x ImageFolder | x FFCV |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
