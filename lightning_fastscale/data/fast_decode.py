@@ -222,7 +222,12 @@ def val_transform(data: torch.Tensor, size: int, crop_ratio: float = 0.875) -> t
     OpenCV's bilinear resize where OpenCV is installed: the same pixels up to rounding, since
     antialiasing does nothing to an enlargement.
     """
-    image = decode_rgb(data)
+    return resize_centre_crop(decode_rgb(data), size, crop_ratio)
+
+
+def resize_centre_crop(image: torch.Tensor, size: int, crop_ratio: float = 0.875) -> torch.Tensor:
+    """The geometry of [`val_transform`][lightning_fastscale.data.fast_decode.val_transform] on a
+    decoded uint8 ``(C, H, W)`` image."""
     short = round(size / crop_ratio)
     h, w = image.shape[-2:]
     new_h, new_w = _compute_resized_output_size((h, w), [short])  # torchvision's own rule
@@ -298,7 +303,14 @@ def train_batch(
     "Corrupt JPEG data", raises [`SampleDecodeError`][lightning_fastscale.data.verify.SampleDecodeError]
     with its position in the batch (the first such position). The warning is only written to
     file descriptor 2, so the whole batch is decoded under one capture of it, and only if
-    libjpeg wrote anything are the samples decoded again one at a time to find which.
+    libjpeg wrote anything are the samples decoded again one at a time to find which. The
+    descriptor is the process's: what other threads write to it meanwhile is written back after
+    the batch (and lost if the process dies during it), so a loader worker process is the
+    natural caller; strict decodes of other threads wait for the batch.
+
+    The threads parallelise across samples; each resize may also use torch's and OpenCV's own
+    intra-op threads. Where the pool has the cores to itself, set those to one
+    (``torch.set_num_threads(1)``, ``cv2.setNumThreads(1)``), as loader workers do for torch.
 
     Examples:
         >>> import io; from PIL import Image
