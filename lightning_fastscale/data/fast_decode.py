@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -330,7 +331,6 @@ def train_batch(
         out = torch.empty(shape, dtype=torch.uint8, memory_format=torch.channels_last)
     elif tuple(out.shape) != shape or out.dtype != torch.uint8:
         raise ValueError(f"out must be a uint8 tensor of shape {shape}, got {out.dtype} {tuple(out.shape)}")
-    states = [g.get_state() for g in generators]  # to redraw the same boxes if a sample is re-decoded
 
     def one(i: int) -> None:
         image = decode_rgb(jpegs[i])
@@ -339,25 +339,23 @@ def train_batch(
 
     with decoder_messages() as messages:
         errors = _map(one, n, threads)
-    if any(err is not None for err in errors) or decoder_warnings(messages[0]):
-        _raise_first_bad(jpegs, generators, states, resolution, scale, ratio, errors)
+    warnings = decoder_warnings(messages[0])
+    if any(err is not None for err in errors) or warnings:
+        _raise_first_bad(jpegs, errors)
+        sys.stderr.write("".join(line + "\n" for line in warnings))  # another thread's, not ours
     return out
 
 
-def _raise_first_bad(
-    jpegs: Sequence[torch.Tensor], generators: Sequence[torch.Generator], states: list[torch.Tensor],
-    resolution: int, scale: tuple[float, float], ratio: tuple[float, float], errors: list[BaseException | None],
-) -> None:
-    """Decode the samples again one at a time, strictly; raise for the first that fails."""
+def _raise_first_bad(jpegs: Sequence[torch.Tensor], errors: list[BaseException | None]) -> None:
+    """Decode the samples again one at a time, strictly (libjpeg warns only while decoding);
+    raise for the first that fails, or that failed in the batch."""
     for i, jpeg in enumerate(jpegs):
-        g = torch.Generator().set_state(states[i])
         try:
-            strict_decode(lambda data: train_transform(data, resolution, g, scale, ratio), jpeg)
+            strict_decode(decode_rgb, jpeg)
         except Exception as err:
             raise SampleDecodeError(i, f"{type(err).__name__}: {err}") from err
-        if errors[i] is not None:  # failed in the batch but not alone: report it all the same
+        if errors[i] is not None:  # decoded cleanly alone, failed in the batch: report that
             raise SampleDecodeError(i, f"{type(errors[i]).__name__}: {errors[i]}") from errors[i]
-    # libjpeg's warning came from another thread of this process, not from these samples
 
 
 def normalize_on_device(
