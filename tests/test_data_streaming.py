@@ -284,7 +284,7 @@ def test_remote_source_reads_through_a_size_limited_local_cache(stream, tmp_path
     assert dm.train_dataset().max_cache_size == "1GB"
 
 
-@pytest.mark.parametrize("name", ["fast_decode", "device_prefetch", "worker_autotune"])
+@pytest.mark.parametrize("name", ["fast_decode", "device_prefetch", "worker_autotune", "validation_plan"])
 def test_docstring_examples_pass(name):
     import doctest
     import importlib

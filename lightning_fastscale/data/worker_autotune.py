@@ -146,3 +146,33 @@ class WorkerCountCache:
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(entries, indent=1))
         os.replace(tmp, self.path)
+
+
+def resolve_num_workers(
+    make_loader: Callable[[int], Iterable[Any]],
+    cache: WorkerCountCache,
+    dataset_id: str,
+    resolution: int,
+    batch_size: int,
+    local_ranks: int = 1,
+    max_workers: int | None = None,
+) -> tuple[int, dict[str, Any]]:
+    """``(worker count, probe record)`` for one loader setting: cached, else measured and cached.
+
+    ``max_workers`` bounds the probe (default: this machine's cores shared by its
+    ``local_ranks`` training processes). The record holds the curve and whether it came
+    from the cache; the pick is logged either way.
+    """
+    max_workers = max_workers or max(1, (os.cpu_count() or 1) // local_ranks)
+    key = cache.key(dataset_id, resolution, batch_size, local_ranks)
+    hit = cache.get(key)
+    if hit is not None:
+        log.info("data.num_workers=auto: %d (cached in %s)", hit["num_workers"], cache.path)
+        return int(hit["num_workers"]), {**hit, "cached": True}
+    pick, curve = probe_num_workers(make_loader, candidate_worker_counts(max_workers), batch_size)
+    cache.put(key, pick, curve)
+    log.info(
+        "data.num_workers=auto: %d (images/s by workers: %s; cached in %s)",
+        pick, ", ".join(f"{n}: {r:.0f}" for n, r in curve.items()), cache.path,
+    )
+    return pick, {"num_workers": pick, "images_per_s": curve, "cached": False}
