@@ -26,11 +26,16 @@ a whole batch with nvJPEG instead. Measured figures are in ``benchmarks/README.m
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 from torchvision.transforms.v2 import functional as F
+
+from .verify import SampleDecodeError, decoder_messages, decoder_warnings, strict_decode
 
 try:
     from torchcodec.decoders import decode_jpeg as _torchcodec_decode_jpeg
@@ -149,6 +154,111 @@ def val_transform(data: torch.Tensor, size: int, crop_ratio: float = 0.875) -> t
     image = decode_rgb(data)
     image = F.resize(image, [round(size / crop_ratio)], antialias=True)
     return F.center_crop(image, [size, size])
+
+
+_pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, threads, pool), reused across calls
+_pool_lock = threading.Lock()
+
+
+def _thread_pool(threads: int) -> ThreadPoolExecutor:
+    """This process's pool of ``threads`` threads (a forked worker makes its own)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid() or _pool[1] != threads:
+            if _pool is not None and _pool[0] == os.getpid():
+                _pool[2].shutdown(wait=False)
+            _pool = (os.getpid(), threads, ThreadPoolExecutor(threads, thread_name_prefix="fast_decode"))
+        return _pool[2]
+
+
+def _map(fn: Callable[[int], Any], count: int, threads: int) -> list[BaseException | None]:
+    """``fn(i)`` for ``i < count``, in ``threads`` threads; each call's exception or None."""
+
+    def guarded(i: int) -> BaseException | None:
+        try:
+            fn(i)
+        except Exception as err:  # reported by position, below
+            return err
+        return None
+
+    if threads <= 1 or count <= 1:
+        return [guarded(i) for i in range(count)]
+    pool = _thread_pool(threads)
+    # contiguous blocks, one per thread: one task per thread, not per image
+    bounds = [count * t // threads for t in range(threads + 1)]
+    blocks = pool.map(lambda t: [guarded(i) for i in range(bounds[t], bounds[t + 1])], range(threads))
+    return [err for block in blocks for err in block]
+
+
+def train_batch(
+    jpegs: Sequence[torch.Tensor],
+    generators: Sequence[torch.Generator],
+    resolution: int,
+    scale: tuple[float, float] = DEFAULT_SCALE,
+    ratio: tuple[float, float] = DEFAULT_RATIO,
+    threads: int = 1,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode, random-resized-crop and flip a whole batch: uint8 ``(N, 3, resolution, resolution)``.
+
+    Sample ``i`` gets exactly the crop box and flip that
+    [`train_transform`][lightning_fastscale.data.fast_decode.train_transform]``(jpegs[i],
+    resolution, generators[i], scale, ratio)`` draws. With ``threads > 1`` the batch is
+    decoded and augmented in a pool of that many threads of this process (reused across calls;
+    libjpeg-turbo and the resize release the GIL). ``out``, when given, is a preallocated
+    ``(N, 3, resolution, resolution)`` uint8 tensor (pinned, channels-last, ... as the caller
+    likes) that receives the batch and is returned.
+
+    The decode is strict: a sample that does not decode, or whose decode makes libjpeg warn of
+    "Corrupt JPEG data", raises [`SampleDecodeError`][lightning_fastscale.data.verify.SampleDecodeError]
+    with its position in the batch (the first such position). The warning is only written to
+    file descriptor 2, so the whole batch is decoded under one capture of it, and only if
+    libjpeg wrote anything are the samples decoded again one at a time to find which.
+
+    Examples:
+        >>> import io; from PIL import Image
+        >>> buf = io.BytesIO(); Image.new("RGB", (64, 48), (200, 30, 30)).save(buf, "JPEG")
+        >>> jpeg = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        >>> batch = train_batch([jpeg, jpeg], [sample_generator(0, 0, i) for i in range(2)], 32)
+        >>> batch.shape, batch.dtype
+        (torch.Size([2, 3, 32, 32]), torch.uint8)
+    """
+    n = len(jpegs)
+    if len(generators) != n:
+        raise ValueError(f"train_batch got {n} JPEGs but {len(generators)} generators: give one generator per sample")
+    if threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads}")
+    shape = (n, 3, resolution, resolution)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.uint8)
+    elif tuple(out.shape) != shape or out.dtype != torch.uint8:
+        raise ValueError(f"out must be a uint8 tensor of shape {shape}, got {out.dtype} {tuple(out.shape)}")
+    states = [g.get_state() for g in generators]  # to redraw the same boxes if a sample is re-decoded
+
+    def one(i: int) -> None:
+        out[i].copy_(train_transform(jpegs[i], resolution, generators[i], scale, ratio))
+
+    with decoder_messages() as messages:
+        errors = _map(one, n, threads)
+    if any(err is not None for err in errors) or decoder_warnings(messages[0]):
+        _raise_first_bad(jpegs, generators, states, resolution, scale, ratio, errors)
+    return out
+
+
+def _raise_first_bad(
+    jpegs: Sequence[torch.Tensor], generators: Sequence[torch.Generator], states: list[torch.Tensor],
+    resolution: int, scale: tuple[float, float], ratio: tuple[float, float], errors: list[BaseException | None],
+) -> None:
+    """Decode the samples again one at a time, strictly; raise for the first that fails."""
+    for i, jpeg in enumerate(jpegs):
+        g = torch.Generator().set_state(states[i])
+        try:
+            strict_decode(lambda data: train_transform(data, resolution, g, scale, ratio), jpeg)
+        except Exception as err:
+            raise SampleDecodeError(i, f"{type(err).__name__}: {err}") from err
+        if errors[i] is not None:  # failed in the batch but not alone: report it all the same
+            raise SampleDecodeError(i, f"{type(errors[i]).__name__}: {errors[i]}") from errors[i]
+    # libjpeg's warning came from another thread of this process, not from these samples
 
 
 def normalize_on_device(

@@ -26,6 +26,7 @@ import os
 import struct
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,21 @@ _DECODER_WARNING = "Corrupt JPEG data"
 
 class CorruptDataError(RuntimeError):
     """Damaged streaming data; the message names the chunk file and, where known, the sample."""
+
+
+class SampleDecodeError(CorruptDataError):
+    """A sample of a batch that cannot be decoded cleanly, by its ``position`` in the batch.
+
+    Raised by [`train_batch`][lightning_fastscale.data.fast_decode.train_batch], which knows
+    only the bytes; the caller knows which chunk and sample sit at ``position`` and names them.
+    """
+
+    def __init__(self, position: int, message: str) -> None:
+        super().__init__(f"sample at position {position} of the batch: {message}")
+        self.position, self.message = position, message
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled across loader worker processes
+        return type(self), (self.position, self.message)
 
 
 @dataclass(frozen=True)
@@ -116,14 +132,16 @@ def check_split_files(split_dir: str | os.PathLike[str]) -> list[Problem]:
     return problems
 
 
-_capture: tuple[int, Any] | None = None  # (pid, file): one capture file per process, reused
+# (pid, file, lock): one capture file per process, reused; the lock serialises the captures of
+# threads, since file descriptor 2 is one per process
+_capture: tuple[int, Any, threading.Lock] | None = None
 
 
-def _capture_file() -> Any:
+def _capture_file() -> tuple[Any, threading.Lock]:
     global _capture
     if _capture is None or _capture[0] != os.getpid():  # a forked worker gets its own
-        _capture = (os.getpid(), tempfile.TemporaryFile())
-    return _capture[1]
+        _capture = (os.getpid(), tempfile.TemporaryFile(), threading.Lock())
+    return _capture[1], _capture[2]
 
 
 @contextlib.contextmanager
@@ -132,35 +150,43 @@ def decoder_messages() -> Iterator[list[str]]:
 
     libjpeg reports recoverable damage only there. The collected text is yielded as a
     one-element list after the block; lines that are not libjpeg's are written back to stderr.
-    Costs a few system calls per block (one reused capture file per process).
+    Costs a few system calls per block (one reused capture file per process). The descriptor is
+    one per process, so blocks in different threads run one at a time, and a block captures what
+    every thread writes meanwhile (which is how a batch decoded in a thread pool is checked).
     """
     collected: list[str] = []
-    capture = _capture_file()
-    sys.stderr.flush()
-    saved = os.dup(2)
-    os.dup2(capture.fileno(), 2)
-    try:
-        yield collected
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        text = ""
-        if os.fstat(capture.fileno()).st_size:
-            capture.seek(0)
-            text = capture.read().decode(errors="replace")
-            capture.seek(0)
-            capture.truncate()
-        collected.append(text)
-        other = "".join(line for line in text.splitlines(keepends=True) if _DECODER_WARNING not in line)
-        if other:
-            sys.stderr.write(other)
+    capture, lock = _capture_file()
+    with lock:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield collected
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            text = ""
+            if os.fstat(capture.fileno()).st_size:
+                capture.seek(0)
+                text = capture.read().decode(errors="replace")
+                capture.seek(0)
+                capture.truncate()
+            collected.append(text)
+            other = "".join(line for line in text.splitlines(keepends=True) if _DECODER_WARNING not in line)
+            if other:
+                sys.stderr.write(other)
+
+
+def decoder_warnings(text: str) -> list[str]:
+    """libjpeg's "Corrupt JPEG data" lines in text collected by [`decoder_messages`][lightning_fastscale.data.verify.decoder_messages]."""
+    return [line.strip() for line in text.splitlines() if _DECODER_WARNING in line]
 
 
 def strict_decode(decode: Callable[[torch.Tensor], torch.Tensor], data: torch.Tensor) -> torch.Tensor:
     """``decode(data)``, raising ``ValueError`` where libjpeg only warns of corrupt data."""
     with decoder_messages() as messages:
         image = decode(data)
-    warnings = [line.strip() for line in messages[0].splitlines() if _DECODER_WARNING in line]
+    warnings = decoder_warnings(messages[0])
     if warnings:
         raise ValueError(warnings[0])
     return image
