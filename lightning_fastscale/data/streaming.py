@@ -13,11 +13,14 @@ centre crop), but
 * validation runs planned batches (`ValidationBatches`): every sample exactly once
   across ranks and the same number of batches on every rank, so a distributed validation
   measures the whole split;
-* workers decode with libjpeg-turbo and augment in uint8 (`fast_decode`), and the float
+* each training batch is decoded (libjpeg-turbo) and augmented in uint8 by one
+  `fast_decode.train_batch` call, in ``decode_threads`` threads, in the loader worker that
+  read it or, with ``num_workers=0``, in the training process (as FFCV does); the float
   conversion, normalisation and ``channels_last`` happen in `on_after_batch_transfer`,
   on the device, for any LightningModule;
 * on CUDA the next batch is copied ahead on a side stream (`device_prefetch`);
-* ``num_workers="auto"`` measures and caches the worker count (`worker_autotune`);
+* ``num_workers="auto"`` measures and caches the worker count and the decode threads of each
+  worker (`worker_autotune`);
 * ``rect_val=True`` validates fast.ai-style on rectangles grouped by aspect ratio instead of
   centre-cropped squares (`rect_val`, `ValidationBatches`).
 
@@ -42,7 +45,7 @@ from .protocol import check_positive
 from .rect_val import RectBatch
 from .streaming_datasets import DecodedStreamingDataset, EpochAwareStreamingDataLoader, ValidationBatches
 from .streaming_source import StreamingSource
-from .worker_autotune import WorkerCountCache, resolve_num_workers
+from .worker_autotune import WorkerCountCache, cores_per_rank, resolve_num_workers, threads_per_worker
 
 __all__ = ["DecodedStreamingDataset", "EpochAwareStreamingDataLoader", "StreamingDataModule", "ValidationBatches"]
 
@@ -65,8 +68,9 @@ class StreamingDataModule(_ResizableDataModule):
             neither may exceed the stored ``max_side``.
         batch_size / val_batch_size: per-device batch sizes.
         crop_ratio: validation resize ratio (0.875: resize 256, crop 224).
-        num_workers: loader processes per rank, or ``"auto"`` to measure the smallest count
-            within 95% of the best on this machine (cached, see `worker_autotune`).
+        num_workers: loader processes per rank (0: decode in the training process), or ``"auto"``
+            to measure the smallest count within 95% of the best on this machine, each count with
+            the decode threads that fill the rank's cores (cached, see `worker_autotune`).
         pin_memory: pinned host batches (default: when CUDA is available).
         prefetch_factor: batches each worker prepares ahead.
         seed: shuffling and augmentation seed (independent of the model seed).
@@ -74,7 +78,8 @@ class StreamingDataModule(_ResizableDataModule):
         device_prefetch: copy the next batch to the GPU while the step runs (CUDA only).
         cache_dir: local cache for a remote ``root`` (litdata default location if None).
         max_cache_size: size limit of that cache, e.g. ``"50GB"``.
-        max_workers: upper bound of the ``auto`` probe (default: cores / ranks on this machine).
+        max_workers: cores per rank that ``auto`` settings may use, workers x decode threads
+            (default: cores / ranks on this machine).
         num_workers_cache: JSON file of ``auto`` picks (default: user cache dir).
         rect_val: validate on rectangles (fast.ai, Howard et al. 2018): images sorted by aspect
             ratio, each batch one shape with short side ``val_resolution`` and the long side of
@@ -82,6 +87,10 @@ class StreamingDataModule(_ResizableDataModule):
             (`rect_val`). Every validation sample is seen exactly once across ranks and
             every rank gets the same number of batches (of at most ``val_batch_size``). Needs
             a model that accepts any input size (adaptive pooling, as the package's ResNets).
+        decode_threads: threads that decode and augment each training batch in its loader
+            process (one [`train_batch`][lightning_fastscale.data.fast_decode.train_batch] call per
+            batch); ``"auto"``: chosen with ``num_workers="auto"`` by the probe, else those that
+            fill the rank's cores with ``num_workers`` processes. Threads change no pixel.
 
     ``dataset_class`` is the litdata dataset type of the training split; a subclass may
     override its ``decode`` to return something else per stored sample. ``val_batches_class`` plays that
@@ -119,6 +128,7 @@ class StreamingDataModule(_ResizableDataModule):
         max_workers: int | None = None,
         num_workers_cache: str | None = None,
         rect_val: bool = False,
+        decode_threads: int | str = "auto",
     ) -> None:
         _quiet_litdata_info()
         auto = num_workers == "auto"
@@ -134,6 +144,10 @@ class StreamingDataModule(_ResizableDataModule):
             raise ValueError(f"data.crop_ratio must be in (0, 1], got {crop_ratio}")
         if not isinstance(rect_val, bool):
             raise ValueError(f"data.rect_val must be true or false, got {rect_val!r}")
+        if decode_threads != "auto" and (
+            isinstance(decode_threads, bool) or not isinstance(decode_threads, int) or decode_threads < 1
+        ):
+            raise ValueError(f"data.decode_threads must be an integer >= 1 or 'auto', got {decode_threads!r}")
         self.prefetch_factor = prefetch_factor
         self.source = StreamingSource(root, cache_dir, max_cache_size)
         self.root, self.metadata = self.source.root, self.source.metadata
@@ -142,6 +156,8 @@ class StreamingDataModule(_ResizableDataModule):
         self.cache_dir, self.max_cache_size = cache_dir, max_cache_size
         self.auto_num_workers, self.max_workers = auto, max_workers
         self.num_workers_cache = num_workers_cache
+        self.decode_threads_setting = decode_threads
+        self.decode_threads: int | None = None if decode_threads == "auto" else decode_threads
         self.num_workers_probe: dict[str, Any] | None = None
         self.classes = list(self.metadata.classes)
         self.num_classes = len(self.classes)
@@ -188,11 +204,20 @@ class StreamingDataModule(_ResizableDataModule):
         input_dir, extra = self.source.split("train")
         return self.dataset_class(input_dir, resolution=self.train_resolution, seed=self.seed, **extra)
 
-    def _streaming_loader(self, dataset: StreamingDataset, batch_size: int, num_workers: int) -> StreamingDataLoader:
+    def _streaming_loader(
+        self, dataset: StreamingDataset, batch_size: int, num_workers: int, threads: int
+    ) -> StreamingDataLoader:
+        collate = dataset.batch_decoder(threads, self.pin_memory) if isinstance(dataset, DecodedStreamingDataset) else None
         return EpochAwareStreamingDataLoader(
             dataset, batch_size=batch_size, num_workers=num_workers, pin_memory=self.pin_memory,
-            prefetch_factor=self.prefetch_factor if num_workers > 0 else None,
+            prefetch_factor=self.prefetch_factor if num_workers > 0 else None, collate_fn=collate,
         )
+
+    def resolved_decode_threads(self) -> int:
+        """Decode threads per loader process: as set, or those filling this rank's cores (``auto``)."""
+        if self.decode_threads is not None:
+            return self.decode_threads
+        return threads_per_worker(cores_per_rank(self._local_ranks(), self.max_workers), self.num_workers)
 
     def _wrap(self, loader: StreamingDataLoader | DataLoader) -> Any:
         device = self._device()
@@ -200,7 +225,9 @@ class StreamingDataModule(_ResizableDataModule):
 
     @override
     def train_dataloader(self) -> Any:
-        loader = self._streaming_loader(self.train_dataset(), self.train_batch_size, self.num_workers)
+        loader = self._streaming_loader(
+            self.train_dataset(), self.train_batch_size, self.num_workers, self.resolved_decode_threads()
+        )
         # A new loader per reload (batch size or resolution changed) must still see the
         # trainer's epoch, which seeds litdata's shuffle and the augmentation.
         trainer = getattr(self, "trainer", None)
@@ -213,12 +240,15 @@ class StreamingDataModule(_ResizableDataModule):
             self.num_workers = self.resolve_num_workers()
 
     def resolve_num_workers(self) -> int:
-        """Measure (or read from the cache) the worker count for this machine and setting."""
-        pick, self.num_workers_probe = resolve_num_workers(
-            lambda n: self._streaming_loader(self.train_dataset(), self.train_batch_size, n),
+        """Measure (or read from the cache) the worker count, and with ``decode_threads="auto"``
+        the decode threads, for this machine and setting."""
+        pick, threads, self.num_workers_probe = resolve_num_workers(
+            lambda n, t: self._streaming_loader(self.train_dataset(), self.train_batch_size, n, t),
             WorkerCountCache(self.num_workers_cache), self.source.probe_key(),
             self.train_resolution, self.train_batch_size, self._local_ranks(), self.max_workers,
+            self.decode_threads,
         )
+        self.decode_threads = threads
         return pick
 
     # -- validation ---------------------------------------------------------------------

@@ -10,7 +10,9 @@ index and its source file, with the command that lists every damaged sample.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +22,19 @@ from torch.utils.data import IterableDataset, default_collate, get_worker_info
 from typing_extensions import override
 
 from . import fast_decode, rect_val
-from .verify import CorruptDataError, chunk_of, read_index, strict_decode
+from .verify import CorruptDataError, SampleDecodeError, chunk_of, read_index, strict_decode
 
 _VERIFY_HINT = "Run `fastscale-data verify <data.root>` to list every damaged chunk and sample"
 
 
-def _where(dataset: StreamingDataset, index: Any) -> str:
+def _split_dir(dataset: StreamingDataset) -> Path:
+    """The local folder of a litdata split (its cache folder for a remote one)."""
+    return Path(dataset.input_dir.path or dataset.input_dir.url or "")
+
+
+def _where(split_dir: Path, index: Any) -> str:
     """``"<chunk file>: sample <i>"`` of a litdata index (an int or litdata's ``ChunkedIndex``)."""
     sample = int(getattr(index, "index", index))
-    split_dir = Path(dataset.input_dir.path or dataset.input_dir.url or "")
     try:
         _, entry = chunk_of(read_index(split_dir), sample)
     except (OSError, ValueError, IndexError):
@@ -51,7 +57,7 @@ def _named(dataset: StreamingDataset, index: Any, read_and_decode: Callable[[], 
     try:
         return read_and_decode()
     except CorruptDataError as err:
-        raise CorruptDataError(f"{_where(dataset, index)}: {err}. {_VERIFY_HINT}") from err.__cause__
+        raise CorruptDataError(f"{_where(_split_dir(dataset), index)}: {err}. {_VERIFY_HINT}") from err.__cause__
 
 
 def _decode_stored(
@@ -73,15 +79,31 @@ def _decode_stored(
     return image, int(item["label"])
 
 
-class DecodedStreamingDataset(StreamingDataset):
-    """The training split as a shuffled litdata ``StreamingDataset`` of ``(uint8 image, label)``.
+@dataclass(slots=True)
+class StoredSample:
+    """A training sample as read from its chunk, not decoded yet (cheap to hand to the collate)."""
 
-    Each sample gets a random resized crop + flip drawn from
-    `sample_generator` of ``(seed, epoch, index)``,
-    so the augmentation of a sample does not depend on which worker read it. The last
-    incomplete batch is dropped. A sample that cannot be read or decoded raises a
-    [`CorruptDataError`][lightning_fastscale.data.verify.CorruptDataError] naming its chunk file, its
-    litdata index and its source file. (Validation reads by index instead:
+    jpeg: bytes
+    index: int  # the stored image's index (what seeds its augmentation)
+    label: int
+    name: str  # its source file, for error messages
+    sample: int  # its litdata index (names its chunk file in error messages; set by the dataset)
+    epoch: int  # the epoch litdata read it in (seeds its augmentation)
+
+
+class DecodedStreamingDataset(StreamingDataset):
+    """The training split as a shuffled litdata ``StreamingDataset``, decoded a batch at a time.
+
+    Iterating yields `StoredSample` records (JPEG bytes, index, label, name): reading them is
+    cheap, and the collate function of `batch_decoder` decodes and augments the whole batch
+    in one [`train_batch`][lightning_fastscale.data.fast_decode.train_batch] call, in threads, in
+    the loader worker that read it (or in the training process with ``num_workers=0``, as FFCV
+    does). Each sample gets a random resized crop + flip drawn from `sample_generator` of
+    ``(seed, epoch, index)``, so the augmentation of a sample depends neither on the worker
+    that read it nor on the thread that decoded it. The last incomplete batch is dropped.
+    A sample that cannot be read or decoded raises a
+    [`CorruptDataError`][lightning_fastscale.data.verify.CorruptDataError] naming its chunk file,
+    its litdata index and its source file. (Validation reads by index instead:
     `ValidationBatches`.)
     """
 
@@ -98,11 +120,21 @@ class DecodedStreamingDataset(StreamingDataset):
         self.resolution, self.augment_seed, self.scale, self.ratio = resolution, seed, tuple(scale), tuple(ratio)
         self.source = input_dir
 
-    def decode(self, item: dict[str, Any]) -> tuple[torch.Tensor, int]:
-        """Decode and augment one stored sample."""
-        g = fast_decode.sample_generator(self.augment_seed, self.current_epoch, int(item["index"]))
-        return _decode_stored(
-            item, lambda data: fast_decode.train_transform(data, self.resolution, g, self.scale, self.ratio), self.source
+    def decode(self, item: dict[str, Any]) -> Any:
+        """What the loader collates for one stored sample.
+
+        A `StoredSample`, which the collate of `batch_decoder` decodes with its batch; a
+        subclass may return something else per sample (a tuple of tensors, say), which is then
+        collated as ``default_collate`` does.
+        """
+        return StoredSample(item["image"], int(item["index"]), int(item["label"]), str(item["name"]),
+                            -1, self.current_epoch)
+
+    def batch_decoder(self, threads: int = 1, pin_memory: bool = False) -> TrainBatchDecoder:
+        """The loader's collate function: decodes this dataset's batches in ``threads`` threads."""
+        return TrainBatchDecoder(
+            self.resolution, self.augment_seed, self.scale, self.ratio, threads, pin_memory,
+            str(_split_dir(self)), self.source,
         )
 
     @override
@@ -110,7 +142,61 @@ class DecodedStreamingDataset(StreamingDataset):
         if isinstance(index, slice):
             return [self.decode(i) for i in super().__getitem__(index)]
         read = super().__getitem__
-        return _named(self, index, lambda: self.decode(_read_stored(read, index)))
+        sample = _named(self, index, lambda: self.decode(_read_stored(read, index)))
+        if isinstance(sample, StoredSample):
+            sample.sample = int(getattr(index, "index", index))
+        return sample
+
+
+@dataclass(frozen=True)
+class TrainBatchDecoder:
+    """Collate function of the training loader: a list of `StoredSample` -> ``(uint8 images, labels)``.
+
+    One [`train_batch`][lightning_fastscale.data.fast_decode.train_batch] call per batch, in
+    ``threads`` threads, written straight into the buffer the batch leaves the loader in:
+    shared memory in a loader worker (what ``default_collate`` allocates there too; the batch
+    then reaches the training process without a copy), pinned memory with ``pin_memory`` in
+    the training process (the loader's pinning then has nothing left to copy, and torch's
+    caching host allocator reuses the buffer once the host-to-device copy that read it has
+    finished). A buffer is not reused by hand: the training step may still hold the previous
+    batch. Samples that are not `StoredSample` (a dataset subclass's own ``decode``) are
+    collated by ``default_collate``.
+    """
+
+    resolution: int
+    seed: int
+    scale: tuple[float, float]
+    ratio: tuple[float, float]
+    threads: int = 1
+    pin_memory: bool = False
+    split_dir: str = ""
+    source: str = ""
+
+    def __call__(self, samples: list[Any]) -> Any:
+        if not samples or not all(isinstance(s, StoredSample) for s in samples):
+            return default_collate(samples)
+        jpegs = [torch.frombuffer(bytearray(s.jpeg), dtype=torch.uint8) for s in samples]
+        generators = [fast_decode.sample_generator(self.seed, s.epoch, s.index) for s in samples]
+        out = self._buffer((len(samples), 3, self.resolution, self.resolution))
+        try:
+            images = fast_decode.train_batch(
+                jpegs, generators, self.resolution, self.scale, self.ratio, threads=self.threads, out=out
+            )
+        except SampleDecodeError as err:
+            s = samples[err.position]
+            raise CorruptDataError(
+                f"{_where(Path(self.split_dir), s.sample)}: cannot decode stored image {s.index} ({s.name}) "
+                f"of {self.source}: {err.message}. {_VERIFY_HINT}"
+            ) from err.__cause__
+        return images, torch.tensor([s.label for s in samples], dtype=torch.int64)
+
+    def _buffer(self, shape: tuple[int, ...]) -> torch.Tensor | None:
+        if get_worker_info() is not None:
+            storage = torch.UntypedStorage._new_shared(math.prod(shape))
+            return torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
+        if self.pin_memory and torch.cuda.is_available():
+            return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+        return None
 
 
 class ValidationBatches(IterableDataset):
