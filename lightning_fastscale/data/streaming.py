@@ -134,8 +134,13 @@ class StreamingDataModule(_ResizableDataModule):
         auto = num_workers == "auto"
         if not auto and (isinstance(num_workers, bool) or not isinstance(num_workers, int)):
             raise ValueError(f"data.num_workers must be an integer >= 0 or 'auto', got {num_workers!r}")
-        # Workers are not persistent: litdata gives each epoch's workers the epoch's shuffle
-        # and augmentation seed when they start.
+        # Workers are not persistent: litdata sets the epoch (its shuffle, and the augmentation
+        # seed of every sample) on the dataset when an epoch's iteration starts, in this
+        # process, and workers see it only through the copy they start with; persistent
+        # workers would repeat the first epoch's order and crops. A restart costs an epoch
+        # about one batch's decode latency (benchmarks/streaming_loader.py: ~0.3 s with two
+        # workers against minutes for an ImageNet epoch per rank, ~0.1%), and a batch-size
+        # or resolution change builds a new loader anyway.
         super().__init__(
             batch_size, resolution, val_resolution, 0 if auto else num_workers, pin_memory,
             False, prefetch_factor, val_batch_size,

@@ -140,7 +140,7 @@ class DecodedStreamingDataset(StreamingDataset):
     @override
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
-            return [self.decode(i) for i in super().__getitem__(index)]
+            return [self[i] for i in range(*index.indices(len(self)))]
         read = super().__getitem__
         sample = _named(self, index, lambda: self.decode(_read_stored(read, index)))
         if isinstance(sample, StoredSample):
