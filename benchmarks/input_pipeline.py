@@ -198,6 +198,65 @@ def decoder_ms(tree: Path, files: int = 100, repeats: int = 5) -> dict[str, floa
     return best
 
 
+def kernel_ms(stored: tuple[list[torch.Tensor], list[int]], resolution: int, files: int, repeats: int = 5) -> dict[str, float]:
+    """Best-of-``repeats`` ms per image, one thread, of each step of the training transform on
+    the same stored bytes, crop boxes and flips: the decode, today's per-image resize against
+    `train_batch`'s (OpenCV bilinear for crops enlarged on both axes, torchvision's antialiased
+    kernel into the batch slot otherwise), and the whole per-image and batch paths."""
+    import cv2
+
+    from lightning_fastscale.data import fast_decode
+
+    jpegs = stored[0][:files]
+    images = [fast_decode.decode_rgb(j) for j in jpegs]
+    plans = [fast_decode.draw_crop(im.shape[1], im.shape[2], fast_decode.sample_generator(0, 0, i))
+             for i, im in enumerate(images)]
+    out = torch.empty(len(jpegs), 3, resolution, resolution, dtype=torch.uint8, memory_format=torch.channels_last)
+    scratch = np.empty((resolution, resolution, 3), np.uint8)
+    enlarged = [i for i, (box, _) in enumerate(plans) if box[2] <= resolution and box[3] <= resolution]
+
+    def area(i: int) -> None:  # FFCV's resize: INTER_AREA on the crop region, whatever the scale
+        (top, left, h, w), _ = plans[i]
+        cv2.resize(images[i].permute(1, 2, 0).numpy()[top : top + h, left : left + w], (resolution, resolution),
+                   dst=scratch, interpolation=cv2.INTER_AREA)
+
+    cases: dict[str, Any] = {
+        "decode (TorchCodec `decode_jpeg`)": (lambda i: fast_decode.decode_rgb(jpegs[i]), range(len(jpegs))),
+        "resize + flip, torchvision `resized_crop` (per-image path)": (
+            lambda i: fast_decode.crop_resize_flip(images[i], *plans[i][:1], resolution, plans[i][1]), range(len(jpegs))),
+        "resize + flip, `train_batch`'s (into the batch slot)": (
+            lambda i: fast_decode._crop_resize_flip_into(images[i], plans[i][0], resolution, plans[i][1], out[i]),
+            range(len(jpegs))),
+        "resize, OpenCV INTER_AREA on the crop (FFCV's)": (area, range(len(jpegs))),
+        "crops enlarged on both axes only: torchvision `resized_crop`": (
+            lambda i: fast_decode.crop_resize_flip(images[i], *plans[i][:1], resolution, plans[i][1]), enlarged),
+        "the same crops: `train_batch`'s (OpenCV bilinear)": (
+            lambda i: fast_decode._crop_resize_flip_into(images[i], plans[i][0], resolution, plans[i][1], out[i]),
+            enlarged),
+        "whole transform, per image (`train_transform`)": (
+            lambda i: fast_decode.train_transform(jpegs[i], resolution, fast_decode.sample_generator(0, 0, i)),
+            range(len(jpegs))),
+    }
+    best = {name: math.inf for name in cases}
+    batch_best = math.inf
+    gens = lambda: [fast_decode.sample_generator(0, 0, i) for i in range(len(jpegs))]  # noqa: E731
+    for _ in range(repeats):
+        for name, (fn, which) in cases.items():
+            if not which:
+                continue
+            start = time.process_time()
+            for i in which:
+                fn(i)
+            best[name] = min(best[name], (time.process_time() - start) / len(which) * 1e3)
+        g = gens()
+        start = time.process_time()
+        fast_decode.train_batch(jpegs, g, resolution, out=out)
+        batch_best = min(batch_best, (time.process_time() - start) / len(jpegs) * 1e3)
+    best["whole transform, `train_batch` (1 thread)"] = batch_best
+    best["share of crops enlarged on both axes"] = len(enlarged) / len(jpegs)
+    return best
+
+
 def _measure(pipeline: str, root: Path, args: argparse.Namespace, workers: int, normalize: bool = True) -> float:
     # one process (workers=0): images per CPU-second of this process, robust to other load;
     # with workers: wall clock, since the work happens in the worker processes
@@ -266,6 +325,195 @@ def train_step_check(tree: Path, stream_root: Path, args: argparse.Namespace) ->
     return {"median_step_s": med, "rounds": times, "streaming_over_imagefolder_step_time": med["streaming"] / med["imagefolder"]}
 
 
+# ---- ImageNet-length epochs against FFCV (--versus-ffcv) ------------------------------------
+
+
+def repeated_tree(tree: Path, out: Path, repeat: int) -> Path:
+    """``tree`` with every training file present ``repeat`` times (hard links; val once)."""
+    if (out / "done").is_file():
+        return out
+    for src in sorted(tree.rglob("*.JPEG")):
+        rel = src.relative_to(tree)
+        copies = repeat if rel.parts[0] == "train" else 1
+        (out / rel.parent).mkdir(parents=True, exist_ok=True)
+        for k in range(copies):
+            dst = out / rel.parent / f"{src.stem}_r{k}{src.suffix}"
+            if not dst.exists():
+                os.link(src, dst)
+    (out / "done").write_text("")
+    return out
+
+
+def stored_train(stream_root: Path) -> tuple[list[torch.Tensor], list[int]]:
+    """The JPEG bytes and labels of a converted training split, read once through litdata."""
+    from litdata import StreamingDataset
+
+    ds = StreamingDataset(str(stream_root / "train"))
+    items = [ds[i] for i in range(len(ds))]
+    return [torch.frombuffer(bytearray(it["image"]), dtype=torch.uint8) for it in items], [int(it["label"]) for it in items]
+
+
+def ffcv_beton(stream_root: Path, path: Path) -> Path | None:
+    """An FFCV 1.0.2 dataset of the same stored images (decoded, re-encoded by FFCV at quality
+    90: the same pixel count); None, with a message, where ``ffcv`` does not import."""
+    try:
+        from ffcv.fields import IntField, RGBImageField
+        from ffcv.writer import DatasetWriter
+    except Exception as err:  # ImportError, or its compiled extension failing to load
+        print(f"FFCV skipped: ffcv not importable ({type(err).__name__}: {err}); install steps in benchmarks/README.md")
+        return None
+    if path.is_file():
+        return path
+
+    class Stored(torch.utils.data.Dataset):
+        def __init__(self) -> None:
+            self.jpegs, self.labels = stored_train(stream_root)
+
+        def __len__(self) -> int:
+            return len(self.jpegs)
+
+        def __getitem__(self, i: int) -> tuple[Any, int]:
+            return Image.open(io.BytesIO(self.jpegs[i].numpy().tobytes())).convert("RGB"), self.labels[i]
+
+    tmp = path.with_suffix(".partial")
+    writer = DatasetWriter(str(tmp), {"image": RGBImageField(write_mode="jpg", jpeg_quality=90),
+                                      "label": IntField()}, num_workers=os.cpu_count() or 1)
+    writer.from_indexed_dataset(Stored())
+    tmp.rename(path)
+    return path
+
+
+def _epoch_rate(run_epoch: Any, clock: str) -> float:
+    """Images/s of one timed epoch after one untimed warm-up epoch; ``run_epoch()`` returns the
+    number of images it delivered. ``clock="process"``: per CPU-second of this process (all its
+    threads), the per-core figure; ``"wall"``: what a training loop waits on."""
+    timer = time.process_time if clock == "process" else time.perf_counter
+    run_epoch()
+    start = timer()
+    seen = run_epoch()
+    return seen / (timer() - start)
+
+
+def _loader_epochs(loader: Any) -> Any:
+    def run() -> int:
+        seen = 0
+        for images, _ in loader:
+            seen += images.shape[0]
+        return seen
+    return run
+
+
+def datamodule_epoch_rate(pipeline: str, root: Path, args: argparse.Namespace, workers: int) -> float:
+    """A datamodule's training loader (what ``fastscale-train`` iterates), uint8 batches for the
+    streaming pipeline (normalised on the device), float for ImageFolder (its transform's own)."""
+    from lightning_fastscale.data.cli import make_datamodule
+
+    dm = make_datamodule(pipeline, str(root), args.resolution, args.batch_size, workers)
+    if hasattr(dm, "setup"):
+        dm.setup("fit")
+    return _epoch_rate(_loader_epochs(dm.train_dataloader()), "process" if workers == 0 else "wall")
+
+
+def train_batch_epoch_rate(stored: tuple[list[torch.Tensor], list[int]], args: argparse.Namespace, threads: int) -> float:
+    """`fast_decode.train_batch` over the stored bytes held in memory (no chunk reads): shuffled
+    batches, one generator per sample, ``threads`` threads, one reused output buffer."""
+    from lightning_fastscale.data import fast_decode
+
+    jpegs, _ = stored
+    out = torch.empty(args.batch_size, 3, args.resolution, args.resolution, dtype=torch.uint8,
+                      memory_format=torch.channels_last)
+    epoch = [0]
+
+    def run() -> int:
+        epoch[0] += 1
+        order = torch.randperm(len(jpegs), generator=torch.Generator().manual_seed(epoch[0])).tolist()
+        seen = 0
+        for b in range(len(order) // args.batch_size):
+            idx = order[b * args.batch_size : (b + 1) * args.batch_size]
+            gens = [fast_decode.sample_generator(0, epoch[0], i) for i in idx]
+            fast_decode.train_batch([jpegs[i] for i in idx], gens, args.resolution, threads=threads, out=out)
+            seen += len(idx)
+        return seen
+
+    return _epoch_rate(run, "process" if threads == 1 else "wall")
+
+
+def ffcv_epoch_rate(beton: Path, args: argparse.Namespace, threads: int) -> float:
+    """FFCV's loader: fused decode + random resized crop (its defaults: scale 0.08-1, ratio
+    3/4-4/3), flip, uint8 ``(N, 3, H, W)`` torch batches, ``threads`` Numba threads, random order."""
+    from ffcv.fields.basics import IntDecoder
+    from ffcv.fields.decoders import RandomResizedCropRGBImageDecoder
+    from ffcv.loader import Loader, OrderOption
+    from ffcv.transforms import RandomHorizontalFlip, ToTensor, ToTorchImage
+
+    loader = Loader(str(beton), batch_size=args.batch_size, num_workers=threads, order=OrderOption.RANDOM,
+                    drop_last=True, os_cache=True, pipelines={
+                        "image": [RandomResizedCropRGBImageDecoder((args.resolution, args.resolution)),
+                                  RandomHorizontalFlip(), ToTensor(), ToTorchImage()],
+                        "label": [IntDecoder(), ToTensor()]})
+    return _epoch_rate(_loader_epochs(loader), "process" if threads == 1 else "wall")
+
+
+def versus_ffcv(args: argparse.Namespace, tree: Path) -> None:
+    """The epoch table: images/s at 1 core and all cores, ratios to ImageFolder and to FFCV."""
+    cores = os.cpu_count() or 1
+    big = repeated_tree(tree, args.workdir / f"tree-x{args.repeat}", args.repeat)
+    streams, stored, betons = {}, {}, {}
+    for side in (640, 256):
+        streams[side] = args.workdir / f"stream-x{args.repeat}-{side}"
+        if not (streams[side] / "dataset.json").is_file():
+            convert(big, streams[side], max_side=side, quality=90, verbose=False)
+        stored[side] = stored_train(streams[side])
+        betons[side] = ffcv_beton(streams[side], args.workdir / f"ffcv-x{args.repeat}-{side}.beton")
+    n = len(stored[640][0])
+    label = {640: "source", 256: "256"}
+    rows: dict[str, tuple[str, Any]] = {"ImageFolderDataModule (PIL decode, float out)": ("source", lambda c: datamodule_epoch_rate(
+        "imagefolder", big, args, 0 if c == 1 else c))}
+    for side in (640, 256):
+        rows[f"StreamingDataModule, {label[side]}"] = (label[side], lambda c, side=side: datamodule_epoch_rate(
+            "streaming", streams[side], args, 0 if c == 1 else c))
+        rows[f"`train_batch`, bytes in memory, {label[side]}"] = (label[side], lambda c, side=side: train_batch_epoch_rate(
+            stored[side], args, c))
+        rows[f"FFCV 1.0.2, {label[side]}"] = (label[side], lambda c, side=side: None if betons[side] is None else ffcv_epoch_rate(
+            betons[side], args, c))
+    rows["DALI CPU, source"] = ("source", lambda c: dali_images_per_s(
+        big, args.resolution, args.batch_size, c, n // args.batch_size, "process" if c == 1 else "wall"))
+    names = list(rows)
+    cols = (1, cores)
+    results: dict[tuple[str, int], list[float | None]] = {(r, c): [] for r in names for c in cols}
+    for rnd in range(args.epoch_rounds):  # interleaved, order rotated: load drift lands on all alike
+        order = names[rnd % len(names):] + names[: rnd % len(names)]
+        for c in cols:
+            for r in order:
+                if rnd > 0 and results[(r, c)][0] is None:  # skipped once, skipped always
+                    results[(r, c)].append(None)
+                    continue
+                results[(r, c)].append(rows[r][1](c))
+                print(f"round {rnd} {r}, {c} core(s): {results[(r, c)][-1]}", flush=True)
+
+    def ratio(r: str, base: str, c: int) -> str:
+        vals, refs = results[(r, c)], results[(base, c)]
+        if any(v is None for v in vals + refs):
+            return ""
+        return f"{statistics.median(v / b for v, b in zip(vals, refs)):.2f}"
+
+    print(f"\n{n} images per epoch ({n // args.repeat} files x {args.repeat}), {args.resolution} px, batch "
+          f"{args.batch_size}, uint8 out unless noted; medians of {args.epoch_rounds} interleaved rounds, one warm-up "
+          f"epoch each; 1 core: images per CPU-second of one process (FFCV and `train_batch`: 1 thread); "
+          f"{cores} cores: wall clock, {cores} loader workers or threads")
+    print(f"\n| pipeline | stored max side | 1 core | x ImageFolder | x FFCV | {cores} cores | x ImageFolder | x FFCV |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for r in names:
+        side = rows[r][0]
+        ffcv = f"FFCV 1.0.2, {side}"
+        cells = []
+        for c in cols:
+            vals = results[(r, c)]
+            cells += ["skipped" if any(v is None for v in vals) else f"{statistics.median(vals):,.0f}",
+                      ratio(r, names[0], c), ratio(r, ffcv, c)]
+        print(f"| {r} | {side} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/fastscale-input-bench"))
@@ -285,7 +533,17 @@ def main() -> None:
     parser.add_argument("--step-batches", type=int, default=12)
     parser.add_argument("--step-workers", type=int, default=1)
     parser.add_argument("--step-rounds", type=int, default=2)
+    parser.add_argument("--versus-ffcv", action="store_true",
+                        help="also the epoch table: 1 core and all cores, ratios to ImageFolder and to FFCV")
+    parser.add_argument("--repeat", type=int, default=10, help="--versus-ffcv: times each training file is in an epoch")
+    parser.add_argument("--epoch-rounds", type=int, default=3, help="--versus-ffcv: interleaved rounds")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also ms per image of each step of the training transform, source and max side 256")
+    parser.add_argument("--quick", action="store_true", help="a short run that checks the script works (few images)")
     args = parser.parse_args()
+    if args.quick:
+        args.classes, args.train_per_class, args.repeat, args.rounds, args.epoch_rounds = 2, 24, 2, 1, 1
+        args.batches, args.batch_size, args.max_sides = 2, 8, [256]
 
     tree = args.workdir / "tree"
     if not (tree / "val").is_dir():
@@ -345,6 +603,15 @@ def main() -> None:
         print(f"| nvJPEG batched decode on the GPU @ source size | {'skipped' if rate is None else f'{rate:.0f}'} | | | |")
         print(f"\nmedians of {args.rounds} interleaved rounds; ratios are medians of per-round ratios")
 
+    if args.kernels:
+        rows = {side: kernel_ms(stored_train(streams[side]), args.resolution, 48 if args.quick else 200)
+                for side in (640, 256) if side in streams}
+        print(f"\n| step, 1 thread, {args.resolution} px | ms per image, source | ms per image, max side 256 |\n|---|---:|---:|")
+        for name in rows[640]:
+            print(f"| {name} | " + " | ".join(f"{rows[side][name]:.3f}" for side in rows) + " |")
+        print(f"({48 if args.quick else 200} stored images of each size, best of 5, ms of this process's CPU time)")
+    if args.versus_ffcv:
+        versus_ffcv(args, tree)
     if args.decoders:
         print("\n| decoder, source files, 1 thread | ms per image (best of 5) |\n|---|---|")
         for name, ms in decoder_ms(tree).items():

@@ -34,6 +34,12 @@ from typing import Any
 
 import torch
 from torchvision.transforms.v2 import functional as F
+from torchvision.transforms.v2.functional._geometry import _compute_resized_output_size
+
+try:  # OpenCV's bilinear enlargement is faster than torchvision's (benchmarks/README.md)
+    import cv2 as _cv2
+except ImportError:  # then torchvision does every resize
+    _cv2 = None
 
 from .verify import SampleDecodeError, decoder_messages, decoder_warnings, strict_decode
 
@@ -49,6 +55,9 @@ except (ImportError, OSError, RuntimeError):  # not installed, or built for anot
 
     def _decode_jpeg_rgb(data: torch.Tensor | list[torch.Tensor], device: torch.device | str = "cpu") -> Any:
         return _torchvision_decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+
+# torchvision's antialiased bilinear resize kernel, in its variant that writes into a given tensor
+_upsample_bilinear_aa_out = torch.ops.aten._upsample_bilinear2d_aa.out
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -134,15 +143,74 @@ def crop_resize_flip(
     return out.flip(-1) if flip else out
 
 
+def draw_crop(
+    height: int, width: int, generator: torch.Generator,
+    scale: tuple[float, float] = DEFAULT_SCALE, ratio: tuple[float, float] = DEFAULT_RATIO,
+) -> tuple[tuple[int, int, int, int], bool]:
+    """``(box, flip)`` of one training sample: the random resized crop, then a fair coin."""
+    box = random_resized_crop_box(height, width, generator, scale, ratio)
+    return box, bool(torch.rand(1, generator=generator).item() < 0.5)
+
+
 def train_transform(
     data: torch.Tensor, size: int, generator: torch.Generator,
     scale: tuple[float, float] = DEFAULT_SCALE, ratio: tuple[float, float] = DEFAULT_RATIO,
 ) -> torch.Tensor:
-    """Decode, random-resized-crop to ``size`` and flip with probability 1/2; uint8 out."""
+    """Decode, random-resized-crop to ``size`` and flip with probability 1/2; uint8 out.
+
+    The reference for one image; [`train_batch`][lightning_fastscale.data.fast_decode.train_batch]
+    does the same to a batch, faster.
+    """
     image = decode_rgb(data)
-    box = random_resized_crop_box(image.shape[-2], image.shape[-1], generator, scale, ratio)
-    flip = bool(torch.rand(1, generator=generator).item() < 0.5)
+    box, flip = draw_crop(image.shape[-2], image.shape[-1], generator, scale, ratio)
     return crop_resize_flip(image, box, size, flip)
+
+
+def _hwc(image: torch.Tensor) -> Any:
+    """The numpy ``(H, W, C)`` view of a ``(C, H, W)`` tensor stored pixel-interleaved, or None."""
+    c, h, w = image.shape
+    if image.stride() != (1, w * c, c):
+        return None
+    return image.permute(1, 2, 0).numpy()
+
+
+def _upscale_linear(src: Any, size: tuple[int, int], dst: Any = None) -> Any:
+    """OpenCV's bilinear resize of an ``(H, W, C)`` uint8 array that is enlarged (or kept) on
+    both axes, where antialiasing does nothing: the result equals torchvision's antialiased
+    bilinear resize up to the rounding of their fixed-point weights (at most 1 apart, tested)."""
+    return _cv2.resize(src, (size[1], size[0]), dst=dst, interpolation=_cv2.INTER_LINEAR)
+
+
+def _crop_resize_flip_into(
+    image: torch.Tensor, box: tuple[int, int, int, int], size: int, flip: bool, slot: torch.Tensor
+) -> None:
+    """`crop_resize_flip` of ``image`` written into ``slot``, a ``(3, size, size)`` view of the batch.
+
+    A crop enlarged on both axes goes through OpenCV's bilinear resize of the crop region, straight
+    into the slot where its memory is ``(H, W, C)``; a crop reduced on either axis through
+    torchvision's antialiased bilinear resize, as `crop_resize_flip`.
+    """
+    top, left, h, w = box
+    src = _hwc(image) if _cv2 is not None else None
+    dst = _hwc(slot) if src is not None else None
+    if src is None:
+        slot.copy_(crop_resize_flip(image, box, size, flip))
+    elif h <= size and w <= size:
+        resized = _upscale_linear(src[top : top + h, left : left + w], (size, size), dst)
+        if dst is None:
+            view = torch.from_numpy(resized).permute(2, 0, 1)
+            slot.copy_(view.flip(-1) if flip else view)
+        elif flip:
+            _cv2.flip(dst, 1, dst=dst)
+    elif dst is None:
+        slot.copy_(crop_resize_flip(image, box, size, flip))
+    else:
+        # the kernel behind torchvision's resize, on (1, C, H, W) views with pixel-interleaved
+        # strides (its vectorised uint8 path), written into the slot: no temporary, no copy
+        crop = torch.from_numpy(src[top : top + h, left : left + w]).unsqueeze(0).permute(0, 3, 1, 2)
+        _upsample_bilinear_aa_out(crop, [size, size], False, None, None, out=slot.unsqueeze(0))
+        if flip:
+            _cv2.flip(dst, 1, dst=dst)
 
 
 def val_transform(data: torch.Tensor, size: int, crop_ratio: float = 0.875) -> torch.Tensor:
@@ -150,9 +218,19 @@ def val_transform(data: torch.Tensor, size: int, crop_ratio: float = 0.875) -> t
 
     The same geometry as the ImageNet evaluation of Krizhevsky et al. 2012 / He et al. 2016
     (resize 256, crop 224), as [`ImageFolderDataModule`][lightning_fastscale.data.ImageFolderDataModule] does it.
+    An image enlarged by the resize (stored smaller than ``size / crop_ratio``) goes through
+    OpenCV's bilinear resize where OpenCV is installed: the same pixels up to rounding, since
+    antialiasing does nothing to an enlargement.
     """
     image = decode_rgb(data)
-    image = F.resize(image, [round(size / crop_ratio)], antialias=True)
+    short = round(size / crop_ratio)
+    h, w = image.shape[-2:]
+    new_h, new_w = _compute_resized_output_size((h, w), [short])  # torchvision's own rule
+    src = _hwc(image) if _cv2 is not None and new_h >= h and new_w >= w else None
+    if src is None:
+        image = F.resize(image, [short], antialias=True)
+    else:
+        image = torch.from_numpy(_upscale_linear(src, (new_h, new_w))).permute(2, 0, 1)
     return F.center_crop(image, [size, size])
 
 
@@ -229,14 +307,16 @@ def train_batch(
     if threads < 1:
         raise ValueError(f"threads must be at least 1, got {threads}")
     shape = (n, 3, resolution, resolution)
-    if out is None:
-        out = torch.empty(shape, dtype=torch.uint8)
+    if out is None:  # pixel-interleaved, as OpenCV writes and the decoder returns
+        out = torch.empty(shape, dtype=torch.uint8, memory_format=torch.channels_last)
     elif tuple(out.shape) != shape or out.dtype != torch.uint8:
         raise ValueError(f"out must be a uint8 tensor of shape {shape}, got {out.dtype} {tuple(out.shape)}")
     states = [g.get_state() for g in generators]  # to redraw the same boxes if a sample is re-decoded
 
     def one(i: int) -> None:
-        out[i].copy_(train_transform(jpegs[i], resolution, generators[i], scale, ratio))
+        image = decode_rgb(jpegs[i])
+        box, flip = draw_crop(image.shape[-2], image.shape[-1], generators[i], scale, ratio)
+        _crop_resize_flip_into(image, box, resolution, flip, out[i])
 
     with decoder_messages() as messages:
         errors = _map(one, n, threads)

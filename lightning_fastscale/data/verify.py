@@ -45,8 +45,8 @@ class CorruptDataError(RuntimeError):
 class SampleDecodeError(CorruptDataError):
     """A sample of a batch that cannot be decoded cleanly, by its ``position`` in the batch.
 
-    Raised by [`train_batch`][lightning_fastscale.data.fast_decode.train_batch], which knows
-    only the bytes; the caller knows which chunk and sample sit at ``position`` and names them.
+    Raised by ``fast_decode.train_batch``, which knows only the bytes; the caller knows which
+    chunk and sample sit at ``position`` and names them.
     """
 
     def __init__(self, position: int, message: str) -> None:
