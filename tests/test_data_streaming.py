@@ -333,10 +333,12 @@ def test_threaded_batch_decode_gives_the_batches_of_one_thread_and_of_the_per_sa
     for threads in (2, 3):
         images, labels = dataset.batch_decoder(threads=threads)(batch)
         assert torch.equal(images, one[0]) and torch.equal(labels, one[1])
+    # The per-sample reference: the same crop and flip; enlarged crops may differ by the rounding
+    # of train_batch's faster resize (at most 1, fast_decode.train_batch).
     for image, label, s in zip(one[0], one[1], batch):
         jpeg = torch.frombuffer(bytearray(s.jpeg), dtype=torch.uint8)
-        g = fast_decode.sample_generator(0, 3, s.index)
-        assert torch.equal(image, fast_decode.train_transform(jpeg, 32, g)) and int(label) == s.label
+        reference = fast_decode.train_transform(jpeg, 32, fast_decode.sample_generator(0, 3, s.index))
+        assert (image.int() - reference.int()).abs().max() <= 1 and int(label) == s.label
 
     # Through the datamodule: the same epoch of batches whatever the threads, with and without workers.
     for workers in (0, 1):
