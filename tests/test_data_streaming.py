@@ -375,3 +375,27 @@ def test_decode_threads_auto_fills_the_cores_and_bad_values_are_named(stream):
     for bad in (0, "many", True):
         with pytest.raises(ValueError, match=f"data.decode_threads must be an integer >= 1 or 'auto', got {bad!r}"):
             _dm(stream, decode_threads=bad)
+
+
+def test_probe_tries_each_worker_count_with_the_threads_that_fill_the_cores(tmp_path):
+    from lightning_fastscale.data.worker_autotune import resolve_num_workers
+
+    tried = []
+
+    def make_loader(workers, threads):  # a stand-in loader: what matters here is which pairs are tried
+        tried.append((workers, threads))
+        return [torch.zeros(4)] * 20
+
+    cache = WorkerCountCache(tmp_path / "nw.json")
+    workers, threads, record = resolve_num_workers(make_loader, cache, "data", 32, 4, max_workers=8)
+    assert tried == [(0, 8), (1, 8), (2, 4), (4, 2), (8, 1)]  # workers x threads within the 8 cores
+    assert record["threads_by_workers"][workers] == threads and record["cached"] is False
+    assert (workers, threads) == (cache.get(cache.key("data", 32, 4, 1))["num_workers"],
+                                  cache.get(cache.key("data", 32, 4, 1))["decode_threads"])
+    tried.clear()
+    again = resolve_num_workers(make_loader, cache, "data", 32, 4, max_workers=8)
+    assert tried == [] and again[:2] == (workers, threads) and again[2]["cached"] is True
+
+    # Threads set by the user: only the worker counts whose threads fit the cores are tried.
+    resolve_num_workers(make_loader, cache, "data", 32, 4, max_workers=8, decode_threads=3)
+    assert tried == [(0, 3), (1, 3), (2, 3)]
