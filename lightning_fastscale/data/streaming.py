@@ -88,9 +88,9 @@ class StreamingDataModule(_ResizableDataModule):
             every rank gets the same number of batches (of at most ``val_batch_size``). Needs
             a model that accepts any input size (adaptive pooling, as the package's ResNets).
         decode_threads: threads that decode and augment each training batch in its loader
-            process (one [`train_batch`][lightning_fastscale.data.fast_decode.train_batch] call per
-            batch); ``"auto"``: chosen with ``num_workers="auto"`` by the probe, else those that
-            fill the rank's cores with ``num_workers`` processes. Threads change no pixel.
+            process (one ``fast_decode.train_batch`` call per batch); ``"auto"``: chosen with
+            ``num_workers="auto"`` by the probe, else those that fill the rank's cores with
+            ``num_workers`` processes. Threads change no pixel.
 
     ``dataset_class`` is the litdata dataset type of the training split; a subclass may
     override its ``decode`` to return something else per stored sample. ``val_batches_class`` plays that
