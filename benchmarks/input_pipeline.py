@@ -446,12 +446,14 @@ def _loader_epochs(loader: Any) -> Any:
     return run
 
 
-def datamodule_epochs(pipeline: str, root: Path, args: argparse.Namespace, workers: int) -> Any:
+def datamodule_epochs(pipeline: str, root: Path, args: argparse.Namespace, workers: int, threads: int = 1) -> Any:
     """A datamodule's training loader (what ``fastscale-train`` iterates), uint8 batches for the
-    streaming pipeline (normalised on the device), float for ImageFolder (its transform's own)."""
+    streaming pipeline (normalised on the device; ``threads`` decode threads per loader process),
+    float for ImageFolder (its transform's own)."""
     from lightning_fastscale.data.cli import make_datamodule
 
-    dm = make_datamodule(pipeline, str(root), args.resolution, args.batch_size, workers)
+    extra = {"decode_threads": threads} if pipeline == "streaming" else {}
+    dm = make_datamodule(pipeline, str(root), args.resolution, args.batch_size, workers, **extra)
     if hasattr(dm, "setup"):
         dm.setup("fit")
     return _warmed(_loader_epochs(dm.train_dataloader()), "process" if workers == 0 else "wall")
@@ -497,6 +499,9 @@ def ffcv_epochs(beton: Path, args: argparse.Namespace, threads: int) -> Any:
     return _warmed(_loader_epochs(loader), "process" if threads == 1 else "wall")
 
 
+NOT_HERE = object()  # a row not measured in this column
+
+
 def versus_ffcv(args: argparse.Namespace, tree: Path) -> None:
     """The epoch table: images/s at 1 core and all cores, ratios to ImageFolder and to FFCV."""
     cores = os.cpu_count() or 1
@@ -518,6 +523,8 @@ def versus_ffcv(args: argparse.Namespace, tree: Path) -> None:
     for side in (640, 256):
         rows[f"StreamingDataModule, {label[side]}"] = (label[side], lambda c, side=side: datamodule_epochs(
             "streaming", streams[side], args, 0 if c == 1 else c))
+        rows[f"StreamingDataModule, 1 worker x {cores} decode threads, {label[side]}"] = (
+            label[side], lambda c, side=side: NOT_HERE if c == 1 else datamodule_epochs("streaming", streams[side], args, 1, c))
         rows[f"`train_batch`, bytes in memory, {label[side]}"] = (label[side], lambda c, side=side: train_batch_epochs(
             stored[side], args, c))
         rows[f"FFCV 1.0.2, {label[side]}"] = (label[side], lambda c, side=side: None if betons[side] is None else ffcv_epochs(
@@ -539,12 +546,13 @@ def versus_ffcv(args: argparse.Namespace, tree: Path) -> None:
             for r in order:
                 if (r, c) not in timers:  # made (and warmed up by one epoch) on first use
                     timers[(r, c)] = rows[r][1](c)
-                results[(r, c)].append(None if timers[(r, c)] is None else timers[(r, c)]())
+                timer = timers[(r, c)]
+                results[(r, c)].append(None if timer is None else math.nan if timer is NOT_HERE else timer())
                 print(f"round {rnd} {r}, {c} core(s): {results[(r, c)][-1]}", flush=True)
 
     def ratio(r: str, base: str, c: int) -> str:
         vals, refs = results[(r, c)], results[(base, c)]
-        if any(v is None for v in vals + refs):
+        if any(v is None or math.isnan(v) for v in vals + refs):
             return ""
         return f"{statistics.median(v / b for v, b in zip(vals, refs)):.2f}"
 
@@ -560,7 +568,9 @@ def versus_ffcv(args: argparse.Namespace, tree: Path) -> None:
         cells = []
         for c in cols:
             vals = results[(r, c)]
-            cells += ["skipped" if any(v is None for v in vals) else f"{statistics.median(vals):,.0f}",
+            shown = ("skipped" if any(v is None for v in vals) else "" if any(math.isnan(v) for v in vals)
+                     else f"{statistics.median(vals):,.0f}")
+            cells += [shown,
                       ratio(r, names[0], c), ratio(r, ffcv, c)]
         print(f"| {r} | {side} | " + " | ".join(cells) + " |")
 
