@@ -9,7 +9,10 @@ what must happen per image on the CPU:
   decoders supersede torchvision's, deprecated since torchvision 0.29, which remain the
   fallback where TorchCodec (>= 0.16, torch >= 2.11) is not installed;
 * random-resized-crop and horizontal flip on the **uint8** tensor (the resize reads and
-  writes a quarter of the bytes a float pipeline would);
+  writes a quarter of the bytes a float pipeline would), of the crop region only, written
+  straight into the batch (`train_batch`, a whole batch per call, optionally in threads):
+  a crop reduced on either axis with torchvision's antialiased bilinear kernel, one enlarged
+  on both axes (where antialiasing does nothing) with OpenCV's faster bilinear resize;
 * leave the batch un-normalised: `normalize_on_device` converts to float, normalises
   and optionally switches to ``channels_last`` on the training device, after the 4x smaller
   uint8 batch has crossed the host-to-device link.
