@@ -75,6 +75,19 @@ def test_train_batch_draws_what_train_transform_draws_and_gives_the_same_pixels(
     assert 0 < enlarged < len(jpegs)  # both kinds of crop were checked
 
 
+def test_train_batch_same_boxes_over_many_seeds(jpegs):
+    """128 generators over two images whose crops are mostly enlarged (75 x 100) or reduced
+    (150 x 200): the same draws, and the pixels within the tolerance above."""
+    batch = [jpegs[2], jpegs[4]] * 64
+    gens = [fast_decode.sample_generator(seed, 3, i) for i, seed in enumerate(range(100, 228))]
+    gens_ref = [fast_decode.sample_generator(seed, 3, i) for i, seed in enumerate(range(100, 228))]
+    got = fast_decode.train_batch(batch, gens, RESOLUTION, threads=2)
+    expected = _reference(batch, gens_ref)
+    diff = (got.int() - expected.int()).abs().amax(dim=(1, 2, 3))
+    assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(gens, gens_ref))
+    assert diff.max() <= 1 and (diff == 0).sum() >= 32, diff.tolist()
+
+
 def test_train_batch_without_opencv_is_train_transform_bitwise(jpegs, monkeypatch):
     monkeypatch.setattr(fast_decode, "_cv2", None)
     expected = _reference(jpegs, _generators(len(jpegs)))
