@@ -346,6 +346,8 @@ def test_threaded_batch_decode_gives_the_batches_of_one_thread_and_of_the_per_sa
                 for t in (1, 2)]
         assert len(runs[0]) == len(runs[1]) == 6
         assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(*runs))
+        images = runs[1][0][0]  # written where it leaves the loader: channels-last, shared from a worker
+        assert images.is_contiguous(memory_format=torch.channels_last) and images.is_shared() == (workers > 0)
 
 
 @pytest.mark.parametrize("num_workers", [0, 1])
