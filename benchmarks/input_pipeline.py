@@ -177,6 +177,13 @@ def decoder_ms(tree: Path, files: int = 100, repeats: int = 5) -> dict[str, floa
         "torchvision decode_jpeg": lambda i: torchvision_decode_jpeg(datas[i]),
     }
     try:
+        import cv2
+    except ImportError:
+        print("opencv not installed: cv2.imdecode row skipped")
+    else:
+        arrays = [np.frombuffer(r, np.uint8) for r in raw]
+        cases["OpenCV imdecode, RGB"] = lambda i: cv2.imdecode(arrays[i], cv2.IMREAD_COLOR_RGB)
+    try:
         import simplejpeg
     except ImportError:
         print("simplejpeg not installed: DCT-domain scaling rows skipped")
@@ -204,6 +211,7 @@ def kernel_ms(stored: tuple[list[torch.Tensor], list[int]], resolution: int, fil
     `train_batch`'s (OpenCV bilinear for crops enlarged on both axes, torchvision's antialiased
     kernel into the batch slot otherwise), and the whole per-image and batch paths."""
     import cv2
+    from torchvision.transforms.v2 import functional as F
 
     from lightning_fastscale.data import fast_decode
 
@@ -253,7 +261,36 @@ def kernel_ms(stored: tuple[list[torch.Tensor], list[int]], resolution: int, fil
         fast_decode.train_batch(jpegs, g, resolution, out=out)
         batch_best = min(batch_best, (time.process_time() - start) / len(jpegs) * 1e3)
     best["whole transform, `train_batch` (1 thread)"] = batch_best
+    val_best = {"validation resize + centre crop, torchvision (before)": math.inf,
+                "validation resize + centre crop, `val_transform`'s": math.inf}
+    short = round(resolution / 0.875)
+    for _ in range(repeats):
+        start = time.process_time()
+        for im in images:
+            F.center_crop(F.resize(im, [short], antialias=True), [resolution, resolution])
+        mid = time.process_time()
+        for im in images:
+            fast_decode.resize_centre_crop(im, resolution)
+        end = time.process_time()
+        for name, took in zip(val_best, (mid - start, end - mid)):
+            val_best[name] = min(val_best[name], took / len(images) * 1e3)
+    best.update(val_best)
     best["share of crops enlarged on both axes"] = len(enlarged) / len(jpegs)
+    # accuracy against the per-image path (torchvision's antialiased bilinear), in grey levels
+    reduced = [i for i in range(len(jpegs)) if i not in set(enlarged)]
+    for name, which, fn in (("`train_batch`", range(len(jpegs)), None), ("OpenCV INTER_AREA, reduced crops", reduced, area)):
+        diffs = []
+        for i in which:
+            ref = fast_decode.crop_resize_flip(images[i], plans[i][0], resolution, False).permute(1, 2, 0).numpy()
+            if fn is None:
+                fast_decode._crop_resize_flip_into(images[i], plans[i][0], resolution, False, out[i])
+                got = out[i].permute(1, 2, 0).numpy()
+            else:
+                fn(i)
+                got = scratch
+            diffs.append(np.abs(got.astype(np.int16) - ref.astype(np.int16)))
+        best[f"{name}: mean abs diff to torchvision"] = float(np.mean([d.mean() for d in diffs])) if diffs else math.nan
+        best[f"{name}: max abs diff to torchvision"] = float(max(d.max() for d in diffs)) if diffs else math.nan
     return best
 
 
@@ -383,15 +420,21 @@ def ffcv_beton(stream_root: Path, path: Path) -> Path | None:
     return path
 
 
-def _epoch_rate(run_epoch: Any, clock: str) -> float:
-    """Images/s of one timed epoch after one untimed warm-up epoch; ``run_epoch()`` returns the
-    number of images it delivered. ``clock="process"``: per CPU-second of this process (all its
-    threads), the per-core figure; ``"wall"``: what a training loop waits on."""
+def _warmed(run_epoch: Any, clock: str) -> Any:
+    """Run one untimed warm-up epoch; return a function that times one more epoch (images/s).
+
+    ``run_epoch()`` runs an epoch and returns the number of images it delivered.
+    ``clock="process"``: per CPU-second of this process (all its threads), the per-core figure;
+    ``"wall"``: what a training loop waits on."""
     timer = time.process_time if clock == "process" else time.perf_counter
     run_epoch()
-    start = timer()
-    seen = run_epoch()
-    return seen / (timer() - start)
+
+    def timed() -> float:
+        start = timer()
+        seen = run_epoch()
+        return seen / (timer() - start)
+
+    return timed
 
 
 def _loader_epochs(loader: Any) -> Any:
@@ -403,18 +446,20 @@ def _loader_epochs(loader: Any) -> Any:
     return run
 
 
-def datamodule_epoch_rate(pipeline: str, root: Path, args: argparse.Namespace, workers: int) -> float:
+def datamodule_epochs(pipeline: str, root: Path, args: argparse.Namespace, workers: int, threads: int = 1) -> Any:
     """A datamodule's training loader (what ``fastscale-train`` iterates), uint8 batches for the
-    streaming pipeline (normalised on the device), float for ImageFolder (its transform's own)."""
+    streaming pipeline (normalised on the device; ``threads`` decode threads per loader process),
+    float for ImageFolder (its transform's own)."""
     from lightning_fastscale.data.cli import make_datamodule
 
-    dm = make_datamodule(pipeline, str(root), args.resolution, args.batch_size, workers)
+    extra = {"decode_threads": threads} if pipeline == "streaming" else {}
+    dm = make_datamodule(pipeline, str(root), args.resolution, args.batch_size, workers, **extra)
     if hasattr(dm, "setup"):
         dm.setup("fit")
-    return _epoch_rate(_loader_epochs(dm.train_dataloader()), "process" if workers == 0 else "wall")
+    return _warmed(_loader_epochs(dm.train_dataloader()), "process" if workers == 0 else "wall")
 
 
-def train_batch_epoch_rate(stored: tuple[list[torch.Tensor], list[int]], args: argparse.Namespace, threads: int) -> float:
+def train_batch_epochs(stored: tuple[list[torch.Tensor], list[int]], args: argparse.Namespace, threads: int) -> Any:
     """`fast_decode.train_batch` over the stored bytes held in memory (no chunk reads): shuffled
     batches, one generator per sample, ``threads`` threads, one reused output buffer."""
     from lightning_fastscale.data import fast_decode
@@ -435,10 +480,10 @@ def train_batch_epoch_rate(stored: tuple[list[torch.Tensor], list[int]], args: a
             seen += len(idx)
         return seen
 
-    return _epoch_rate(run, "process" if threads == 1 else "wall")
+    return _warmed(run, "process" if threads == 1 else "wall")
 
 
-def ffcv_epoch_rate(beton: Path, args: argparse.Namespace, threads: int) -> float:
+def ffcv_epochs(beton: Path, args: argparse.Namespace, threads: int) -> Any:
     """FFCV's loader: fused decode + random resized crop (its defaults: scale 0.08-1, ratio
     3/4-4/3), flip, uint8 ``(N, 3, H, W)`` torch batches, ``threads`` Numba threads, random order."""
     from ffcv.fields.basics import IntDecoder
@@ -451,7 +496,10 @@ def ffcv_epoch_rate(beton: Path, args: argparse.Namespace, threads: int) -> floa
                         "image": [RandomResizedCropRGBImageDecoder((args.resolution, args.resolution)),
                                   RandomHorizontalFlip(), ToTensor(), ToTorchImage()],
                         "label": [IntDecoder(), ToTensor()]})
-    return _epoch_rate(_loader_epochs(loader), "process" if threads == 1 else "wall")
+    return _warmed(_loader_epochs(loader), "process" if threads == 1 else "wall")
+
+
+NOT_HERE = object()  # a row not measured in this column
 
 
 def versus_ffcv(args: argparse.Namespace, tree: Path) -> None:
@@ -466,40 +514,51 @@ def versus_ffcv(args: argparse.Namespace, tree: Path) -> None:
         stored[side] = stored_train(streams[side])
         betons[side] = ffcv_beton(streams[side], args.workdir / f"ffcv-x{args.repeat}-{side}.beton")
     n = len(stored[640][0])
+    if args.epoch_rounds < 1:  # the data only (set-up of a later run)
+        return
     label = {640: "source", 256: "256"}
-    rows: dict[str, tuple[str, Any]] = {"ImageFolderDataModule (PIL decode, float out)": ("source", lambda c: datamodule_epoch_rate(
+    # each row: (stored side, make(cores) -> a warmed-up epoch timer, or None where skipped)
+    rows: dict[str, tuple[str, Any]] = {"ImageFolderDataModule (PIL decode, float out)": ("source", lambda c: datamodule_epochs(
         "imagefolder", big, args, 0 if c == 1 else c))}
     for side in (640, 256):
-        rows[f"StreamingDataModule, {label[side]}"] = (label[side], lambda c, side=side: datamodule_epoch_rate(
+        rows[f"StreamingDataModule, {label[side]}"] = (label[side], lambda c, side=side: datamodule_epochs(
             "streaming", streams[side], args, 0 if c == 1 else c))
-        rows[f"`train_batch`, bytes in memory, {label[side]}"] = (label[side], lambda c, side=side: train_batch_epoch_rate(
+        rows[f"StreamingDataModule, 1 worker x {cores} decode threads, {label[side]}"] = (
+            label[side], lambda c, side=side: NOT_HERE if c == 1 else datamodule_epochs("streaming", streams[side], args, 1, c))
+        rows[f"`train_batch`, bytes in memory, {label[side]}"] = (label[side], lambda c, side=side: train_batch_epochs(
             stored[side], args, c))
-        rows[f"FFCV 1.0.2, {label[side]}"] = (label[side], lambda c, side=side: None if betons[side] is None else ffcv_epoch_rate(
+        rows[f"FFCV 1.0.2, {label[side]}"] = (label[side], lambda c, side=side: None if betons[side] is None else ffcv_epochs(
             betons[side], args, c))
-    rows["DALI CPU, source"] = ("source", lambda c: dali_images_per_s(
-        big, args.resolution, args.batch_size, c, n // args.batch_size, "process" if c == 1 else "wall"))
+
+    def dali(c: int) -> Any:  # builds its pipeline per call, with its own warm-up batches
+        probe = lambda: dali_images_per_s(big, args.resolution, args.batch_size, c, n // args.batch_size,  # noqa: E731
+                                          "process" if c == 1 else "wall")
+        return probe if probe() is not None else None
+
+    rows["DALI CPU, source"] = ("source", dali)
     names = list(rows)
     cols = (1, cores)
+    timers: dict[tuple[str, int], Any] = {}
     results: dict[tuple[str, int], list[float | None]] = {(r, c): [] for r in names for c in cols}
     for rnd in range(args.epoch_rounds):  # interleaved, order rotated: load drift lands on all alike
         order = names[rnd % len(names):] + names[: rnd % len(names)]
         for c in cols:
             for r in order:
-                if rnd > 0 and results[(r, c)][0] is None:  # skipped once, skipped always
-                    results[(r, c)].append(None)
-                    continue
-                results[(r, c)].append(rows[r][1](c))
+                if (r, c) not in timers:  # made (and warmed up by one epoch) on first use
+                    timers[(r, c)] = rows[r][1](c)
+                timer = timers[(r, c)]
+                results[(r, c)].append(None if timer is None else math.nan if timer is NOT_HERE else timer())
                 print(f"round {rnd} {r}, {c} core(s): {results[(r, c)][-1]}", flush=True)
 
     def ratio(r: str, base: str, c: int) -> str:
         vals, refs = results[(r, c)], results[(base, c)]
-        if any(v is None for v in vals + refs):
+        if any(v is None or math.isnan(v) for v in vals + refs):
             return ""
         return f"{statistics.median(v / b for v, b in zip(vals, refs)):.2f}"
 
     print(f"\n{n} images per epoch ({n // args.repeat} files x {args.repeat}), {args.resolution} px, batch "
-          f"{args.batch_size}, uint8 out unless noted; medians of {args.epoch_rounds} interleaved rounds, one warm-up "
-          f"epoch each; 1 core: images per CPU-second of one process (FFCV and `train_batch`: 1 thread); "
+          f"{args.batch_size}, uint8 out unless noted; one warm-up epoch per pipeline, then medians of "
+          f"{args.epoch_rounds} interleaved rounds of one epoch each; 1 core: images per CPU-second of one process (FFCV and `train_batch`: 1 thread); "
           f"{cores} cores: wall clock, {cores} loader workers or threads")
     print(f"\n| pipeline | stored max side | 1 core | x ImageFolder | x FFCV | {cores} cores | x ImageFolder | x FFCV |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
@@ -509,7 +568,9 @@ def versus_ffcv(args: argparse.Namespace, tree: Path) -> None:
         cells = []
         for c in cols:
             vals = results[(r, c)]
-            cells += ["skipped" if any(v is None for v in vals) else f"{statistics.median(vals):,.0f}",
+            shown = ("skipped" if any(v is None for v in vals) else "" if any(math.isnan(v) for v in vals)
+                     else f"{statistics.median(vals):,.0f}")
+            cells += [shown,
                       ratio(r, names[0], c), ratio(r, ffcv, c)]
         print(f"| {r} | {side} | " + " | ".join(cells) + " |")
 

@@ -103,6 +103,7 @@ def test_train_batch_threads_and_out_change_nothing(jpegs):
     contiguous = torch.zeros(len(jpegs), 3, RESOLUTION, RESOLUTION, dtype=torch.uint8)  # not pixel-interleaved
     assert torch.equal(fast_decode.train_batch(jpegs, _generators(len(jpegs)), RESOLUTION, out=contiguous), one)
     assert torch.equal(fast_decode.train_batch(jpegs, _generators(len(jpegs)), RESOLUTION, threads=3), one)
+    assert fast_decode._thread_pool(2) is fast_decode._thread_pool(2)  # one pool per thread count, kept
 
 
 def _flipped_byte(jpeg: torch.Tensor) -> torch.Tensor:

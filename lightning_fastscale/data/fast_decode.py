@@ -9,7 +9,10 @@ what must happen per image on the CPU:
   decoders supersede torchvision's, deprecated since torchvision 0.29, which remain the
   fallback where TorchCodec (>= 0.16, torch >= 2.11) is not installed;
 * random-resized-crop and horizontal flip on the **uint8** tensor (the resize reads and
-  writes a quarter of the bytes a float pipeline would);
+  writes a quarter of the bytes a float pipeline would), of the crop region only, written
+  straight into the batch (`train_batch`, a whole batch per call, optionally in threads):
+  a crop reduced on either axis with torchvision's antialiased bilinear kernel, one enlarged
+  on both axes (where antialiasing does nothing) with OpenCV's faster bilinear resize;
 * leave the batch un-normalised: `normalize_on_device` converts to float, normalises
   and optionally switches to ``channels_last`` on the training device, after the 4x smaller
   uint8 batch has crossed the host-to-device link.
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -222,7 +226,12 @@ def val_transform(data: torch.Tensor, size: int, crop_ratio: float = 0.875) -> t
     OpenCV's bilinear resize where OpenCV is installed: the same pixels up to rounding, since
     antialiasing does nothing to an enlargement.
     """
-    image = decode_rgb(data)
+    return resize_centre_crop(decode_rgb(data), size, crop_ratio)
+
+
+def resize_centre_crop(image: torch.Tensor, size: int, crop_ratio: float = 0.875) -> torch.Tensor:
+    """The geometry of [`val_transform`][lightning_fastscale.data.fast_decode.val_transform] on a
+    decoded uint8 ``(C, H, W)`` image."""
     short = round(size / crop_ratio)
     h, w = image.shape[-2:]
     new_h, new_w = _compute_resized_output_size((h, w), [short])  # torchvision's own rule
@@ -234,19 +243,25 @@ def val_transform(data: torch.Tensor, size: int, crop_ratio: float = 0.875) -> t
     return F.center_crop(image, [size, size])
 
 
-_pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, threads, pool), reused across calls
-_pool_lock = threading.Lock()
+_pools: dict[int, ThreadPoolExecutor] = {}  # by thread count; reused across calls
+_pools_lock = threading.Lock()
+
+
+def _forget_pools() -> None:  # a forked child has none of its parent's threads (nor a held lock)
+    global _pools_lock
+    _pools.clear()
+    _pools_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pools)
 
 
 def _thread_pool(threads: int) -> ThreadPoolExecutor:
-    """This process's pool of ``threads`` threads (a forked worker makes its own)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid() or _pool[1] != threads:
-            if _pool is not None and _pool[0] == os.getpid():
-                _pool[2].shutdown(wait=False)
-            _pool = (os.getpid(), threads, ThreadPoolExecutor(threads, thread_name_prefix="fast_decode"))
-        return _pool[2]
+    """This process's pool of ``threads`` threads, made on first use and kept."""
+    with _pools_lock:
+        if threads not in _pools:
+            _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="fast_decode")
+        return _pools[threads]
 
 
 def _map(fn: Callable[[int], Any], count: int, threads: int) -> list[BaseException | None]:
@@ -261,11 +276,12 @@ def _map(fn: Callable[[int], Any], count: int, threads: int) -> list[BaseExcepti
 
     if threads <= 1 or count <= 1:
         return [guarded(i) for i in range(count)]
-    pool = _thread_pool(threads)
-    # contiguous blocks, one per thread: one task per thread, not per image
-    bounds = [count * t // threads for t in range(threads + 1)]
-    blocks = pool.map(lambda t: [guarded(i) for i in range(bounds[t], bounds[t + 1])], range(threads))
-    return [err for block in blocks for err in block]
+    # about four runs of consecutive samples per thread: few tasks, yet images of unequal
+    # sizes (decode cost grows with pixels) still even out across the threads
+    step = max(1, count // (4 * threads))
+    runs = _thread_pool(threads).map(lambda a: [guarded(i) for i in range(a, min(a + step, count))],
+                                     range(0, count, step))
+    return [err for run in runs for err in run]
 
 
 def train_batch(
@@ -291,7 +307,14 @@ def train_batch(
     "Corrupt JPEG data", raises [`SampleDecodeError`][lightning_fastscale.data.verify.SampleDecodeError]
     with its position in the batch (the first such position). The warning is only written to
     file descriptor 2, so the whole batch is decoded under one capture of it, and only if
-    libjpeg wrote anything are the samples decoded again one at a time to find which.
+    libjpeg wrote anything are the samples decoded again one at a time to find which. The
+    descriptor is the process's: what other threads write to it meanwhile is written back after
+    the batch (and lost if the process dies during it), so a loader worker process is the
+    natural caller; strict decodes of other threads wait for the batch.
+
+    The threads parallelise across samples; each resize may also use torch's and OpenCV's own
+    intra-op threads. Where the pool has the cores to itself, set those to one
+    (``torch.set_num_threads(1)``, ``cv2.setNumThreads(1)``), as loader workers do for torch.
 
     Examples:
         >>> import io; from PIL import Image
@@ -311,7 +334,6 @@ def train_batch(
         out = torch.empty(shape, dtype=torch.uint8, memory_format=torch.channels_last)
     elif tuple(out.shape) != shape or out.dtype != torch.uint8:
         raise ValueError(f"out must be a uint8 tensor of shape {shape}, got {out.dtype} {tuple(out.shape)}")
-    states = [g.get_state() for g in generators]  # to redraw the same boxes if a sample is re-decoded
 
     def one(i: int) -> None:
         image = decode_rgb(jpegs[i])
@@ -320,25 +342,23 @@ def train_batch(
 
     with decoder_messages() as messages:
         errors = _map(one, n, threads)
-    if any(err is not None for err in errors) or decoder_warnings(messages[0]):
-        _raise_first_bad(jpegs, generators, states, resolution, scale, ratio, errors)
+    warnings = decoder_warnings(messages[0])
+    if any(err is not None for err in errors) or warnings:
+        _raise_first_bad(jpegs, errors)
+        sys.stderr.write("".join(line + "\n" for line in warnings))  # another thread's, not ours
     return out
 
 
-def _raise_first_bad(
-    jpegs: Sequence[torch.Tensor], generators: Sequence[torch.Generator], states: list[torch.Tensor],
-    resolution: int, scale: tuple[float, float], ratio: tuple[float, float], errors: list[BaseException | None],
-) -> None:
-    """Decode the samples again one at a time, strictly; raise for the first that fails."""
+def _raise_first_bad(jpegs: Sequence[torch.Tensor], errors: list[BaseException | None]) -> None:
+    """Decode the samples again one at a time, strictly (libjpeg warns only while decoding);
+    raise for the first that fails, or that failed in the batch."""
     for i, jpeg in enumerate(jpegs):
-        g = torch.Generator().set_state(states[i])
         try:
-            strict_decode(lambda data: train_transform(data, resolution, g, scale, ratio), jpeg)
+            strict_decode(decode_rgb, jpeg)
         except Exception as err:
             raise SampleDecodeError(i, f"{type(err).__name__}: {err}") from err
-        if errors[i] is not None:  # failed in the batch but not alone: report it all the same
+        if errors[i] is not None:  # decoded cleanly alone, failed in the batch: report that
             raise SampleDecodeError(i, f"{type(errors[i]).__name__}: {errors[i]}") from errors[i]
-    # libjpeg's warning came from another thread of this process, not from these samples
 
 
 def normalize_on_device(

@@ -144,6 +144,14 @@ def _capture_file() -> tuple[Any, threading.Lock]:
     return _capture[1], _capture[2]
 
 
+def _forget_capture() -> None:  # the parent's lock may have been held by a thread the child lacks
+    global _capture
+    _capture = None
+
+
+os.register_at_fork(after_in_child=_forget_capture)
+
+
 @contextlib.contextmanager
 def decoder_messages() -> Iterator[list[str]]:
     """Collect what native code writes to this process's stderr (file descriptor 2) meanwhile.
