@@ -192,7 +192,7 @@ class TrainBatchDecoder:
 
     def _buffer(self, shape: tuple[int, int, int, int]) -> torch.Tensor | None:
         # Pixel-interleaved (channels-last) memory, as train_batch allocates by default: the
-        # decoder's output and OpenCV's resize write it directly (1.1-1.4x the images per core
+        # decoder's output and OpenCV's resize write it directly (1.1-1.25x the images per core
         # of an NCHW buffer, benchmarks/README.md).
         n, c, h, w = shape
         if get_worker_info() is not None:
