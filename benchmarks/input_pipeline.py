@@ -276,6 +276,9 @@ def kernel_ms(stored: tuple[list[torch.Tensor], list[int]], resolution: int, fil
             val_best[name] = min(val_best[name], took / len(images) * 1e3)
     best.update(val_best)
     best["share of crops enlarged on both axes"] = len(enlarged) / len(jpegs)
+    # where a 1/2-scale DCT-domain decode could serve: the crop keeps >= the output size at half scale
+    best["share of crops >= 2x the output on both axes"] = sum(
+        box[2] >= 2 * resolution and box[3] >= 2 * resolution for box, _ in plans) / len(jpegs)
     # accuracy against the per-image path (torchvision's antialiased bilinear), in grey levels
     reduced = [i for i in range(len(jpegs)) if i not in set(enlarged)]
     for name, which, fn in (("`train_batch`", range(len(jpegs)), None), ("OpenCV INTER_AREA, reduced crops", reduced, area)):

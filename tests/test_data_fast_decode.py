@@ -16,7 +16,7 @@ from PIL import Image
 from torchvision.transforms.v2 import functional as F
 
 from lightning_fastscale.data import fast_decode
-from lightning_fastscale.data.verify import CorruptDataError, SampleDecodeError, strict_decode
+from lightning_fastscale.data.verify import CorruptDataError, SampleDecodeError, decoder_messages, strict_decode
 
 RESOLUTION = 64
 
@@ -73,6 +73,19 @@ def test_train_batch_draws_what_train_transform_draws_and_gives_the_same_pixels(
         else:
             assert diff == 0, (i, diff)
     assert 0 < enlarged < len(jpegs)  # both kinds of crop were checked
+
+
+def test_train_batch_same_boxes_over_many_seeds(jpegs):
+    """128 generators over two images whose crops are mostly enlarged (75 x 100) or reduced
+    (150 x 200): the same draws, and the pixels within the tolerance above."""
+    batch = [jpegs[2], jpegs[4]] * 64
+    gens = [fast_decode.sample_generator(seed, 3, i) for i, seed in enumerate(range(100, 228))]
+    gens_ref = [fast_decode.sample_generator(seed, 3, i) for i, seed in enumerate(range(100, 228))]
+    got = fast_decode.train_batch(batch, gens, RESOLUTION, threads=2)
+    expected = _reference(batch, gens_ref)
+    diff = (got.int() - expected.int()).abs().amax(dim=(1, 2, 3))
+    assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(gens, gens_ref))
+    assert diff.max() <= 1 and (diff == 0).sum() >= 32, diff.tolist()
 
 
 def test_train_batch_without_opencv_is_train_transform_bitwise(jpegs, monkeypatch):
@@ -141,3 +154,14 @@ def test_train_batch_refuses_mismatched_arguments(jpegs):
         fast_decode.train_batch(jpegs[:2], _generators(3), RESOLUTION)
     with pytest.raises(ValueError, match="out must be a uint8 tensor of shape"):
         fast_decode.train_batch(jpegs[:2], _generators(2), RESOLUTION, out=torch.empty(2, 3, 8, 8, dtype=torch.uint8))
+
+
+def test_strict_decodes_nest_and_a_batch_inside_a_capture_does_not_wait_for_itself(jpegs):
+    bad = _flipped_byte(jpegs[4])
+    with decoder_messages() as outer:
+        with pytest.raises(ValueError, match="Corrupt JPEG data"):
+            strict_decode(fast_decode.decode_rgb, bad)  # a block nested in the same thread
+        with pytest.raises(SampleDecodeError):
+            fast_decode.train_batch([jpegs[0], bad], _generators(2), RESOLUTION, threads=2)
+    assert "Corrupt JPEG data" in outer[0]  # the outer block saw what the inner ones did
+    assert fast_decode.train_batch(jpegs[:2], _generators(2), RESOLUTION).shape[0] == 2  # capture restored

@@ -132,16 +132,25 @@ def check_split_files(split_dir: str | os.PathLike[str]) -> list[Problem]:
     return problems
 
 
-# (pid, file, lock): one capture file per process, reused; the lock serialises the captures of
-# threads, since file descriptor 2 is one per process
-_capture: tuple[int, Any, threading.Lock] | None = None
+@dataclass
+class _Capture:
+    """This process's capture of file descriptor 2: one reused file; the lock serialises the
+    blocks of different threads (the descriptor is one per process) and lets a thread nest them."""
+
+    pid: int
+    file: Any
+    lock: threading.RLock
+    depth: int = 0  # blocks open in the thread holding the lock
 
 
-def _capture_file() -> tuple[Any, threading.Lock]:
+_capture: _Capture | None = None
+
+
+def _capture_state() -> _Capture:
     global _capture
-    if _capture is None or _capture[0] != os.getpid():  # a forked worker gets its own
-        _capture = (os.getpid(), tempfile.TemporaryFile(), threading.Lock())
-    return _capture[1], _capture[2]
+    if _capture is None or _capture.pid != os.getpid():  # a forked worker gets its own
+        _capture = _Capture(os.getpid(), tempfile.TemporaryFile(), threading.RLock())
+    return _capture
 
 
 def _forget_capture() -> None:  # the parent's lock may have been held by a thread the child lacks
@@ -157,31 +166,41 @@ def decoder_messages() -> Iterator[list[str]]:
     """Collect what native code writes to this process's stderr (file descriptor 2) meanwhile.
 
     libjpeg reports recoverable damage only there. The collected text is yielded as a
-    one-element list after the block; lines that are not libjpeg's are written back to stderr.
-    Costs a few system calls per block (one reused capture file per process). The descriptor is
-    one per process, so blocks in different threads run one at a time, and a block captures what
-    every thread writes meanwhile (which is how a batch decoded in a thread pool is checked).
+    one-element list after the block; lines that are not libjpeg's are written back to stderr
+    when the outermost block ends. Costs a few system calls per block (one reused capture file
+    per process). The descriptor is one per process, so blocks in different threads run one at
+    a time, and a block captures what every thread writes meanwhile (which is how a batch
+    decoded in a thread pool is checked); a block nested in another of the same thread collects
+    its own part, which the outer block collects too.
     """
     collected: list[str] = []
-    capture, lock = _capture_file()
-    with lock:
+    state = _capture_state()
+    with state.lock:
         sys.stderr.flush()
-        saved = os.dup(2)
-        os.dup2(capture.fileno(), 2)
+        outermost = state.depth == 0
+        if outermost:
+            saved = os.dup(2)
+            os.dup2(state.file.fileno(), 2)
+        start = os.fstat(state.file.fileno()).st_size
+        state.depth += 1
         try:
             yield collected
         finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            text = ""
-            if os.fstat(capture.fileno()).st_size:
-                capture.seek(0)
-                text = capture.read().decode(errors="replace")
-                capture.seek(0)
-                capture.truncate()
+            state.depth -= 1
+            sys.stderr.flush()
+            if outermost:
+                os.dup2(saved, 2)
+                os.close(saved)
+            fd = state.file.fileno()
+            # pread leaves the offset the writers share at the end (an inner block reads while
+            # other threads may still write)
+            text = os.pread(fd, os.fstat(fd).st_size - start, start).decode(errors="replace")
+            if outermost:
+                os.ftruncate(fd, 0)
+                os.lseek(fd, 0, os.SEEK_SET)
             collected.append(text)
             other = "".join(line for line in text.splitlines(keepends=True) if _DECODER_WARNING not in line)
-            if other:
+            if outermost and other:
                 sys.stderr.write(other)
 
 
