@@ -8,7 +8,8 @@ On a generated tree of photo-like JPEGs (``input_pipeline.write_tree``) converte
    ``fast_decode.train_batch`` call per batch, the datamodule's own) against the per-sample
    path it replaced (each sample decoded strictly and augmented as it is read, then
    ``default_collate``), both on the same samples, crops and flips;
-2. the per-batch cost of the output buffer: a fresh allocation that is then written, against
+2. one ``train_batch`` call into an NCHW buffer against a channels-last one; the per-batch
+   cost of the output buffer: a fresh allocation that is then written, against
    writing into a buffer that is reused; in a loader worker, allocating the batch in shared
    memory (what the collate does) against copying it there when it is sent;
 3. what starting a new epoch's workers costs: the wait for an epoch's first batch beyond a
@@ -128,6 +129,23 @@ def buffer_costs(args: argparse.Namespace, repeats: int = 20) -> dict[str, float
     }
 
 
+def layout_rates(root: Path, args: argparse.Namespace, count: int = 64) -> dict[str, float]:
+    """Images per CPU second of one ``train_batch`` call (1 thread) into an NCHW and a channels-last buffer."""
+    from litdata import StreamingDataset
+
+    dataset = StreamingDataset(str(root / "train"))
+    jpegs = [torch.frombuffer(bytearray(dataset[i]["image"]), dtype=torch.uint8) for i in range(count)]
+    times: dict[str, list[float]] = {"NCHW": [], "channels-last": []}
+    for _ in range(args.rounds + 2):
+        for name, layout in (("NCHW", torch.contiguous_format), ("channels-last", torch.channels_last)):
+            out = torch.empty((count, 3, args.resolution, args.resolution), dtype=torch.uint8, memory_format=layout)
+            generators = [fast_decode.sample_generator(0, 0, i) for i in range(count)]
+            start = time.process_time()
+            fast_decode.train_batch(jpegs, generators, args.resolution, out=out)
+            times[name].append(time.process_time() - start)
+    return {name: round(count / statistics.median(t), 1) for name, t in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", type=Path, required=True)
@@ -161,6 +179,7 @@ def main() -> None:
         wall = {k: round(statistics.median(r[0] for r in v), 1) for k, v in rates.items()}
         cpu = {k: round(statistics.median(r[1] for r in v), 1) for k, v in rates.items() if k.split()[1].startswith("0x")}
         result[f"max_side_{side}"] = {
+            "train_batch images_per_cpu_s by buffer layout": layout_rates(root, args),
             "images_per_wall_s (workers x threads)": wall,
             "images_per_cpu_s, no workers": cpu,
             "per core: batch 0x1 / per-sample 0x1 (cpu s)": round(cpu["batch 0x1"] / cpu["per-sample 0x1"], 3),

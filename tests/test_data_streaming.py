@@ -346,6 +346,8 @@ def test_threaded_batch_decode_gives_the_batches_of_one_thread_and_of_the_per_sa
                 for t in (1, 2)]
         assert len(runs[0]) == len(runs[1]) == 6
         assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(*runs))
+        images = runs[1][0][0]  # written where it leaves the loader: channels-last, shared from a worker
+        assert images.is_contiguous(memory_format=torch.channels_last) and images.is_shared() == (workers > 0)
 
 
 @pytest.mark.parametrize("num_workers", [0, 1])
@@ -399,3 +401,16 @@ def test_probe_tries_each_worker_count_with_the_threads_that_fill_the_cores(tmp_
     # Threads set by the user: only the worker counts whose threads fit the cores are tried.
     resolve_num_workers(make_loader, cache, "data", 32, 4, max_workers=8, decode_threads=3)
     assert tried == [(0, 3), (1, 3), (2, 3)]
+
+
+def test_streaming_source_alone_locates_splits_and_checks_resolutions(stream, tmp_path):
+    from lightning_fastscale.data.streaming_source import StreamingSource
+
+    local = StreamingSource(str(stream))
+    assert local.split("val") == (str(stream / "val"), {}) and local.metadata.max_side == 64
+    local.check_resolution("data.resolution", 64)
+    with pytest.raises(ValueError, match="data.resolution=65 is larger .* --max-side 65"):
+        local.check_resolution("data.resolution", 65)
+    remote = StreamingSource(f"local:{stream}", cache_dir=str(tmp_path), max_cache_size="1GB")
+    assert remote.remote and remote.metadata == local.metadata  # dataset.json read through the cache
+    assert remote.split("train") == (f"local:{stream}/train", {"cache_dir": str(tmp_path), "max_cache_size": "1GB"})

@@ -138,7 +138,7 @@ class StreamingDataModule(_ResizableDataModule):
         # seed of every sample) on the dataset when an epoch's iteration starts, in this
         # process, and workers see it only through the copy they start with; persistent
         # workers would repeat the first epoch's order and crops. A restart costs an epoch
-        # about one batch's decode latency (benchmarks/streaming_loader.py: ~0.3 s with two
+        # about one batch's decode latency (benchmarks/streaming_loader.py: ~0.1 s with two
         # workers against minutes for an ImageNet epoch per rank, ~0.1%), and a batch-size
         # or resolution change builds a new loader anyway.
         super().__init__(
