@@ -393,15 +393,23 @@ def stored_train(stream_root: Path) -> tuple[list[torch.Tensor], list[int]]:
     return [torch.frombuffer(bytearray(it["image"]), dtype=torch.uint8) for it in items], [int(it["label"]) for it in items]
 
 
-def ffcv_beton(stream_root: Path, path: Path) -> Path | None:
-    """An FFCV 1.0.2 dataset of the same stored images (decoded, re-encoded by FFCV at quality
-    90: the same pixel count); None, with a message, where ``ffcv`` does not import."""
+def ffcv_importable() -> bool:
+    """Whether FFCV imports; if not, say so in one line."""
     try:
-        from ffcv.fields import IntField, RGBImageField
-        from ffcv.writer import DatasetWriter
+        import ffcv.fields  # noqa: F401
+        import ffcv.loader  # noqa: F401
     except Exception as err:  # ImportError, or its compiled extension failing to load
         print(f"FFCV skipped: ffcv not importable ({type(err).__name__}: {err}); install steps in benchmarks/README.md")
-        return None
+        return False
+    return True
+
+
+def ffcv_beton(stream_root: Path, path: Path) -> Path:
+    """An FFCV 1.0.2 dataset of the same stored images (decoded, re-encoded by FFCV at quality
+    90: the same pixel count)."""
+    from ffcv.fields import IntField, RGBImageField
+    from ffcv.writer import DatasetWriter
+
     if path.is_file():
         return path
 
@@ -510,12 +518,13 @@ def versus_ffcv(args: argparse.Namespace, tree: Path) -> None:
     cores = os.cpu_count() or 1
     big = repeated_tree(tree, args.workdir / f"tree-x{args.repeat}", args.repeat)
     streams, stored, betons = {}, {}, {}
+    with_ffcv = ffcv_importable()
     for side in (640, 256):
         streams[side] = args.workdir / f"stream-x{args.repeat}-{side}"
         if not (streams[side] / "dataset.json").is_file():
             convert(big, streams[side], max_side=side, quality=90, verbose=False)
         stored[side] = stored_train(streams[side])
-        betons[side] = ffcv_beton(streams[side], args.workdir / f"ffcv-x{args.repeat}-{side}.beton")
+        betons[side] = ffcv_beton(streams[side], args.workdir / f"ffcv-x{args.repeat}-{side}.beton") if with_ffcv else None
     n = len(stored[640][0])
     if args.epoch_rounds < 1:  # the data only (set-up of a later run)
         return
