@@ -177,6 +177,13 @@ def decoder_ms(tree: Path, files: int = 100, repeats: int = 5) -> dict[str, floa
         "torchvision decode_jpeg": lambda i: torchvision_decode_jpeg(datas[i]),
     }
     try:
+        import cv2
+    except ImportError:
+        print("opencv not installed: cv2.imdecode row skipped")
+    else:
+        arrays = [np.frombuffer(r, np.uint8) for r in raw]
+        cases["OpenCV imdecode, RGB"] = lambda i: cv2.imdecode(arrays[i], cv2.IMREAD_COLOR_RGB)
+    try:
         import simplejpeg
     except ImportError:
         print("simplejpeg not installed: DCT-domain scaling rows skipped")
@@ -195,6 +202,98 @@ def decoder_ms(tree: Path, files: int = 100, repeats: int = 5) -> dict[str, floa
                 for i in range(len(raw)):
                     fn(i)
                 best[name] = min(best[name], (time.process_time() - start) / len(raw) * 1e3)
+    return best
+
+
+def kernel_ms(stored: tuple[list[torch.Tensor], list[int]], resolution: int, files: int, repeats: int = 5) -> dict[str, float]:
+    """Best-of-``repeats`` ms per image, one thread, of each step of the training transform on
+    the same stored bytes, crop boxes and flips: the decode, today's per-image resize against
+    `train_batch`'s (OpenCV bilinear for crops enlarged on both axes, torchvision's antialiased
+    kernel into the batch slot otherwise), and the whole per-image and batch paths."""
+    import cv2
+    from torchvision.transforms.v2 import functional as F
+
+    from lightning_fastscale.data import fast_decode
+
+    jpegs = stored[0][:files]
+    images = [fast_decode.decode_rgb(j) for j in jpegs]
+    plans = [fast_decode.draw_crop(im.shape[1], im.shape[2], fast_decode.sample_generator(0, 0, i))
+             for i, im in enumerate(images)]
+    out = torch.empty(len(jpegs), 3, resolution, resolution, dtype=torch.uint8, memory_format=torch.channels_last)
+    scratch = np.empty((resolution, resolution, 3), np.uint8)
+    enlarged = [i for i, (box, _) in enumerate(plans) if box[2] <= resolution and box[3] <= resolution]
+
+    def area(i: int) -> None:  # FFCV's resize: INTER_AREA on the crop region, whatever the scale
+        (top, left, h, w), _ = plans[i]
+        cv2.resize(images[i].permute(1, 2, 0).numpy()[top : top + h, left : left + w], (resolution, resolution),
+                   dst=scratch, interpolation=cv2.INTER_AREA)
+
+    cases: dict[str, Any] = {
+        "decode (TorchCodec `decode_jpeg`)": (lambda i: fast_decode.decode_rgb(jpegs[i]), range(len(jpegs))),
+        "resize + flip, torchvision `resized_crop` (per-image path)": (
+            lambda i: fast_decode.crop_resize_flip(images[i], *plans[i][:1], resolution, plans[i][1]), range(len(jpegs))),
+        "resize + flip, `train_batch`'s (into the batch slot)": (
+            lambda i: fast_decode._crop_resize_flip_into(images[i], plans[i][0], resolution, plans[i][1], out[i]),
+            range(len(jpegs))),
+        "resize, OpenCV INTER_AREA on the crop (FFCV's)": (area, range(len(jpegs))),
+        "crops enlarged on both axes only: torchvision `resized_crop`": (
+            lambda i: fast_decode.crop_resize_flip(images[i], *plans[i][:1], resolution, plans[i][1]), enlarged),
+        "the same crops: `train_batch`'s (OpenCV bilinear)": (
+            lambda i: fast_decode._crop_resize_flip_into(images[i], plans[i][0], resolution, plans[i][1], out[i]),
+            enlarged),
+        "whole transform, per image (`train_transform`)": (
+            lambda i: fast_decode.train_transform(jpegs[i], resolution, fast_decode.sample_generator(0, 0, i)),
+            range(len(jpegs))),
+    }
+    best = {name: math.inf for name in cases}
+    batch_best = math.inf
+    gens = lambda: [fast_decode.sample_generator(0, 0, i) for i in range(len(jpegs))]  # noqa: E731
+    for _ in range(repeats):
+        for name, (fn, which) in cases.items():
+            if not which:
+                continue
+            start = time.process_time()
+            for i in which:
+                fn(i)
+            best[name] = min(best[name], (time.process_time() - start) / len(which) * 1e3)
+        g = gens()
+        start = time.process_time()
+        fast_decode.train_batch(jpegs, g, resolution, out=out)
+        batch_best = min(batch_best, (time.process_time() - start) / len(jpegs) * 1e3)
+    best["whole transform, `train_batch` (1 thread)"] = batch_best
+    val_best = {"validation resize + centre crop, torchvision (before)": math.inf,
+                "validation resize + centre crop, `val_transform`'s": math.inf}
+    short = round(resolution / 0.875)
+    for _ in range(repeats):
+        start = time.process_time()
+        for im in images:
+            F.center_crop(F.resize(im, [short], antialias=True), [resolution, resolution])
+        mid = time.process_time()
+        for im in images:
+            fast_decode.resize_centre_crop(im, resolution)
+        end = time.process_time()
+        for name, took in zip(val_best, (mid - start, end - mid)):
+            val_best[name] = min(val_best[name], took / len(images) * 1e3)
+    best.update(val_best)
+    best["share of crops enlarged on both axes"] = len(enlarged) / len(jpegs)
+    # where a 1/2-scale DCT-domain decode could serve: the crop keeps >= the output size at half scale
+    best["share of crops >= 2x the output on both axes"] = sum(
+        box[2] >= 2 * resolution and box[3] >= 2 * resolution for box, _ in plans) / len(jpegs)
+    # accuracy against the per-image path (torchvision's antialiased bilinear), in grey levels
+    reduced = [i for i in range(len(jpegs)) if i not in set(enlarged)]
+    for name, which, fn in (("`train_batch`", range(len(jpegs)), None), ("OpenCV INTER_AREA, reduced crops", reduced, area)):
+        diffs = []
+        for i in which:
+            ref = fast_decode.crop_resize_flip(images[i], plans[i][0], resolution, False).permute(1, 2, 0).numpy()
+            if fn is None:
+                fast_decode._crop_resize_flip_into(images[i], plans[i][0], resolution, False, out[i])
+                got = out[i].permute(1, 2, 0).numpy()
+            else:
+                fn(i)
+                got = scratch
+            diffs.append(np.abs(got.astype(np.int16) - ref.astype(np.int16)))
+        best[f"{name}: mean abs diff to torchvision"] = float(np.mean([d.mean() for d in diffs])) if diffs else math.nan
+        best[f"{name}: max abs diff to torchvision"] = float(max(d.max() for d in diffs)) if diffs else math.nan
     return best
 
 
@@ -266,6 +365,228 @@ def train_step_check(tree: Path, stream_root: Path, args: argparse.Namespace) ->
     return {"median_step_s": med, "rounds": times, "streaming_over_imagefolder_step_time": med["streaming"] / med["imagefolder"]}
 
 
+# ---- ImageNet-length epochs against FFCV (--versus-ffcv) ------------------------------------
+
+
+def repeated_tree(tree: Path, out: Path, repeat: int) -> Path:
+    """``tree`` with every training file present ``repeat`` times (hard links; val once)."""
+    if (out / "done").is_file():
+        return out
+    for src in sorted(tree.rglob("*.JPEG")):
+        rel = src.relative_to(tree)
+        copies = repeat if rel.parts[0] == "train" else 1
+        (out / rel.parent).mkdir(parents=True, exist_ok=True)
+        for k in range(copies):
+            dst = out / rel.parent / f"{src.stem}_r{k}{src.suffix}"
+            if not dst.exists():
+                os.link(src, dst)
+    (out / "done").write_text("")
+    return out
+
+
+def stored_train(stream_root: Path) -> tuple[list[torch.Tensor], list[int]]:
+    """The JPEG bytes and labels of a converted training split, read once through litdata."""
+    from litdata import StreamingDataset
+
+    ds = StreamingDataset(str(stream_root / "train"))
+    items = [ds[i] for i in range(len(ds))]
+    return [torch.frombuffer(bytearray(it["image"]), dtype=torch.uint8) for it in items], [int(it["label"]) for it in items]
+
+
+def ffcv_importable() -> bool:
+    """Whether FFCV imports; if not, say so in one line."""
+    try:
+        import ffcv.fields  # noqa: F401
+        import ffcv.loader  # noqa: F401
+    except Exception as err:  # ImportError, or its compiled extension failing to load
+        print(f"FFCV skipped: ffcv not importable ({type(err).__name__}: {err}); install steps in benchmarks/README.md")
+        return False
+    return True
+
+
+def ffcv_beton(stream_root: Path, path: Path) -> Path:
+    """An FFCV 1.0.2 dataset of the same stored images (decoded, re-encoded by FFCV at quality
+    90: the same pixel count)."""
+    from ffcv.fields import IntField, RGBImageField
+    from ffcv.writer import DatasetWriter
+
+    if path.is_file():
+        return path
+
+    class Stored(torch.utils.data.Dataset):
+        def __init__(self) -> None:
+            self.jpegs, self.labels = stored_train(stream_root)
+
+        def __len__(self) -> int:
+            return len(self.jpegs)
+
+        def __getitem__(self, i: int) -> tuple[Any, int]:
+            return Image.open(io.BytesIO(self.jpegs[i].numpy().tobytes())).convert("RGB"), self.labels[i]
+
+    tmp = path.with_suffix(".partial")
+    writer = DatasetWriter(str(tmp), {"image": RGBImageField(write_mode="jpg", jpeg_quality=90),
+                                      "label": IntField()}, num_workers=os.cpu_count() or 1)
+    writer.from_indexed_dataset(Stored())
+    tmp.rename(path)
+    return path
+
+
+def _warmed(run_epoch: Any, clock: str) -> Any:
+    """Run one untimed warm-up epoch; return a function that times one more epoch (images/s).
+
+    ``run_epoch()`` runs an epoch and returns the number of images it delivered.
+    ``clock="process"``: per CPU-second of this process (all its threads), the per-core figure;
+    ``"wall"``: what a training loop waits on."""
+    timer = time.process_time if clock == "process" else time.perf_counter
+    run_epoch()
+
+    def timed() -> float:
+        start = timer()
+        seen = run_epoch()
+        return seen / (timer() - start)
+
+    return timed
+
+
+def _loader_epochs(loader: Any) -> Any:
+    def run() -> int:
+        seen = 0
+        for images, _ in loader:
+            seen += images.shape[0]
+        return seen
+    return run
+
+
+def datamodule_epochs(pipeline: str, root: Path, args: argparse.Namespace, workers: int, threads: int = 1) -> Any:
+    """A datamodule's training loader (what ``fastscale-train`` iterates), uint8 batches for the
+    streaming pipeline (normalised on the device; ``threads`` decode threads per loader process),
+    float for ImageFolder (its transform's own)."""
+    from lightning_fastscale.data.cli import make_datamodule
+
+    extra = {"decode_threads": threads} if pipeline == "streaming" else {}
+    dm = make_datamodule(pipeline, str(root), args.resolution, args.batch_size, workers, **extra)
+    if hasattr(dm, "setup"):
+        dm.setup("fit")
+    return _warmed(_loader_epochs(dm.train_dataloader()), "process" if workers == 0 else "wall")
+
+
+def train_batch_epochs(stored: tuple[list[torch.Tensor], list[int]], args: argparse.Namespace, threads: int) -> Any:
+    """`fast_decode.train_batch` over the stored bytes held in memory (no chunk reads): shuffled
+    batches, one generator per sample, ``threads`` threads, one reused output buffer."""
+    from lightning_fastscale.data import fast_decode
+
+    jpegs, _ = stored
+    out = torch.empty(args.batch_size, 3, args.resolution, args.resolution, dtype=torch.uint8,
+                      memory_format=torch.channels_last)
+    epoch = [0]
+
+    def run() -> int:
+        epoch[0] += 1
+        order = torch.randperm(len(jpegs), generator=torch.Generator().manual_seed(epoch[0])).tolist()
+        seen = 0
+        for b in range(len(order) // args.batch_size):
+            idx = order[b * args.batch_size : (b + 1) * args.batch_size]
+            gens = [fast_decode.sample_generator(0, epoch[0], i) for i in idx]
+            fast_decode.train_batch([jpegs[i] for i in idx], gens, args.resolution, threads=threads, out=out)
+            seen += len(idx)
+        return seen
+
+    return _warmed(run, "process" if threads == 1 else "wall")
+
+
+def ffcv_epochs(beton: Path, args: argparse.Namespace, threads: int) -> Any:
+    """FFCV's loader: fused decode + random resized crop (its defaults: scale 0.08-1, ratio
+    3/4-4/3), flip, uint8 ``(N, 3, H, W)`` torch batches, ``threads`` Numba threads, random order."""
+    from ffcv.fields.basics import IntDecoder
+    from ffcv.fields.decoders import RandomResizedCropRGBImageDecoder
+    from ffcv.loader import Loader, OrderOption
+    from ffcv.transforms import RandomHorizontalFlip, ToTensor, ToTorchImage
+
+    loader = Loader(str(beton), batch_size=args.batch_size, num_workers=threads, order=OrderOption.RANDOM,
+                    drop_last=True, os_cache=True, pipelines={
+                        "image": [RandomResizedCropRGBImageDecoder((args.resolution, args.resolution)),
+                                  RandomHorizontalFlip(), ToTensor(), ToTorchImage()],
+                        "label": [IntDecoder(), ToTensor()]})
+    return _warmed(_loader_epochs(loader), "process" if threads == 1 else "wall")
+
+
+NOT_HERE = object()  # a row not measured in this column
+
+
+def versus_ffcv(args: argparse.Namespace, tree: Path) -> None:
+    """The epoch table: images/s at 1 core and all cores, ratios to ImageFolder and to FFCV."""
+    cores = os.cpu_count() or 1
+    big = repeated_tree(tree, args.workdir / f"tree-x{args.repeat}", args.repeat)
+    streams, stored, betons = {}, {}, {}
+    with_ffcv = ffcv_importable()
+    for side in (640, 256):
+        streams[side] = args.workdir / f"stream-x{args.repeat}-{side}"
+        if not (streams[side] / "dataset.json").is_file():
+            convert(big, streams[side], max_side=side, quality=90, verbose=False)
+        stored[side] = stored_train(streams[side])
+        betons[side] = ffcv_beton(streams[side], args.workdir / f"ffcv-x{args.repeat}-{side}.beton") if with_ffcv else None
+    n = len(stored[640][0])
+    if args.epoch_rounds < 1:  # the data only (set-up of a later run)
+        return
+    label = {640: "source", 256: "256"}
+    # each row: (stored side, make(cores) -> a warmed-up epoch timer, or None where skipped)
+    rows: dict[str, tuple[str, Any]] = {"ImageFolderDataModule (PIL decode, float out)": ("source", lambda c: datamodule_epochs(
+        "imagefolder", big, args, 0 if c == 1 else c))}
+    for side in (640, 256):
+        rows[f"StreamingDataModule, {label[side]}"] = (label[side], lambda c, side=side: datamodule_epochs(
+            "streaming", streams[side], args, 0 if c == 1 else c))
+        rows[f"StreamingDataModule, 1 worker x {cores} decode threads, {label[side]}"] = (
+            label[side], lambda c, side=side: NOT_HERE if c == 1 else datamodule_epochs("streaming", streams[side], args, 1, c))
+        rows[f"`train_batch`, bytes in memory, {label[side]}"] = (label[side], lambda c, side=side: train_batch_epochs(
+            stored[side], args, c))
+        rows[f"FFCV 1.0.2, {label[side]}"] = (label[side], lambda c, side=side: None if betons[side] is None else ffcv_epochs(
+            betons[side], args, c))
+
+    def dali(c: int) -> Any:  # builds its pipeline per call, with its own warm-up batches
+        probe = lambda: dali_images_per_s(big, args.resolution, args.batch_size, c, n // args.batch_size,  # noqa: E731
+                                          "process" if c == 1 else "wall")
+        return probe if probe() is not None else None
+
+    rows["DALI CPU, source"] = ("source", dali)
+    names = list(rows)
+    cols = (1, cores)
+    timers: dict[tuple[str, int], Any] = {}
+    results: dict[tuple[str, int], list[float | None]] = {(r, c): [] for r in names for c in cols}
+    for rnd in range(args.epoch_rounds):  # interleaved, order rotated: load drift lands on all alike
+        order = names[rnd % len(names):] + names[: rnd % len(names)]
+        for c in cols:
+            for r in order:
+                if (r, c) not in timers:  # made (and warmed up by one epoch) on first use
+                    timers[(r, c)] = rows[r][1](c)
+                timer = timers[(r, c)]
+                results[(r, c)].append(None if timer is None else math.nan if timer is NOT_HERE else timer())
+                print(f"round {rnd} {r}, {c} core(s): {results[(r, c)][-1]}", flush=True)
+
+    def ratio(r: str, base: str, c: int) -> str:
+        vals, refs = results[(r, c)], results[(base, c)]
+        if any(v is None or math.isnan(v) for v in vals + refs):
+            return ""
+        return f"{statistics.median(v / b for v, b in zip(vals, refs)):.2f}"
+
+    print(f"\n{n} images per epoch ({n // args.repeat} files x {args.repeat}), {args.resolution} px, batch "
+          f"{args.batch_size}, uint8 out unless noted; one warm-up epoch per pipeline, then medians of "
+          f"{args.epoch_rounds} interleaved rounds of one epoch each; 1 core: images per CPU-second of one process (FFCV and `train_batch`: 1 thread); "
+          f"{cores} cores: wall clock, {cores} loader workers or threads")
+    print(f"\n| pipeline | stored max side | 1 core | x ImageFolder | x FFCV | {cores} cores | x ImageFolder | x FFCV |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for r in names:
+        side = rows[r][0]
+        ffcv = f"FFCV 1.0.2, {side}"
+        cells = []
+        for c in cols:
+            vals = results[(r, c)]
+            shown = ("skipped" if any(v is None for v in vals) else "" if any(math.isnan(v) for v in vals)
+                     else f"{statistics.median(vals):,.0f}")
+            cells += [shown,
+                      ratio(r, names[0], c), ratio(r, ffcv, c)]
+        print(f"| {r} | {side} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/fastscale-input-bench"))
@@ -285,7 +606,17 @@ def main() -> None:
     parser.add_argument("--step-batches", type=int, default=12)
     parser.add_argument("--step-workers", type=int, default=1)
     parser.add_argument("--step-rounds", type=int, default=2)
+    parser.add_argument("--versus-ffcv", action="store_true",
+                        help="also the epoch table: 1 core and all cores, ratios to ImageFolder and to FFCV")
+    parser.add_argument("--repeat", type=int, default=10, help="--versus-ffcv: times each training file is in an epoch")
+    parser.add_argument("--epoch-rounds", type=int, default=3, help="--versus-ffcv: interleaved rounds")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also ms per image of each step of the training transform, source and max side 256")
+    parser.add_argument("--quick", action="store_true", help="a short run that checks the script works (few images)")
     args = parser.parse_args()
+    if args.quick:
+        args.classes, args.train_per_class, args.repeat, args.rounds, args.epoch_rounds = 2, 24, 2, 1, 1
+        args.batches, args.batch_size, args.max_sides = 2, 8, [256]
 
     tree = args.workdir / "tree"
     if not (tree / "val").is_dir():
@@ -345,6 +676,15 @@ def main() -> None:
         print(f"| nvJPEG batched decode on the GPU @ source size | {'skipped' if rate is None else f'{rate:.0f}'} | | | |")
         print(f"\nmedians of {args.rounds} interleaved rounds; ratios are medians of per-round ratios")
 
+    if args.kernels:
+        rows = {side: kernel_ms(stored_train(streams[side]), args.resolution, 48 if args.quick else 200)
+                for side in (640, 256) if side in streams}
+        print(f"\n| step, 1 thread, {args.resolution} px | ms per image, source | ms per image, max side 256 |\n|---|---:|---:|")
+        for name in rows[640]:
+            print(f"| {name} | " + " | ".join(f"{rows[side][name]:.3f}" for side in rows) + " |")
+        print(f"({48 if args.quick else 200} stored images of each size, best of 5, ms of this process's CPU time)")
+    if args.versus_ffcv:
+        versus_ffcv(args, tree)
     if args.decoders:
         print("\n| decoder, source files, 1 thread | ms per image (best of 5) |\n|---|---|")
         for name, ms in decoder_ms(tree).items():

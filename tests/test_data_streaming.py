@@ -284,7 +284,7 @@ def test_remote_source_reads_through_a_size_limited_local_cache(stream, tmp_path
     assert dm.train_dataset().max_cache_size == "1GB"
 
 
-@pytest.mark.parametrize("name", ["fast_decode", "device_prefetch", "worker_autotune"])
+@pytest.mark.parametrize("name", ["fast_decode", "device_prefetch", "worker_autotune", "validation_plan"])
 def test_docstring_examples_pass(name):
     import doctest
     import importlib
@@ -317,3 +317,100 @@ def test_batch_hook_takes_a_bare_input_tensor_as_the_model_summary_hands_it(stre
     images, labels = dm.on_after_batch_transfer((raw, torch.tensor([0, 1])), 0)
     assert torch.equal(dm.on_after_batch_transfer(raw, 0), images)
     assert torch.allclose(images[:, 0], torch.full((2, 8, 8), (1 - 0.485) / 0.229)) and labels.tolist() == [0, 1]
+
+
+def _stored(stream, resolution=32, epoch=0):
+    """The training split's stored samples in litdata order, as the loader's collate receives them."""
+    dataset = DecodedStreamingDataset(str(stream / "train"), resolution=resolution)
+    dataset.set_epoch(epoch)
+    return dataset, [dataset[i] for i in range(24)]
+
+
+def test_threaded_batch_decode_gives_the_batches_of_one_thread_and_of_the_per_sample_transform(stream):
+    dataset, samples = _stored(stream, epoch=3)
+    batch = samples[:7]
+    one = dataset.batch_decoder(threads=1)(batch)
+    for threads in (2, 3):
+        images, labels = dataset.batch_decoder(threads=threads)(batch)
+        assert torch.equal(images, one[0]) and torch.equal(labels, one[1])
+    # The per-sample reference: the same crop and flip; enlarged crops may differ by the rounding
+    # of train_batch's faster resize (at most 1, fast_decode.train_batch).
+    for image, label, s in zip(one[0], one[1], batch):
+        jpeg = torch.frombuffer(bytearray(s.jpeg), dtype=torch.uint8)
+        reference = fast_decode.train_transform(jpeg, 32, fast_decode.sample_generator(0, 3, s.index))
+        assert (image.int() - reference.int()).abs().max() <= 1 and int(label) == s.label
+
+    # Through the datamodule: the same epoch of batches whatever the threads, with and without workers.
+    for workers in (0, 1):
+        runs = [[(x, y) for x, y in _dm(stream, num_workers=workers, decode_threads=t).train_dataloader()]
+                for t in (1, 2)]
+        assert len(runs[0]) == len(runs[1]) == 6
+        assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(*runs))
+        images = runs[1][0][0]  # written where it leaves the loader: channels-last, shared from a worker
+        assert images.is_contiguous(memory_format=torch.channels_last) and images.is_shared() == (workers > 0)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_corrupt_sample_in_a_threaded_batch_names_its_chunk_and_sample(stream, tmp_path, num_workers):
+    bad = tmp_path / "bad"
+    shutil.copytree(stream, bad)
+    chunk = bad / "train" / "chunk-0-0.bin"
+    data = bytearray(chunk.read_bytes())
+    offset = int.from_bytes(data[4 + 4 * 5 : 8 + 4 * 5], "little")  # where litdata sample 5 starts
+    sos = data.index(b"\xff\xda", offset)  # its first entropy-coded byte, after the start-of-scan header
+    data[sos + 2 + int.from_bytes(data[sos + 2 : sos + 4], "big")] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    dm = _dm(bad, num_workers=num_workers, decode_threads=2)
+    with pytest.raises(CorruptDataError, match=rf"{chunk}: sample 5: cannot decode stored image \d+ "
+                                                r"\(n0\d/n0\d_\d\.JPEG\) of .*bad.*Corrupt JPEG data.*fastscale-data verify"):
+        for _ in dm.train_dataloader():
+            pass
+
+
+def test_decode_threads_auto_fills_the_cores_and_bad_values_are_named(stream):
+    from lightning_fastscale.data.worker_autotune import threads_per_worker
+
+    assert _dm(stream, num_workers=0, max_workers=4).resolved_decode_threads() == 4
+    assert _dm(stream, num_workers=2, max_workers=4).resolved_decode_threads() == 2
+    assert _dm(stream, num_workers=2, decode_threads=3).resolved_decode_threads() == 3
+    assert threads_per_worker(4, 8) == 1
+    for bad in (0, "many", True):
+        with pytest.raises(ValueError, match=f"data.decode_threads must be an integer >= 1 or 'auto', got {bad!r}"):
+            _dm(stream, decode_threads=bad)
+
+
+def test_probe_tries_each_worker_count_with_the_threads_that_fill_the_cores(tmp_path):
+    from lightning_fastscale.data.worker_autotune import resolve_num_workers
+
+    tried = []
+
+    def make_loader(workers, threads):  # a stand-in loader: what matters here is which pairs are tried
+        tried.append((workers, threads))
+        return [torch.zeros(4)] * 20
+
+    cache = WorkerCountCache(tmp_path / "nw.json")
+    workers, threads, record = resolve_num_workers(make_loader, cache, "data", 32, 4, max_workers=8)
+    assert tried == [(0, 8), (1, 8), (2, 4), (4, 2), (8, 1)]  # workers x threads within the 8 cores
+    assert record["threads_by_workers"][workers] == threads and record["cached"] is False
+    assert (workers, threads) == (cache.get(cache.key("data", 32, 4, 1))["num_workers"],
+                                  cache.get(cache.key("data", 32, 4, 1))["decode_threads"])
+    tried.clear()
+    again = resolve_num_workers(make_loader, cache, "data", 32, 4, max_workers=8)
+    assert tried == [] and again[:2] == (workers, threads) and again[2]["cached"] is True
+
+    # Threads set by the user: only the worker counts whose threads fit the cores are tried.
+    resolve_num_workers(make_loader, cache, "data", 32, 4, max_workers=8, decode_threads=3)
+    assert tried == [(0, 3), (1, 3), (2, 3)]
+
+
+def test_streaming_source_alone_locates_splits_and_checks_resolutions(stream, tmp_path):
+    from lightning_fastscale.data.streaming_source import StreamingSource
+
+    local = StreamingSource(str(stream))
+    assert local.split("val") == (str(stream / "val"), {}) and local.metadata.max_side == 64
+    local.check_resolution("data.resolution", 64)
+    with pytest.raises(ValueError, match="data.resolution=65 is larger .* --max-side 65"):
+        local.check_resolution("data.resolution", 65)
+    remote = StreamingSource(f"local:{stream}", cache_dir=str(tmp_path), max_cache_size="1GB")
+    assert remote.remote and remote.metadata == local.metadata  # dataset.json read through the cache
+    assert remote.split("train") == (f"local:{stream}/train", {"cache_dir": str(tmp_path), "max_cache_size": "1GB"})

@@ -26,12 +26,16 @@ import torch
 from .convert import DEFAULT_MAX_SIDE, DEFAULT_QUALITY, PROCEDURAL_SOURCE, convert
 
 
-def make_datamodule(pipeline: str, root: str, resolution: int, batch_size: int, num_workers: int) -> Any:
-    """The datamodule ``pipeline`` names ("streaming" or "imagefolder") at these settings."""
+def make_datamodule(
+    pipeline: str, root: str, resolution: int, batch_size: int, num_workers: int, decode_threads: int = 1
+) -> Any:
+    """The datamodule ``pipeline`` names ("streaming" or "imagefolder") at these settings
+    (``decode_threads``: threads per loader process of the streaming pipeline)."""
     if pipeline == "streaming":
         from .streaming import StreamingDataModule
 
-        return StreamingDataModule(root, resolution=resolution, batch_size=batch_size, num_workers=num_workers)
+        return StreamingDataModule(root, resolution=resolution, batch_size=batch_size, num_workers=num_workers,
+                                   decode_threads=decode_threads)
     if pipeline == "imagefolder":
         from .datamodules import ImageFolderDataModule
 
@@ -43,7 +47,7 @@ def make_datamodule(pipeline: str, root: str, resolution: int, batch_size: int, 
 
 def bench_pipeline(
     pipeline: str, root: str, resolution: int = 224, batch_size: int = 64, num_workers: int = 0,
-    batches: int = 20, warmup: int = 2, clock: str = "wall", normalize: bool = True,
+    batches: int = 20, warmup: int = 2, clock: str = "wall", normalize: bool = True, decode_threads: int = 1,
 ) -> float:
     """Training images/s of a pipeline, up to a normalised float batch in this process.
 
@@ -53,7 +57,8 @@ def bench_pipeline(
     GPU machine, where the normalisation runs on the device. ``clock="process"`` divides by
     this process's CPU time instead of wall time: images per CPU-second, the per-core figure
     that stays put on a loaded machine (meaningful with ``num_workers=0``, where all the work
-    happens in this process).
+    happens in this process). ``decode_threads`` decode each streaming batch per loader process
+    (1 by default here, so that ``num_workers`` alone says how many cores are used).
 
     The timed batches lie within one epoch: a loader restart (worker start-up, first chunk
     read) once per short epoch would weigh far more than it does once per ImageNet epoch.
@@ -63,7 +68,7 @@ def bench_pipeline(
     if clock not in ("wall", "process"):
         raise ValueError(f"clock must be 'wall' or 'process', got {clock!r}")
     timer = time.process_time if clock == "process" else time.perf_counter
-    dm = make_datamodule(pipeline, root, resolution, batch_size, num_workers)
+    dm = make_datamodule(pipeline, root, resolution, batch_size, num_workers, decode_threads)
     after = dm.on_after_batch_transfer if normalize else None
     loader = dm.train_dataloader()
     if warmup + batches > len(loader):
@@ -112,10 +117,12 @@ def _verify(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     rate = bench_pipeline(args.pipeline, args.root, args.resolution, args.batch_size, args.workers,
-                          args.batches, args.warmup, args.clock, normalize=not args.uint8)
-    cores = max(1, args.workers)
+                          args.batches, args.warmup, args.clock, normalize=not args.uint8,
+                          decode_threads=args.decode_threads)
+    cores = max(1, args.workers) * args.decode_threads
     result = {"pipeline": args.pipeline, "root": args.root, "resolution": args.resolution,
-              "workers": args.workers, "images_per_s": round(rate, 1), "images_per_s_per_core": round(rate / cores, 1)}
+              "workers": args.workers, "decode_threads": args.decode_threads,
+              "images_per_s": round(rate, 1), "images_per_s_per_core": round(rate / cores, 1)}
     print(json.dumps(result))
     return 0
 
@@ -153,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-size", type=int, default=64)
     b.add_argument("--workers", type=int, default=0, help="loader processes (0: in this process)")
     b.add_argument("--threads", type=int, default=1, help="torch threads in this process")
+    b.add_argument("--decode-threads", type=int, default=1,
+                   help="threads decoding each streaming batch, per loader process (default: %(default)s)")
     b.add_argument("--batches", type=int, default=20)
     b.add_argument("--warmup", type=int, default=2)
     b.add_argument("--clock", choices=("wall", "process"), default="wall",

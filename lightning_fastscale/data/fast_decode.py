@@ -9,7 +9,10 @@ what must happen per image on the CPU:
   decoders supersede torchvision's, deprecated since torchvision 0.29, which remain the
   fallback where TorchCodec (>= 0.16, torch >= 2.11) is not installed;
 * random-resized-crop and horizontal flip on the **uint8** tensor (the resize reads and
-  writes a quarter of the bytes a float pipeline would);
+  writes a quarter of the bytes a float pipeline would), of the crop region only, written
+  straight into the batch (`train_batch`, a whole batch per call, optionally in threads):
+  a crop reduced on either axis with torchvision's antialiased bilinear kernel, one enlarged
+  on both axes (where antialiasing does nothing) with OpenCV's faster bilinear resize;
 * leave the batch un-normalised: `normalize_on_device` converts to float, normalises
   and optionally switches to ``channels_last`` on the training device, after the 4x smaller
   uint8 batch has crossed the host-to-device link.
@@ -26,11 +29,23 @@ a whole batch with nvJPEG instead. Measured figures are in ``benchmarks/README.m
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import os
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 from torchvision.transforms.v2 import functional as F
+from torchvision.transforms.v2.functional._geometry import _compute_resized_output_size
+
+try:  # OpenCV's bilinear enlargement is faster than torchvision's (benchmarks/README.md)
+    import cv2 as _cv2
+except ImportError:  # then torchvision does every resize
+    _cv2 = None
+
+from .verify import SampleDecodeError, decoder_messages, decoder_warnings, strict_decode
 
 try:
     from torchcodec.decoders import decode_jpeg as _torchcodec_decode_jpeg
@@ -44,6 +59,9 @@ except (ImportError, OSError, RuntimeError):  # not installed, or built for anot
 
     def _decode_jpeg_rgb(data: torch.Tensor | list[torch.Tensor], device: torch.device | str = "cpu") -> Any:
         return _torchvision_decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+
+# torchvision's antialiased bilinear resize kernel, in its variant that writes into a given tensor
+_upsample_bilinear_aa_out = torch.ops.aten._upsample_bilinear2d_aa.out
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -129,15 +147,74 @@ def crop_resize_flip(
     return out.flip(-1) if flip else out
 
 
+def draw_crop(
+    height: int, width: int, generator: torch.Generator,
+    scale: tuple[float, float] = DEFAULT_SCALE, ratio: tuple[float, float] = DEFAULT_RATIO,
+) -> tuple[tuple[int, int, int, int], bool]:
+    """``(box, flip)`` of one training sample: the random resized crop, then a fair coin."""
+    box = random_resized_crop_box(height, width, generator, scale, ratio)
+    return box, bool(torch.rand(1, generator=generator).item() < 0.5)
+
+
 def train_transform(
     data: torch.Tensor, size: int, generator: torch.Generator,
     scale: tuple[float, float] = DEFAULT_SCALE, ratio: tuple[float, float] = DEFAULT_RATIO,
 ) -> torch.Tensor:
-    """Decode, random-resized-crop to ``size`` and flip with probability 1/2; uint8 out."""
+    """Decode, random-resized-crop to ``size`` and flip with probability 1/2; uint8 out.
+
+    The reference for one image; [`train_batch`][lightning_fastscale.data.fast_decode.train_batch]
+    does the same to a batch, faster.
+    """
     image = decode_rgb(data)
-    box = random_resized_crop_box(image.shape[-2], image.shape[-1], generator, scale, ratio)
-    flip = bool(torch.rand(1, generator=generator).item() < 0.5)
+    box, flip = draw_crop(image.shape[-2], image.shape[-1], generator, scale, ratio)
     return crop_resize_flip(image, box, size, flip)
+
+
+def _hwc(image: torch.Tensor) -> Any:
+    """The numpy ``(H, W, C)`` view of a ``(C, H, W)`` tensor stored pixel-interleaved, or None."""
+    c, h, w = image.shape
+    if image.stride() != (1, w * c, c):
+        return None
+    return image.permute(1, 2, 0).numpy()
+
+
+def _upscale_linear(src: Any, size: tuple[int, int], dst: Any = None) -> Any:
+    """OpenCV's bilinear resize of an ``(H, W, C)`` uint8 array that is enlarged (or kept) on
+    both axes, where antialiasing does nothing: the result equals torchvision's antialiased
+    bilinear resize up to the rounding of their fixed-point weights (at most 1 apart, tested)."""
+    return _cv2.resize(src, (size[1], size[0]), dst=dst, interpolation=_cv2.INTER_LINEAR)
+
+
+def _crop_resize_flip_into(
+    image: torch.Tensor, box: tuple[int, int, int, int], size: int, flip: bool, slot: torch.Tensor
+) -> None:
+    """`crop_resize_flip` of ``image`` written into ``slot``, a ``(3, size, size)`` view of the batch.
+
+    A crop enlarged on both axes goes through OpenCV's bilinear resize of the crop region, straight
+    into the slot where its memory is ``(H, W, C)``; a crop reduced on either axis through
+    torchvision's antialiased bilinear resize, as `crop_resize_flip`.
+    """
+    top, left, h, w = box
+    src = _hwc(image) if _cv2 is not None else None
+    dst = _hwc(slot) if src is not None else None
+    if src is None:
+        slot.copy_(crop_resize_flip(image, box, size, flip))
+    elif h <= size and w <= size:
+        resized = _upscale_linear(src[top : top + h, left : left + w], (size, size), dst)
+        if dst is None:
+            view = torch.from_numpy(resized).permute(2, 0, 1)
+            slot.copy_(view.flip(-1) if flip else view)
+        elif flip:
+            _cv2.flip(dst, 1, dst=dst)
+    elif dst is None:
+        slot.copy_(crop_resize_flip(image, box, size, flip))
+    else:
+        # the kernel behind torchvision's resize, on (1, C, H, W) views with pixel-interleaved
+        # strides (its vectorised uint8 path), written into the slot: no temporary, no copy
+        crop = torch.from_numpy(src[top : top + h, left : left + w]).unsqueeze(0).permute(0, 3, 1, 2)
+        _upsample_bilinear_aa_out(crop, [size, size], False, None, None, out=slot.unsqueeze(0))
+        if flip:
+            _cv2.flip(dst, 1, dst=dst)
 
 
 def val_transform(data: torch.Tensor, size: int, crop_ratio: float = 0.875) -> torch.Tensor:
@@ -145,10 +222,143 @@ def val_transform(data: torch.Tensor, size: int, crop_ratio: float = 0.875) -> t
 
     The same geometry as the ImageNet evaluation of Krizhevsky et al. 2012 / He et al. 2016
     (resize 256, crop 224), as [`ImageFolderDataModule`][lightning_fastscale.data.ImageFolderDataModule] does it.
+    An image enlarged by the resize (stored smaller than ``size / crop_ratio``) goes through
+    OpenCV's bilinear resize where OpenCV is installed: the same pixels up to rounding, since
+    antialiasing does nothing to an enlargement.
     """
-    image = decode_rgb(data)
-    image = F.resize(image, [round(size / crop_ratio)], antialias=True)
+    return resize_centre_crop(decode_rgb(data), size, crop_ratio)
+
+
+def resize_centre_crop(image: torch.Tensor, size: int, crop_ratio: float = 0.875) -> torch.Tensor:
+    """The geometry of [`val_transform`][lightning_fastscale.data.fast_decode.val_transform] on a
+    decoded uint8 ``(C, H, W)`` image."""
+    short = round(size / crop_ratio)
+    h, w = image.shape[-2:]
+    new_h, new_w = _compute_resized_output_size((h, w), [short])  # torchvision's own rule
+    src = _hwc(image) if _cv2 is not None and new_h >= h and new_w >= w else None
+    if src is None:
+        image = F.resize(image, [short], antialias=True)
+    else:
+        image = torch.from_numpy(_upscale_linear(src, (new_h, new_w))).permute(2, 0, 1)
     return F.center_crop(image, [size, size])
+
+
+_pools: dict[int, ThreadPoolExecutor] = {}  # by thread count; reused across calls
+_pools_lock = threading.Lock()
+
+
+def _forget_pools() -> None:  # a forked child has none of its parent's threads (nor a held lock)
+    global _pools_lock
+    _pools.clear()
+    _pools_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pools)
+
+
+def _thread_pool(threads: int) -> ThreadPoolExecutor:
+    """This process's pool of ``threads`` threads, made on first use and kept."""
+    with _pools_lock:
+        if threads not in _pools:
+            _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="fast_decode")
+        return _pools[threads]
+
+
+def _map(fn: Callable[[int], Any], count: int, threads: int) -> list[BaseException | None]:
+    """``fn(i)`` for ``i < count``, in ``threads`` threads; each call's exception or None."""
+
+    def guarded(i: int) -> BaseException | None:
+        try:
+            fn(i)
+        except Exception as err:  # reported by position, below
+            return err
+        return None
+
+    if threads <= 1 or count <= 1:
+        return [guarded(i) for i in range(count)]
+    # about four runs of consecutive samples per thread: few tasks, yet images of unequal
+    # sizes (decode cost grows with pixels) still even out across the threads
+    step = max(1, count // (4 * threads))
+    runs = _thread_pool(threads).map(lambda a: [guarded(i) for i in range(a, min(a + step, count))],
+                                     range(0, count, step))
+    return [err for run in runs for err in run]
+
+
+def train_batch(
+    jpegs: Sequence[torch.Tensor],
+    generators: Sequence[torch.Generator],
+    resolution: int,
+    scale: tuple[float, float] = DEFAULT_SCALE,
+    ratio: tuple[float, float] = DEFAULT_RATIO,
+    threads: int = 1,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode, random-resized-crop and flip a whole batch: uint8 ``(N, 3, resolution, resolution)``.
+
+    Sample ``i`` gets exactly the crop box and flip that
+    [`train_transform`][lightning_fastscale.data.fast_decode.train_transform]``(jpegs[i],
+    resolution, generators[i], scale, ratio)`` draws. With ``threads > 1`` the batch is
+    decoded and augmented in a pool of that many threads of this process (reused across calls;
+    libjpeg-turbo and the resize release the GIL). ``out``, when given, is a preallocated
+    ``(N, 3, resolution, resolution)`` uint8 tensor (pinned, channels-last, ... as the caller
+    likes) that receives the batch and is returned.
+
+    The decode is strict: a sample that does not decode, or whose decode makes libjpeg warn of
+    "Corrupt JPEG data", raises [`SampleDecodeError`][lightning_fastscale.data.verify.SampleDecodeError]
+    with its position in the batch (the first such position). The warning is only written to
+    file descriptor 2, so the whole batch is decoded under one capture of it, and only if
+    libjpeg wrote anything are the samples decoded again one at a time to find which. The
+    descriptor is the process's: what other threads write to it meanwhile is written back after
+    the batch (and lost if the process dies during it), so a loader worker process is the
+    natural caller; strict decodes of other threads wait for the batch.
+
+    The threads parallelise across samples; each resize may also use torch's and OpenCV's own
+    intra-op threads. Where the pool has the cores to itself, set those to one
+    (``torch.set_num_threads(1)``, ``cv2.setNumThreads(1)``), as loader workers do for torch.
+
+    Examples:
+        >>> import io; from PIL import Image
+        >>> buf = io.BytesIO(); Image.new("RGB", (64, 48), (200, 30, 30)).save(buf, "JPEG")
+        >>> jpeg = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        >>> batch = train_batch([jpeg, jpeg], [sample_generator(0, 0, i) for i in range(2)], 32)
+        >>> batch.shape, batch.dtype
+        (torch.Size([2, 3, 32, 32]), torch.uint8)
+    """
+    n = len(jpegs)
+    if len(generators) != n:
+        raise ValueError(f"train_batch got {n} JPEGs but {len(generators)} generators: give one generator per sample")
+    if threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads}")
+    shape = (n, 3, resolution, resolution)
+    if out is None:  # pixel-interleaved, as OpenCV writes and the decoder returns
+        out = torch.empty(shape, dtype=torch.uint8, memory_format=torch.channels_last)
+    elif tuple(out.shape) != shape or out.dtype != torch.uint8:
+        raise ValueError(f"out must be a uint8 tensor of shape {shape}, got {out.dtype} {tuple(out.shape)}")
+
+    def one(i: int) -> None:
+        image = decode_rgb(jpegs[i])
+        box, flip = draw_crop(image.shape[-2], image.shape[-1], generators[i], scale, ratio)
+        _crop_resize_flip_into(image, box, resolution, flip, out[i])
+
+    with decoder_messages() as messages:
+        errors = _map(one, n, threads)
+    warnings = decoder_warnings(messages[0])
+    if any(err is not None for err in errors) or warnings:
+        _raise_first_bad(jpegs, errors)
+        sys.stderr.write("".join(line + "\n" for line in warnings))  # another thread's, not ours
+    return out
+
+
+def _raise_first_bad(jpegs: Sequence[torch.Tensor], errors: list[BaseException | None]) -> None:
+    """Decode the samples again one at a time, strictly (libjpeg warns only while decoding);
+    raise for the first that fails, or that failed in the batch."""
+    for i, jpeg in enumerate(jpegs):
+        try:
+            strict_decode(decode_rgb, jpeg)
+        except Exception as err:
+            raise SampleDecodeError(i, f"{type(err).__name__}: {err}") from err
+        if errors[i] is not None:  # decoded cleanly alone, failed in the batch: report that
+            raise SampleDecodeError(i, f"{type(errors[i]).__name__}: {errors[i]}") from errors[i]
 
 
 def normalize_on_device(

@@ -26,6 +26,7 @@ import os
 import struct
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,21 @@ _DECODER_WARNING = "Corrupt JPEG data"
 
 class CorruptDataError(RuntimeError):
     """Damaged streaming data; the message names the chunk file and, where known, the sample."""
+
+
+class SampleDecodeError(CorruptDataError):
+    """A sample of a batch that cannot be decoded cleanly, by its ``position`` in the batch.
+
+    Raised by ``fast_decode.train_batch``, which knows only the bytes; the caller knows which
+    chunk and sample sit at ``position`` and names them.
+    """
+
+    def __init__(self, position: int, message: str) -> None:
+        super().__init__(f"sample at position {position} of the batch: {message}")
+        self.position, self.message = position, message
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled across loader worker processes
+        return type(self), (self.position, self.message)
 
 
 @dataclass(frozen=True)
@@ -116,14 +132,33 @@ def check_split_files(split_dir: str | os.PathLike[str]) -> list[Problem]:
     return problems
 
 
-_capture: tuple[int, Any] | None = None  # (pid, file): one capture file per process, reused
+@dataclass
+class _Capture:
+    """This process's capture of file descriptor 2: one reused file; the lock serialises the
+    blocks of different threads (the descriptor is one per process) and lets a thread nest them."""
+
+    pid: int
+    file: Any
+    lock: threading.RLock
+    depth: int = 0  # blocks open in the thread holding the lock
 
 
-def _capture_file() -> Any:
+_capture: _Capture | None = None
+
+
+def _capture_state() -> _Capture:
     global _capture
-    if _capture is None or _capture[0] != os.getpid():  # a forked worker gets its own
-        _capture = (os.getpid(), tempfile.TemporaryFile())
-    return _capture[1]
+    if _capture is None or _capture.pid != os.getpid():  # a forked worker gets its own
+        _capture = _Capture(os.getpid(), tempfile.TemporaryFile(), threading.RLock())
+    return _capture
+
+
+def _forget_capture() -> None:  # the parent's lock may have been held by a thread the child lacks
+    global _capture
+    _capture = None
+
+
+os.register_at_fork(after_in_child=_forget_capture)
 
 
 @contextlib.contextmanager
@@ -131,36 +166,54 @@ def decoder_messages() -> Iterator[list[str]]:
     """Collect what native code writes to this process's stderr (file descriptor 2) meanwhile.
 
     libjpeg reports recoverable damage only there. The collected text is yielded as a
-    one-element list after the block; lines that are not libjpeg's are written back to stderr.
-    Costs a few system calls per block (one reused capture file per process).
+    one-element list after the block; lines that are not libjpeg's are written back to stderr
+    when the outermost block ends. Costs a few system calls per block (one reused capture file
+    per process). The descriptor is one per process, so blocks in different threads run one at
+    a time, and a block captures what every thread writes meanwhile (which is how a batch
+    decoded in a thread pool is checked); a block nested in another of the same thread collects
+    its own part, which the outer block collects too.
     """
     collected: list[str] = []
-    capture = _capture_file()
-    sys.stderr.flush()
-    saved = os.dup(2)
-    os.dup2(capture.fileno(), 2)
-    try:
-        yield collected
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        text = ""
-        if os.fstat(capture.fileno()).st_size:
-            capture.seek(0)
-            text = capture.read().decode(errors="replace")
-            capture.seek(0)
-            capture.truncate()
-        collected.append(text)
-        other = "".join(line for line in text.splitlines(keepends=True) if _DECODER_WARNING not in line)
-        if other:
-            sys.stderr.write(other)
+    state = _capture_state()
+    with state.lock:
+        sys.stderr.flush()
+        outermost = state.depth == 0
+        if outermost:
+            saved = os.dup(2)
+            os.dup2(state.file.fileno(), 2)
+        start = os.fstat(state.file.fileno()).st_size
+        state.depth += 1
+        try:
+            yield collected
+        finally:
+            state.depth -= 1
+            sys.stderr.flush()
+            if outermost:
+                os.dup2(saved, 2)
+                os.close(saved)
+            fd = state.file.fileno()
+            # pread leaves the offset the writers share at the end (an inner block reads while
+            # other threads may still write)
+            text = os.pread(fd, os.fstat(fd).st_size - start, start).decode(errors="replace")
+            if outermost:
+                os.ftruncate(fd, 0)
+                os.lseek(fd, 0, os.SEEK_SET)
+            collected.append(text)
+            other = "".join(line for line in text.splitlines(keepends=True) if _DECODER_WARNING not in line)
+            if outermost and other:
+                sys.stderr.write(other)
+
+
+def decoder_warnings(text: str) -> list[str]:
+    """libjpeg's "Corrupt JPEG data" lines in text collected by [`decoder_messages`][lightning_fastscale.data.verify.decoder_messages]."""
+    return [line.strip() for line in text.splitlines() if _DECODER_WARNING in line]
 
 
 def strict_decode(decode: Callable[[torch.Tensor], torch.Tensor], data: torch.Tensor) -> torch.Tensor:
     """``decode(data)``, raising ``ValueError`` where libjpeg only warns of corrupt data."""
     with decoder_messages() as messages:
         image = decode(data)
-    warnings = [line.strip() for line in messages[0].splitlines() if _DECODER_WARNING in line]
+    warnings = decoder_warnings(messages[0])
     if warnings:
         raise ValueError(warnings[0])
     return image

@@ -3,9 +3,13 @@
 Tencent Cloud 2020 tune the number of preprocessing threads automatically instead of asking the
 user. `probe_num_workers` times a few batches at each candidate worker count and picks
 the smallest count whose throughput reaches ``threshold`` (95%) of the best one measured: more
-workers than that only take cores and memory from the training processes. The pick and its
-curve are stored in a small JSON file keyed by machine, dataset and resolution
-(`WorkerCountCache`), so later runs on the same machine skip the probe.
+workers than that only take cores and memory from the training processes. Each worker count
+comes with the decode threads that fill the cores of one training process
+(`threads_per_worker`: a batch is decoded in threads, in the worker or, with no workers, in
+the training process as FFCV does), so the probe compares (workers, threads) pairs whose
+product is the core budget (`resolve_num_workers`). The pick and its curve are stored in a
+small JSON file keyed by machine, dataset and resolution (`WorkerCountCache`), so later runs
+on the same machine skip the probe.
 """
 from __future__ import annotations
 
@@ -103,7 +107,7 @@ def default_cache_file() -> Path:
 
 
 class WorkerCountCache:
-    """Worker-count picks keyed by (machine, dataset, resolution, batch size, ranks per machine).
+    """Worker-count picks keyed by (machine, dataset, resolution, batch size, ranks per machine, threads).
 
     Examples:
         >>> import tempfile
@@ -119,10 +123,10 @@ class WorkerCountCache:
         self.path = Path(path) if path is not None else default_cache_file()
 
     @staticmethod
-    def key(dataset_id: str, resolution: int, batch_size: int, local_ranks: int) -> str:
-        """One string for one probe setting on this machine."""
+    def key(dataset_id: str, resolution: int, batch_size: int, local_ranks: int, threads: int | str = "auto") -> str:
+        """One string for one probe setting on this machine (``threads``: the decode threads asked for)."""
         digest = hashlib.sha1(dataset_id.encode()).hexdigest()[:12]
-        return f"{machine_key()}|{digest}|{resolution}px|b{batch_size}|{local_ranks}ranks"
+        return f"{machine_key()}|{digest}|{resolution}px|b{batch_size}|{local_ranks}ranks|threads={threads}"
 
     def _read(self) -> dict[str, Any]:
         try:
@@ -131,18 +135,79 @@ class WorkerCountCache:
             return {}
 
     def get(self, key: str) -> dict[str, Any] | None:
-        """The stored pick and curve (worker count -> images/s) for ``key``, or None."""
+        """The stored pick, its decode threads and the curve (worker count -> images/s) for ``key``, or None."""
         entry = self._read().get(key)
         if entry is None:
             return None
-        return {"num_workers": int(entry["num_workers"]),
+        return {"num_workers": int(entry["num_workers"]), "decode_threads": int(entry.get("decode_threads", 1)),
                 "images_per_s": {int(k): float(v) for k, v in entry["images_per_s"].items()}}
 
-    def put(self, key: str, num_workers: int, curve: dict[int, float]) -> None:
+    def put(self, key: str, num_workers: int, curve: dict[int, float], decode_threads: int = 1) -> None:
         """Store a pick; written atomically so concurrent ranks never leave half a file."""
         entries = self._read()
-        entries[key] = {"num_workers": num_workers, "images_per_s": {str(k): round(v, 1) for k, v in curve.items()}}
+        entries[key] = {"num_workers": num_workers, "decode_threads": decode_threads,
+                        "images_per_s": {str(k): round(v, 1) for k, v in curve.items()}}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(entries, indent=1))
         os.replace(tmp, self.path)
+
+
+
+def cores_per_rank(local_ranks: int = 1, max_workers: int | None = None) -> int:
+    """The cores one training process's loader may use: ``max_workers``, else its share of this machine."""
+    return max_workers or max(1, (os.cpu_count() or 1) // local_ranks)
+
+
+def threads_per_worker(cores: int, num_workers: int) -> int:
+    """Decode threads per loader process that fill ``cores`` with ``num_workers`` workers.
+
+    ``num_workers=0`` decodes in the training process, which then gets all ``cores`` threads.
+
+    Examples:
+        >>> [threads_per_worker(8, w) for w in (0, 1, 2, 4, 8)]
+        [8, 8, 4, 2, 1]
+    """
+    return max(1, cores // max(1, num_workers))
+
+
+def resolve_num_workers(
+    make_loader: Callable[[int, int], Iterable[Any]],
+    cache: WorkerCountCache,
+    dataset_id: str,
+    resolution: int,
+    batch_size: int,
+    local_ranks: int = 1,
+    max_workers: int | None = None,
+    decode_threads: int | None = None,
+) -> tuple[int, int, dict[str, Any]]:
+    """``(worker count, decode threads, probe record)``: cached, else measured and cached.
+
+    ``make_loader(workers, threads)`` builds the loader. The probe spends at most
+    `cores_per_rank` cores (``max_workers``, default this machine's cores shared by its
+    ``local_ranks`` training processes): each candidate worker count gets the decode threads
+    that fill them (`threads_per_worker`), or ``decode_threads`` if given (then fewer workers
+    fit). The record holds the curve (images/s by worker count), the threads of each count
+    and whether it came from the cache; the pick is logged either way.
+    """
+    cores = cores_per_rank(local_ranks, max_workers)
+    key = cache.key(dataset_id, resolution, batch_size, local_ranks, decode_threads or "auto")
+    hit = cache.get(key)
+    if hit is not None:
+        log.info("data.num_workers=auto: %d, data.decode_threads=%d (cached in %s)",
+                 hit["num_workers"], hit["decode_threads"], cache.path)
+        return int(hit["num_workers"]), int(hit["decode_threads"]), {**hit, "cached": True}
+
+    def threads(workers: int) -> int:
+        return decode_threads or threads_per_worker(cores, workers)
+
+    counts = candidate_worker_counts(cores // decode_threads if decode_threads else cores)
+    pick, curve = probe_num_workers(lambda w: make_loader(w, threads(w)), counts, batch_size)
+    cache.put(key, pick, curve, threads(pick))
+    log.info(
+        "data.num_workers=auto: %d, data.decode_threads=%d (images/s by workers x threads: %s; cached in %s)",
+        pick, threads(pick), ", ".join(f"{n}x{threads(n)}: {r:.0f}" for n, r in curve.items()), cache.path,
+    )
+    record = {"num_workers": pick, "decode_threads": threads(pick), "images_per_s": curve,
+              "threads_by_workers": {n: threads(n) for n in curve}, "cached": False}
+    return pick, threads(pick), record

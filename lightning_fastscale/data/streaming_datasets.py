@@ -1,0 +1,271 @@
+"""The litdata datasets and loader behind `StreamingDataModule`, and how their errors are named.
+
+* `DecodedStreamingDataset`: the shuffled training split, sharded across ranks by litdata;
+* `ValidationBatches`: one rank's planned validation batches (`validation_plan`), yielded whole;
+* `EpochAwareStreamingDataLoader`: litdata's loader, starting a fresh epoch after a resumed one.
+
+A sample that cannot be read or decoded raises a
+[`CorruptDataError`][lightning_fastscale.data.verify.CorruptDataError] naming its chunk file, its litdata
+index and its source file, with the command that lists every damaged sample.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from litdata import StreamingDataLoader, StreamingDataset
+from torch.utils.data import IterableDataset, default_collate, get_worker_info
+from typing_extensions import override
+
+from . import fast_decode, rect_val
+from .verify import CorruptDataError, SampleDecodeError, chunk_of, read_index, strict_decode
+
+_VERIFY_HINT = "Run `fastscale-data verify <data.root>` to list every damaged chunk and sample"
+
+
+def _split_dir(dataset: StreamingDataset) -> Path:
+    """The local folder of a litdata split (its cache folder for a remote one)."""
+    return Path(dataset.input_dir.path or dataset.input_dir.url or "")
+
+
+def _where(split_dir: Path, index: Any) -> str:
+    """``"<chunk file>: sample <i>"`` of a litdata index (an int or litdata's ``ChunkedIndex``)."""
+    sample = int(getattr(index, "index", index))
+    try:
+        _, entry = chunk_of(read_index(split_dir), sample)
+    except (OSError, ValueError, IndexError):
+        return f"{split_dir}: sample {sample}"
+    return f"{split_dir / entry['filename']}: sample {sample}"
+
+
+def _read_stored(read: Callable[[Any], Any], index: Any) -> Any:
+    """``read(index)`` (litdata's item read); a failure is a ``CorruptDataError``."""
+    try:
+        return read(index)
+    except StopIteration:
+        raise
+    except Exception as err:  # litdata raises struct.error, ValueError, ... on damaged chunks
+        raise CorruptDataError(f"cannot read the stored sample ({type(err).__name__}: {err})") from err
+
+
+def _named(dataset: StreamingDataset, index: Any, read_and_decode: Callable[[], Any]) -> Any:
+    """``read_and_decode()``, a ``CorruptDataError`` prefixed with the chunk file and sample index."""
+    try:
+        return read_and_decode()
+    except CorruptDataError as err:
+        raise CorruptDataError(f"{_where(_split_dir(dataset), index)}: {err}. {_VERIFY_HINT}") from err.__cause__
+
+
+def _decode_stored(
+    item: dict[str, Any], transform: Callable[[torch.Tensor], torch.Tensor], source: str
+) -> tuple[torch.Tensor, int]:
+    """``(transform(JPEG bytes), label)`` of a stored sample; a decode error names the sample.
+
+    The decode is strict ([`verify.strict_decode`][lightning_fastscale.data.verify.strict_decode]): stored images were re-encoded by
+    ``fastscale-data convert``, so libjpeg's "Corrupt JPEG data" means damaged storage, and
+    training on the garbage it recovers would go unnoticed.
+    """
+    data = torch.frombuffer(bytearray(item["image"]), dtype=torch.uint8)
+    try:
+        image = strict_decode(transform, data)
+    except Exception as err:  # libjpeg-turbo reports corrupt data as RuntimeError
+        raise CorruptDataError(
+            f"cannot decode stored image {item['index']} ({item['name']}) of {source}: {err}"
+        ) from err
+    return image, int(item["label"])
+
+
+@dataclass(slots=True)
+class StoredSample:
+    """A training sample as read from its chunk, not decoded yet (cheap to hand to the collate)."""
+
+    jpeg: bytes
+    index: int  # the stored image's index (what seeds its augmentation)
+    label: int
+    name: str  # its source file, for error messages
+    sample: int  # its litdata index (names its chunk file in error messages; set by the dataset)
+    epoch: int  # the epoch litdata read it in (seeds its augmentation)
+
+
+class DecodedStreamingDataset(StreamingDataset):
+    """The training split as a shuffled litdata ``StreamingDataset``, decoded a batch at a time.
+
+    Iterating yields `StoredSample` records (JPEG bytes, index, label, name): reading them is
+    cheap, and the collate function of `batch_decoder` decodes and augments the whole batch
+    in one [`train_batch`][lightning_fastscale.data.fast_decode.train_batch] call, in threads, in
+    the loader worker that read it (or in the training process with ``num_workers=0``, as FFCV
+    does). Each sample gets a random resized crop + flip drawn from `sample_generator` of
+    ``(seed, epoch, index)``, so the augmentation of a sample depends neither on the worker
+    that read it nor on the thread that decoded it. The last incomplete batch is dropped.
+    A sample that cannot be read or decoded raises a
+    [`CorruptDataError`][lightning_fastscale.data.verify.CorruptDataError] naming its chunk file,
+    its litdata index and its source file. (Validation reads by index instead:
+    `ValidationBatches`.)
+    """
+
+    def __init__(
+        self,
+        input_dir: str,
+        resolution: int,
+        seed: int = 0,
+        scale: tuple[float, float] = fast_decode.DEFAULT_SCALE,
+        ratio: tuple[float, float] = fast_decode.DEFAULT_RATIO,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(input_dir, shuffle=True, seed=seed, drop_last=True, **kwargs)
+        self.resolution, self.augment_seed, self.scale, self.ratio = resolution, seed, tuple(scale), tuple(ratio)
+        self.source = input_dir
+
+    def decode(self, item: dict[str, Any]) -> Any:
+        """What the loader collates for one stored sample.
+
+        A `StoredSample`, which the collate of `batch_decoder` decodes with its batch; a
+        subclass may return something else per sample (a tuple of tensors, say), which is then
+        collated as ``default_collate`` does.
+        """
+        return StoredSample(item["image"], int(item["index"]), int(item["label"]), str(item["name"]),
+                            -1, self.current_epoch)
+
+    def batch_decoder(self, threads: int = 1, pin_memory: bool = False) -> TrainBatchDecoder:
+        """The loader's collate function: decodes this dataset's batches in ``threads`` threads."""
+        return TrainBatchDecoder(
+            self.resolution, self.augment_seed, self.scale, self.ratio, threads, pin_memory,
+            str(_split_dir(self)), self.source,
+        )
+
+    @override
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        read = super().__getitem__
+        sample = _named(self, index, lambda: self.decode(_read_stored(read, index)))
+        if isinstance(sample, StoredSample):
+            sample.sample = int(getattr(index, "index", index))
+        return sample
+
+
+@dataclass(frozen=True)
+class TrainBatchDecoder:
+    """Collate function of the training loader: a list of `StoredSample` -> ``(uint8 images, labels)``.
+
+    One [`train_batch`][lightning_fastscale.data.fast_decode.train_batch] call per batch, in
+    ``threads`` threads, written straight into the (channels-last) buffer the batch leaves the
+    loader in:
+    shared memory in a loader worker (what ``default_collate`` allocates there too; the batch
+    then reaches the training process without a copy), pinned memory with ``pin_memory`` in
+    the training process (the loader's pinning then has nothing left to copy, and torch's
+    caching host allocator reuses the buffer once the host-to-device copy that read it has
+    finished). A buffer is not reused by hand: the training step may still hold the previous
+    batch. Samples that are not `StoredSample` (a dataset subclass's own ``decode``) are
+    collated by ``default_collate``.
+    """
+
+    resolution: int
+    seed: int
+    scale: tuple[float, float]
+    ratio: tuple[float, float]
+    threads: int = 1
+    pin_memory: bool = False
+    split_dir: str = ""
+    source: str = ""
+
+    def __call__(self, samples: list[Any]) -> Any:
+        if not samples or not all(isinstance(s, StoredSample) for s in samples):
+            return default_collate(samples)
+        jpegs = [torch.frombuffer(bytearray(s.jpeg), dtype=torch.uint8) for s in samples]
+        generators = [fast_decode.sample_generator(self.seed, s.epoch, s.index) for s in samples]
+        out = self._buffer((len(samples), 3, self.resolution, self.resolution))
+        try:
+            images = fast_decode.train_batch(
+                jpegs, generators, self.resolution, self.scale, self.ratio, threads=self.threads, out=out
+            )
+        except SampleDecodeError as err:
+            s = samples[err.position]
+            raise CorruptDataError(
+                f"{_where(Path(self.split_dir), s.sample)}: cannot decode stored image {s.index} ({s.name}) "
+                f"of {self.source}: {err.message}. {_VERIFY_HINT}"
+            ) from err.__cause__
+        return images, torch.tensor([s.label for s in samples], dtype=torch.int64)
+
+    def _buffer(self, shape: tuple[int, int, int, int]) -> torch.Tensor | None:
+        # Pixel-interleaved (channels-last) memory, as train_batch allocates by default: the
+        # decoder's output and OpenCV's resize write it directly (1.1-1.25x the images per core
+        # of an NCHW buffer, benchmarks/README.md).
+        n, c, h, w = shape
+        if get_worker_info() is not None:
+            storage = torch.UntypedStorage._new_shared(n * c * h * w)
+            return torch.empty(0, dtype=torch.uint8).set_(storage, 0, shape, (c * h * w, 1, w * c, c))
+        if self.pin_memory and torch.cuda.is_available():
+            return torch.empty(shape, dtype=torch.uint8, pin_memory=True, memory_format=torch.channels_last)
+        return None
+
+
+class ValidationBatches(IterableDataset):
+    """One rank's planned validation batches, yielded whole.
+
+    The plan (`rect_val.split_batches`) gives every rank the same number of batches and
+    every sample to exactly one rank, so a distributed validation measures the whole split, as
+    one process would (litdata's own loader evens ranks out by dropping the remainder instead,
+    and Lightning's ``DistributedSampler`` by repeating samples).
+
+    Each item is a finished ``(uint8 images (N, 3, H, W), labels (N,))`` batch of one shape, so
+    the ``DataLoader`` runs with ``batch_size=None``; loader workers split the batches by
+    position (worker ``k`` of ``n`` makes batches ``k, k + n, ...``, which the loader hands out
+    in order again). Being an ``IterableDataset``, Lightning leaves it alone under DDP (it
+    replaces the sampler of map-style loaders only), so the per-rank plan is what each rank
+    runs. Samples are read by their litdata index through litdata's chunk reader and decoded
+    (``fast_decode.decode_rgb``). With ``crop_ratio=None`` (rectangular validation, `rect_val`)
+    each is resized to cover its batch's shape (`rect_val.resize_to_cover`); otherwise
+    it gets the square resize + centre crop (`fast_decode.val_transform`).
+    """
+
+    def __init__(
+        self, input_dir: str, batches: list[rect_val.RectBatch], source: str,
+        crop_ratio: float | None = None, **dataset_kwargs: Any,
+    ) -> None:
+        super().__init__()
+        self.samples = StreamingDataset(input_dir, shuffle=False, **dataset_kwargs)
+        self.batches, self.source, self.crop_ratio = batches, source, crop_ratio
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def decode(self, item: dict[str, Any], shape: tuple[int, int]) -> tuple[torch.Tensor, int]:
+        """Decode one stored sample and fit it to the batch's ``(height, width)``."""
+
+        def transform(data: torch.Tensor) -> torch.Tensor:
+            if self.crop_ratio is None:
+                return rect_val.resize_to_cover(fast_decode.decode_rgb(data), shape)
+            return fast_decode.val_transform(data, shape[0], self.crop_ratio)
+
+        return _decode_stored(item, transform, self.source)
+
+    def _read_and_decode(self, index: int, shape: tuple[int, int]) -> tuple[torch.Tensor, int]:
+        return _named(self.samples, index, lambda: self.decode(_read_stored(self.samples.__getitem__, index), shape))
+
+    @override
+    def __iter__(self) -> Any:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        for batch in self.batches[worker::workers]:
+            yield default_collate([self._read_and_decode(i, batch.shape) for i in batch.indices])
+
+
+class EpochAwareStreamingDataLoader(StreamingDataLoader):
+    """litdata's loader, made to start a fresh epoch after a resumed one is used up.
+
+    After ``load_state_dict`` litdata keeps replaying the saved position until one iteration
+    runs into ``StopIteration``. Lightning's fetcher stops asking once it has the epoch's
+    ``len(loader)`` batches, so that never happens and the next epoch would replay the
+    (empty) rest of the old one: no batches at all. When every batch of the resumed epoch
+    has been handed out, the next iteration is a new epoch.
+    """
+
+    @override
+    def __iter__(self) -> Any:
+        if self.restore and self._num_samples_yielded_streaming >= len(self) * self.batch_size:
+            self.restore = False
+        yield from super().__iter__()
