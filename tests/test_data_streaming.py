@@ -370,7 +370,10 @@ def test_corrupt_sample_in_a_threaded_batch_names_its_chunk_and_sample(stream, t
 def test_decode_threads_auto_fills_the_cores_and_bad_values_are_named(stream):
     from lightning_fastscale.data.worker_autotune import threads_per_worker
 
-    assert _dm(stream, num_workers=0, max_workers=4).resolved_decode_threads() == 4
+    dm = _dm(stream, num_workers=0, max_workers=4)
+    assert dm.resolved_decode_threads() == 4
+    dm.num_workers = 4  # another worker count (the doctor's loader probe sets it): threads follow
+    assert dm.resolved_decode_threads() == 1
     assert _dm(stream, num_workers=2, max_workers=4).resolved_decode_threads() == 2
     assert _dm(stream, num_workers=2, decode_threads=3).resolved_decode_threads() == 3
     assert threads_per_worker(4, 8) == 1

@@ -161,8 +161,7 @@ class StreamingDataModule(_ResizableDataModule):
         self.cache_dir, self.max_cache_size = cache_dir, max_cache_size
         self.auto_num_workers, self.max_workers = auto, max_workers
         self.num_workers_cache = num_workers_cache
-        self.decode_threads_setting = decode_threads
-        self.decode_threads: int | None = None if decode_threads == "auto" else decode_threads
+        self.decode_threads: int | None = None if decode_threads == "auto" else decode_threads  # None: auto
         self.num_workers_probe: dict[str, Any] | None = None
         self.classes = list(self.metadata.classes)
         self.num_classes = len(self.classes)
@@ -219,7 +218,8 @@ class StreamingDataModule(_ResizableDataModule):
         )
 
     def resolved_decode_threads(self) -> int:
-        """Decode threads per loader process: as set, or those filling this rank's cores (``auto``)."""
+        """Decode threads per loader process: as set, or (``auto``) those filling this rank's cores
+        with ``num_workers`` processes, the threads the ``num_workers="auto"`` probe gave each count."""
         if self.decode_threads is not None:
             return self.decode_threads
         return threads_per_worker(cores_per_rank(self._local_ranks(), self.max_workers), self.num_workers)
@@ -247,13 +247,12 @@ class StreamingDataModule(_ResizableDataModule):
     def resolve_num_workers(self) -> int:
         """Measure (or read from the cache) the worker count, and with ``decode_threads="auto"``
         the decode threads, for this machine and setting."""
-        pick, threads, self.num_workers_probe = resolve_num_workers(
+        pick, _, self.num_workers_probe = resolve_num_workers(
             lambda n, t: self._streaming_loader(self.train_dataset(), self.train_batch_size, n, t),
             WorkerCountCache(self.num_workers_cache), self.source.probe_key(),
             self.train_resolution, self.train_batch_size, self._local_ranks(), self.max_workers,
             self.decode_threads,
         )
-        self.decode_threads = threads
         return pick
 
     # -- validation ---------------------------------------------------------------------
