@@ -190,18 +190,18 @@ def meta_sizes(root):
 
 
 def test_bad_rect_val_settings_are_named(stream, tmp_path, monkeypatch):
-    with pytest.raises(ValueError, match="data.rect_val must be true or false, got 'yes'"):
+    with pytest.raises(ValueError, match="rect_val='yes' must be True or False"):
         _dm(stream, rect_val="yes")
     changed = tmp_path / "changed"
     shutil.copytree(stream, changed)
     meta = json.loads((changed / "dataset.json").read_text())
     meta["extra"]["sizes"]["val"] = meta["extra"]["sizes"]["val"][:5]
     (changed / "dataset.json").write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match="data.rect_val=true: .* records 5 validation image sizes for 9"):
+    with pytest.raises(ValueError, match="rect_val=True: .* records 5 validation image sizes for 9"):
         _dm(changed)
     dm = _dm(stream)
     monkeypatch.setattr(dm, "_rank_and_world_size", lambda: (0, 16))
-    with pytest.raises(ValueError, match="data.rect_val=true needs at least one validation sample per rank.*9 for 16"):
+    with pytest.raises(ValueError, match="rect_val=True needs at least one validation sample per rank.*9 for 16"):
         dm.val_dataloader()
 
 

@@ -38,7 +38,7 @@ def test_fastscale_train_on_streaming_data(tmp_path):
         "data.num_workers=auto", "data.max_workers=1", f"data.num_workers_cache={tmp_path / 'nw.json'}",
         "trainer.log_every_n_steps=1",
     ])
-    assert "data.num_workers=auto:" in out  # the probe's pick and curve are logged
+    assert "num_workers=auto:" in out  # the probe's pick and curve are logged
     state = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert state["global_step"] == 6  # 192 samples / 32 per step
     assert state["StreamingDataModule"]["train_resolution"] == 32
@@ -53,5 +53,5 @@ def test_fastscale_train_with_rectangular_validation(tmp_path):
         "data.num_workers=0", "data.rect_val=true",
     ])
     # 6 samples in batches of at most 2, one rank; the ratios give more than one shape
-    shapes = re.search(r"data.rect_val: 3 validation batches on rank 0 of 1, (\d+) shapes", out)
+    shapes = re.search(r"rect_val: 3 validation batches on rank 0 of 1, (\d+) shapes", out)
     assert shapes and int(shapes.group(1)) >= 2, out[-4000:]

@@ -133,7 +133,7 @@ class StreamingDataModule(_ResizableDataModule):
         _quiet_litdata_info()
         auto = num_workers == "auto"
         if not auto and (isinstance(num_workers, bool) or not isinstance(num_workers, int)):
-            raise ValueError(f"data.num_workers must be an integer >= 0 or 'auto', got {num_workers!r}")
+            raise ValueError(f"num_workers={num_workers!r} must be an integer >= 0 or 'auto'")
         # Workers are not persistent: litdata sets the epoch (its shuffle, and the augmentation
         # seed of every sample) on the dataset when an epoch's iteration starts, in this
         # process, and workers see it only through the copy they start with; persistent
@@ -146,13 +146,13 @@ class StreamingDataModule(_ResizableDataModule):
             False, prefetch_factor, val_batch_size,
         )
         if not 0 < crop_ratio <= 1:
-            raise ValueError(f"data.crop_ratio must be in (0, 1], got {crop_ratio}")
+            raise ValueError(f"crop_ratio={crop_ratio} must be in (0, 1]")
         if not isinstance(rect_val, bool):
-            raise ValueError(f"data.rect_val must be true or false, got {rect_val!r}")
+            raise ValueError(f"rect_val={rect_val!r} must be True or False")
         if decode_threads != "auto" and (
             isinstance(decode_threads, bool) or not isinstance(decode_threads, int) or decode_threads < 1
         ):
-            raise ValueError(f"data.decode_threads must be an integer >= 1 or 'auto', got {decode_threads!r}")
+            raise ValueError(f"decode_threads={decode_threads!r} must be an integer >= 1 or 'auto'")
         self.prefetch_factor = prefetch_factor
         self.source = StreamingSource(root, cache_dir, max_cache_size)
         self.root, self.metadata = self.source.root, self.source.metadata
@@ -165,8 +165,8 @@ class StreamingDataModule(_ResizableDataModule):
         self.num_workers_probe: dict[str, Any] | None = None
         self.classes = list(self.metadata.classes)
         self.num_classes = len(self.classes)
-        self.source.check_resolution("data.resolution", self.train_resolution)
-        self.source.check_resolution("data.val_resolution", self.val_resolution)
+        self.source.check_resolution("resolution", self.train_resolution)
+        self.source.check_resolution("val_resolution", self.val_resolution)
         if rect_val:
             self.source.check_rect_val()
 

@@ -23,7 +23,7 @@ from typing_extensions import override
 from . import fast_decode, rect_val
 from .verify import CorruptDataError, SampleDecodeError, chunk_of, read_index, strict_decode
 
-_VERIFY_HINT = "Run `fastscale-data verify <data.root>` to list every damaged chunk and sample"
+_VERIFY_HINT = "Run `fastscale-data verify ROOT` (the data folder) to list every damaged chunk and sample"
 
 
 def _split_dir(dataset: StreamingDataset) -> Path:

@@ -77,7 +77,7 @@ class StreamingSource:
         if resolution > max_side:
             raise ValueError(
                 f"{name}={resolution} is larger than the longest side stored in {self.root} "
-                f"(max_side={max_side}): images would be upsampled. Lower {name} or "
+                f"(max_side={max_side}): images would be upsampled. Lower `{name}` or "
                 f"convert again with `fastscale-data convert ... --max-side {resolution}` or more"
             )
 
@@ -86,12 +86,12 @@ class StreamingSource:
         sizes = self.metadata.extra.get(SIZES_KEY, {}).get("val")
         count = self.metadata.split_size("val")
         if count == 0:
-            raise ValueError(f"data.rect_val=true but {self.root} has no validation samples")
+            raise ValueError(f"rect_val=True but {self.root} has no validation samples")
         if sizes is not None and len(sizes) != count:
             raise ValueError(
-                f"data.rect_val=true: {self.root}/{METADATA_FILE} records {len(sizes)} validation "
+                f"rect_val=True: {self.root}/{METADATA_FILE} records {len(sizes)} validation "
                 f"image sizes for {count} samples; the folder was changed after conversion. "
-                "Convert again, or set data.rect_val=false"
+                "Convert again, or set rect_val=False"
             )
 
     def val_image_sizes(self) -> list[list[int]]:
@@ -105,7 +105,7 @@ class StreamingSource:
             sizes = self.metadata.extra.get(SIZES_KEY, {}).get("val")
             if sizes is None:
                 log.warning(
-                    "data.rect_val: %s/%s records no image sizes (converted by an older version); "
+                    "rect_val: %s/%s records no image sizes (converted by an older version); "
                     "reading them from the JPEG headers of the validation split once. Convert again "
                     "to have them recorded", self.root, METADATA_FILE,
                 )

@@ -56,13 +56,13 @@ def rect_rank_batches(
     """
     if len(sizes) < world_size:
         raise ValueError(
-            f"data.rect_val=true needs at least one validation sample per rank: {source} has "
-            f"{len(sizes)} for {world_size} ranks; set data.rect_val=false"
+            f"rect_val=True needs at least one validation sample per rank: {source} has "
+            f"{len(sizes)} for {world_size} ranks; set rect_val=False"
         )
     plan = rect_val.plan_batches(sizes, batch_size, resolution, world_size, max_side)
     mine = rect_val.rank_batches(plan, rank, world_size)
     log.info(
-        "data.rect_val: %d validation batches on rank %d of %d, %d shapes from %s to %s",
+        "rect_val: %d validation batches on rank %d of %d, %d shapes from %s to %s",
         len(mine), rank, world_size, len({b.shape for b in plan}), plan[0].shape, plan[-1].shape,
     )
     return mine

@@ -30,13 +30,16 @@ CACHE_ENV = "FASTSCALE_CACHE_DIR"
 
 
 def candidate_worker_counts(max_workers: int) -> list[int]:
-    """0, 1, 2, 4, ... up to ``max_workers``, always including ``max_workers`` itself."""
-    counts, n = [0], 1
+    """1, 2, 4, ... up to ``max_workers``, always including ``max_workers`` itself (at least 1).
+
+    No 0: without a worker the batch is decoded on the training thread between steps, a cost
+    the probe, which times the loader alone, cannot see; ``num_workers=0`` stays a choice.
+    """
+    counts, n = [], 1
     while n < max_workers:
         counts.append(n)
         n *= 2
-    if max_workers > 0:
-        counts.append(max_workers)
+    counts.append(max(1, max_workers))
     return counts
 
 
@@ -194,7 +197,7 @@ def resolve_num_workers(
     key = cache.key(dataset_id, resolution, batch_size, local_ranks, decode_threads or "auto")
     hit = cache.get(key)
     if hit is not None:
-        log.info("data.num_workers=auto: %d, data.decode_threads=%d (cached in %s)",
+        log.info("num_workers=auto: %d, decode_threads=%d (cached in %s)",
                  hit["num_workers"], hit["decode_threads"], cache.path)
         return int(hit["num_workers"]), int(hit["decode_threads"]), {**hit, "cached": True}
 
@@ -205,7 +208,7 @@ def resolve_num_workers(
     pick, curve = probe_num_workers(lambda w: make_loader(w, threads(w)), counts, batch_size)
     cache.put(key, pick, curve, threads(pick))
     log.info(
-        "data.num_workers=auto: %d, data.decode_threads=%d (images/s by workers x threads: %s; cached in %s)",
+        "num_workers=auto: %d, decode_threads=%d (images/s by workers x threads: %s; cached in %s)",
         pick, threads(pick), ", ".join(f"{n}x{threads(n)}: {r:.0f}" for n, r in curve.items()), cache.path,
     )
     record = {"num_workers": pick, "decode_threads": threads(pick), "images_per_s": curve,
