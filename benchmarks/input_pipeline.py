@@ -317,8 +317,9 @@ def autotune_check(stream_root: Path, args: argparse.Namespace) -> dict[str, Any
     probe = dm.num_workers_probe
     assert probe is not None
     # wall clock for every count, as the probe measures: what a training run waits on
+    threads = probe["threads_by_workers"]
     remeasured = {n: bench_pipeline("streaming", str(stream_root), args.resolution, args.batch_size, n, args.batches,
-                                    warmup=max(2, n)) for n in probe["images_per_s"]}
+                                    warmup=max(2, n), decode_threads=threads[n]) for n in probe["images_per_s"]}
     best = max(remeasured.values())
     return {"pick": probe["num_workers"], "probe_curve": probe["images_per_s"], "remeasured": remeasured,
             "pick_vs_best": remeasured[probe["num_workers"]] / best}
