@@ -269,6 +269,21 @@ def test_background_loader_resumes_at_the_batches_handed_out_not_those_decoded_a
     assert fresh.current_epoch == 1 and len(_batches(fresh)) == 6 and fresh.current_epoch == 2  # next epoch: all
 
 
+def test_device_prefetcher_over_the_background_loader_resumes_at_the_handed_out_batch(stream):
+    dm = _dm(stream, num_workers=0)
+    reference = [y.tolist() for _, y in dm.train_dataloader()]
+    loader = dm.train_dataloader()
+    prefetched = DevicePrefetcher(loader, "cpu")  # what the datamodule wraps the loader in on CUDA
+    it = iter(prefetched)
+    first = [next(it)[1].tolist() for _ in range(4)]  # 5 handed out by the loader, 6 produced
+    _wait_until(lambda: loader.dataset.current_epoch == 2)  # the thread ran past the epoch's end
+    state = prefetched.state_dict()
+    assert state["num_samples_yielded"] == 16 and state["dataset"]["current_epoch"] == 1
+    fresh = dm.train_dataloader()
+    fresh.load_state_dict(state)
+    assert first + [y.tolist() for _, y in fresh] == reference
+
+
 def test_background_loader_stops_its_thread_on_break_and_restarts_on_iter(stream):
     loader = _dm(stream, num_workers=0).train_dataloader()
     whole = _batches(loader)

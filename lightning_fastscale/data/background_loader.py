@@ -9,9 +9,10 @@ bounded queue of ``batches_ahead`` finished batches; the training thread only po
 decoding overlaps the step (pipelined loading, Jia et al. 2018).
 
 Resumption stays exact: litdata's ``state_dict`` counts the samples its iterator yielded,
-which includes the batches decoded ahead; `BackgroundStreamingDataLoader.state_dict` reports
-the position of the batch last handed out (`device_prefetch.rewind_streaming_state`), taken
-while the producer is between batches.
+which includes the batches decoded ahead (and past an epoch's end its dataset has already
+counted the next epoch); `BackgroundStreamingDataLoader.state_dict` reports the state taken
+when the batch last handed out was produced, which is what the synchronous loader reports
+after handing it out.
 """
 from __future__ import annotations
 
@@ -60,12 +61,16 @@ class BackgroundStreamingDataLoader(EpochAwareStreamingDataLoader):
         self._lock = threading.Lock()  # held by the producer while it advances the parent iterator
         self._produced = 0  # batches the producer finished this iteration (written by the producer)
         self._consumed = 0  # batches handed out this iteration (written by the consumer)
-        self._consumed_dataset_epoch: int | None = None  # the dataset's epoch count at that position
+        self._consumed_state: dict[str, Any] | None = None  # the loader's state at that position
         self._stop: threading.Event | None = None
         self._thread: threading.Thread | None = None
 
     def _in_flight(self) -> int:
         return self._produced - self._consumed
+
+    def _snapshot(self) -> dict[str, Any]:
+        state = super().state_dict()
+        return {**state, "dataset": dict(state["dataset"])}  # litdata returns its live dict
 
     def _produce(self, source: Iterator[Any], out: queue.Queue[tuple[int, Any]], stop: threading.Event) -> None:
         try:
@@ -76,13 +81,13 @@ class BackgroundStreamingDataLoader(EpochAwareStreamingDataLoader):
                     except StopIteration:
                         break
                     self._produced += 1
-                    # litdata's dataset counts its epoch up when the producer runs past its end,
-                    # which may be before the consumer gets there: each batch carries the count
-                    # as of its production.
-                    epoch = self.dataset.current_epoch
-                    if self._produced == 1:  # the epoch count before any batch was handed out
-                        self._consumed_dataset_epoch = epoch
-                if not _put(out, (_BATCH, (batch, epoch)), stop):
+                    # The state the synchronous loader would report once this batch is handed
+                    # out, taken now: running on, the producer moves litdata's counter and, past
+                    # the epoch's end, the dataset's epoch count and loaded state.
+                    state = self._snapshot()
+                    if self._produced == 1:  # the position before any batch is handed out
+                        self._consumed_state = rewind_streaming_state(self, state, 1)
+                if not _put(out, (_BATCH, (batch, state)), stop):
                     return
             _put(out, (_END, None), stop)
         except BaseException as err:  # raised in the training thread, at the batch it belongs to
@@ -102,16 +107,16 @@ class BackgroundStreamingDataLoader(EpochAwareStreamingDataLoader):
         self._thread = self._stop = None
         # Batches decoded ahead and dropped were never handed out: the position is the consumer's,
         # as the synchronous loader's would be.
-        if self._in_flight():
-            self._num_samples_yielded_streaming -= self._in_flight() * int(self.batch_size or 1)
-            self.dataset.current_epoch = self._consumed_dataset_epoch
+        if self._in_flight() and self._consumed_state is not None:
+            self._num_samples_yielded_streaming = self._consumed_state["num_samples_yielded"]
+            self.dataset.current_epoch = self._consumed_state["dataset"]["current_epoch"]
         self._produced = self._consumed
 
     @override
     def __iter__(self) -> Any:
         self._stop_producer()
         self._produced = self._consumed = 0
-        self._consumed_dataset_epoch = None
+        self._consumed_state = None
         out: queue.Queue[tuple[int, Any]] = queue.Queue(maxsize=self.batches_ahead)
         stop = threading.Event()
         source = super().__iter__()
@@ -127,7 +132,7 @@ class BackgroundStreamingDataLoader(EpochAwareStreamingDataLoader):
                     return
                 if kind == _ERROR:
                     raise item
-                batch, self._consumed_dataset_epoch = item
+                batch, self._consumed_state = item
                 self._consumed += 1
                 yield batch
         finally:
@@ -137,15 +142,10 @@ class BackgroundStreamingDataLoader(EpochAwareStreamingDataLoader):
     @override
     def state_dict(self) -> dict[str, Any]:
         """litdata's state as of the last batch handed out (batches decoded ahead do not count)."""
-        with self._lock:
-            ahead = self._in_flight()
-            if not ahead:
-                return super().state_dict()
-            epoch, self.dataset.current_epoch = self.dataset.current_epoch, self._consumed_dataset_epoch
-            try:
-                return rewind_streaming_state(self, super().state_dict(), ahead)
-            finally:
-                self.dataset.current_epoch = epoch
+        with self._lock:  # the producer is between batches
+            if self._in_flight() and self._consumed_state is not None:
+                return {**self._consumed_state, "dataset": dict(self._consumed_state["dataset"])}
+            return super().state_dict()
 
     @override
     def load_state_dict(self, obj: dict[str, Any]) -> None:
