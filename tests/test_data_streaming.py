@@ -2,6 +2,8 @@
 import json
 import os
 import shutil
+import threading
+import time
 import warnings
 
 import lightning.pytorch as pl
@@ -12,8 +14,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from lightning_fastscale.data import ImageFolderDataModule, StreamingDataModule, fast_decode
+from lightning_fastscale.data.background_loader import BackgroundStreamingDataLoader
 from lightning_fastscale.data.device_prefetch import DevicePrefetcher
-from lightning_fastscale.data.streaming import DecodedStreamingDataset
+from lightning_fastscale.data.streaming import DecodedStreamingDataset, EpochAwareStreamingDataLoader
 from lightning_fastscale.data.verify import CorruptDataError
 from lightning_fastscale.data.worker_autotune import WorkerCountCache, pick_smallest_within
 from lightning_fastscale.strategies import HierarchicalAllReduceStrategy
@@ -192,7 +195,7 @@ def _trainer(tmp, **kw):
                       default_root_dir=str(tmp), **kw)
 
 
-@pytest.mark.parametrize("num_workers", [2])
+@pytest.mark.parametrize("num_workers", [0, 2])
 def test_mid_epoch_resume_gives_the_same_next_batches(stream, tmp_path, num_workers):
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1,
                            filename="{step}")
@@ -220,6 +223,105 @@ def test_device_prefetcher_state_is_the_handed_out_position(stream):
     assert first + [y.tolist() for _, y in fresh] == reference
 
 
+def _batches(loader):
+    return [(y.tolist(), x.clone()) for x, y in loader]
+
+
+def _same(a, b):
+    return len(a) == len(b) and all(ya == yb and torch.equal(xa, xb) for (ya, xa), (yb, xb) in zip(a, b))
+
+
+def _wait_until(condition):
+    for _ in range(500):  # bounded: 5 s
+        if condition():
+            return
+        time.sleep(0.01)
+    raise AssertionError("the background thread never got there")
+
+
+def _wait_until_ahead(loader, batches):
+    _wait_until(lambda: loader._in_flight() >= batches)  # decoded by the thread, not handed out
+
+
+@pytest.mark.parametrize("handed_out", [2, 4])  # 4 of 6: the thread has run past the epoch's end
+def test_background_loader_resumes_at_the_batches_handed_out_not_those_decoded_ahead(stream, handed_out):
+    dm = _dm(stream, num_workers=0, decode_threads=2)
+    dataset = dm.train_dataset()
+    synchronous = EpochAwareStreamingDataLoader(dataset, batch_size=4, num_workers=0,
+                                                collate_fn=dataset.batch_decoder(1, False))
+    reference = _batches(synchronous)
+    loader = dm.train_dataloader()
+    assert isinstance(loader, BackgroundStreamingDataLoader) and len(loader) == len(reference) == 6
+    it = iter(loader)
+    first = [(y.tolist(), x.clone()) for x, y in (next(it) for _ in range(handed_out))]
+    _wait_until_ahead(loader, 2)  # prefetch_factor=2 batches decoded ahead, not handed out
+    if handed_out == 4:  # litdata's dataset counts its epoch up there; the state must not
+        _wait_until(lambda: loader.dataset.current_epoch == 2)
+    state = loader.state_dict()
+    assert state["num_samples_yielded"] == 4 * handed_out and state["current_epoch"] == 1
+    assert state["dataset"]["current_epoch"] == 1
+    rest = [(y.tolist(), x.clone()) for x, y in it]  # the same iteration goes on undisturbed
+    assert _same(first + rest, reference)
+
+    fresh = dm.train_dataloader()
+    fresh.load_state_dict(state)
+    assert _same(first + _batches(fresh), reference)
+    assert fresh.current_epoch == 1 and len(_batches(fresh)) == 6 and fresh.current_epoch == 2  # next epoch: all
+
+
+def test_device_prefetcher_over_the_background_loader_resumes_at_the_handed_out_batch(stream):
+    dm = _dm(stream, num_workers=0)
+    reference = [y.tolist() for _, y in dm.train_dataloader()]
+    loader = dm.train_dataloader()
+    prefetched = DevicePrefetcher(loader, "cpu")  # what the datamodule wraps the loader in on CUDA
+    it = iter(prefetched)
+    first = [next(it)[1].tolist() for _ in range(4)]  # 5 handed out by the loader, 6 produced
+    _wait_until(lambda: loader.dataset.current_epoch == 2)  # the thread ran past the epoch's end
+    state = prefetched.state_dict()
+    assert state["num_samples_yielded"] == 16 and state["dataset"]["current_epoch"] == 1
+    fresh = dm.train_dataloader()
+    fresh.load_state_dict(state)
+    assert first + [y.tolist() for _, y in fresh] == reference
+
+
+def test_background_loader_stops_its_thread_on_break_and_restarts_on_iter(stream):
+    loader = _dm(stream, num_workers=0).train_dataloader()
+    whole = _batches(loader)
+    for epoch in range(2):
+        it = iter(loader)
+        next(it)
+        _wait_until_ahead(loader, 2)
+        thread = loader._thread
+        del it  # Lightning's limit_train_batches: the iterator is dropped mid-epoch
+        assert not thread.is_alive() and loader._thread is None
+        assert loader.state_dict()["num_samples_yielded"] == 4  # the dropped batches do not count
+        assert loader.current_epoch == epoch + 2
+    assert len(_batches(loader)) == 6 and not any(t.name == "fastscale-background-batches"
+                                                  for t in threading.enumerate())
+    assert [y for y, _ in whole] != [y for y, _ in _batches(loader)]  # a later epoch: another order
+
+
+def test_background_loader_raises_a_producer_error_at_its_batch(stream):
+    dataset = _dm(stream, num_workers=0).train_dataset()
+    decode = dataset.batch_decoder(1, False)
+    calls = []
+
+    def collate(samples):
+        calls.append(len(samples))
+        if len(calls) == 3:
+            raise CorruptDataError("sample 9: cannot decode")
+        return decode(samples)
+
+    loader = BackgroundStreamingDataLoader(dataset, batch_size=4, collate_fn=collate)
+    it = iter(loader)
+    assert [y.shape[0] for _, y in (next(it), next(it))] == [4, 4]
+    with pytest.raises(CorruptDataError, match="sample 9"):
+        next(it)
+    assert loader._thread is None and len(calls) == 3  # stopped after the failing batch
+    with pytest.raises(ValueError, match="prefetch_factor=0"):
+        BackgroundStreamingDataLoader(dataset, batch_size=4, batches_ahead=0)
+
+
 def test_num_workers_auto_picks_and_caches(stream, tmp_path):
     assert pick_smallest_within({0: 100.0, 1: 190.0, 2: 200.0, 4: 203.0}) == 2
     assert pick_smallest_within({0: 100.0, 1: 50.0}) == 0
@@ -227,7 +329,7 @@ def test_num_workers_auto_picks_and_caches(stream, tmp_path):
     dm = _dm(stream, num_workers="auto", max_workers=2, num_workers_cache=str(cache_file))
     dm.setup("fit")
     probe = dm.num_workers_probe
-    assert probe["cached"] is False and set(probe["images_per_s"]) == {1, 2}  # never 0: see candidate_worker_counts
+    assert probe["cached"] is False and set(probe["images_per_s"]) == {0, 1, 2}
     assert dm.num_workers == pick_smallest_within(probe["images_per_s"])
     stored = json.loads(cache_file.read_text())
     assert len(stored) == 1 and next(iter(stored.values()))["num_workers"] == dm.num_workers
@@ -393,7 +495,7 @@ def test_probe_tries_each_worker_count_with_the_threads_that_fill_the_cores(tmp_
 
     cache = WorkerCountCache(tmp_path / "nw.json")
     workers, threads, record = resolve_num_workers(make_loader, cache, "data", 32, 4, max_workers=8)
-    assert tried == [(1, 8), (2, 4), (4, 2), (8, 1)]  # workers x threads within the 8 cores
+    assert tried == [(0, 8), (1, 8), (2, 4), (4, 2), (8, 1)]  # workers x threads within the 8 cores
     assert record["threads_by_workers"][workers] == threads and record["cached"] is False
     assert (workers, threads) == (cache.get(cache.key("data", 32, 4, 1))["num_workers"],
                                   cache.get(cache.key("data", 32, 4, 1))["decode_threads"])
@@ -403,7 +505,7 @@ def test_probe_tries_each_worker_count_with_the_threads_that_fill_the_cores(tmp_
 
     # Threads set by the user: only the worker counts whose threads fit the cores are tried.
     resolve_num_workers(make_loader, cache, "data", 32, 4, max_workers=8, decode_threads=3)
-    assert tried == [(1, 3), (2, 3)]
+    assert tried == [(0, 3), (1, 3), (2, 3)]
 
 
 def test_streaming_source_alone_locates_splits_and_checks_resolutions(stream, tmp_path):

@@ -88,13 +88,22 @@ class DevicePrefetcher:
 
 
 def rewind_streaming_state(loader: Any, state: dict[str, Any], batches: int) -> dict[str, Any]:
-    """A litdata ``StreamingDataLoader`` state as it was ``batches`` batches earlier."""
-    yielded = state["num_samples_yielded"] - batches * loader.batch_size
+    """A litdata ``StreamingDataLoader`` state as it was ``batches`` batches earlier.
+
+    Computed from ``state`` alone (the dataset's own ``state_dict`` would read its live epoch
+    count, which a producer running ahead may already have moved on).
+    """
+    samples = batches * loader.batch_size
+    dataset = state["dataset"]
     workers = max(1, loader.num_workers)
     return {
         **state,
-        "dataset": loader.dataset.state_dict(yielded, loader.num_workers, loader.batch_size),
-        "num_samples_yielded": yielded,
+        "dataset": {
+            **dataset,
+            "num_samples_yielded": dataset["num_samples_yielded"] - samples,
+            "sample_in_epoch": dataset["sample_in_epoch"] - samples * dataset["world_size"],
+        },
+        "num_samples_yielded": state["num_samples_yielded"] - samples,
         "latest_worker_idx": (state["latest_worker_idx"] - batches) % workers,
     }
 

@@ -15,7 +15,8 @@ centre crop), but
   measures the whole split;
 * each training batch is decoded (libjpeg-turbo) and augmented in uint8 by one
   `fast_decode.train_batch` call, in ``decode_threads`` threads, in the loader worker that
-  read it or, with ``num_workers=0``, in the training process (as FFCV does); the float
+  read it or, with ``num_workers=0``, in the training process (as FFCV does), on a background
+  thread a few batches ahead of the step (`background_loader`); the float
   conversion, normalisation and ``channels_last`` happen in `on_after_batch_transfer`,
   on the device, for any LightningModule;
 * on CUDA the next batch is copied ahead on a side stream (`device_prefetch`);
@@ -39,6 +40,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from . import fast_decode, validation_plan
+from .background_loader import BackgroundStreamingDataLoader
 from .datamodules import _ResizableDataModule
 from .device_prefetch import DevicePrefetcher
 from .protocol import check_positive
@@ -47,7 +49,10 @@ from .streaming_datasets import DecodedStreamingDataset, EpochAwareStreamingData
 from .streaming_source import StreamingSource
 from .worker_autotune import WorkerCountCache, cores_per_rank, resolve_num_workers, threads_per_worker
 
-__all__ = ["DecodedStreamingDataset", "EpochAwareStreamingDataLoader", "StreamingDataModule", "ValidationBatches"]
+__all__ = [
+    "BackgroundStreamingDataLoader", "DecodedStreamingDataset", "EpochAwareStreamingDataLoader",
+    "StreamingDataModule", "ValidationBatches",
+]
 
 
 def _quiet_litdata_info() -> None:
@@ -72,7 +77,8 @@ class StreamingDataModule(_ResizableDataModule):
             to measure the smallest count within 95% of the best on this machine, each count with
             the decode threads that fill the rank's cores (cached, see `worker_autotune`).
         pin_memory: pinned host batches (default: when CUDA is available).
-        prefetch_factor: batches each worker prepares ahead.
+        prefetch_factor: batches each worker prepares ahead (with ``num_workers=0``: batches
+            the training process's background thread decodes ahead, default 2).
         seed: shuffling and augmentation seed (independent of the model seed).
         channels_last: NHWC batches on the device (default: on CUDA only).
         device_prefetch: copy the next batch to the GPU while the step runs (CUDA only).
@@ -212,9 +218,14 @@ class StreamingDataModule(_ResizableDataModule):
         self, dataset: StreamingDataset, batch_size: int, num_workers: int, threads: int
     ) -> StreamingDataLoader:
         collate = dataset.batch_decoder(threads, self.pin_memory) if isinstance(dataset, DecodedStreamingDataset) else None
+        if num_workers == 0:  # decoded on a background thread of this process, a queue ahead
+            return BackgroundStreamingDataLoader(
+                dataset, batch_size=batch_size, pin_memory=self.pin_memory, collate_fn=collate,
+                batches_ahead=2 if self.prefetch_factor is None else self.prefetch_factor,
+            )
         return EpochAwareStreamingDataLoader(
             dataset, batch_size=batch_size, num_workers=num_workers, pin_memory=self.pin_memory,
-            prefetch_factor=self.prefetch_factor if num_workers > 0 else None, collate_fn=collate,
+            prefetch_factor=self.prefetch_factor, collate_fn=collate,
         )
 
     def resolved_decode_threads(self) -> int:

@@ -30,12 +30,16 @@ CACHE_ENV = "FASTSCALE_CACHE_DIR"
 
 
 def candidate_worker_counts(max_workers: int) -> list[int]:
-    """1, 2, 4, ... up to ``max_workers``, always including ``max_workers`` itself (at least 1).
+    """0, 1, 2, 4, ... up to ``max_workers``, always including ``max_workers`` itself.
 
-    No 0: without a worker the batch is decoded on the training thread between steps, a cost
-    the probe, which times the loader alone, cannot see; ``num_workers=0`` stays a choice.
+    0 decodes in the training process, on a background thread a few batches ahead of the step
+    (`background_loader`), so like a worker count it overlaps the step the probe does not time.
+
+    Examples:
+        >>> candidate_worker_counts(6)
+        [0, 1, 2, 4, 6]
     """
-    counts, n = [], 1
+    counts, n = [0], 1
     while n < max_workers:
         counts.append(n)
         n *= 2
