@@ -285,8 +285,9 @@ def _input_fixes(m: Measurements) -> list[Fix]:
             workers = max(m.loader_images_per_s, key=lambda w: (m.loader_images_per_s[w], -w))
             cheaper = (m.stored_max_side / side) ** 2
             loader_s = m.batch_size / (m.loader_images_per_s[workers] * cheaper)
-            # with workers loading overlaps the step; in the training process it adds to it
-            predicted = max(rest, loader_s) if workers > 0 else rest + loader_s
+            # the streaming loader (the one that records a stored side) overlaps the step, in
+            # its workers or, with none, on its background thread
+            predicted = max(rest, loader_s)
             fixes.append(Fix(
                 [f"data.num_workers={workers}"] if workers != m.num_workers else [],
                 f"images are stored at {m.stored_max_side} px for {m.resolution} px crops; "
