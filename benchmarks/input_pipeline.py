@@ -468,7 +468,7 @@ def datamodule_epochs(pipeline: str, root: Path, args: argparse.Namespace, worke
     dm = make_datamodule(pipeline, str(root), args.resolution, args.batch_size, workers, **extra)
     if hasattr(dm, "setup"):
         dm.setup("fit")
-    return _warmed(_loader_epochs(dm.train_dataloader()), "process" if workers == 0 else "wall")
+    return _warmed(_loader_epochs(dm.train_dataloader()), "process" if workers == 0 and threads == 1 else "wall")
 
 
 def train_batch_epochs(stored: tuple[list[torch.Tensor], list[int]], args: argparse.Namespace, threads: int) -> Any:
@@ -536,8 +536,8 @@ def versus_ffcv(args: argparse.Namespace, tree: Path) -> None:
     for side in (640, 256):
         rows[f"StreamingDataModule, {label[side]}"] = (label[side], lambda c, side=side: datamodule_epochs(
             "streaming", streams[side], args, 0 if c == 1 else c))
-        rows[f"StreamingDataModule, 1 worker x {cores} decode threads, {label[side]}"] = (
-            label[side], lambda c, side=side: NOT_HERE if c == 1 else datamodule_epochs("streaming", streams[side], args, 1, c))
+        rows[f"StreamingDataModule, no worker, {cores} decode threads (background thread), {label[side]}"] = (
+            label[side], lambda c, side=side: NOT_HERE if c == 1 else datamodule_epochs("streaming", streams[side], args, 0, c))
         rows[f"`train_batch`, bytes in memory, {label[side]}"] = (label[side], lambda c, side=side: train_batch_epochs(
             stored[side], args, c))
         rows[f"FFCV 1.0.2, {label[side]}"] = (label[side], lambda c, side=side: None if betons[side] is None else ffcv_epochs(
