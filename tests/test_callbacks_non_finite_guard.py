@@ -189,6 +189,7 @@ def test_a_nan_monitored_metric_stops_before_it_is_kept_as_best(tmp_path) -> Non
     assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").iterdir())
 
 
+@pytest.mark.slow  # the whole job, ~30 s; the in-process fp32/bf16 stop and NaN-checkpoint tests above stay in make test
 def test_fastscale_train_diverging_in_fp32_fails_and_keeps_no_nan_checkpoint(tmp_path) -> None:
     """``optimizer.lr=1e6`` under the default fp32, a run far shorter than the fp16 skip budget:
     the run stops at the first non-finite loss with a non-zero status, prints no final

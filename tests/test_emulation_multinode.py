@@ -47,6 +47,7 @@ def _env() -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow  # ~45 s; make test keeps the emulated two-node run of test_data_streaming and the in-process hier == DDP tests
 @pytest.mark.timeout(150)
 def test_two_emulated_nodes_match_single_node_ddp(tmp_path: Path) -> None:
     _namespaces_or_skip()

@@ -43,6 +43,7 @@ class HoldUntil(pl.Callback):
             time.sleep(0.1)
 
 
+@pytest.mark.slow  # two whole jobs, ~17 s; the claim itself is tested in process below
 def test_two_runs_started_together_on_one_folder(tmp_path):
     folder, go_on = tmp_path / "run", tmp_path / "go-on"
     hold = [f"+callbacks.hold._target_={__name__}.HoldUntil", f"+callbacks.hold.path={go_on}"]
