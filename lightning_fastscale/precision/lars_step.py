@@ -115,7 +115,10 @@ class LARSStepMixin:
         return value, None for a skipped step. Around a plain ``torch.optim.SGD`` the rescale
         and SGD's update run together, from a step pre-hook registered last inside the real
         ``optimizer.step()``: its hooks, profiler record and LR-scheduler tracking run as usual,
-        pre-hooks see the gradients as given, post-hooks see them rescaled.
+        and the gradients stay as given (hooks and whatever runs after the step see them so),
+        because the ratio is folded into the momentum update instead of written back, a pass
+        over memory less (``benchmarks/lars_step.py``). Around any other optimizer, which reads
+        the gradients, they are rescaled in place.
         """
         if self._excluded is None:
             raise RuntimeError(f"{type(self).__name__}: no module set up; call classify(module), or in Fabric "
@@ -153,7 +156,7 @@ class LARSStepMixin:
                 lars_update_(params, [p.grad for p in params], bufs, lr=float(group["lr"]), weight_decay=wd,
                              eta=self.eta, eps=self.eps, trust_clip=self.trust_clip, adapt=adapt, g_norms=g_norms,
                              momentum=group.get("momentum", 0.0), dampening=group.get("dampening", 0.0),
-                             nesterov=group.get("nesterov", False))
+                             nesterov=group.get("nesterov", False), in_place=not one_pass)
                 for p, buf in zip(params, bufs or ()):  # SGD's own update then finds no gradients
                     if buf is not None:
                         optimizer.state[p]["momentum_buffer"] = buf
