@@ -62,15 +62,14 @@ def foreach_norms(tensors: Sequence[Tensor]) -> Tensor:
 def lars_update_(
     params: list[Tensor], grads: list[Tensor], bufs: list[Tensor | None] | None, *, lr: float,
     weight_decay: float, eta: float, eps: float, trust_clip: bool, adapt: Sequence[bool] | Tensor,
-    momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False, in_place: bool = True,
-    g_norms: Tensor | None = None,
+    momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False, g_norms: Tensor | None = None,
 ) -> list[float]:
-    """``g' = r * (g + wd * w)`` with the ratios ``r`` (1 where not ``adapt``), then, given
-    ``bufs``, torch SGD's update on ``g'`` (weight decay 0; new momentum buffers are stored in
-    ``bufs``). Returns the ratios.
+    """``g' = r * (g + wd * w)`` with the ratios ``r`` (1 where not ``adapt``); returns the ratios.
 
-    ``in_place``: ``g'`` (and, as in torch SGD, nesterov's ``g' + m * buf``) is written into
-    ``grads``; else the gradients stay as they were. ``g_norms``: their stacked norms if known.
+    Without ``bufs``, ``g'`` is written into ``grads``. Given ``bufs`` (one momentum buffer or
+    None per parameter), torch SGD's update on ``g'`` (weight decay 0) is applied instead, new
+    buffers stored in ``bufs``, and the gradients stay as they were. ``g_norms``: their stacked
+    norms if known.
     """
     if not params:
         return []
@@ -83,30 +82,34 @@ def lars_update_(
         ratio = torch.where(adapt, (ratio / lr).clamp(max=1.0), ratio)
     r = ratio.tolist()  # one copy to the host
     size = _batch_size(params[0].device)
-    if size is None:
-        if in_place:
+    if bufs is None:  # the rescale alone, in place
+        if size is None:
             if weight_decay:
                 torch._foreach_add_(grads, params, alpha=weight_decay)
             torch._foreach_mul_(grads, r)
-            e = grads
-        elif weight_decay:
+        else:
+            for i, (p, g) in _slices([params, grads], size):
+                if weight_decay:
+                    g.add_(p, alpha=weight_decay)
+                g.mul_(r[i])
+        return r
+    if size is None:
+        if weight_decay:
             e = torch._foreach_add(grads, params, alpha=weight_decay)
             torch._foreach_mul_(e, r)
         else:
             e = torch._foreach_mul(grads, r)
-        if bufs is not None:
-            sgd(params, e, bufs, foreach=True, weight_decay=0.0, momentum=momentum, lr=lr, dampening=dampening,
-                nesterov=nesterov, maximize=False)
+        sgd(params, e, bufs, foreach=True, weight_decay=0.0, momentum=momentum, lr=lr, dampening=dampening,
+            nesterov=nesterov, maximize=False)
         return r
-    # CPU: each slice's operations in a row; out of place on a cache-sized scratch
-    momentum = momentum if bufs is not None else 0.0
-    fresh = [b is None for b in bufs or ()]
+    # CPU: each slice's operations in a row, on a cache-sized scratch
+    fresh = [b is None for b in bufs]
     if momentum:
-        bufs[:] = [torch.empty_like(p) if b is None else b for p, b in zip(params, bufs)]  # type: ignore[index]
-    scratch = None if in_place else torch.empty(size, dtype=grads[0].dtype, device=grads[0].device)
-    # out of place, an existing buffer takes the ratio folded in: no scratch; two more roundings,
-    # so single or double precision only, with m / r well inside their range
-    fold = momentum and not (in_place or dampening or nesterov) and params[0].dtype in (torch.float32, torch.float64)
+        bufs[:] = [torch.empty_like(p) if b is None else b for p, b in zip(params, bufs)]
+    scratch = torch.empty(size, dtype=grads[0].dtype, device=grads[0].device)
+    # an existing buffer takes the ratio folded in: no scratch; two more roundings, so single or
+    # double precision only, with m / r well inside their range
+    fold = momentum and not (dampening or nesterov) and params[0].dtype in (torch.float32, torch.float64)
     for i, (p, g, *rest) in _slices([params, grads, bufs] if momentum else [params, grads], size):  # type: ignore[list-item]
         buf = rest[0] if rest else None
         if fold and not fresh[i] and 1e-30 < r[i] < 1e30:
@@ -116,19 +119,13 @@ def lars_update_(
             buf.mul_(r[i])
             p.add_(buf, alpha=-lr)
             continue
-        if in_place:
-            out = g
-        elif g.numel() <= size and g.dtype == scratch.dtype:  # type: ignore[union-attr]
-            out = scratch[: g.numel()].view(g.shape)  # type: ignore[index]
-        else:
-            out = torch.empty_like(g)
+        fits = g.numel() <= size and g.dtype == scratch.dtype
+        out = scratch[: g.numel()].view(g.shape) if fits else torch.empty_like(g)
         if weight_decay:
             torch.add(g, p, alpha=weight_decay, out=out)
             out.mul_(r[i])
         else:
             torch.mul(g, r[i], out=out)
-        if bufs is None:
-            continue
         if buf is not None:
             if fresh[i]:
                 buf.copy_(out)  # torch SGD starts a buffer from the first gradient, undampened
@@ -230,7 +227,7 @@ class LARS(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             bufs = [self.state[p].get("momentum_buffer") if group["momentum"] else None for p in params]
             lars_update_(params, [p.grad for p in params], bufs, lr=float(group["lr"]), momentum=group["momentum"],
-                         dampening=group["dampening"], nesterov=group["nesterov"], in_place=False,
+                         dampening=group["dampening"], nesterov=group["nesterov"],
                          weight_decay=group["weight_decay"], eta=group["eta"], eps=group["eps"],
                          trust_clip=group["trust_clip"], adapt=[group["lars"] and not is_excluded("", p) for p in params])
             for p, buf in zip(params, bufs):

@@ -156,7 +156,7 @@ class LARSStepMixin:
                 lars_update_(params, [p.grad for p in params], bufs, lr=float(group["lr"]), weight_decay=wd,
                              eta=self.eta, eps=self.eps, trust_clip=self.trust_clip, adapt=adapt, g_norms=g_norms,
                              momentum=group.get("momentum", 0.0), dampening=group.get("dampening", 0.0),
-                             nesterov=group.get("nesterov", False), in_place=not one_pass)
+                             nesterov=group.get("nesterov", False))
                 for p, buf in zip(params, bufs or ()):  # SGD's own update then finds no gradients
                     if buf is not None:
                         optimizer.state[p]["momentum_buffer"] = buf
