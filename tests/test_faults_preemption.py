@@ -95,6 +95,21 @@ def test_without_exact_resume_the_resumed_run_differs(tmp_path, uninterrupted):
     assert any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(), uninterrupted.values()))
 
 
+@pytest.mark.parametrize("exact", [True, False])
+def test_resume_from_an_epoch_end_checkpoint_is_bitwise_the_uninterrupted_run(tmp_path, uninterrupted, exact):
+    """An epoch-end checkpoint (Lightning hands the loader no state there): the next epoch's
+    shuffle and dropout draw from the generators as they were at the save. Without ExactResume
+    they restart from the seed and the run differs (the check can fail)."""
+    keep = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{epoch}", save_top_k=-1)
+    run(tmp_path, [keep] + ([ExactResume()] if exact else []))
+    first = tmp_path / "ckpt" / "epoch=0.ckpt"
+    assert torch.load(first, weights_only=True)["global_step"] == 6
+    model, trainer = run(tmp_path / "resumed", [ExactResume()] if exact else [], ckpt_path=str(first))
+    assert trainer.global_step == 12
+    same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), uninterrupted.values()))
+    assert same == exact
+
+
 def test_signal_at_the_last_step_of_an_epoch_waits_for_the_next_step(tmp_path, uninterrupted):
     stopper, _ = preempt_at(tmp_path, step=5, send="SIGUSR1", signals=["SIGUSR1"])  # epoch 0's last step
     assert stopper.received == signal.SIGUSR1

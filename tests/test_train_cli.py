@@ -47,9 +47,12 @@ def _only(paths):
 
 def test_single_run_wandb_offline_then_resume(tmp_path):
     run_dir = tmp_path / "first"
-    # constant LR: the cosine schedule's length would change with max_epochs, and the resume
-    # check refuses a checkpoint written by another LR schedule
-    out = fastscale_train([*TINY, "scheduler=none", f"hydra.run.dir={run_dir}"], tmp_path)
+    # two epochs, every epoch's checkpoint kept: the resume below starts from the first one, into
+    # the same two epochs, so the default cosine schedule keeps its length
+    out = fastscale_train(
+        [*TINY, "trainer.max_epochs=2", "callbacks.model_checkpoint.save_top_k=-1", f"hydra.run.dir={run_dir}"],
+        tmp_path,
+    )
     assert "final val/top1:" in out
     assert "(offline)" in out  # no API key: W&B ran offline and said where
     assert "anonymous setting" not in out  # Lightning's anonymous=None is not handed to wandb.init
@@ -72,16 +75,16 @@ def test_single_run_wandb_offline_then_resume(tmp_path):
     assert breakdown["summary"]["bottleneck"] in breakdown["verdicts"]
     assert breakdown["summary"]["samples_per_s"] > 0 and breakdown["windows"][0]["first_step"] == 0
 
-    last = run_dir / "checkpoints" / "last.ckpt"
-    first_state = torch.load(last, map_location="cpu", weights_only=False)
+    first = run_dir / "checkpoints" / "epoch000.ckpt"
+    first_state = torch.load(first, map_location="cpu", weights_only=False)
     assert first_state["epoch"] == 0 and first_state["global_step"] == 6  # 192 / 32 steps
+    uninterrupted = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert uninterrupted["global_step"] == 12
 
-    # Resuming writes into a new folder and continues at epoch 1, step 6. No LR schedule: two epochs
-    # would stretch a cosine schedule, which CheckpointCheck refuses as a mismatch.
+    # Resuming writes into a new folder and continues at epoch 1, step 6
     resumed_dir = tmp_path / "resumed"
     out2 = fastscale_train(
-        [*TINY, "scheduler=none", "trainer.max_epochs=2", f"ckpt_path={last}", f"hydra.run.dir={resumed_dir}",
-         "logger=csv"],
+        [*TINY, "trainer.max_epochs=2", f"ckpt_path={first}", f"hydra.run.dir={resumed_dir}", "logger=csv"],
         tmp_path,
     )
     metrics_csv = resumed_dir / "csv" / "version_0" / "metrics.csv"
@@ -91,7 +94,10 @@ def test_single_run_wandb_offline_then_resume(tmp_path):
     # the resumed run's breakdown is numbered by the global step: steps 6..11
     windows = json.loads((resumed_dir / "step_breakdown.json").read_text())["windows"]
     assert windows[0]["first_step"] == 6 and windows[-1]["last_step"] == 11
-    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 6  # untouched
+    assert torch.load(first, map_location="cpu", weights_only=False)["global_step"] == 6  # untouched
+    # under the cosine schedule, the resumed second epoch lands on the uninterrupted run's weights
+    for name, value in uninterrupted["state_dict"].items():
+        torch.testing.assert_close(resumed["state_dict"][name], value, rtol=0, atol=0, msg=name)
 
 
 def test_refuses_to_overwrite_checkpoints(tmp_path):

@@ -26,10 +26,14 @@ A loader that already has ``state_dict`` (torchdata's ``StatefulDataLoader``, li
 ``StreamingDataLoader``) keeps its own position; for it the callback saves only every rank's
 generator states (in its own checkpoint entry) and puts them back as the first batch after a
 mid-epoch resume starts, so a model that draws random numbers (dropout) continues as in the
-uninterrupted run (tests/test_faults_resume_streaming.py). A resume from an epoch
-boundary starts the next epoch as Lightning does (``DistributedSampler``'s order depends only
-on seed and epoch, so multi-process runs see the same order; a single-device
-``RandomSampler`` draws a new one).
+uninterrupted run (tests/test_faults_resume_streaming.py); after an epoch-end checkpoint
+such a loader starts its next epoch with the generators restarted from the seed.
+
+A checkpoint written at the end of an epoch (``ModelCheckpoint``'s default) is exact too:
+Lightning hands the loader no state there and makes the next epoch's iterator from
+generators restarted from the seed, so a single-device ``RandomSampler`` would draw another
+order and dropout other masks; at ``on_train_start`` the callback puts every rank's
+generators back as they were at the save and makes the iterator again.
 
 Lightning 2.6 drops the saved loader state when the training loader is built before the
 checkpoint's loop state is restored, which ``trainer.estimated_stepping_batches`` does when
@@ -190,16 +194,22 @@ class WorldSizeChangeError(RuntimeError):
     """A resume from a checkpoint written by another number of processes, not allowed."""
 
 
+def saved_loader_state(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+    """The training-loader state ExactResume wrote into ``checkpoint``'s fit loop, or None."""
+    loop_state = ((checkpoint.get("loops") or {}).get("fit_loop") or {}).get("state_dict") or {}
+    for loader_state in loop_state.get("combined_loader") or []:
+        if isinstance(loader_state, dict) and "world_size" in loader_state and "batches_consumed" in loader_state:
+            return loader_state
+    return None
+
+
 def saved_world_size(checkpoint: dict[str, Any]) -> int | None:
     """The number of processes that wrote ``checkpoint`` (from ExactResume's entries), or None."""
     for key, state in (checkpoint.get("callbacks") or {}).items():
         if key.split("{", 1)[0] == "ExactResume" and isinstance(state, dict) and "world_size" in state:
             return int(state["world_size"])
-    loop_state = ((checkpoint.get("loops") or {}).get("fit_loop") or {}).get("state_dict") or {}
-    for loader_state in loop_state.get("combined_loader") or []:
-        if isinstance(loader_state, dict) and "world_size" in loader_state and "batches_consumed" in loader_state:
-            return int(loader_state["world_size"])
-    return None
+    loader_state = saved_loader_state(checkpoint)
+    return None if loader_state is None else int(loader_state["world_size"])
 
 
 def restore_pending_loader_state(trainer: pl.Trainer) -> bool:
@@ -274,6 +284,7 @@ class ExactResume(Callback):
         self._wrapped: list[tuple[Any, str]] = []
         self._loader_keeps_position = False
         self._generators_to_restore: dict[str, Any] | None = None
+        self._saved_loader_state: dict[str, Any] | None = None
 
     # -- making the loader resumable ------------------------------------------------------
     def _resumable(self, loader: Any) -> Any:
@@ -310,7 +321,8 @@ class ExactResume(Callback):
         if stage != "fit":
             return
         self._trainer = trainer
-        self._loader_keeps_position, self._generators_to_restore = False, None  # restore comes after setup
+        # the restore comes after setup
+        self._loader_keeps_position, self._generators_to_restore, self._saved_loader_state = False, None, None
         datamodule = trainer.datamodule
         if datamodule is not None and is_overridden("train_dataloader", datamodule, pl.LightningDataModule):
             self._wrap_hook(datamodule)
@@ -385,6 +397,7 @@ class ExactResume(Callback):
     @override
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         """Refuse a checkpoint of another world size (before any state is restored), unless allowed."""
+        self._saved_loader_state = saved_loader_state(checkpoint)
         saved = saved_world_size(checkpoint)
         if saved is None or saved == trainer.world_size:
             return
@@ -403,7 +416,19 @@ class ExactResume(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        restore_pending_loader_state(trainer)
+        saved, self._saved_loader_state = self._saved_loader_state, None
+        if restore_pending_loader_state(trainer) or saved is None or trainer.fit_loop.restarting:
+            return
+        # Saved at an epoch boundary: Lightning hands the loader no state and starts the next
+        # epoch. Its iterator (made already) drew the worker seed and will draw a
+        # RandomSampler's order from generators restarted from the seed; the uninterrupted run
+        # drew both from the generators as they were at the save. Put those back and make the
+        # iterator again, so the new epoch's order and random numbers are the uninterrupted ones.
+        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+        if fetcher is None or saved["world_size"] != trainer.world_size or len(saved["rng"]) != trainer.world_size:
+            return
+        set_rng_states(saved["rng"][_rank()]["at_save"])
+        iter(fetcher)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
