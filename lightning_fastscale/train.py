@@ -30,6 +30,7 @@ import lightning_fastscale  # noqa: F401  (registers strategies, models and the 
 
 from . import checkpointing
 from ._validation import positive_int, positive_number
+from .callbacks.exact_resume import WorldSizeChangeError
 from .checkpoint_io import AtomicCheckpointIO
 from .config_check import ConfigError, setting_errors, show
 from .module import ImageClassifier
@@ -303,6 +304,13 @@ def train(cfg: DictConfig) -> float | None:
         trainer.logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    except WorldSizeChangeError as error:  # refused at the restore, before the first step
+        raise ConfigError(
+            f"ckpt_path={ckpt_path} was written by {error.saved} processes, this run has {error.current}: the "
+            "global batch, the samples per rank and the random numbers would change. Resume with "
+            f"trainer.devices x trainer.num_nodes = {error.saved}, or set "
+            "callbacks.exact_resume.allow_world_size_change=true to continue anyway (not exactly)"
+        ) from error
     finally:
         report_metric_locations(trainer)
         _finish_wandb(trainer)

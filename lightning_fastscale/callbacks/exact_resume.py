@@ -191,7 +191,11 @@ def _resumable_class(base: type, owner: ExactResume) -> type:
 
 
 class WorldSizeChangeError(RuntimeError):
-    """A resume from a checkpoint written by another number of processes, not allowed."""
+    """A resume from a checkpoint written by ``saved`` processes into ``current``, not allowed."""
+
+    def __init__(self, message: str, saved: int, current: int) -> None:
+        super().__init__(message)
+        self.saved, self.current = saved, current
 
 
 def saved_loader_state(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
@@ -410,7 +414,8 @@ class ExactResume(Callback):
         if not self.allow_world_size_change:
             raise WorldSizeChangeError(
                 f"ExactResume: {what_changes}. Resume with {saved} processes (the Trainer's devices x "
-                "num_nodes), or set ExactResume(allow_world_size_change=True) to continue anyway"
+                "num_nodes), or set ExactResume(allow_world_size_change=True) to continue anyway",
+                saved, trainer.world_size,
             )
         rank_zero_warn(f"ExactResume: {what_changes} (allow_world_size_change=True)")
 
