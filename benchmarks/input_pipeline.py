@@ -207,10 +207,14 @@ def decoder_ms(tree: Path, files: int = 100, repeats: int = 5) -> dict[str, floa
 
 def kernel_ms(stored: tuple[list[torch.Tensor], list[int]], resolution: int, files: int, repeats: int = 5) -> dict[str, float]:
     """Best-of-``repeats`` ms per image, one thread, of each step of the training transform on
-    the same stored bytes, crop boxes and flips: the decode, today's per-image resize against
-    `train_batch`'s (OpenCV bilinear for crops enlarged on both axes, torchvision's antialiased
-    kernel into the batch slot otherwise), and the whole per-image and batch paths."""
+    the same stored bytes, crop boxes and flips: the decode (TorchCodec, and simplejpeg with its
+    accurate and its fast IDCT), the per-image resize against `train_batch`'s (OpenCV bilinear
+    for crops enlarged on both axes, torchvision's antialiased kernel into the batch slot
+    otherwise), and the whole per-image and batch paths (`train_batch` with each decoder, and
+    with DCT-domain scaling); then the pixel differences of the fast IDCT and of DCT-domain
+    scaling after the whole transform, in grey levels."""
     import cv2
+    import simplejpeg
     from torchvision.transforms.v2 import functional as F
 
     from lightning_fastscale.data import fast_decode
@@ -230,6 +234,10 @@ def kernel_ms(stored: tuple[list[torch.Tensor], list[int]], resolution: int, fil
 
     cases: dict[str, Any] = {
         "decode (TorchCodec `decode_jpeg`)": (lambda i: fast_decode.decode_rgb(jpegs[i]), range(len(jpegs))),
+        "decode (simplejpeg, accurate IDCT: `train_batch`'s)": (
+            lambda i: simplejpeg.decode_jpeg(jpegs[i].numpy(), "RGB"), range(len(jpegs))),
+        "decode (simplejpeg, fast IDCT, as FFCV's)": (
+            lambda i: simplejpeg.decode_jpeg(jpegs[i].numpy(), "RGB", fastdct=True), range(len(jpegs))),
         "resize + flip, torchvision `resized_crop` (per-image path)": (
             lambda i: fast_decode.crop_resize_flip(images[i], *plans[i][:1], resolution, plans[i][1]), range(len(jpegs))),
         "resize + flip, `train_batch`'s (into the batch slot)": (
@@ -246,8 +254,20 @@ def kernel_ms(stored: tuple[list[torch.Tensor], list[int]], resolution: int, fil
             range(len(jpegs))),
     }
     best = {name: math.inf for name in cases}
-    batch_best = math.inf
     gens = lambda: [fast_decode.sample_generator(0, 0, i) for i in range(len(jpegs))]  # noqa: E731
+    sj = fast_decode._simplejpeg
+
+    def batch(decoder: Any, dct_scaling: bool = False) -> torch.Tensor:
+        fast_decode._simplejpeg = decoder  # None: TorchCodec decodes, as without simplejpeg
+        try:
+            return fast_decode.train_batch(jpegs, gens(), resolution, out=out, dct_scaling=dct_scaling)
+        finally:
+            fast_decode._simplejpeg = sj
+
+    batches = {"whole transform, `train_batch` (1 thread, TorchCodec decode)": lambda: batch(None),
+               "whole transform, `train_batch` (1 thread, simplejpeg decode)": lambda: batch(sj),
+               "whole transform, `train_batch` (1 thread, simplejpeg, `dct_scaling=True`)": lambda: batch(sj, True)}
+    best.update({name: math.inf for name in batches})
     for _ in range(repeats):
         for name, (fn, which) in cases.items():
             if not which:
@@ -256,11 +276,10 @@ def kernel_ms(stored: tuple[list[torch.Tensor], list[int]], resolution: int, fil
             for i in which:
                 fn(i)
             best[name] = min(best[name], (time.process_time() - start) / len(which) * 1e3)
-        g = gens()
-        start = time.process_time()
-        fast_decode.train_batch(jpegs, g, resolution, out=out)
-        batch_best = min(batch_best, (time.process_time() - start) / len(jpegs) * 1e3)
-    best["whole transform, `train_batch` (1 thread)"] = batch_best
+        for name, run in batches.items():
+            start = time.process_time()
+            run()
+            best[name] = min(best[name], (time.process_time() - start) / len(jpegs) * 1e3)
     val_best = {"validation resize + centre crop, torchvision (before)": math.inf,
                 "validation resize + centre crop, `val_transform`'s": math.inf}
     short = round(resolution / 0.875)
@@ -294,6 +313,24 @@ def kernel_ms(stored: tuple[list[torch.Tensor], list[int]], resolution: int, fil
             diffs.append(np.abs(got.astype(np.int16) - ref.astype(np.int16)))
         best[f"{name}: mean abs diff to torchvision"] = float(np.mean([d.mean() for d in diffs])) if diffs else math.nan
         best[f"{name}: max abs diff to torchvision"] = float(max(d.max() for d in diffs)) if diffs else math.nan
+    # the whole transform with the fast IDCT or DCT-domain scaling against `train_batch` as it is
+    accurate = batch(sj).clone()
+    reductions = [fast_decode._dct_reduction(box, resolution) for box, _ in plans]
+    best["share of crops decoded at 1/2, 1/4 or 1/8 scale (`dct_scaling`)"] = sum(d > 1 for d in reductions) / len(jpegs)
+    scaled = batch(sj, True)
+    changed = [i for i, d in enumerate(reductions) if d > 1]
+    d = (scaled[changed].int() - accurate[changed].int()).abs() if changed else None
+    best["`dct_scaling`, crops decoded reduced: mean abs diff"] = d.float().mean().item() if changed else math.nan
+    best["`dct_scaling`, crops decoded reduced: max abs diff"] = d.max().item() if changed else math.nan
+    best["`dct_scaling`, other crops: max abs diff"] = max(
+        ((scaled[i].int() - accurate[i].int()).abs().max().item() for i in range(len(jpegs)) if reductions[i] == 1),
+        default=math.nan)
+    fast_images = [torch.from_numpy(simplejpeg.decode_jpeg(j.numpy(), "RGB", fastdct=True)).permute(2, 0, 1) for j in jpegs]
+    d = torch.stack([(fast_decode.crop_resize_flip(fi, box, resolution, False).int()
+                      - fast_decode.crop_resize_flip(im, box, resolution, False).int()).abs()
+                     for fi, im, (box, _) in zip(fast_images, images, plans)])
+    best["fast IDCT after the crop + resize: mean abs diff"] = d.float().mean().item()
+    best["fast IDCT after the crop + resize: max abs diff"] = d.max().item()
     return best
 
 
