@@ -508,25 +508,32 @@ def datamodule_epochs(pipeline: str, root: Path, args: argparse.Namespace, worke
     return _warmed(_loader_epochs(dm.train_dataloader()), "process" if workers == 0 and threads == 1 else "wall")
 
 
-def train_batch_epochs(stored: tuple[list[torch.Tensor], list[int]], args: argparse.Namespace, threads: int) -> Any:
+def train_batch_epochs(stored: tuple[list[torch.Tensor], list[int]], args: argparse.Namespace, threads: int,
+                       torchcodec: bool = False) -> Any:
     """`fast_decode.train_batch` over the stored bytes held in memory (no chunk reads): shuffled
-    batches, one generator per sample, ``threads`` threads, one reused output buffer."""
+    batches, one generator per sample, ``threads`` threads, one reused output buffer;
+    ``torchcodec``: decoded by TorchCodec, as where simplejpeg is not installed."""
     from lightning_fastscale.data import fast_decode
 
     jpegs, _ = stored
     out = torch.empty(args.batch_size, 3, args.resolution, args.resolution, dtype=torch.uint8,
                       memory_format=torch.channels_last)
     epoch = [0]
+    simplejpeg = fast_decode._simplejpeg
 
     def run() -> int:
         epoch[0] += 1
         order = torch.randperm(len(jpegs), generator=torch.Generator().manual_seed(epoch[0])).tolist()
         seen = 0
-        for b in range(len(order) // args.batch_size):
-            idx = order[b * args.batch_size : (b + 1) * args.batch_size]
-            gens = [fast_decode.sample_generator(0, epoch[0], i) for i in idx]
-            fast_decode.train_batch([jpegs[i] for i in idx], gens, args.resolution, threads=threads, out=out)
-            seen += len(idx)
+        fast_decode._simplejpeg = None if torchcodec else simplejpeg
+        try:
+            for b in range(len(order) // args.batch_size):
+                idx = order[b * args.batch_size : (b + 1) * args.batch_size]
+                gens = [fast_decode.sample_generator(0, epoch[0], i) for i in idx]
+                fast_decode.train_batch([jpegs[i] for i in idx], gens, args.resolution, threads=threads, out=out)
+                seen += len(idx)
+        finally:
+            fast_decode._simplejpeg = simplejpeg
         return seen
 
     return _warmed(run, "process" if threads == 1 else "wall")
@@ -577,6 +584,8 @@ def versus_ffcv(args: argparse.Namespace, tree: Path) -> None:
             label[side], lambda c, side=side: NOT_HERE if c == 1 else datamodule_epochs("streaming", streams[side], args, 0, c))
         rows[f"`train_batch`, bytes in memory, {label[side]}"] = (label[side], lambda c, side=side: train_batch_epochs(
             stored[side], args, c))
+        rows[f"`train_batch`, bytes in memory, TorchCodec decode, {label[side]}"] = (
+            label[side], lambda c, side=side: train_batch_epochs(stored[side], args, c, torchcodec=True))
         rows[f"FFCV 1.0.2, {label[side]}"] = (label[side], lambda c, side=side: None if betons[side] is None else ffcv_epochs(
             betons[side], args, c))
 
@@ -587,7 +596,7 @@ def versus_ffcv(args: argparse.Namespace, tree: Path) -> None:
 
     rows["DALI CPU, source"] = ("source", dali)
     names = list(rows)
-    cols = (1, cores)
+    cols = (1,) if args.per_core_only else (1, cores)
     timers: dict[tuple[str, int], Any] = {}
     results: dict[tuple[str, int], list[float | None]] = {(r, c): [] for r in names for c in cols}
     for rnd in range(args.epoch_rounds):  # interleaved, order rotated: load drift lands on all alike
@@ -610,8 +619,9 @@ def versus_ffcv(args: argparse.Namespace, tree: Path) -> None:
           f"{args.batch_size}, uint8 out unless noted; one warm-up epoch per pipeline, then medians of "
           f"{args.epoch_rounds} interleaved rounds of one epoch each; 1 core: images per CPU-second of one process (FFCV and `train_batch`: 1 thread); "
           f"{cores} cores: wall clock, {cores} loader workers or threads")
-    print(f"\n| pipeline | stored max side | 1 core | x ImageFolder | x FFCV | {cores} cores | x ImageFolder | x FFCV |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    head = " | 1 core | x ImageFolder | x FFCV |" + ("" if args.per_core_only else f" {cores} cores | x ImageFolder | x FFCV |")
+    print(f"\n| pipeline | stored max side{head}")
+    print("|---|---|" + "---:|" * 3 * len(cols))
     for r in names:
         side = rows[r][0]
         ffcv = f"FFCV 1.0.2, {side}"
@@ -648,6 +658,7 @@ def main() -> None:
                         help="also the epoch table: 1 core and all cores, ratios to ImageFolder and to FFCV")
     parser.add_argument("--repeat", type=int, default=10, help="--versus-ffcv: times each training file is in an epoch")
     parser.add_argument("--epoch-rounds", type=int, default=3, help="--versus-ffcv: interleaved rounds")
+    parser.add_argument("--per-core-only", action="store_true", help="--versus-ffcv: only the 1-core column")
     parser.add_argument("--kernels", action="store_true",
                         help="also ms per image of each step of the training transform, source and max side 256")
     parser.add_argument("--quick", action="store_true", help="a short run that checks the script works (few images)")

@@ -5,9 +5,17 @@ The records that trained ImageNet in minutes all fixed the input pipeline first 
 their three system changes; Mikami et al. 2018 used NVIDIA DALI). Here the workers do only
 what must happen per image on the CPU:
 
-* decode with TorchCodec's ``decode_jpeg`` (libjpeg-turbo), not PIL; TorchCodec's image
-  decoders supersede torchvision's, deprecated since torchvision 0.29, which remain the
-  fallback where TorchCodec (>= 0.16, torch >= 2.11) is not installed;
+* decode with libjpeg-turbo, not PIL: TorchCodec's ``decode_jpeg`` (its image decoders
+  supersede torchvision's, deprecated since torchvision 0.29, which remain the fallback where
+  TorchCodec (>= 0.16, torch >= 2.11) is not installed); the training batch (`train_batch`)
+  through simplejpeg where installed, the same libjpeg-turbo decode with the same pixels at
+  less overhead per call, which decides the per-core rate where the decode is most of the time
+  (large stored images); TorchCodec decodes again any sample simplejpeg refuses, so both accept
+  and refuse the same samples. Both use libjpeg's accurate integer IDCT: the fast one (as FFCV
+  uses) saves little here and moves the resized pixels by about 1 grey level on average.
+  Optionally (``dct_scaling``) an image whose crop is at least 2, 4 or 8 times the output size
+  is decoded at that reduced scale in the DCT domain, which saves decode time at low training
+  resolutions and changes those samples' pixels by the reduced IDCT's low-pass;
 * random-resized-crop and horizontal flip on the **uint8** tensor (the resize reads and
   writes a quarter of the bytes a float pipeline would), of the crop region only, written
   straight into the batch (`train_batch`, a whole batch per call, optionally in threads):
