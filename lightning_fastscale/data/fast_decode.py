@@ -55,9 +55,14 @@ except ImportError:  # then torchvision does every resize
 
 from .verify import SampleDecodeError, decoder_messages, decoder_warnings, strict_decode
 
-try:  # libjpeg-turbo with DCT-domain scaling and a caller's output buffer (benchmarks/README.md)
+try:  # the training batch's decoder: libjpeg-turbo with less overhead per call (benchmarks/README.md)
+    import numpy as _np
     import simplejpeg as _simplejpeg
-except ImportError:  # then TorchCodec decodes every training image at full scale
+
+    # the strict batch decode relies on `strict` (refuse where libjpeg only warns), which older
+    # releases lack
+    _simplejpeg.decode_jpeg(_simplejpeg.encode_jpeg(_np.zeros((8, 8, 3), _np.uint8)), "RGB", strict=True)
+except (ImportError, TypeError, ValueError):  # then TorchCodec decodes every training image
     _simplejpeg = None
 
 try:
