@@ -603,8 +603,14 @@ def versus_ffcv(args: argparse.Namespace, tree: Path) -> None:
         order = names[rnd % len(names):] + names[: rnd % len(names)]
         for c in cols:
             for r in order:
+                # FFCV's loaders set torch's intra-op threads to their own thread count, process-wide,
+                # and leave them so: reset to one, or every later torch resize here spreads over (and
+                # spin-waits on) that many threads, which about halved `train_batch`'s images per
+                # CPU-second measured after an FFCV row of 2 threads
+                torch.set_num_threads(1)
                 if (r, c) not in timers:  # made (and warmed up by one epoch) on first use
                     timers[(r, c)] = rows[r][1](c)
+                    torch.set_num_threads(1)
                 timer = timers[(r, c)]
                 results[(r, c)].append(None if timer is None else math.nan if timer is NOT_HERE else timer())
                 print(f"round {rnd} {r}, {c} core(s): {results[(r, c)][-1]}", flush=True)

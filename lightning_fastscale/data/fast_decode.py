@@ -223,7 +223,8 @@ def _decode_for_crop(
     in its coordinates.
 
     simplejpeg decodes where it is installed: the same libjpeg-turbo decode, accurate integer
-    IDCT, as TorchCodec (the same pixels, tested) with less overhead per call. With
+    IDCT, as TorchCodec (the same pixels, tested; CMYK JPEGs, which the converter never writes,
+    within 1 grey level) with less overhead per call. With
     ``dct_scaling`` the crop is drawn from the header first and the image decoded at 1/2, 1/4 or
     1/8 scale (libjpeg's DCT-domain scaling) where the crop keeps at least ``size`` pixels on
     both axes at that scale; the box is scaled with it, its edges rounded outwards to the
