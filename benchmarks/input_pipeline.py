@@ -207,10 +207,14 @@ def decoder_ms(tree: Path, files: int = 100, repeats: int = 5) -> dict[str, floa
 
 def kernel_ms(stored: tuple[list[torch.Tensor], list[int]], resolution: int, files: int, repeats: int = 5) -> dict[str, float]:
     """Best-of-``repeats`` ms per image, one thread, of each step of the training transform on
-    the same stored bytes, crop boxes and flips: the decode, today's per-image resize against
-    `train_batch`'s (OpenCV bilinear for crops enlarged on both axes, torchvision's antialiased
-    kernel into the batch slot otherwise), and the whole per-image and batch paths."""
+    the same stored bytes, crop boxes and flips: the decode (TorchCodec, and simplejpeg with its
+    accurate and its fast IDCT), the per-image resize against `train_batch`'s (OpenCV bilinear
+    for crops enlarged on both axes, torchvision's antialiased kernel into the batch slot
+    otherwise), and the whole per-image and batch paths (`train_batch` with each decoder, and
+    with DCT-domain scaling); then the pixel differences of the fast IDCT and of DCT-domain
+    scaling after the whole transform, in grey levels."""
     import cv2
+    import simplejpeg
     from torchvision.transforms.v2 import functional as F
 
     from lightning_fastscale.data import fast_decode
@@ -230,6 +234,10 @@ def kernel_ms(stored: tuple[list[torch.Tensor], list[int]], resolution: int, fil
 
     cases: dict[str, Any] = {
         "decode (TorchCodec `decode_jpeg`)": (lambda i: fast_decode.decode_rgb(jpegs[i]), range(len(jpegs))),
+        "decode (simplejpeg, accurate IDCT: `train_batch`'s)": (
+            lambda i: simplejpeg.decode_jpeg(jpegs[i].numpy(), "RGB"), range(len(jpegs))),
+        "decode (simplejpeg, fast IDCT, as FFCV's)": (
+            lambda i: simplejpeg.decode_jpeg(jpegs[i].numpy(), "RGB", fastdct=True), range(len(jpegs))),
         "resize + flip, torchvision `resized_crop` (per-image path)": (
             lambda i: fast_decode.crop_resize_flip(images[i], *plans[i][:1], resolution, plans[i][1]), range(len(jpegs))),
         "resize + flip, `train_batch`'s (into the batch slot)": (
@@ -246,8 +254,20 @@ def kernel_ms(stored: tuple[list[torch.Tensor], list[int]], resolution: int, fil
             range(len(jpegs))),
     }
     best = {name: math.inf for name in cases}
-    batch_best = math.inf
     gens = lambda: [fast_decode.sample_generator(0, 0, i) for i in range(len(jpegs))]  # noqa: E731
+    sj = fast_decode._simplejpeg
+
+    def batch(decoder: Any, dct_scaling: bool = False) -> torch.Tensor:
+        fast_decode._simplejpeg = decoder  # None: TorchCodec decodes, as without simplejpeg
+        try:
+            return fast_decode.train_batch(jpegs, gens(), resolution, out=out, dct_scaling=dct_scaling)
+        finally:
+            fast_decode._simplejpeg = sj
+
+    batches = {"whole transform, `train_batch` (1 thread, TorchCodec decode)": lambda: batch(None),
+               "whole transform, `train_batch` (1 thread, simplejpeg decode)": lambda: batch(sj),
+               "whole transform, `train_batch` (1 thread, simplejpeg, `dct_scaling=True`)": lambda: batch(sj, True)}
+    best.update({name: math.inf for name in batches})
     for _ in range(repeats):
         for name, (fn, which) in cases.items():
             if not which:
@@ -256,11 +276,10 @@ def kernel_ms(stored: tuple[list[torch.Tensor], list[int]], resolution: int, fil
             for i in which:
                 fn(i)
             best[name] = min(best[name], (time.process_time() - start) / len(which) * 1e3)
-        g = gens()
-        start = time.process_time()
-        fast_decode.train_batch(jpegs, g, resolution, out=out)
-        batch_best = min(batch_best, (time.process_time() - start) / len(jpegs) * 1e3)
-    best["whole transform, `train_batch` (1 thread)"] = batch_best
+        for name, run in batches.items():
+            start = time.process_time()
+            run()
+            best[name] = min(best[name], (time.process_time() - start) / len(jpegs) * 1e3)
     val_best = {"validation resize + centre crop, torchvision (before)": math.inf,
                 "validation resize + centre crop, `val_transform`'s": math.inf}
     short = round(resolution / 0.875)
@@ -294,6 +313,24 @@ def kernel_ms(stored: tuple[list[torch.Tensor], list[int]], resolution: int, fil
             diffs.append(np.abs(got.astype(np.int16) - ref.astype(np.int16)))
         best[f"{name}: mean abs diff to torchvision"] = float(np.mean([d.mean() for d in diffs])) if diffs else math.nan
         best[f"{name}: max abs diff to torchvision"] = float(max(d.max() for d in diffs)) if diffs else math.nan
+    # the whole transform with the fast IDCT or DCT-domain scaling against `train_batch` as it is
+    accurate = batch(sj).clone()
+    reductions = [fast_decode._dct_reduction(box, resolution) for box, _ in plans]
+    best["share of crops decoded at 1/2, 1/4 or 1/8 scale (`dct_scaling`)"] = sum(d > 1 for d in reductions) / len(jpegs)
+    scaled = batch(sj, True)
+    changed = [i for i, d in enumerate(reductions) if d > 1]
+    d = (scaled[changed].int() - accurate[changed].int()).abs() if changed else None
+    best["`dct_scaling`, crops decoded reduced: mean abs diff"] = d.float().mean().item() if changed else math.nan
+    best["`dct_scaling`, crops decoded reduced: max abs diff"] = d.max().item() if changed else math.nan
+    best["`dct_scaling`, other crops: max abs diff"] = max(
+        ((scaled[i].int() - accurate[i].int()).abs().max().item() for i in range(len(jpegs)) if reductions[i] == 1),
+        default=math.nan)
+    fast_images = [torch.from_numpy(simplejpeg.decode_jpeg(j.numpy(), "RGB", fastdct=True)).permute(2, 0, 1) for j in jpegs]
+    d = torch.stack([(fast_decode.crop_resize_flip(fi, box, resolution, False).int()
+                      - fast_decode.crop_resize_flip(im, box, resolution, False).int()).abs()
+                     for fi, im, (box, _) in zip(fast_images, images, plans)])
+    best["fast IDCT after the crop + resize: mean abs diff"] = d.float().mean().item()
+    best["fast IDCT after the crop + resize: max abs diff"] = d.max().item()
     return best
 
 
@@ -471,25 +508,32 @@ def datamodule_epochs(pipeline: str, root: Path, args: argparse.Namespace, worke
     return _warmed(_loader_epochs(dm.train_dataloader()), "process" if workers == 0 and threads == 1 else "wall")
 
 
-def train_batch_epochs(stored: tuple[list[torch.Tensor], list[int]], args: argparse.Namespace, threads: int) -> Any:
+def train_batch_epochs(stored: tuple[list[torch.Tensor], list[int]], args: argparse.Namespace, threads: int,
+                       torchcodec: bool = False) -> Any:
     """`fast_decode.train_batch` over the stored bytes held in memory (no chunk reads): shuffled
-    batches, one generator per sample, ``threads`` threads, one reused output buffer."""
+    batches, one generator per sample, ``threads`` threads, one reused output buffer;
+    ``torchcodec``: decoded by TorchCodec, as where simplejpeg is not installed."""
     from lightning_fastscale.data import fast_decode
 
     jpegs, _ = stored
     out = torch.empty(args.batch_size, 3, args.resolution, args.resolution, dtype=torch.uint8,
                       memory_format=torch.channels_last)
     epoch = [0]
+    simplejpeg = fast_decode._simplejpeg
 
     def run() -> int:
         epoch[0] += 1
         order = torch.randperm(len(jpegs), generator=torch.Generator().manual_seed(epoch[0])).tolist()
         seen = 0
-        for b in range(len(order) // args.batch_size):
-            idx = order[b * args.batch_size : (b + 1) * args.batch_size]
-            gens = [fast_decode.sample_generator(0, epoch[0], i) for i in idx]
-            fast_decode.train_batch([jpegs[i] for i in idx], gens, args.resolution, threads=threads, out=out)
-            seen += len(idx)
+        fast_decode._simplejpeg = None if torchcodec else simplejpeg
+        try:
+            for b in range(len(order) // args.batch_size):
+                idx = order[b * args.batch_size : (b + 1) * args.batch_size]
+                gens = [fast_decode.sample_generator(0, epoch[0], i) for i in idx]
+                fast_decode.train_batch([jpegs[i] for i in idx], gens, args.resolution, threads=threads, out=out)
+                seen += len(idx)
+        finally:
+            fast_decode._simplejpeg = simplejpeg
         return seen
 
     return _warmed(run, "process" if threads == 1 else "wall")
@@ -540,6 +584,8 @@ def versus_ffcv(args: argparse.Namespace, tree: Path) -> None:
             label[side], lambda c, side=side: NOT_HERE if c == 1 else datamodule_epochs("streaming", streams[side], args, 0, c))
         rows[f"`train_batch`, bytes in memory, {label[side]}"] = (label[side], lambda c, side=side: train_batch_epochs(
             stored[side], args, c))
+        rows[f"`train_batch`, bytes in memory, TorchCodec decode, {label[side]}"] = (
+            label[side], lambda c, side=side: train_batch_epochs(stored[side], args, c, torchcodec=True))
         rows[f"FFCV 1.0.2, {label[side]}"] = (label[side], lambda c, side=side: None if betons[side] is None else ffcv_epochs(
             betons[side], args, c))
 
@@ -550,15 +596,21 @@ def versus_ffcv(args: argparse.Namespace, tree: Path) -> None:
 
     rows["DALI CPU, source"] = ("source", dali)
     names = list(rows)
-    cols = (1, cores)
+    cols = (1,) if args.per_core_only else (1, cores)
     timers: dict[tuple[str, int], Any] = {}
     results: dict[tuple[str, int], list[float | None]] = {(r, c): [] for r in names for c in cols}
     for rnd in range(args.epoch_rounds):  # interleaved, order rotated: load drift lands on all alike
         order = names[rnd % len(names):] + names[: rnd % len(names)]
         for c in cols:
             for r in order:
+                # FFCV's loaders set torch's intra-op threads to their own thread count, process-wide,
+                # and leave them so: reset to one, or every later torch resize here spreads over (and
+                # spin-waits on) that many threads, which about halved `train_batch`'s images per
+                # CPU-second measured after an FFCV row of 2 threads
+                torch.set_num_threads(1)
                 if (r, c) not in timers:  # made (and warmed up by one epoch) on first use
                     timers[(r, c)] = rows[r][1](c)
+                    torch.set_num_threads(1)
                 timer = timers[(r, c)]
                 results[(r, c)].append(None if timer is None else math.nan if timer is NOT_HERE else timer())
                 print(f"round {rnd} {r}, {c} core(s): {results[(r, c)][-1]}", flush=True)
@@ -573,8 +625,9 @@ def versus_ffcv(args: argparse.Namespace, tree: Path) -> None:
           f"{args.batch_size}, uint8 out unless noted; one warm-up epoch per pipeline, then medians of "
           f"{args.epoch_rounds} interleaved rounds of one epoch each; 1 core: images per CPU-second of one process (FFCV and `train_batch`: 1 thread); "
           f"{cores} cores: wall clock, {cores} loader workers or threads")
-    print(f"\n| pipeline | stored max side | 1 core | x ImageFolder | x FFCV | {cores} cores | x ImageFolder | x FFCV |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    head = " | 1 core | x ImageFolder | x FFCV |" + ("" if args.per_core_only else f" {cores} cores | x ImageFolder | x FFCV |")
+    print(f"\n| pipeline | stored max side{head}")
+    print("|---|---|" + "---:|" * 3 * len(cols))
     for r in names:
         side = rows[r][0]
         ffcv = f"FFCV 1.0.2, {side}"
@@ -611,6 +664,7 @@ def main() -> None:
                         help="also the epoch table: 1 core and all cores, ratios to ImageFolder and to FFCV")
     parser.add_argument("--repeat", type=int, default=10, help="--versus-ffcv: times each training file is in an epoch")
     parser.add_argument("--epoch-rounds", type=int, default=3, help="--versus-ffcv: interleaved rounds")
+    parser.add_argument("--per-core-only", action="store_true", help="--versus-ffcv: only the 1-core column")
     parser.add_argument("--kernels", action="store_true",
                         help="also ms per image of each step of the training transform, source and max side 256")
     parser.add_argument("--quick", action="store_true", help="a short run that checks the script works (few images)")

@@ -2,7 +2,10 @@
 
 Same crop boxes and flips (same generator consumption), pixels within a stated tolerance,
 threads and ``out=`` changing nothing, and strictness: a damaged sample in the middle of a
-batch raises `SampleDecodeError` with its position.
+batch raises `SampleDecodeError` with its position. Where simplejpeg is installed it decodes
+(TorchCodec otherwise): both decoders give the same batch and the same strictness; its
+DCT-domain scaling (``dct_scaling=True``) keeps the draws and changes the pixels of the crops
+it applies to within the tolerance stated in its test.
 """
 from __future__ import annotations
 
@@ -127,9 +130,20 @@ def _flipped_byte(jpeg: torch.Tensor) -> torch.Tensor:
     return torch.frombuffer(data, dtype=torch.uint8)
 
 
+@pytest.fixture(params=["simplejpeg", "torchcodec"])
+def decoder(request, monkeypatch) -> str:
+    """Each test using it runs with simplejpeg decoding (skipped where it is not installed) and
+    with TorchCodec decoding (as without simplejpeg)."""
+    if request.param == "simplejpeg":
+        pytest.importorskip("simplejpeg")
+    else:
+        monkeypatch.setattr(fast_decode, "_simplejpeg", None)
+    return request.param
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("damage", ["truncated", "flipped byte"])
-def test_a_damaged_sample_raises_with_its_position(jpegs, threads, damage, capfd):
+def test_a_damaged_sample_raises_with_its_position(jpegs, threads, damage, capfd, decoder):
     bad = 4  # a 150 x 200 image inside the first thread's block, not at its start
     batch = list(jpegs)
     batch[bad] = jpegs[bad][: len(jpegs[bad]) // 2] if damage == "truncated" else _flipped_byte(jpegs[bad])
@@ -139,7 +153,7 @@ def test_a_damaged_sample_raises_with_its_position(jpegs, threads, damage, capfd
             strict_decode(fast_decode.decode_rgb, batch[bad])
         capfd.readouterr()
     with pytest.raises(SampleDecodeError) as info:
-        fast_decode.train_batch(batch, _generators(len(batch)), RESOLUTION, threads=threads)
+        fast_decode.train_batch(batch, _generators(len(batch)), RESOLUTION, threads=threads, dct_scaling=threads == 2)
     assert info.value.position == bad and isinstance(info.value, CorruptDataError)
     assert f"position {bad}" in str(info.value)
     if damage == "flipped byte":
@@ -165,3 +179,120 @@ def test_strict_decodes_nest_and_a_batch_inside_a_capture_does_not_wait_for_itse
             fast_decode.train_batch([jpegs[0], bad], _generators(2), RESOLUTION, threads=2)
     assert "Corrupt JPEG data" in outer[0]  # the outer block saw what the inner ones did
     assert fast_decode.train_batch(jpegs[:2], _generators(2), RESOLUTION).shape[0] == 2  # capture restored
+
+
+def _encoded(image: Image.Image, **save: object) -> torch.Tensor:
+    buf = io.BytesIO()
+    image.save(buf, "JPEG", quality=90, **save)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def test_simplejpeg_and_torchcodec_give_the_same_batch(jpegs, monkeypatch):
+    """The same libjpeg-turbo decode (accurate integer IDCT, fancy upsampling): bitwise the same
+    batch, 4:2:0 photos as stored by the converter and other layouts alike; a CMYK JPEG (which
+    the converter never writes) goes through each decoder's own CMYK-to-RGB conversion, which
+    round differently: at most 1 apart."""
+    pytest.importorskip("simplejpeg")
+    rgb = Image.fromarray(fast_decode.decode_rgb(jpegs[5]).permute(1, 2, 0).numpy())
+    others = [_encoded(rgb.convert("L")), _encoded(rgb, subsampling=0), _encoded(rgb, progressive=True),
+              _encoded(rgb, subsampling=1)]
+    cmyk = _encoded(rgb.convert("CMYK"))
+    batch = [*jpegs, *others, cmyk]
+    with_simplejpeg = fast_decode.train_batch(batch, _generators(len(batch)), RESOLUTION)
+    monkeypatch.setattr(fast_decode, "_simplejpeg", None)
+    with_torchcodec = fast_decode.train_batch(batch, _generators(len(batch)), RESOLUTION)
+    assert torch.equal(with_simplejpeg[:-1], with_torchcodec[:-1])
+    assert (with_simplejpeg[-1].int() - with_torchcodec[-1].int()).abs().max() <= 1
+
+
+def test_a_warning_simplejpeg_refuses_is_judged_as_torchcodec_judges_it(jpegs, capfd):
+    """An unknown JFIF revision is harmless: libjpeg warns and decodes. simplejpeg refuses the
+    image (it stops on any warning); TorchCodec decodes it again, and since the warning is not
+    "Corrupt JPEG data" the batch is the reference one and the warning reaches stderr."""
+    simplejpeg = pytest.importorskip("simplejpeg")
+    data = bytearray(jpegs[3].numpy().tobytes())
+    data[data.index(b"JFIF\x00") + 5] = 2  # major version 2
+    odd = torch.frombuffer(data, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="JFIF revision"):
+        simplejpeg.decode_jpeg(odd.numpy(), "RGB")
+    batch = [jpegs[0], odd, jpegs[4]]
+    got = fast_decode.train_batch(batch, _generators(3), RESOLUTION, threads=2)
+    expected = _reference(batch, _generators(3))
+    assert (got.int() - expected.int()).abs().max() <= 1
+    assert "unknown JFIF revision" in capfd.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def large_jpegs() -> list[torch.Tensor]:
+    """Images of several times RESOLUTION, so that many crops allow a 1/2 or 1/4 scale decode:
+    three textured (noise down to the pixel scale) and three smooth (sinusoids of ~150 px period)."""
+    rng = np.random.default_rng(1)
+    textured = [_photo_jpeg(rng, h, w) for h, w in [(300, 400), (420, 560), (600, 450)]]
+    yy, xx = np.mgrid[0:600, 0:560].astype(np.float32)
+    waves = np.stack([128 + 90 * np.sin(xx / 23 + c) * np.cos(yy / 31 - c) for c in range(3)], -1)
+    smooth = [_encoded(Image.fromarray(waves[:h, :w].astype(np.uint8))) for h, w in [(300, 400), (420, 560), (600, 450)]]
+    return textured + smooth
+
+
+def test_dct_scaling_keeps_the_draws_and_changes_only_the_reduced_crops_within_tolerance(large_jpegs, jpegs):
+    """Crops decoded at full scale are those of ``dct_scaling=False`` (bitwise, or within
+    OpenCV's 1 for enlarged crops). A crop decoded at 1/d scale differs from the reference in two
+    ways: its box is rounded outwards to the 1/d grid (up to d - 1 source pixels per edge), and
+    it is low-passed by libjpeg's reduced IDCT before the antialiased resize. Tolerances, in
+    grey levels: its mean level within 0.5 of the reference's (the same region); against the
+    full decode resized from the rounded box (the filter alone), smooth images within 4 (mean
+    1), textured ones (noise at the pixel scale, the worst case for a change of low-pass filter)
+    within 32 (mean 4). Measured: at most 3 (0.5) and 22 (3.1)."""
+    pytest.importorskip("simplejpeg")
+    batch = (large_jpegs + jpegs[:4]) * 8
+    smooth = {3, 4, 5}  # positions of large_jpegs' smooth images, modulo 10
+    gens, gens_ref = _generators(len(batch), 5), _generators(len(batch), 5)
+    got = fast_decode.train_batch(batch, gens, RESOLUTION, dct_scaling=True, threads=2)
+    expected = _reference(batch, gens_ref)
+    assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(gens, gens_ref))
+    seen = set()
+    for i, (jpeg, g) in enumerate(zip(batch, _generators(len(batch), 5))):
+        image, (t, lf, hh, ww), flip = fast_decode._decode_for_crop(
+            jpeg, g, RESOLUTION, fast_decode.DEFAULT_SCALE, fast_decode.DEFAULT_RATIO, True)
+        full = fast_decode.decode_rgb(jpeg)
+        d = full.shape[1] // image.shape[1]
+        seen.add(d)
+        if d == 1:
+            assert (got[i].int() - expected[i].int()).abs().max() <= 1, i
+            continue
+        assert abs(got[i].float().mean() - expected[i].float().mean()) <= 0.5, i
+        height, width = full.shape[1:]
+        rounded = (t * d, lf * d, min(hh * d, height - t * d), min(ww * d, width - lf * d))
+        diff = (got[i].float() - fast_decode.crop_resize_flip(full, rounded, RESOLUTION, flip).float()).abs()
+        bound, mean_bound = (4, 1) if i % 10 in smooth else (32, 4)
+        assert diff.max() <= bound and diff.mean() <= mean_bound, (i, d, diff.max(), diff.mean())
+    assert {1, 2, 4} <= seen  # full, 1/2 and 1/4 scale decodes were all checked
+
+
+@pytest.mark.parametrize("d", [2, 4, 8])
+def test_a_reduced_decode_crops_the_drawn_box_rounded_outwards(d):
+    """The box in the 1/d image covers the drawn box scaled by 1/d, and exceeds it by less than
+    one reduced pixel per edge; the image is libjpeg's ceil(H / d) x ceil(W / d)."""
+    pytest.importorskip("simplejpeg")
+    jpeg = _photo_jpeg(np.random.default_rng(2), 1033, 1290)
+    for k in range(40):
+        g, g_ref = fast_decode.sample_generator(1, 0, k), fast_decode.sample_generator(1, 0, k)
+        box, flip = fast_decode.draw_crop(1033, 1290, g_ref)
+        size = min(box[2], box[3]) // d
+        if fast_decode._dct_reduction(box, size) != d:
+            continue
+        image, scaled, got_flip = fast_decode._decode_for_crop(
+            jpeg, g, size, fast_decode.DEFAULT_SCALE, fast_decode.DEFAULT_RATIO, True)
+        assert image.shape == (3, -(-1033 // d), -(-1290 // d)) and got_flip == flip
+        (top, left, h, w), (t, lf, hh, ww) = box, scaled
+        assert t * d <= top < (t + 1) * d and lf * d <= left < (lf + 1) * d
+        assert (t + hh - 1) * d < top + h <= (t + hh) * d and (lf + ww - 1) * d < left + w <= (lf + ww) * d
+        return
+    pytest.fail(f"no crop among 40 draws allowed a 1/{d} decode")
+
+
+def test_dct_scaling_without_simplejpeg_changes_nothing(large_jpegs, monkeypatch):
+    monkeypatch.setattr(fast_decode, "_simplejpeg", None)
+    expected = _reference(large_jpegs, _generators(len(large_jpegs)))
+    assert torch.equal(fast_decode.train_batch(large_jpegs, _generators(len(large_jpegs)), RESOLUTION,
+                                               dct_scaling=True), expected)

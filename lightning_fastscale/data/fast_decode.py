@@ -5,9 +5,17 @@ The records that trained ImageNet in minutes all fixed the input pipeline first 
 their three system changes; Mikami et al. 2018 used NVIDIA DALI). Here the workers do only
 what must happen per image on the CPU:
 
-* decode with TorchCodec's ``decode_jpeg`` (libjpeg-turbo), not PIL; TorchCodec's image
-  decoders supersede torchvision's, deprecated since torchvision 0.29, which remain the
-  fallback where TorchCodec (>= 0.16, torch >= 2.11) is not installed;
+* decode with libjpeg-turbo, not PIL: TorchCodec's ``decode_jpeg`` (its image decoders
+  supersede torchvision's, deprecated since torchvision 0.29, which remain the fallback where
+  TorchCodec (>= 0.16, torch >= 2.11) is not installed); the training batch (`train_batch`)
+  through simplejpeg where installed, the same libjpeg-turbo decode with the same pixels at
+  less overhead per call, which decides the per-core rate where the decode is most of the time
+  (large stored images); TorchCodec decodes again any sample simplejpeg refuses, so both accept
+  and refuse the same samples. Both use libjpeg's accurate integer IDCT: the fast one (as FFCV
+  uses) saves little here and moves the resized pixels by about 1 grey level on average.
+  Optionally (``dct_scaling``) an image whose crop is at least 2, 4 or 8 times the output size
+  is decoded at that reduced scale in the DCT domain, which saves decode time at low training
+  resolutions and changes those samples' pixels by the reduced IDCT's low-pass;
 * random-resized-crop and horizontal flip on the **uint8** tensor (the resize reads and
   writes a quarter of the bytes a float pipeline would), of the crop region only, written
   straight into the batch (`train_batch`, a whole batch per call, optionally in threads):
@@ -46,6 +54,16 @@ except ImportError:  # then torchvision does every resize
     _cv2 = None
 
 from .verify import SampleDecodeError, decoder_messages, decoder_warnings, strict_decode
+
+try:  # the training batch's decoder: libjpeg-turbo with less overhead per call (benchmarks/README.md)
+    import numpy as _np
+    import simplejpeg as _simplejpeg
+
+    # the strict batch decode relies on `strict` (refuse where libjpeg only warns), which older
+    # releases lack
+    _simplejpeg.decode_jpeg(_simplejpeg.encode_jpeg(_np.zeros((8, 8, 3), _np.uint8)), "RGB", strict=True)
+except (ImportError, TypeError, ValueError):  # then TorchCodec decodes every training image
+    _simplejpeg = None
 
 try:
     from torchcodec.decoders import decode_jpeg as _torchcodec_decode_jpeg
@@ -185,6 +203,70 @@ def _upscale_linear(src: Any, size: tuple[int, int], dst: Any = None) -> Any:
     return _cv2.resize(src, (size[1], size[0]), dst=dst, interpolation=_cv2.INTER_LINEAR)
 
 
+# libjpeg-turbo's DCT-domain reductions that are cheaper than a full decode (benchmarks/README.md)
+_DCT_REDUCTIONS = (8, 4, 2)
+
+
+def _dct_reduction(box: tuple[int, int, int, int], size: int) -> int:
+    """The largest of 8, 4, 2 by which the crop ``box`` still keeps at least ``size`` pixels on
+    both axes (1 where none does: decode at full scale)."""
+    _, _, h, w = box
+    return next((d for d in _DCT_REDUCTIONS if h >= d * size and w >= d * size), 1)
+
+
+def _decode_for_crop(
+    data: torch.Tensor, generator: torch.Generator, size: int,
+    scale: tuple[float, float], ratio: tuple[float, float], dct_scaling: bool,
+) -> tuple[torch.Tensor, tuple[int, int, int, int], bool]:
+    """``(image, box, flip)`` of one training sample: the crop and flip `draw_crop` draws for
+    ``data``'s size, and the decoded ``(3, H, W)`` uint8 image (pixel-interleaved) with ``box``
+    in its coordinates.
+
+    simplejpeg decodes where it is installed: the same libjpeg-turbo decode, accurate integer
+    IDCT, as TorchCodec (the same pixels, tested; CMYK JPEGs, which the converter never writes,
+    within 1 grey level) with less overhead per call. With
+    ``dct_scaling`` the crop is drawn from the header first and the image decoded at 1/2, 1/4 or
+    1/8 scale (libjpeg's DCT-domain scaling) where the crop keeps at least ``size`` pixels on
+    both axes at that scale; the box is scaled with it, its edges rounded outwards to the
+    reduced pixel grid (at most ``d - 1`` source pixels per edge at reduction ``d``). A decode
+    simplejpeg refuses (damage, which it raises for where libjpeg only warns, or a harmless
+    warning such as an unknown JFIF revision) is repeated at full scale with TorchCodec, whose
+    errors and "Corrupt JPEG data" warnings the strict batch decode then judges as before: the
+    samples accepted and refused are those TorchCodec accepts and refuses.
+    """
+    if _simplejpeg is None:
+        image = decode_rgb(data)
+        box, flip = draw_crop(image.shape[-2], image.shape[-1], generator, scale, ratio)
+        return image, box, flip
+    raw = data.numpy()
+    try:
+        if not dct_scaling:
+            pixels = _simplejpeg.decode_jpeg(raw, "RGB", strict=True)
+            box, flip = draw_crop(pixels.shape[0], pixels.shape[1], generator, scale, ratio)
+            return torch.from_numpy(pixels).permute(2, 0, 1), box, flip
+        height, width, _, _ = _simplejpeg.decode_jpeg_header(raw)
+    except ValueError:
+        image = decode_rgb(data)
+        box, flip = draw_crop(image.shape[-2], image.shape[-1], generator, scale, ratio)
+        return image, box, flip
+    box, flip = draw_crop(height, width, generator, scale, ratio)
+    d = _dct_reduction(box, size)
+    h_d, w_d = -(-height // d), -(-width // d)  # libjpeg's scaled size rounds up
+    try:
+        # simplejpeg decodes at the smallest of libjpeg's M/8 scales whose size reaches these
+        # minimums: 1/d (the shape is checked below)
+        pixels = _simplejpeg.decode_jpeg(raw, "RGB", min_height=h_d, min_width=w_d, strict=True)
+    except ValueError:
+        return decode_rgb(data), box, flip
+    if pixels.shape[:2] != (h_d, w_d):  # another scale than 1/d: use the full-scale decode
+        return decode_rgb(data), box, flip
+    if d > 1:
+        top, left, h, w = box
+        bottom, right = -(-(top + h) // d), -(-(left + w) // d)
+        box = (top // d, left // d, bottom - top // d, right - left // d)
+    return torch.from_numpy(pixels).permute(2, 0, 1), box, flip
+
+
 def _crop_resize_flip_into(
     image: torch.Tensor, box: tuple[int, int, int, int], size: int, flip: bool, slot: torch.Tensor
 ) -> None:
@@ -292,6 +374,7 @@ def train_batch(
     ratio: tuple[float, float] = DEFAULT_RATIO,
     threads: int = 1,
     out: torch.Tensor | None = None,
+    dct_scaling: bool = False,
 ) -> torch.Tensor:
     """Decode, random-resized-crop and flip a whole batch: uint8 ``(N, 3, resolution, resolution)``.
 
@@ -303,9 +386,18 @@ def train_batch(
     ``(N, 3, resolution, resolution)`` uint8 tensor (pinned, channels-last, ... as the caller
     likes) that receives the batch and is returned.
 
+    The pixels are those of ``train_transform`` up to OpenCV's rounding of enlarged crops (at
+    most 1 grey level). ``dct_scaling=True`` decodes an image at 1/2, 1/4 or 1/8 scale in the
+    DCT domain where its crop is at least 2, 4 or 8 times ``resolution`` on both axes (needs
+    ``simplejpeg``; ignored without it): the same crop box, its edges rounded outwards to the
+    reduced grid, low-passed by the reduced IDCT before the antialiased resize, so those samples
+    differ from ``train_transform``'s by a few grey levels on average (benchmarks/README.md has
+    the figures); at 224 px few crops of ImageNet-sized images qualify, at 128 px about half.
+
     The decode is strict: a sample that does not decode, or whose decode makes libjpeg warn of
     "Corrupt JPEG data", raises [`SampleDecodeError`][lightning_fastscale.data.verify.SampleDecodeError]
-    with its position in the batch (the first such position). The warning is only written to
+    with its position in the batch (the first such position). simplejpeg refuses such a sample
+    itself, which is then decoded again by TorchCodec; TorchCodec only writes the warning to
     file descriptor 2, so the whole batch is decoded under one capture of it, and only if
     libjpeg wrote anything are the samples decoded again one at a time to find which. The
     descriptor is the process's: what other threads write to it meanwhile is written back after
@@ -336,8 +428,7 @@ def train_batch(
         raise ValueError(f"out must be a uint8 tensor of shape {shape}, got {out.dtype} {tuple(out.shape)}")
 
     def one(i: int) -> None:
-        image = decode_rgb(jpegs[i])
-        box, flip = draw_crop(image.shape[-2], image.shape[-1], generators[i], scale, ratio)
+        image, box, flip = _decode_for_crop(jpegs[i], generators[i], resolution, scale, ratio, dct_scaling)
         _crop_resize_flip_into(image, box, resolution, flip, out[i])
 
     with decoder_messages() as messages:
