@@ -164,8 +164,8 @@ class _StepEnds(pl.Callback):
 
 def _fit(model, loader, tmp_path, **kw) -> tuple[StepBreakdown, _StepEnds]:
     breakdown, ends = StepBreakdown(every_n_steps=3, dirpath=tmp_path), _StepEnds()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, callbacks=[breakdown, ends], **kw)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, default_root_dir=tmp_path,
+                         callbacks=[breakdown, ends], **kw)
     trainer.fit(model, loader)
     return breakdown, ends
 
@@ -203,9 +203,8 @@ def test_validation_inside_an_epoch_is_not_part_of_a_step(tmp_path):
     data = TensorDataset(torch.randn(8 * 8, 3, 8, 8), torch.randint(0, 4, (8 * 8,)))
     loader = DataLoader(data, batch_size=8)
     breakdown, clock = StepBreakdown(every_n_steps=3, dirpath=tmp_path, print_table=False), _ValidationClock()
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, callbacks=[breakdown, clock],
-                         val_check_interval=4, limit_val_batches=3, num_sanity_val_steps=0)
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, default_root_dir=tmp_path, callbacks=[breakdown, clock],
+                         val_check_interval=4, limit_val_batches=3)
     trainer.fit(_SlowValidation(), loader, loader)
     s = breakdown.summary
     assert s.steps == 7 and clock.val_s >= 0.3  # one validation, after step 3 (steps 0-7)
@@ -288,8 +287,8 @@ def _two_rank_worker(rank: int, world_size: int, tmp: str) -> dict:
     }
     for name, (model, strategy) in cases.items():
         breakdown = StepBreakdown(every_n_steps=3, dirpath=Path(tmp) / name, print_table=False)
-        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False,
-                             enable_checkpointing=False, enable_progress_bar=False,
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1,
+                             default_root_dir=Path(tmp) / name,
                              callbacks=[breakdown], use_distributed_sampler=False)
         trainer.fit(model, DataLoader(data, batch_size=8))
         out[name] = breakdown.summary.to_dict() if breakdown.summary else None
@@ -367,8 +366,7 @@ def _hier_worker(rank: int, world_size: int, tmp: str) -> dict | None:
     # communication thread
     strategy = HierarchicalAllReduceStrategy(algorithm="hier", ranks_per_node=1, ddp_comm_hook=late_allreduce_hook)
     breakdown = StepBreakdown(every_n_steps=3, dirpath=Path(tmp), print_table=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, default_root_dir=tmp,
                          callbacks=[breakdown], use_distributed_sampler=False)
     trainer.fit(_Net(), DataLoader(data, batch_size=8))
     return breakdown.summary.to_dict() if breakdown.summary else None

@@ -48,9 +48,7 @@ def run(tmp_path, callbacks, ckpt_path=None, max_epochs=2):
     pl.seed_everything(0)
     model = DropoutNet()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_epochs=max_epochs, logger=False, callbacks=callbacks,
-        enable_progress_bar=False, num_sanity_val_steps=0,
-        limit_val_batches=0, default_root_dir=tmp_path,
+        accelerator="cpu", devices=1, max_epochs=max_epochs, callbacks=callbacks, default_root_dir=tmp_path,
     )
     trainer.fit(model, data(), ckpt_path=ckpt_path)
     return model, trainer
@@ -226,11 +224,7 @@ def test_the_large_batch_recipe_resumes_bitwise_mid_epoch(tmp_path):
             LabelSmoothing(0.1), ZeroInitResidualBN(), ExactResume(), Record(),
             PreemptionCheckpoint(dirpath=str(tmp_path / "ckpt")), *extra,
         ]
-        trainer = pl.Trainer(
-            accelerator="cpu", devices=1, max_epochs=2, logger=False, callbacks=callbacks,
-            enable_progress_bar=False, num_sanity_val_steps=0,
-            limit_val_batches=0, default_root_dir=root,
-        )
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, callbacks=callbacks, default_root_dir=root)
         trainer.fit(module, data(), ckpt_path=ckpt_path)
         return module
 
