@@ -234,10 +234,12 @@ def _decode_for_crop(
     errors and "Corrupt JPEG data" warnings the strict batch decode then judges as before: the
     samples accepted and refused are those TorchCodec accepts and refuses.
     """
-    if _simplejpeg is None:
+    def full_decode() -> tuple[torch.Tensor, tuple[int, int, int, int], bool]:
         image = decode_rgb(data)
-        box, flip = draw_crop(image.shape[-2], image.shape[-1], generator, scale, ratio)
-        return image, box, flip
+        return image, *draw_crop(image.shape[-2], image.shape[-1], generator, scale, ratio)
+
+    if _simplejpeg is None:
+        return full_decode()
     raw = data.numpy()
     try:
         if not dct_scaling:
@@ -246,9 +248,7 @@ def _decode_for_crop(
             return torch.from_numpy(pixels).permute(2, 0, 1), box, flip
         height, width, _, _ = _simplejpeg.decode_jpeg_header(raw)
     except ValueError:
-        image = decode_rgb(data)
-        box, flip = draw_crop(image.shape[-2], image.shape[-1], generator, scale, ratio)
-        return image, box, flip
+        return full_decode()
     box, flip = draw_crop(height, width, generator, scale, ratio)
     d = _dct_reduction(box, size)
     h_d, w_d = -(-height // d), -(-width // d)  # libjpeg's scaled size rounds up
