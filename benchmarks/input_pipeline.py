@@ -225,6 +225,7 @@ def kernel_ms(stored: tuple[list[torch.Tensor], list[int]], resolution: int, fil
              for i, im in enumerate(images)]
     out = torch.empty(len(jpegs), 3, resolution, resolution, dtype=torch.uint8, memory_format=torch.channels_last)
     scratch = np.empty((resolution, resolution, 3), np.uint8)
+    pixels, slots = [fast_decode._pixels(im) for im in images], out.permute(0, 2, 3, 1).numpy()  # train_batch's views
     enlarged = [i for i, (box, _) in enumerate(plans) if box[2] <= resolution and box[3] <= resolution]
 
     def area(i: int) -> None:  # FFCV's resize: INTER_AREA on the crop region, whatever the scale
@@ -241,13 +242,13 @@ def kernel_ms(stored: tuple[list[torch.Tensor], list[int]], resolution: int, fil
         "resize + flip, torchvision `resized_crop` (per-image path)": (
             lambda i: fast_decode.crop_resize_flip(images[i], *plans[i][:1], resolution, plans[i][1]), range(len(jpegs))),
         "resize + flip, `train_batch`'s (into the batch slot)": (
-            lambda i: fast_decode._crop_resize_flip_into(images[i], plans[i][0], resolution, plans[i][1], out[i]),
+            lambda i: fast_decode._crop_resize_flip_into(pixels[i], plans[i][0], resolution, plans[i][1], out[i], slots[i]),
             range(len(jpegs))),
         "resize, OpenCV INTER_AREA on the crop (FFCV's)": (area, range(len(jpegs))),
         "crops enlarged on both axes only: torchvision `resized_crop`": (
             lambda i: fast_decode.crop_resize_flip(images[i], *plans[i][:1], resolution, plans[i][1]), enlarged),
         "the same crops: `train_batch`'s (OpenCV bilinear)": (
-            lambda i: fast_decode._crop_resize_flip_into(images[i], plans[i][0], resolution, plans[i][1], out[i]),
+            lambda i: fast_decode._crop_resize_flip_into(pixels[i], plans[i][0], resolution, plans[i][1], out[i], slots[i]),
             enlarged),
         "whole transform, per image (`train_transform`)": (
             lambda i: fast_decode.train_transform(jpegs[i], resolution, fast_decode.sample_generator(0, 0, i)),
@@ -305,7 +306,7 @@ def kernel_ms(stored: tuple[list[torch.Tensor], list[int]], resolution: int, fil
         for i in which:
             ref = fast_decode.crop_resize_flip(images[i], plans[i][0], resolution, False).permute(1, 2, 0).numpy()
             if fn is None:
-                fast_decode._crop_resize_flip_into(images[i], plans[i][0], resolution, False, out[i])
+                fast_decode._crop_resize_flip_into(pixels[i], plans[i][0], resolution, False, out[i], slots[i])
                 got = out[i].permute(1, 2, 0).numpy()
             else:
                 fn(i)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import threading
 
 import numpy as np
 import pytest
@@ -181,6 +182,22 @@ def test_strict_decodes_nest_and_a_batch_inside_a_capture_does_not_wait_for_itse
     assert fast_decode.train_batch(jpegs[:2], _generators(2), RESOLUTION).shape[0] == 2  # capture restored
 
 
+def test_a_simplejpeg_batch_does_not_wait_for_another_threads_capture(jpegs):
+    """simplejpeg refuses what libjpeg only warns of, so a batch it decodes whole takes no capture
+    of file descriptor 2, and batches of other threads (the background loader decodes the next
+    batch while this one decodes) run while a strict decode holds it."""
+    pytest.importorskip("simplejpeg")
+    expected = fast_decode.train_batch(jpegs, _generators(len(jpegs)), RESOLUTION)
+    got = []
+    with decoder_messages():  # held by this thread while another decodes a batch
+        worker = threading.Thread(target=lambda: got.append(
+            fast_decode.train_batch(jpegs, _generators(len(jpegs)), RESOLUTION, threads=2)), daemon=True)
+        worker.start()
+        worker.join(20)
+        assert not worker.is_alive(), "the batch waited for this thread's capture"
+    assert torch.equal(got[0], expected)
+
+
 def _encoded(image: Image.Image, **save: object) -> torch.Tensor:
     buf = io.BytesIO()
     image.save(buf, "JPEG", quality=90, **save)
@@ -252,10 +269,10 @@ def test_dct_scaling_keeps_the_draws_and_changes_only_the_reduced_crops_within_t
     assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(gens, gens_ref))
     seen = set()
     for i, (jpeg, g) in enumerate(zip(batch, _generators(len(batch), 5))):
-        image, (t, lf, hh, ww), flip = fast_decode._decode_for_crop(
+        pixels, (t, lf, hh, ww), flip = fast_decode._decode_for_crop(
             jpeg, g, RESOLUTION, fast_decode.DEFAULT_SCALE, fast_decode.DEFAULT_RATIO, True)
         full = fast_decode.decode_rgb(jpeg)
-        d = full.shape[1] // image.shape[1]
+        d = full.shape[1] // pixels.shape[0]
         seen.add(d)
         if d == 1:
             assert (got[i].int() - expected[i].int()).abs().max() <= 1, i
@@ -281,9 +298,9 @@ def test_a_reduced_decode_crops_the_drawn_box_rounded_outwards(d):
         size = min(box[2], box[3]) // d
         if fast_decode._dct_reduction(box, size) != d:
             continue
-        image, scaled, got_flip = fast_decode._decode_for_crop(
+        pixels, scaled, got_flip = fast_decode._decode_for_crop(
             jpeg, g, size, fast_decode.DEFAULT_SCALE, fast_decode.DEFAULT_RATIO, True)
-        assert image.shape == (3, -(-1033 // d), -(-1290 // d)) and got_flip == flip
+        assert pixels.shape == (-(-1033 // d), -(-1290 // d), 3) and got_flip == flip
         (top, left, h, w), (t, lf, hh, ww) = box, scaled
         assert t * d <= top < (t + 1) * d and lf * d <= left < (lf + 1) * d
         assert (t + hh - 1) * d < top + h <= (t + hh) * d and (lf + ww - 1) * d < left + w <= (lf + ww) * d

@@ -317,9 +317,36 @@ def test_background_loader_raises_a_producer_error_at_its_batch(stream):
     assert [y.shape[0] for _, y in (next(it), next(it))] == [4, 4]
     with pytest.raises(CorruptDataError, match="sample 9"):
         next(it)
-    assert loader._thread is None and len(calls) == 3  # stopped after the failing batch
+    assert loader._thread is None
+    decoded = len(calls)  # the failing batch and at most the batches read ahead of it
+    time.sleep(0.3)
+    assert len(calls) == decoded <= 3 + loader.batches_ahead  # nothing decoded after the error
     with pytest.raises(ValueError, match="prefetch_factor=0"):
         BackgroundStreamingDataLoader(dataset, batch_size=4, batches_ahead=0)
+
+
+def test_training_and_validation_read_one_stored_sample_per_item(stream):
+    """Not litdata's default window of neighbouring samples per read, which a shuffled or planned
+    order mostly throws away (the read cost is in benchmarks/README.md)."""
+    dm = _dm(stream)
+    dm.setup("fit")
+    assert dm.train_dataset().batch_decode == 0 and dm.val_dataloader().dataset.samples.batch_decode == 0
+
+
+def test_background_loader_decodes_the_next_batch_while_one_is_decoding(stream):
+    """The collate function (the decode) of batch k + 1 starts before that of batch k has
+    finished: each call waits, with a time-out, until two are running at once."""
+    dataset = _dm(stream, num_workers=0).train_dataset()
+    decode = dataset.batch_decoder(1, False)
+    both_running = threading.Barrier(2, timeout=10)
+
+    def collate(samples):
+        both_running.wait()  # raises BrokenBarrierError after 10 s alone
+        return decode(samples)
+
+    reference = _batches(EpochAwareStreamingDataLoader(dataset, batch_size=4, num_workers=0, collate_fn=decode))
+    loader = BackgroundStreamingDataLoader(dataset, batch_size=4, collate_fn=collate)  # 6 batches: pairs
+    assert _same(_batches(loader), reference)
 
 
 def test_num_workers_auto_picks_and_caches(stream, tmp_path):

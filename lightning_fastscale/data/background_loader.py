@@ -4,9 +4,13 @@ Without loader workers the batch is decoded in the training process, which on fe
 the fastest way to use them all (one process, no batch pickled between processes, the decode
 threads of `fast_decode.train_batch`), as FFCV (Leclerc et al. 2023) does. Run synchronously,
 though, that decoding sits on the training thread between steps and the accelerator idles.
-`BackgroundStreamingDataLoader` runs litdata's iterator on one producer thread that keeps a
-bounded queue of ``batches_ahead`` finished batches; the training thread only pops them, so
-decoding overlaps the step (pipelined loading, Jia et al. 2018).
+`BackgroundStreamingDataLoader` runs litdata's iterator on one producer thread that reads
+each batch's samples and hands the batch to a pool of ``batches_ahead`` threads that decode it
+(the collate function), keeping a bounded queue of ``batches_ahead`` batches ahead; the training
+thread only takes them in order, so decoding overlaps the step (pipelined loading, Jia et al.
+2018). Reading the next batch and decoding two at a time also keep the decode threads busy
+where one batch at a time would leave cores idle: at its end, while its last samples finish,
+and while the next batch is read (benchmarks/README.md).
 
 Resumption stays exact: litdata's ``state_dict`` counts the samples its iterator yielded,
 which includes the batches decoded ahead (and past an epoch's end its dataset has already
@@ -18,9 +22,11 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from litdata.streaming.collate import litdata_collate
 from typing_extensions import override
 
 from .device_prefetch import rewind_streaming_state
@@ -29,19 +35,22 @@ from .streaming_datasets import EpochAwareStreamingDataLoader
 __all__ = ["BackgroundStreamingDataLoader"]
 
 _POLL_S = 0.1  # how often a blocked put/get looks at the stop flag / the producer's liveness
-_JOIN_S = 60.0  # longest wait for the producer to finish the batch it is decoding when stopped
+_JOIN_S = 60.0  # longest wait for the producer to finish the batch it is reading when stopped
 _BATCH, _END, _ERROR = range(3)
 
 
 class BackgroundStreamingDataLoader(EpochAwareStreamingDataLoader):
     """`EpochAwareStreamingDataLoader` with ``num_workers=0`` whose batches come from a producer thread.
 
-    The producer iterates the parent loader (epoch set-up, reading, the collate function's
-    decode) up to ``batches_ahead`` batches ahead of the consumer. An exception raised while
-    producing a batch (a `CorruptDataError`) is raised by ``next`` at that batch. Leaving the
-    loop early (``break``, Lightning's ``limit_train_batches``) or starting a new iteration
-    stops the producer; every wait polls, so no thread stays blocked, and the thread is a
-    daemon. ``state_dict`` is the state after the batches handed out, not those decoded ahead.
+    The producer iterates the parent loader (epoch set-up, reading) up to ``batches_ahead``
+    batches ahead of the consumer; the collate function (``collate_fn``, litdata's by default)
+    runs on a pool of ``batches_ahead`` threads, up to that many batches at once. An exception
+    raised while reading or decoding a batch (a `CorruptDataError`) is raised by ``next`` at
+    that batch. Leaving the loop early (``break``, Lightning's ``limit_train_batches``) or
+    starting a new iteration stops the producer and cancels the decodes not yet started (one
+    already running finishes on its pool thread); every wait polls, so no thread stays
+    blocked, and the producer is a daemon thread. ``state_dict`` is the state after the batches
+    handed out, not those read or decoded ahead.
 
     Examples:
         >>> from litdata import StreamingDataset  # doctest: +SKIP
@@ -51,13 +60,19 @@ class BackgroundStreamingDataLoader(EpochAwareStreamingDataLoader):
         ...     ...
     """
 
-    def __init__(self, *args: Any, batches_ahead: int = 2, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, batches_ahead: int = 2, collate_fn: Callable[[list[Any]], Any] | None = None, **kwargs: Any
+    ) -> None:
         if kwargs.get("num_workers", 0) != 0:
             raise ValueError("BackgroundStreamingDataLoader decodes in the training process: num_workers must be 0")
         if isinstance(batches_ahead, bool) or not isinstance(batches_ahead, int) or batches_ahead < 1:
             raise ValueError(f"prefetch_factor={batches_ahead!r} (batches decoded ahead) must be an integer >= 1")
-        super().__init__(*args, **kwargs)
+        # the parent loader only reads (a batch is its list of samples); the collate function
+        # decodes, on the pool below, so that the next batch is read while this one decodes
+        super().__init__(*args, collate_fn=list, **kwargs)
+        self.collate = collate_fn or litdata_collate
         self.batches_ahead = batches_ahead
+        self._collate_pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()  # held by the producer while it advances the parent iterator
         self._produced = 0  # batches the producer finished this iteration (written by the producer)
         self._consumed = 0  # batches handed out this iteration (written by the consumer)
@@ -73,11 +88,13 @@ class BackgroundStreamingDataLoader(EpochAwareStreamingDataLoader):
         return {**state, "dataset": dict(state["dataset"])}  # litdata returns its live dict
 
     def _produce(self, source: Iterator[Any], out: queue.Queue[tuple[int, Any]], stop: threading.Event) -> None:
+        if self._collate_pool is None:
+            self._collate_pool = ThreadPoolExecutor(self.batches_ahead, thread_name_prefix="fastscale-collate")
         try:
             while not stop.is_set():
                 with self._lock:
                     try:
-                        batch = next(source)
+                        samples = next(source)
                     except StopIteration:
                         break
                     self._produced += 1
@@ -87,7 +104,9 @@ class BackgroundStreamingDataLoader(EpochAwareStreamingDataLoader):
                     state = self._snapshot()
                     if self._produced == 1:  # the position before any batch is handed out
                         self._consumed_state = rewind_streaming_state(self, state, 1)
+                batch = self._collate_pool.submit(self.collate, samples)
                 if not _put(out, (_BATCH, (batch, state)), stop):
+                    batch.cancel()
                     return
             _put(out, (_END, None), stop)
         except BaseException as err:  # raised in the training thread, at the batch it belongs to
@@ -132,12 +151,15 @@ class BackgroundStreamingDataLoader(EpochAwareStreamingDataLoader):
                     return
                 if kind == _ERROR:
                     raise item
-                batch, self._consumed_state = item
+                decoding, state = item
+                batch = decoding.result()  # a decode error is raised here, at its batch
+                self._consumed_state = state
                 self._consumed += 1
                 yield batch
         finally:
             if self._thread is thread:
                 self._stop_producer()
+            _cancel_all(out)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -163,6 +185,17 @@ def _put(out: queue.Queue[tuple[int, Any]], item: tuple[int, Any], stop: threadi
         except queue.Full:
             continue
     return False
+
+
+def _cancel_all(out: queue.Queue[tuple[int, Any]]) -> None:
+    """Cancel the decodes of the batches left in ``out`` that have not started."""
+    while True:
+        try:
+            kind, item = out.get_nowait()
+        except queue.Empty:
+            return
+        if kind == _BATCH:
+            item[0].cancel()
 
 
 def _get(out: queue.Queue[tuple[int, Any]], producer: threading.Thread) -> tuple[int, Any]:

@@ -36,6 +36,7 @@ a whole batch with nvJPEG instead. Measured figures are in ``benchmarks/README.m
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -44,6 +45,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 from torchvision.transforms.v2 import functional as F
 from torchvision.transforms.v2.functional._geometry import _compute_resized_output_size
@@ -56,12 +58,11 @@ except ImportError:  # then torchvision does every resize
 from .verify import SampleDecodeError, decoder_messages, decoder_warnings, strict_decode
 
 try:  # the training batch's decoder: libjpeg-turbo with less overhead per call (benchmarks/README.md)
-    import numpy as _np
     import simplejpeg as _simplejpeg
 
     # the strict batch decode relies on `strict` (refuse where libjpeg only warns), which older
     # releases lack
-    _simplejpeg.decode_jpeg(_simplejpeg.encode_jpeg(_np.zeros((8, 8, 3), _np.uint8)), "RGB", strict=True)
+    _simplejpeg.decode_jpeg(_simplejpeg.encode_jpeg(np.zeros((8, 8, 3), np.uint8)), "RGB", strict=True)
 except (ImportError, TypeError, ValueError):  # then TorchCodec decodes every training image
     _simplejpeg = None
 
@@ -196,6 +197,13 @@ def _hwc(image: torch.Tensor) -> Any:
     return image.permute(1, 2, 0).numpy()
 
 
+def _pixels(image: torch.Tensor) -> Any:
+    """The ``(H, W, C)`` numpy pixels of a decoded ``(C, H, W)`` image: a view where it is stored
+    pixel-interleaved (as the decoders return it), else a copy."""
+    pixels = _hwc(image)
+    return pixels if pixels is not None else image.permute(1, 2, 0).contiguous().numpy()
+
+
 def _upscale_linear(src: Any, size: tuple[int, int], dst: Any = None) -> Any:
     """OpenCV's bilinear resize of an ``(H, W, C)`` uint8 array that is enlarged (or kept) on
     both axes, where antialiasing does nothing: the result equals torchvision's antialiased
@@ -217,10 +225,11 @@ def _dct_reduction(box: tuple[int, int, int, int], size: int) -> int:
 def _decode_for_crop(
     data: torch.Tensor, generator: torch.Generator, size: int,
     scale: tuple[float, float], ratio: tuple[float, float], dct_scaling: bool,
-) -> tuple[torch.Tensor, tuple[int, int, int, int], bool]:
-    """``(image, box, flip)`` of one training sample: the crop and flip `draw_crop` draws for
-    ``data``'s size, and the decoded ``(3, H, W)`` uint8 image (pixel-interleaved) with ``box``
-    in its coordinates.
+) -> tuple[Any, tuple[int, int, int, int] | None, bool]:
+    """``(pixels, box, flip)`` of one training sample: the crop and flip `draw_crop` draws for
+    ``data``'s size, and the decoded ``(H, W, 3)`` uint8 numpy pixels with ``box`` in their
+    coordinates; ``pixels`` is None where simplejpeg refused the data, which `train_batch` then
+    decodes with TorchCodec (``box`` is None where no crop is drawn yet).
 
     simplejpeg decodes where it is installed: the same libjpeg-turbo decode, accurate integer
     IDCT, as TorchCodec (the same pixels, tested; CMYK JPEGs, which the converter never writes,
@@ -228,27 +237,21 @@ def _decode_for_crop(
     ``dct_scaling`` the crop is drawn from the header first and the image decoded at 1/2, 1/4 or
     1/8 scale (libjpeg's DCT-domain scaling) where the crop keeps at least ``size`` pixels on
     both axes at that scale; the box is scaled with it, its edges rounded outwards to the
-    reduced pixel grid (at most ``d - 1`` source pixels per edge at reduction ``d``). A decode
-    simplejpeg refuses (damage, which it raises for where libjpeg only warns, or a harmless
-    warning such as an unknown JFIF revision) is repeated at full scale with TorchCodec, whose
-    errors and "Corrupt JPEG data" warnings the strict batch decode then judges as before: the
-    samples accepted and refused are those TorchCodec accepts and refuses.
+    reduced pixel grid (at most ``d - 1`` source pixels per edge at reduction ``d``).
+    simplejpeg refuses damage (where libjpeg only warns, it raises) and harmless warnings such as
+    an unknown JFIF revision alike.
     """
-    def full_decode() -> tuple[torch.Tensor, tuple[int, int, int, int], bool]:
-        image = decode_rgb(data)
-        return image, *draw_crop(image.shape[-2], image.shape[-1], generator, scale, ratio)
-
     if _simplejpeg is None:
-        return full_decode()
+        return _decode_full(data, generator, scale, ratio)
     raw = data.numpy()
     try:
         if not dct_scaling:
             pixels = _simplejpeg.decode_jpeg(raw, "RGB", strict=True)
             box, flip = draw_crop(pixels.shape[0], pixels.shape[1], generator, scale, ratio)
-            return torch.from_numpy(pixels).permute(2, 0, 1), box, flip
+            return pixels, box, flip
         height, width, _, _ = _simplejpeg.decode_jpeg_header(raw)
     except ValueError:
-        return full_decode()
+        return None, None, False
     box, flip = draw_crop(height, width, generator, scale, ratio)
     d = _dct_reduction(box, size)
     h_d, w_d = -(-height // d), -(-width // d)  # libjpeg's scaled size rounds up
@@ -257,46 +260,55 @@ def _decode_for_crop(
         # minimums: 1/d (the shape is checked below)
         pixels = _simplejpeg.decode_jpeg(raw, "RGB", min_height=h_d, min_width=w_d, strict=True)
     except ValueError:
-        return decode_rgb(data), box, flip
-    if pixels.shape[:2] != (h_d, w_d):  # another scale than 1/d: use the full-scale decode
-        return decode_rgb(data), box, flip
+        return None, box, flip
+    if pixels.shape[:2] != (h_d, w_d):  # another scale than 1/d: TorchCodec decodes at full scale
+        return None, box, flip
     if d > 1:
         top, left, h, w = box
         bottom, right = -(-(top + h) // d), -(-(left + w) // d)
         box = (top // d, left // d, bottom - top // d, right - left // d)
-    return torch.from_numpy(pixels).permute(2, 0, 1), box, flip
+    return pixels, box, flip
+
+
+def _decode_full(
+    data: torch.Tensor, generator: torch.Generator, scale: tuple[float, float], ratio: tuple[float, float],
+    drawn: tuple[tuple[int, int, int, int], bool] | None = None,
+) -> tuple[Any, tuple[int, int, int, int], bool]:
+    """`_decode_for_crop` at full scale by TorchCodec: the crop ``drawn`` already, or drawn now."""
+    pixels = _pixels(decode_rgb(data))
+    box, flip = drawn if drawn is not None else draw_crop(pixels.shape[0], pixels.shape[1], generator, scale, ratio)
+    return pixels, box, flip
 
 
 def _crop_resize_flip_into(
-    image: torch.Tensor, box: tuple[int, int, int, int], size: int, flip: bool, slot: torch.Tensor
+    pixels: Any, box: tuple[int, int, int, int], size: int, flip: bool, slot: torch.Tensor, slot_pixels: Any = None
 ) -> None:
-    """`crop_resize_flip` of ``image`` written into ``slot``, a ``(3, size, size)`` view of the batch.
+    """`crop_resize_flip` of decoded ``(H, W, 3)`` numpy ``pixels`` written into ``slot``, a
+    ``(3, size, size)`` view of the batch; ``slot_pixels``: the slot's ``(size, size, 3)`` numpy
+    view where the batch is pixel-interleaved (written in place, else through a copy).
 
-    A crop enlarged on both axes goes through OpenCV's bilinear resize of the crop region, straight
-    into the slot where its memory is ``(H, W, C)``; a crop reduced on either axis through
-    torchvision's antialiased bilinear resize, as `crop_resize_flip`.
+    A crop enlarged on both axes goes through OpenCV's bilinear resize of the crop region; a
+    crop reduced on either axis (or any crop, without OpenCV) through the kernel of
+    torchvision's antialiased bilinear resize, as `crop_resize_flip`, in its variant that
+    writes into a given tensor (here ``(1, C, H, W)`` views of ``(H, W, C)`` memory: its
+    vectorised uint8 path). Numpy views throughout: each torch call made here from Python
+    releases and retakes the GIL, which the decode threads of a batch contend for.
     """
     top, left, h, w = box
-    src = _hwc(image) if _cv2 is not None else None
-    dst = _hwc(slot) if src is not None else None
-    if src is None:
-        slot.copy_(crop_resize_flip(image, box, size, flip))
-    elif h <= size and w <= size:
-        resized = _upscale_linear(src[top : top + h, left : left + w], (size, size), dst)
-        if dst is None:
-            view = torch.from_numpy(resized).permute(2, 0, 1)
-            slot.copy_(view.flip(-1) if flip else view)
-        elif flip:
-            _cv2.flip(dst, 1, dst=dst)
-    elif dst is None:
-        slot.copy_(crop_resize_flip(image, box, size, flip))
+    crop = pixels[top : top + h, left : left + w]
+    dst = slot_pixels if slot_pixels is not None else np.empty((size, size, 3), np.uint8)
+    if _cv2 is not None and h <= size and w <= size:
+        _upscale_linear(crop, (size, size), dst)
     else:
-        # the kernel behind torchvision's resize, on (1, C, H, W) views with pixel-interleaved
-        # strides (its vectorised uint8 path), written into the slot: no temporary, no copy
-        crop = torch.from_numpy(src[top : top + h, left : left + w]).unsqueeze(0).permute(0, 3, 1, 2)
-        _upsample_bilinear_aa_out(crop, [size, size], False, None, None, out=slot.unsqueeze(0))
-        if flip:
+        chw = torch.from_numpy(crop).unsqueeze(0).permute(0, 3, 1, 2)
+        _upsample_bilinear_aa_out(chw, [size, size], False, None, None, out=torch.from_numpy(dst).unsqueeze(0).permute(0, 3, 1, 2))
+    if flip:
+        if _cv2 is not None:
             _cv2.flip(dst, 1, dst=dst)
+        else:
+            dst[:] = dst[:, ::-1]
+    if slot_pixels is None:
+        slot.copy_(torch.from_numpy(dst).permute(2, 0, 1))
 
 
 def val_transform(data: torch.Tensor, size: int, crop_ratio: float = 0.875) -> torch.Tensor:
@@ -397,12 +409,15 @@ def train_batch(
     The decode is strict: a sample that does not decode, or whose decode makes libjpeg warn of
     "Corrupt JPEG data", raises [`SampleDecodeError`][lightning_fastscale.data.verify.SampleDecodeError]
     with its position in the batch (the first such position). simplejpeg refuses such a sample
-    itself, which is then decoded again by TorchCodec; TorchCodec only writes the warning to
-    file descriptor 2, so the whole batch is decoded under one capture of it, and only if
-    libjpeg wrote anything are the samples decoded again one at a time to find which. The
-    descriptor is the process's: what other threads write to it meanwhile is written back after
-    the batch (and lost if the process dies during it), so a loader worker process is the
-    natural caller; strict decodes of other threads wait for the batch.
+    itself (it raises where libjpeg only warns), so a batch it decodes whole needs no capture of
+    file descriptor 2 and other threads' batches and strict decodes run alongside it. A sample it
+    refuses is decoded again by TorchCodec, after the others, in the calling thread, under one
+    capture of file descriptor 2 (TorchCodec only writes the warning there), so the samples
+    accepted and refused are TorchCodec's; without simplejpeg TorchCodec decodes the whole batch
+    under that capture. Only if libjpeg wrote anything are the samples decoded again one at a time
+    to find which. The descriptor is the process's: what other threads write to it during a
+    capture is written back after it (and lost if the process dies meanwhile), and strict
+    decodes of other threads wait for it.
 
     The threads parallelise across samples; each resize may also use torch's and OpenCV's own
     intra-op threads. Where the pool has the cores to itself, set those to one
@@ -427,12 +442,32 @@ def train_batch(
     elif tuple(out.shape) != shape or out.dtype != torch.uint8:
         raise ValueError(f"out must be a uint8 tensor of shape {shape}, got {out.dtype} {tuple(out.shape)}")
 
-    def one(i: int) -> None:
-        image, box, flip = _decode_for_crop(jpegs[i], generators[i], resolution, scale, ratio, dct_scaling)
-        _crop_resize_flip_into(image, box, resolution, flip, out[i])
+    # simplejpeg's refusals: position, and the crop where it was drawn from the header
+    refused: list[tuple[int, tuple[tuple[int, int, int, int], bool] | None]] = []
 
-    with decoder_messages() as messages:
+    # the slots' (H, W, C) numpy views, where the batch is pixel-interleaved (channels-last)
+    slots = out.permute(0, 2, 3, 1).numpy() if n and _hwc(out[0]) is not None else None
+
+    def one(i: int) -> None:
+        pixels, box, flip = _decode_for_crop(jpegs[i], generators[i], resolution, scale, ratio, dct_scaling)
+        if pixels is None:
+            refused.append((i, None if box is None else (box, flip)))
+        else:
+            _crop_resize_flip_into(pixels, box, resolution, flip, out[i], None if slots is None else slots[i])
+
+    # TorchCodec writes libjpeg's warnings to file descriptor 2 only: where it decodes the whole
+    # batch (no simplejpeg), under one capture; else only simplejpeg's refusals, afterwards, in
+    # this thread (other threads' strict decodes wait for them, not for the batch)
+    with decoder_messages() if _simplejpeg is None else contextlib.nullcontext([""]) as messages:
         errors = _map(one, n, threads)
+    if refused:
+        with decoder_messages() as messages:
+            for i, drawn in sorted(refused, key=lambda r: r[0]):
+                try:
+                    pixels, box, flip = _decode_full(jpegs[i], generators[i], scale, ratio, drawn)
+                    _crop_resize_flip_into(pixels, box, resolution, flip, out[i], None if slots is None else slots[i])
+                except Exception as err:  # reported by position, below
+                    errors[i] = err
     warnings = decoder_warnings(messages[0])
     if any(err is not None for err in errors) or warnings:
         _raise_first_bad(jpegs, errors)

@@ -23,6 +23,12 @@ from typing_extensions import override
 from . import fast_decode, rect_val
 from .verify import CorruptDataError, SampleDecodeError, chunk_of, read_index, strict_decode
 
+# litdata reads one stored sample per item: by default it deserialises a window of neighbouring
+# samples per read (sized for small leaves; a JPEG is stored as a plain "bytes" leaf), which a
+# shuffled or planned order mostly throws away: at source size 13x the per-item cost of a read
+# (benchmarks/README.md)
+_ONE_SAMPLE_PER_READ = {"batch_decode": 0}
+
 _VERIFY_HINT = "Run `fastscale-data verify ROOT` (the data folder) to list every damaged chunk and sample"
 
 
@@ -115,7 +121,7 @@ class DecodedStreamingDataset(StreamingDataset):
         ratio: tuple[float, float] = fast_decode.DEFAULT_RATIO,
         **kwargs: Any,
     ) -> None:
-        super().__init__(input_dir, shuffle=True, seed=seed, drop_last=True, **kwargs)
+        super().__init__(input_dir, shuffle=True, seed=seed, drop_last=True, **{**_ONE_SAMPLE_PER_READ, **kwargs})
         self.resolution, self.augment_seed, self.scale, self.ratio = resolution, seed, tuple(scale), tuple(ratio)
         self.source = input_dir
 
@@ -227,7 +233,7 @@ class ValidationBatches(IterableDataset):
         crop_ratio: float | None = None, **dataset_kwargs: Any,
     ) -> None:
         super().__init__()
-        self.samples = StreamingDataset(input_dir, shuffle=False, **dataset_kwargs)
+        self.samples = StreamingDataset(input_dir, shuffle=False, **{**_ONE_SAMPLE_PER_READ, **dataset_kwargs})
         self.batches, self.source, self.crop_ratio = batches, source, crop_ratio
 
     def __len__(self) -> int:
