@@ -5,8 +5,8 @@ on a folder written by ``fastscale-data convert``, images per second of one epoc
 
 * ``synchronous``: `EpochAwareStreamingDataLoader` (the batch is decoded on the training
   thread when the loop asks for it),
-* ``background``: `BackgroundStreamingDataLoader` (the datamodule's loader: one thread keeps
-  ``prefetch_factor`` batches decoded ahead),
+* ``background``: `BackgroundStreamingDataLoader` (the datamodule's loader: one thread reads
+  the batches, ``prefetch_factor`` threads decode them, that many batches ahead),
 
 each with the same ``decode_threads``, for a loop that does nothing with the batch, a loop
 whose "step" waits a fixed time without using the CPU (what the host does while an
