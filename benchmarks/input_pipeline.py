@@ -565,7 +565,8 @@ def versus_ffcv(args: argparse.Namespace, tree: Path) -> None:
     big = repeated_tree(tree, args.workdir / f"tree-x{args.repeat}", args.repeat)
     streams, stored, betons = {}, {}, {}
     with_ffcv = ffcv_importable()
-    for side in (640, 256):
+    sides = [640, *sorted(set(args.max_sides) - {640}, reverse=True)]  # source size, then each --max-sides
+    for side in sides:
         streams[side] = args.workdir / f"stream-x{args.repeat}-{side}"
         if not (streams[side] / "dataset.json").is_file():
             convert(big, streams[side], max_side=side, quality=90, verbose=False)
@@ -574,11 +575,11 @@ def versus_ffcv(args: argparse.Namespace, tree: Path) -> None:
     n = len(stored[640][0])
     if args.epoch_rounds < 1:  # the data only (set-up of a later run)
         return
-    label = {640: "source", 256: "256"}
+    label = {side: "source" if side == 640 else str(side) for side in sides}
     # each row: (stored side, make(cores) -> a warmed-up epoch timer, or None where skipped)
     rows: dict[str, tuple[str, Any]] = {"ImageFolderDataModule (PIL decode, float out)": ("source", lambda c: datamodule_epochs(
         "imagefolder", big, args, 0 if c == 1 else c))}
-    for side in (640, 256):
+    for side in sides:
         rows[f"StreamingDataModule, {label[side]}"] = (label[side], lambda c, side=side: datamodule_epochs(
             "streaming", streams[side], args, 0 if c == 1 else c))
         rows[f"StreamingDataModule, no worker, {cores} decode threads (background thread), {label[side]}"] = (

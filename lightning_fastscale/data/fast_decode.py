@@ -448,12 +448,15 @@ def train_batch(
     # the slots' (H, W, C) numpy views, where the batch is pixel-interleaved (channels-last)
     slots = out.permute(0, 2, 3, 1).numpy() if n and _hwc(out[0]) is not None else None
 
+    def place(i: int, pixels: Any, box: tuple[int, int, int, int], flip: bool) -> None:
+        _crop_resize_flip_into(pixels, box, resolution, flip, out[i], None if slots is None else slots[i])
+
     def one(i: int) -> None:
         pixels, box, flip = _decode_for_crop(jpegs[i], generators[i], resolution, scale, ratio, dct_scaling)
         if pixels is None:
             refused.append((i, None if box is None else (box, flip)))
         else:
-            _crop_resize_flip_into(pixels, box, resolution, flip, out[i], None if slots is None else slots[i])
+            place(i, pixels, box, flip)
 
     # TorchCodec writes libjpeg's warnings to file descriptor 2 only: where it decodes the whole
     # batch (no simplejpeg), under one capture; else only simplejpeg's refusals, afterwards, in
@@ -464,8 +467,7 @@ def train_batch(
         with decoder_messages() as messages:
             for i, drawn in sorted(refused, key=lambda r: r[0]):
                 try:
-                    pixels, box, flip = _decode_full(jpegs[i], generators[i], scale, ratio, drawn)
-                    _crop_resize_flip_into(pixels, box, resolution, flip, out[i], None if slots is None else slots[i])
+                    place(i, *_decode_full(jpegs[i], generators[i], scale, ratio, drawn))
                 except Exception as err:  # reported by position, below
                     errors[i] = err
     warnings = decoder_warnings(messages[0])
