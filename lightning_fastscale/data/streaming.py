@@ -15,8 +15,8 @@ centre crop), but
   measures the whole split;
 * each training batch is decoded (libjpeg-turbo) and augmented in uint8 by one
   `fast_decode.train_batch` call, in ``decode_threads`` threads, in the loader worker that
-  read it or, with ``num_workers=0``, in the training process (as FFCV does), on a background
-  thread a few batches ahead of the step (`background_loader`); the float
+  read it or, with ``num_workers=0``, in the training process (as FFCV does), a few batches
+  ahead of the step on background threads (`background_loader`); the float
   conversion, normalisation and ``channels_last`` happen in `on_after_batch_transfer`,
   on the device, for any LightningModule;
 * on CUDA the next batch is copied ahead on a side stream (`device_prefetch`);
@@ -78,7 +78,8 @@ class StreamingDataModule(_ResizableDataModule):
             the decode threads that fill the rank's cores (cached, see `worker_autotune`).
         pin_memory: pinned host batches (default: when CUDA is available).
         prefetch_factor: batches each worker prepares ahead (with ``num_workers=0``: batches
-            the training process's background thread decodes ahead, default 2).
+            the training process reads and decodes ahead, up to that many decoding at once,
+            default 2).
         seed: shuffling and augmentation seed (independent of the model seed).
         channels_last: NHWC batches on the device (default: on CUDA only).
         device_prefetch: copy the next batch to the GPU while the step runs (CUDA only).
@@ -218,7 +219,7 @@ class StreamingDataModule(_ResizableDataModule):
         self, dataset: StreamingDataset, batch_size: int, num_workers: int, threads: int
     ) -> StreamingDataLoader:
         collate = dataset.batch_decoder(threads, self.pin_memory) if isinstance(dataset, DecodedStreamingDataset) else None
-        if num_workers == 0:  # decoded on a background thread of this process, a queue ahead
+        if num_workers == 0:  # read and decoded on background threads of this process, a queue ahead
             return BackgroundStreamingDataLoader(
                 dataset, batch_size=batch_size, pin_memory=self.pin_memory, collate_fn=collate,
                 batches_ahead=2 if self.prefetch_factor is None else self.prefetch_factor,
