@@ -511,6 +511,30 @@ def test_decode_threads_auto_fills_the_cores_and_bad_values_are_named(stream):
             _dm(stream, decode_threads=bad)
 
 
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_dct_scaling_reaches_the_batches_and_is_train_batch_s(stream, num_workers):
+    """``dct_scaling=True`` gives each batch exactly `train_batch(..., dct_scaling=True)` of the
+    samples read (in the training process and in a loader worker alike), and changes some of
+    them against the default (at 16 px from images stored at max side 64, crops of >= 32 px on
+    both axes are decoded at half scale)."""
+    pytest.importorskip("simplejpeg")
+    dm = _dm(stream, resolution=16, dct_scaling=True, num_workers=num_workers, decode_threads=1)
+    got = _batches(dm.train_dataloader())
+    dataset = dm.train_dataset()
+    read = EpochAwareStreamingDataLoader(dataset, batch_size=4, num_workers=0, collate_fn=list)
+    expected = []
+    for samples in read:
+        jpegs = [torch.frombuffer(bytearray(s.jpeg), dtype=torch.uint8) for s in samples]
+        gens = [fast_decode.sample_generator(0, s.epoch, s.index) for s in samples]
+        expected.append(([s.label for s in samples], fast_decode.train_batch(jpegs, gens, 16, dct_scaling=True)))
+    assert _same(got, expected)
+    default = _batches(_dm(stream, resolution=16, num_workers=num_workers, decode_threads=1).train_dataloader())
+    assert [y for y, _ in default] == [y for y, _ in got]
+    assert any(not torch.equal(a, b) for (_, a), (_, b) in zip(default, got))
+    with pytest.raises(ValueError, match="dct_scaling='yes' must be True or False"):
+        _dm(stream, dct_scaling="yes")
+
+
 def test_probe_tries_each_worker_count_with_the_threads_that_fill_the_cores(tmp_path):
     from lightning_fastscale.data.worker_autotune import resolve_num_workers
 

@@ -98,6 +98,12 @@ class StreamingDataModule(_ResizableDataModule):
             process (one ``fast_decode.train_batch`` call per batch); ``"auto"``: chosen with
             ``num_workers="auto"`` by the probe, else those that fill the rank's cores with
             ``num_workers`` processes. Threads change no pixel.
+        dct_scaling: decode a training image at 1/2, 1/4 or 1/8 scale in the DCT domain where its
+            random crop is at least that many times ``resolution`` on both axes
+            (`fast_decode.train_batch`): less decode time at low training resolutions of images
+            stored large (progressive resizing's early epochs), at the price of those samples'
+            pixels, low-passed by the reduced decode (a few grey levels; figures in
+            benchmarks/README.md). Off by default: the recipes were validated without it.
 
     ``dataset_class`` is the litdata dataset type of the training split; a subclass may
     override its ``decode`` to return something else per stored sample. ``val_batches_class`` plays that
@@ -136,6 +142,7 @@ class StreamingDataModule(_ResizableDataModule):
         num_workers_cache: str | None = None,
         rect_val: bool = False,
         decode_threads: int | str = "auto",
+        dct_scaling: bool = False,
     ) -> None:
         _quiet_litdata_info()
         auto = num_workers == "auto"
@@ -156,6 +163,8 @@ class StreamingDataModule(_ResizableDataModule):
             raise ValueError(f"crop_ratio={crop_ratio} must be in (0, 1]")
         if not isinstance(rect_val, bool):
             raise ValueError(f"rect_val={rect_val!r} must be True or False")
+        if not isinstance(dct_scaling, bool):
+            raise ValueError(f"dct_scaling={dct_scaling!r} must be True or False")
         if decode_threads != "auto" and (
             isinstance(decode_threads, bool) or not isinstance(decode_threads, int) or decode_threads < 1
         ):
@@ -163,7 +172,7 @@ class StreamingDataModule(_ResizableDataModule):
         self.prefetch_factor = prefetch_factor
         self.source = StreamingSource(root, cache_dir, max_cache_size)
         self.root, self.metadata = self.source.root, self.source.metadata
-        self.crop_ratio, self.seed, self.rect_val = crop_ratio, seed, rect_val
+        self.crop_ratio, self.seed, self.rect_val, self.dct_scaling = crop_ratio, seed, rect_val, dct_scaling
         self.channels_last, self.device_prefetch = channels_last, device_prefetch
         self.cache_dir, self.max_cache_size = cache_dir, max_cache_size
         self.auto_num_workers, self.max_workers = auto, max_workers
@@ -213,7 +222,9 @@ class StreamingDataModule(_ResizableDataModule):
     def train_dataset(self) -> DecodedStreamingDataset:
         """A fresh litdata dataset of the training split at the current resolution."""
         input_dir, extra = self.source.split("train")
-        return self.dataset_class(input_dir, resolution=self.train_resolution, seed=self.seed, **extra)
+        return self.dataset_class(
+            input_dir, resolution=self.train_resolution, seed=self.seed, dct_scaling=self.dct_scaling, **extra
+        )
 
     def _streaming_loader(
         self, dataset: StreamingDataset, batch_size: int, num_workers: int, threads: int

@@ -105,8 +105,9 @@ class DecodedStreamingDataset(StreamingDataset):
     the loader worker that read it (or in the training process with ``num_workers=0``, as FFCV
     does). Each sample gets a random resized crop + flip drawn from `sample_generator` of
     ``(seed, epoch, index)``, so the augmentation of a sample depends neither on the worker
-    that read it nor on the thread that decoded it. The last incomplete batch is dropped.
-    A sample that cannot be read or decoded raises a
+    that read it nor on the thread that decoded it; with ``dct_scaling`` an image whose crop
+    allows it is decoded at reduced scale (`train_batch`'s ``dct_scaling``). The last
+    incomplete batch is dropped. A sample that cannot be read or decoded raises a
     [`CorruptDataError`][lightning_fastscale.data.verify.CorruptDataError] naming its chunk file,
     its litdata index and its source file. (Validation reads by index instead:
     `ValidationBatches`.)
@@ -119,10 +120,12 @@ class DecodedStreamingDataset(StreamingDataset):
         seed: int = 0,
         scale: tuple[float, float] = fast_decode.DEFAULT_SCALE,
         ratio: tuple[float, float] = fast_decode.DEFAULT_RATIO,
+        dct_scaling: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(input_dir, shuffle=True, seed=seed, drop_last=True, **{**_ONE_SAMPLE_PER_READ, **kwargs})
         self.resolution, self.augment_seed, self.scale, self.ratio = resolution, seed, tuple(scale), tuple(ratio)
+        self.dct_scaling = dct_scaling
         self.source = input_dir
 
     def decode(self, item: dict[str, Any]) -> Any:
@@ -139,7 +142,7 @@ class DecodedStreamingDataset(StreamingDataset):
         """The loader's collate function: decodes this dataset's batches in ``threads`` threads."""
         return TrainBatchDecoder(
             self.resolution, self.augment_seed, self.scale, self.ratio, threads, pin_memory,
-            str(_split_dir(self)), self.source,
+            str(_split_dir(self)), self.source, self.dct_scaling,
         )
 
     @override
@@ -177,6 +180,7 @@ class TrainBatchDecoder:
     pin_memory: bool = False
     split_dir: str = ""
     source: str = ""
+    dct_scaling: bool = False
 
     def __call__(self, samples: list[Any]) -> Any:
         if not samples or not all(isinstance(s, StoredSample) for s in samples):
@@ -186,7 +190,8 @@ class TrainBatchDecoder:
         out = self._buffer((len(samples), 3, self.resolution, self.resolution))
         try:
             images = fast_decode.train_batch(
-                jpegs, generators, self.resolution, self.scale, self.ratio, threads=self.threads, out=out
+                jpegs, generators, self.resolution, self.scale, self.ratio, threads=self.threads, out=out,
+                dct_scaling=self.dct_scaling,
             )
         except SampleDecodeError as err:
             s = samples[err.position]
