@@ -46,7 +46,7 @@ import torch
 from PIL import Image
 
 from lightning_fastscale.data.cli import bench_pipeline
-from lightning_fastscale.data.convert import convert
+from lightning_fastscale.data.convert import convert, read_metadata
 from lightning_fastscale.data.fast_decode import normalize_on_device as fast_normalize
 
 
@@ -556,6 +556,39 @@ def ffcv_epochs(beton: Path, args: argparse.Namespace, threads: int) -> Any:
     return _warmed(_loader_epochs(loader), "process" if threads == 1 else "wall")
 
 
+def validation_table(args: argparse.Namespace) -> None:
+    """Validation batches (`ValidationBatches`, square: resize 256 / crop 224 geometry) over the
+    3,200 stored training images of ``--versus-ffcv``'s data, 1 decode thread and one per core,
+    no loader worker: images/s, medians of ``--epoch-rounds`` interleaved rounds."""
+    from torch.utils.data import DataLoader
+
+    from lightning_fastscale.data import validation_plan
+    from lightning_fastscale.data.streaming_datasets import ValidationBatches
+
+    cores = os.cpu_count() or 1
+    print(f"\n| validation, {args.resolution} px, batch {args.batch_size}, no worker | stored max side | 1 thread | "
+          f"{cores} threads | ratio |\n|---|---|---:|---:|---:|")
+    for side in [640, *sorted(set(args.max_sides) - {640}, reverse=True)]:
+        root = args.workdir / f"stream-x{args.repeat}-{side}"
+        if not (root / "dataset.json").is_file():
+            raise SystemExit(f"--validation reads {root}: run --versus-ffcv with the same --workdir, --repeat "
+                             "and --max-sides first (--epoch-rounds 0 writes only the data)")
+        split, count = str(root / "train"), read_metadata(root).split_size("train")
+        batches = validation_plan.square_rank_batches(count, args.batch_size, args.resolution, 0, 1, split)
+        rates: dict[int, list[float]] = {1: [], cores: []}
+        for _ in range(args.epoch_rounds):
+            for threads in rates:
+                torch.set_num_threads(1)
+                loader = DataLoader(ValidationBatches(split, batches, split, crop_ratio=0.875, threads=threads),
+                                    batch_size=None)
+                start = time.perf_counter()
+                seen = sum(images.shape[0] for images, _ in loader)
+                rates[threads].append(seen / (time.perf_counter() - start))
+        ratio = statistics.median(b / a for a, b in zip(rates[1], rates[cores]))
+        print(f"| `ValidationBatches` | {'source' if side == 640 else side} | {statistics.median(rates[1]):,.0f} | "
+              f"{statistics.median(rates[cores]):,.0f} | {ratio:.2f} |")
+
+
 NOT_HERE = object()  # a row not measured in this column
 
 
@@ -666,6 +699,8 @@ def main() -> None:
                         help="also the epoch table: 1 core and all cores, ratios to ImageFolder and to FFCV")
     parser.add_argument("--repeat", type=int, default=10, help="--versus-ffcv: times each training file is in an epoch")
     parser.add_argument("--epoch-rounds", type=int, default=3, help="--versus-ffcv: interleaved rounds")
+    parser.add_argument("--validation", action="store_true",
+                        help="after --versus-ffcv's data is written: validation batches, 1 decode thread and all cores")
     parser.add_argument("--per-core-only", action="store_true", help="--versus-ffcv: only the 1-core column")
     parser.add_argument("--kernels", action="store_true",
                         help="also ms per image of each step of the training transform, source and max side 256")
@@ -742,6 +777,8 @@ def main() -> None:
         print(f"({48 if args.quick else 200} stored images of each size, best of 5, ms of this process's CPU time)")
     if args.versus_ffcv:
         versus_ffcv(args, tree)
+    if args.validation:
+        validation_table(args)
     if args.decoders:
         print("\n| decoder, source files, 1 thread | ms per image (best of 5) |\n|---|---|")
         for name, ms in decoder_ms(tree).items():

@@ -36,8 +36,8 @@ def stream(tmp_path_factory):
     return out, stdout.getvalue() + stderr.getvalue()
 
 
-def _chunk(root: Path) -> Path:
-    return root / "train" / "chunk-0-0.bin"
+def _chunk(root: Path, split: str = "train") -> Path:
+    return root / split / "chunk-0-0.bin"
 
 
 def _offsets(data: bytes) -> tuple[int, ...]:
@@ -113,6 +113,40 @@ def test_training_on_a_flipped_byte_names_the_chunk_and_sample(stream, tmp_path,
     with pytest.raises(CorruptDataError, match=rf"{_chunk(root)}: sample {SAMPLE}: cannot decode .*Corrupt JPEG"):
         for _ in dm.train_dataloader():
             pass
+
+
+@pytest.mark.parametrize("rect_val", [False, True])
+def test_validation_in_threads_gives_the_same_batches_and_names_a_flipped_byte(stream, tmp_path, rect_val):
+    """Validation decodes each batch's samples in the decode threads: the batches of 1 and 2
+    threads are bitwise equal, and a damaged sample is named by chunk and sample either way."""
+    def batches(root, threads):
+        dm = StreamingDataModule(str(root), resolution=32, batch_size=4, num_workers=0, decode_threads=threads,
+                                 rect_val=rect_val)
+        return [(x.clone(), y.tolist()) for x, y in dm.val_dataloader()]
+
+    one, two = batches(stream[0], 1), batches(stream[0], 2)
+    assert len(one) == len(two) > 0
+    assert all(torch.equal(x1, x2) and y1 == y2 for (x1, y1), (x2, y2) in zip(one, two))
+    root = tmp_path / "val-flip"  # a byte of the JPEG's entropy-coded data flipped so that libjpeg warns
+    shutil.copytree(stream[0], root)
+    data = bytearray(_chunk(root, "val").read_bytes())
+    start, end = _offsets(bytes(data))[SAMPLE : SAMPLE + 2]
+    sos = data.index(b"\xff\xda", start)
+    first = sos + 2 + int.from_bytes(data[sos + 2 : sos + 4], "big")
+    for pos in range(first, min(first + 64, end - 2)):  # not every flipped byte makes libjpeg warn
+        damaged = bytearray(data)
+        damaged[pos] ^= 0xFF
+        jpeg = damaged[start:end]
+        try:
+            strict_decode(fast_decode.decode_rgb, torch.frombuffer(jpeg[jpeg.index(b"\xff\xd8"):], dtype=torch.uint8))
+        except ValueError:
+            break
+    else:
+        pytest.fail("none of 64 flipped bytes made libjpeg warn")
+    _chunk(root, "val").write_bytes(bytes(damaged))
+    for threads in (1, 2):
+        with pytest.raises(CorruptDataError, match=rf"{_chunk(root, 'val')}: sample {SAMPLE}: cannot decode .*Corrupt JPEG"):
+            batches(root, threads)
 
 
 @pytest.mark.parametrize("kind", ["truncate", "header"])

@@ -142,6 +142,23 @@ def decode_rgb(data: torch.Tensor) -> torch.Tensor:
     return _decode_jpeg_rgb(data)
 
 
+def decode_rgb_strict(data: torch.Tensor) -> torch.Tensor:
+    """`decode_rgb`, raising ``ValueError`` where libjpeg only warns of "Corrupt JPEG data".
+
+    simplejpeg decodes where it is installed (it raises on libjpeg's warnings itself, so no
+    capture of file descriptor 2 is taken and decodes in other threads run alongside: the same
+    pixels as TorchCodec's); what it refuses, or everything without it, TorchCodec decodes under
+    [`strict_decode`][lightning_fastscale.data.verify.strict_decode], which judges the sample: a
+    harmless warning passes, "Corrupt JPEG data" raises.
+    """
+    if _simplejpeg is not None:
+        try:
+            return torch.from_numpy(_simplejpeg.decode_jpeg(data.numpy(), "RGB", strict=True)).permute(2, 0, 1)
+        except ValueError:
+            pass
+    return strict_decode(decode_rgb, data)
+
+
 def jpeg_size(data: bytes | torch.Tensor) -> tuple[int, int]:
     """``(height, width)`` read from a JPEG's SOF header, without decoding the pixels."""
     buf = bytes(data.numpy()) if isinstance(data, torch.Tensor) else data
@@ -358,8 +375,9 @@ def _thread_pool(threads: int) -> ThreadPoolExecutor:
         return _pools[threads]
 
 
-def _map(fn: Callable[[int], Any], count: int, threads: int) -> list[BaseException | None]:
-    """``fn(i)`` for ``i < count``, in ``threads`` threads; each call's exception or None."""
+def map_in_threads(fn: Callable[[int], Any], count: int, threads: int) -> list[BaseException | None]:
+    """``fn(i)`` for ``i < count``, in this process's pool of ``threads`` threads (the one
+    `train_batch` uses, reused across calls); each call's exception or None, by position."""
 
     def guarded(i: int) -> BaseException | None:
         try:
@@ -462,7 +480,7 @@ def train_batch(
     # batch (no simplejpeg), under one capture; else only simplejpeg's refusals, afterwards, in
     # this thread (other threads' strict decodes wait for them, not for the batch)
     with decoder_messages() if _simplejpeg is None else contextlib.nullcontext([""]) as messages:
-        errors = _map(one, n, threads)
+        errors = map_in_threads(one, n, threads)
     if refused:
         with decoder_messages() as messages:
             for i, drawn in sorted(refused, key=lambda r: r[0]):

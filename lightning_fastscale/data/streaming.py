@@ -95,7 +95,8 @@ class StreamingDataModule(_ResizableDataModule):
             every rank gets the same number of batches (of at most ``val_batch_size``). Needs
             a model that accepts any input size (adaptive pooling, as the package's ResNets).
         decode_threads: threads that decode and augment each training batch in its loader
-            process (one ``fast_decode.train_batch`` call per batch); ``"auto"``: chosen with
+            process (one ``fast_decode.train_batch`` call per batch), and decode the samples of
+            each validation batch; ``"auto"``: chosen with
             ``num_workers="auto"`` by the probe, else those that fill the rank's cores with
             ``num_workers`` processes. Threads change no pixel.
         dct_scaling: decode a training image at 1/2, 1/4 or 1/8 scale in the DCT domain where its
@@ -303,11 +304,12 @@ class StreamingDataModule(_ResizableDataModule):
     def val_dataloader(self) -> Any:
         # Planned batches rather than litdata's loader: every sample exactly once across ranks.
         input_dir, extra = self.source.split("val")
+        threads = self.resolved_decode_threads()  # as the training batches: the rank's cores
         if self.rect_val:
-            batches = self.val_batches_class(input_dir, self.rect_val_batches(), self.root, **extra)
+            batches = self.val_batches_class(input_dir, self.rect_val_batches(), self.root, threads=threads, **extra)
         else:
             batches = self.val_batches_class(
-                input_dir, self.square_val_batches(), self.root, crop_ratio=self.crop_ratio, **extra
+                input_dir, self.square_val_batches(), self.root, crop_ratio=self.crop_ratio, threads=threads, **extra
             )
         loader = DataLoader(
             batches, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,

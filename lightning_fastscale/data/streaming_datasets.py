@@ -21,7 +21,7 @@ from torch.utils.data import IterableDataset, default_collate, get_worker_info
 from typing_extensions import override
 
 from . import fast_decode, rect_val
-from .verify import CorruptDataError, SampleDecodeError, chunk_of, read_index, strict_decode
+from .verify import CorruptDataError, SampleDecodeError, chunk_of, read_index
 
 # One stored sample per litdata read: by default litdata deserialises a window of neighbouring
 # samples per read (sized for small leaves; a JPEG is stored as a plain "bytes" leaf), which a
@@ -70,13 +70,13 @@ def _decode_stored(
 ) -> tuple[torch.Tensor, int]:
     """``(transform(JPEG bytes), label)`` of a stored sample; a decode error names the sample.
 
-    The decode is strict ([`verify.strict_decode`][lightning_fastscale.data.verify.strict_decode]): stored images were re-encoded by
-    ``fastscale-data convert``, so libjpeg's "Corrupt JPEG data" means damaged storage, and
-    training on the garbage it recovers would go unnoticed.
+    ``transform`` decodes strictly ([`fast_decode.decode_rgb_strict`][lightning_fastscale.data.fast_decode.decode_rgb_strict]):
+    stored images were re-encoded by ``fastscale-data convert``, so libjpeg's "Corrupt JPEG
+    data" means damaged storage, and training on the garbage it recovers would go unnoticed.
     """
     data = torch.frombuffer(bytearray(item["image"]), dtype=torch.uint8)
     try:
-        image = strict_decode(transform, data)
+        image = transform(data)
     except Exception as err:  # libjpeg-turbo reports corrupt data as RuntimeError
         raise CorruptDataError(
             f"cannot decode stored image {item['index']} ({item['name']}) of {source}: {err}"
@@ -227,42 +227,58 @@ class ValidationBatches(IterableDataset):
     position (worker ``k`` of ``n`` makes batches ``k, k + n, ...``, which the loader hands out
     in order again). Being an ``IterableDataset``, Lightning leaves it alone under DDP (it
     replaces the sampler of map-style loaders only), so the per-rank plan is what each rank
-    runs. Samples are read by their litdata index through litdata's chunk reader and decoded
-    (``fast_decode.decode_rgb``). With ``crop_ratio=None`` (rectangular validation, `rect_val`)
-    each is resized to cover its batch's shape (`rect_val.resize_to_cover`); otherwise
-    it gets the square resize + centre crop (`fast_decode.val_transform`).
+    runs. A batch's samples are read by their litdata index through litdata's chunk reader, one
+    after the other, then decoded strictly (``fast_decode.decode_rgb_strict``) and fitted in
+    ``threads`` threads (``decode``, per sample). With ``crop_ratio=None`` (rectangular
+    validation, `rect_val`) each is resized to cover its batch's shape
+    (`rect_val.resize_to_cover`); otherwise it gets the square resize + centre crop
+    (`fast_decode.val_transform`'s geometry).
     """
 
     def __init__(
         self, input_dir: str, batches: list[rect_val.RectBatch], source: str,
-        crop_ratio: float | None = None, **dataset_kwargs: Any,
+        crop_ratio: float | None = None, threads: int = 1, **dataset_kwargs: Any,
     ) -> None:
         super().__init__()
         self.samples = StreamingDataset(input_dir, shuffle=False, **{**_ONE_SAMPLE_PER_READ, **dataset_kwargs})
-        self.batches, self.source, self.crop_ratio = batches, source, crop_ratio
+        self.batches, self.source, self.crop_ratio, self.threads = batches, source, crop_ratio, threads
 
     def __len__(self) -> int:
         return len(self.batches)
 
     def decode(self, item: dict[str, Any], shape: tuple[int, int]) -> tuple[torch.Tensor, int]:
-        """Decode one stored sample and fit it to the batch's ``(height, width)``."""
+        """Decode one stored sample and fit it to the batch's ``(height, width)`` (called from
+        ``threads`` threads at once)."""
 
         def transform(data: torch.Tensor) -> torch.Tensor:
+            image = fast_decode.decode_rgb_strict(data)
             if self.crop_ratio is None:
-                return rect_val.resize_to_cover(fast_decode.decode_rgb(data), shape)
-            return fast_decode.val_transform(data, shape[0], self.crop_ratio)
+                return rect_val.resize_to_cover(image, shape)
+            return fast_decode.resize_centre_crop(image, shape[0], self.crop_ratio)
 
         return _decode_stored(item, transform, self.source)
 
-    def _read_and_decode(self, index: int, shape: tuple[int, int]) -> tuple[torch.Tensor, int]:
-        return _named(self.samples, index, lambda: self.decode(_read_stored(self.samples.__getitem__, index), shape))
+    def _decoded_batch(self, batch: rect_val.RectBatch) -> list[tuple[torch.Tensor, int]]:
+        """The batch's samples, read one after the other (litdata's reader is not shared across
+        threads), decoded in ``threads`` threads; the first damaged one (in batch order) raises."""
+        items = [_named(self.samples, i, lambda i=i: _read_stored(self.samples.__getitem__, i)) for i in batch.indices]
+        decoded: list[Any] = [None] * len(items)
+
+        def one(k: int) -> None:
+            index = batch.indices[k]
+            decoded[k] = _named(self.samples, index, lambda: self.decode(items[k], batch.shape))
+
+        error = next((err for err in fast_decode.map_in_threads(one, len(items), self.threads) if err is not None), None)
+        if error is not None:
+            raise error
+        return decoded
 
     @override
     def __iter__(self) -> Any:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         for batch in self.batches[worker::workers]:
-            yield default_collate([self._read_and_decode(i, batch.shape) for i in batch.indices])
+            yield default_collate(self._decoded_batch(batch))
 
 
 class EpochAwareStreamingDataLoader(StreamingDataLoader):
