@@ -556,6 +556,11 @@ def ffcv_epochs(beton: Path, args: argparse.Namespace, threads: int) -> Any:
     return _warmed(_loader_epochs(loader), "process" if threads == 1 else "wall")
 
 
+def stored_sides(args: argparse.Namespace) -> list[int]:
+    """The stored max sides of ``--versus-ffcv``'s data: source size (640), then each ``--max-sides``."""
+    return [640, *sorted(set(args.max_sides) - {640}, reverse=True)]
+
+
 def validation_table(args: argparse.Namespace) -> None:
     """Validation batches (`ValidationBatches`, square: resize 256 / crop 224 geometry) over the
     3,200 stored training images of ``--versus-ffcv``'s data, 1 decode thread and one per core,
@@ -568,7 +573,7 @@ def validation_table(args: argparse.Namespace) -> None:
     cores = os.cpu_count() or 1
     print(f"\n| validation, {args.resolution} px, batch {args.batch_size}, no worker | stored max side | 1 thread | "
           f"{cores} threads | ratio |\n|---|---|---:|---:|---:|")
-    for side in [640, *sorted(set(args.max_sides) - {640}, reverse=True)]:
+    for side in stored_sides(args):
         root = args.workdir / f"stream-x{args.repeat}-{side}"
         if not (root / "dataset.json").is_file():
             raise SystemExit(f"--validation reads {root}: run --versus-ffcv with the same --workdir, --repeat "
@@ -598,7 +603,7 @@ def versus_ffcv(args: argparse.Namespace, tree: Path) -> None:
     big = repeated_tree(tree, args.workdir / f"tree-x{args.repeat}", args.repeat)
     streams, stored, betons = {}, {}, {}
     with_ffcv = ffcv_importable()
-    sides = [640, *sorted(set(args.max_sides) - {640}, reverse=True)]  # source size, then each --max-sides
+    sides = stored_sides(args)
     for side in sides:
         streams[side] = args.workdir / f"stream-x{args.repeat}-{side}"
         if not (streams[side] / "dataset.json").is_file():
