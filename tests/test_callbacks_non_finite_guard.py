@@ -52,10 +52,7 @@ def cases():
 
 
 def fit_trainer(tmp_path, kw: dict, **opts) -> pl.Trainer:
-    settings = dict(
-        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        default_root_dir=str(tmp_path),
-    )
+    settings = dict(accelerator="cpu", devices=1, default_root_dir=str(tmp_path))
     return pl.Trainer(**{**settings, **kw, **opts})
 
 
@@ -88,9 +85,7 @@ def test_isolated_skips_do_not_stop(tmp_path, kw) -> None:
     """Three bad steps, a good one, three bad: never more than 3 in a row, so the run ends normally."""
     guard = NonFiniteGuard(max_consecutive=3)
     module = Storm(bad_steps=[1, 2, 3, 5, 6, 7], where="grad")
-    common = dict(accelerator="cpu", devices=1, max_steps=9, logger=False, enable_checkpointing=False,
-                  enable_progress_bar=False, default_root_dir=str(tmp_path),
-                  callbacks=[guard])
+    common = dict(accelerator="cpu", devices=1, max_steps=9, default_root_dir=str(tmp_path), callbacks=[guard])
     if kw.get("plugin") == "lars":
         tr = pl.Trainer(plugins=[LARSMixedPrecision("16-mixed", "cpu", scaler=small_scaler())], **common)
     else:

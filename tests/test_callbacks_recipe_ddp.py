@@ -43,9 +43,7 @@ def test_recipe_callbacks_act_identically_on_every_rank(tmp_path) -> None:
     torch.manual_seed(0)
     module = TinyClassifier(model=create_model("resnet_small", num_classes=4, widths=(4, 8, 8)), no_decay_on_bias_norm=True)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, logger=False,
-        enable_progress_bar=False, enable_checkpointing=False,
-        num_sanity_val_steps=0, default_root_dir=tmp_path,
+        accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, default_root_dir=tmp_path,
         callbacks=[LabelSmoothing(0.2), ZeroInitResidualBN(), _RankProbe(str(tmp_path)),
                    ReleaseProcessGroup()],
     )

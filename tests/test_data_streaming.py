@@ -157,8 +157,7 @@ def _hier_ring_epoch(rank, world_size, root, tmp):
     model = _IndexRecorder()
     trainer = pl.Trainer(
         strategy=HierarchicalAllReduceStrategy(ranks_per_node=1), accelerator="cpu", devices=world_size,
-        max_epochs=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
-        default_root_dir=tmp,
+        max_epochs=1, limit_val_batches=0, default_root_dir=tmp,
     )
     trainer.fit(model, datamodule=_IndexDataModule(root, resolution=16, batch_size=3, num_workers=0))
     return {"seen": model.seen, "hook_iterations": trainer.strategy.hook_state.iteration,
@@ -191,8 +190,7 @@ class _Recorder(pl.LightningModule):
 
 
 def _trainer(tmp, **kw):
-    return pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False,
-                      default_root_dir=str(tmp), **kw)
+    return pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, default_root_dir=str(tmp), **kw)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

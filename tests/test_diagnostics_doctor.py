@@ -153,8 +153,7 @@ def test_probe_in_a_fit_measures_a_slow_loader_and_names_input(tmp_path):
     dm = InjectedDataModule(batch_size=16, resolution=8, train_size=256, sample_delay_s=0.003)
     module = ImageClassifier("linear", num_classes=10, model_kwargs={"resolution": 8})
     probe = DoctorProbe(compute_steps=2, loader_batches=3)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, limit_val_batches=0,
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=6, limit_val_batches=0,
                          default_root_dir=tmp_path,
                          callbacks=[StepBreakdown(every_n_steps=6, warmup_steps=2, dirpath=tmp_path, plot=False,
                                                   print_table=False), probe])

@@ -70,9 +70,7 @@ def test_planner_flags_as_documented_plan_without_a_backward_time(tmp_path, monk
     assert isinstance(planner, CostModelPlanner) and planner.params is not None
     assert planner.backward_time_s is None and planner.sustained_tflops  # from the cluster file
     # the module's setup hook, as the 2-process fit runs it (one step on one process here)
-    pl.Trainer(accelerator="cpu", devices=1, max_steps=1, limit_val_batches=0, logger=False,
-               enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path,
-               ).fit(cli.model, cli.datamodule)
+    pl.Trainer(accelerator="cpu", devices=1, max_steps=1, limit_val_batches=0, default_root_dir=tmp_path).fit(cli.model, cli.datamodule)
     assert tuple(cli.model.example_input_array.shape) == (64, 3, 32, 32)  # the YAML's batch, 32 px
     plan = planner.plan(cli.model, Topology(num_nodes=2, ranks_per_node=1))
     assert plan.algorithm in ("flat", "hier", "torus2d") and 1 <= plan.plan.num_buckets <= 3

@@ -41,8 +41,7 @@ def test_other_num_classes_keeps_a_fresh_head(tmp_path):
 def test_fastscale_checkpoint_fine_tunes_into_a_new_module(tmp_path):
     module = ImageClassifier("resnet_small", num_classes=4, model_kwargs=SMALL)
     data = TensorDataset(torch.randn(16, 3, 16, 16), torch.randint(0, 4, (16,)))
-    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
-                         default_root_dir=tmp_path, num_sanity_val_steps=0)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, default_root_dir=tmp_path)
     trainer.fit(module, DataLoader(data, batch_size=8), DataLoader(data, batch_size=8))
     trainer.save_checkpoint(tmp_path / "run.ckpt")
     tuned = ImageClassifier("resnet_small", num_classes=4, model_kwargs=SMALL, pretrained=str(tmp_path / "run.ckpt"))

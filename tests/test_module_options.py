@@ -30,9 +30,7 @@ def _loader(n=16, side=16, classes=4, batch=8):
 
 
 def _trainer(tmp_path, **kwargs):
-    defaults = dict(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
-                    enable_checkpointing=False, num_sanity_val_steps=0,
-                    default_root_dir=tmp_path)
+    defaults = dict(accelerator="cpu", devices=1, max_steps=2, default_root_dir=tmp_path)
     return pl.Trainer(**{**defaults, **kwargs})
 
 
