@@ -561,6 +561,39 @@ def stored_sides(args: argparse.Namespace) -> list[int]:
     return [640, *sorted(set(args.max_sides) - {640}, reverse=True)]
 
 
+def written_stream(args: argparse.Namespace, side: int) -> Path:
+    """The converted folder ``--versus-ffcv`` wrote for ``side``; exits saying how to write it if missing."""
+    root = args.workdir / f"stream-x{args.repeat}-{side}"
+    if not (root / "dataset.json").is_file():
+        raise SystemExit(f"{root} is missing: run --versus-ffcv with the same --workdir, --repeat and "
+                         "--max-sides first (--epoch-rounds 0 writes only the data)")
+    return root
+
+
+def read_cost_table(args: argparse.Namespace) -> None:
+    """Microseconds of CPU per sample to read ``--versus-ffcv``'s shuffled training split through
+    litdata's loader (no decode), with litdata's default window of samples per read
+    (``batch_decode="auto"``) and one sample per read (``batch_decode=0``, the datamodule's);
+    best of ``--epoch-rounds`` epochs after a warm-up one."""
+    from litdata import StreamingDataLoader, StreamingDataset
+
+    print("\n| read only, shuffled, batch_decode | stored max side | auto (litdata default) | 0 (one sample per read) |"
+          "\n|---|---|---:|---:|")
+    for side in stored_sides(args):
+        split = written_stream(args, side) / "train"
+        cost = {}
+        for batch_decode in ("auto", 0):
+            dataset = StreamingDataset(str(split), shuffle=True, seed=0, drop_last=True, batch_decode=batch_decode)
+            loader = StreamingDataLoader(dataset, batch_size=args.batch_size, num_workers=0, collate_fn=list)
+            best = math.inf
+            for _ in range(args.epoch_rounds + 1):
+                start = time.process_time()
+                seen = sum(len(samples) for samples in loader)
+                best = min(best, (time.process_time() - start) / seen * 1e6)
+            cost[batch_decode] = best
+        print(f"| litdata `StreamingDataLoader` | {'source' if side == 640 else side} | {cost['auto']:.1f} | {cost[0]:.1f} |")
+
+
 def validation_table(args: argparse.Namespace) -> None:
     """Validation batches (`ValidationBatches`, square: resize 256 / crop 224 geometry) over the
     3,200 stored training images of ``--versus-ffcv``'s data, 1 decode thread and one per core,
@@ -574,10 +607,7 @@ def validation_table(args: argparse.Namespace) -> None:
     print(f"\n| validation, {args.resolution} px, batch {args.batch_size}, no worker | stored max side | 1 thread | "
           f"{cores} threads | ratio |\n|---|---|---:|---:|---:|")
     for side in stored_sides(args):
-        root = args.workdir / f"stream-x{args.repeat}-{side}"
-        if not (root / "dataset.json").is_file():
-            raise SystemExit(f"--validation reads {root}: run --versus-ffcv with the same --workdir, --repeat "
-                             "and --max-sides first (--epoch-rounds 0 writes only the data)")
+        root = written_stream(args, side)
         split, count = str(root / "train"), read_metadata(root).split_size("train")
         batches = validation_plan.square_rank_batches(count, args.batch_size, args.resolution, 0, 1, split)
         rates: dict[int, list[float]] = {1: [], cores: []}
@@ -706,6 +736,8 @@ def main() -> None:
     parser.add_argument("--epoch-rounds", type=int, default=3, help="--versus-ffcv: interleaved rounds")
     parser.add_argument("--validation", action="store_true",
                         help="after --versus-ffcv's data is written: validation batches, 1 decode thread and all cores")
+    parser.add_argument("--read-cost", action="store_true",
+                        help="after --versus-ffcv's data is written: litdata's read cost per sample, window vs one sample")
     parser.add_argument("--per-core-only", action="store_true", help="--versus-ffcv: only the 1-core column")
     parser.add_argument("--kernels", action="store_true",
                         help="also ms per image of each step of the training transform, source and max side 256")
@@ -784,6 +816,8 @@ def main() -> None:
         versus_ffcv(args, tree)
     if args.validation:
         validation_table(args)
+    if args.read_cost:
+        read_cost_table(args)
     if args.decoders:
         print("\n| decoder, source files, 1 thread | ms per image (best of 5) |\n|---|---|")
         for name, ms in decoder_ms(tree).items():

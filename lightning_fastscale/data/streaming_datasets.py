@@ -25,8 +25,8 @@ from .verify import CorruptDataError, SampleDecodeError, chunk_of, read_index
 
 # One stored sample per litdata read: by default litdata deserialises a window of neighbouring
 # samples per read (sized for small leaves; a JPEG is stored as a plain "bytes" leaf), which a
-# shuffled or planned order mostly throws away: at source size 13x the cost of reading the one
-# sample (benchmarks/README.md)
+# shuffled or planned order mostly throws away: at source size about 10x the cost of reading the
+# one sample (benchmarks/README.md)
 _ONE_SAMPLE_PER_READ = {"batch_decode": 0}
 
 _VERIFY_HINT = "Run `fastscale-data verify ROOT` (the data folder) to list every damaged chunk and sample"
