@@ -25,16 +25,13 @@ def tensor_loader(
 def make_trainer(
     tmp_path: Path, callbacks: list[pl.Callback], max_epochs: int = 1, **kwargs: Any
 ) -> pl.Trainer:
-    """A quiet single-process CPU Trainer writing only under ``tmp_path``."""
-    kwargs.setdefault("enable_checkpointing", False)
+    """A single-process CPU Trainer with Lightning's defaults, writing only under ``tmp_path``."""
     return pl.Trainer(
         default_root_dir=tmp_path,
         accelerator="cpu",
         devices=1,
         max_epochs=max_epochs,
         callbacks=callbacks,
-        logger=False,
-        enable_progress_bar=False,
         deterministic=True,
         **kwargs,
     )

@@ -130,12 +130,9 @@ class TinyNet(pl.LightningModule):
 
 
 def trainer(tmp_path, callbacks, max_epochs=3, **kw) -> pl.Trainer:
-    kw.setdefault("num_sanity_val_steps", 0)
     kw.setdefault("limit_val_batches", 0)
-    kw.setdefault("enable_checkpointing", False)
     return pl.Trainer(
-        accelerator="cpu", devices=1, max_epochs=max_epochs, callbacks=callbacks, logger=False,
-        enable_progress_bar=False, default_root_dir=tmp_path, **kw,
+        accelerator="cpu", devices=1, max_epochs=max_epochs, callbacks=callbacks, default_root_dir=tmp_path, **kw,
     )
 
 
@@ -146,9 +143,8 @@ def test_ramp_trains_with_scheduled_global_batch_on_two_processes(tmp_path):
     """DDP on 2 CPU processes: samples per optimizer step (summed over ranks) follow the ramp."""
     schedule = {0: 8, 1: 16, 2: 32}
     t = pl.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=3, logger=False,
-        enable_progress_bar=False, enable_checkpointing=False,
-        limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=tmp_path,
+        accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=3,
+        limit_val_batches=0, default_root_dir=tmp_path,
         callbacks=[BatchSizeRamp(schedule, max_per_device_batch=8), ReleaseProcessGroup()],
     )
     t.fit(TinyNet(record_dir=str(tmp_path)), ControllableDM(batch_size=99))
@@ -307,7 +303,7 @@ def test_lr_monitor_logs_the_lr_each_step_applies(tmp_path):
     pl.Trainer(
         accelerator="cpu", devices=1, max_epochs=3, logger=memory, log_every_n_steps=1, limit_val_batches=0,
         callbacks=[LearningRateMonitor(logging_interval="step"), BatchSizeRamp({0: 16, 1: 32}), cb],
-        enable_progress_bar=False, enable_checkpointing=False, default_root_dir=tmp_path,
+        default_root_dir=tmp_path,
     ).fit(model, ControllableDM())
     monitored = [m["lr-SGD"] for _, m in memory.metrics if "lr-SGD" in m]
     scheduled = [m["lr_schedule/lr"] for _, m in memory.metrics if "lr_schedule/lr" in m]

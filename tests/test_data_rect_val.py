@@ -253,7 +253,7 @@ def test_two_rank_ddp_validation_sees_every_sample_once(stream, tmp_path, rect):
     old = _without_sizes(stream, tmp_path / "old")
     dm = _IndexDataModule(str(old), resolution=32, batch_size=2, num_workers=0, rect_val=rect)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp_spawn", logger=False,
+        accelerator="cpu", devices=2, strategy="ddp_spawn",
         default_root_dir=tmp_path, callbacks=[ReleaseProcessGroup()],
     )
     trainer.validate(_ValRecorder(str(tmp_path)), datamodule=dm)

@@ -51,9 +51,7 @@ def fit(tmp_path, module, callbacks=(), max_epochs=2, ckpt_path=None, checkpoint
     if checkpoint_dir is not None:
         cbs.append(ModelCheckpoint(dirpath=checkpoint_dir, save_last=True))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_epochs=max_epochs, logger=False, callbacks=cbs,
-        enable_progress_bar=False, num_sanity_val_steps=0,
-        limit_val_batches=0, enable_checkpointing=checkpoint_dir is not None, default_root_dir=tmp_path,
+        accelerator="cpu", devices=1, max_epochs=max_epochs, callbacks=cbs, limit_val_batches=0, enable_checkpointing=checkpoint_dir is not None, default_root_dir=tmp_path,
     )
     trainer.fit(module, tiny_data(), ckpt_path=ckpt_path)
     return counter

@@ -145,9 +145,8 @@ def _fit(root: Path, folder: Path, callbacks, ckpt_path=None) -> pl.LightningMod
     pl.seed_everything(0)
     model = _DropoutNet()
     dm = StreamingDataModule(str(root), resolution=16, batch_size=16, num_workers=1, device_prefetch=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, callbacks=callbacks,
-                         limit_val_batches=0,
-                         num_sanity_val_steps=0, default_root_dir=str(folder))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, callbacks=callbacks,
+                         limit_val_batches=0, default_root_dir=str(folder))
     trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
     return model
 

@@ -66,8 +66,7 @@ def data(n: int = 24, batch: int = 4) -> torch.utils.data.DataLoader:
 
 def trainer(plugin, tmp_path: Path, **kw) -> pl.Trainer:
     opts = dict(
-        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        default_root_dir=str(tmp_path), plugins=[plugin],
+        accelerator="cpu", devices=1, default_root_dir=str(tmp_path), plugins=[plugin],
     )
     opts.update(kw)
     return pl.Trainer(**opts)
