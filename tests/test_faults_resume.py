@@ -19,8 +19,8 @@ import torch
 
 from benchmarks.fault_helpers import finish, finish_all, read_batch_log, start
 from lightning_fastscale.callbacks import ExactResume
-from lightning_fastscale.callbacks.exact_resume import WorldSizeChangeError
 from lightning_fastscale.data.convert import convert
+from lightning_fastscale.faults.exact_resume import WorldSizeChangeError
 
 # 256 samples, global batch 32 (large_batch: data.batch_size is the global batch; default
 # callbacks: the per-device batch, set to 32 / ranks): 8 steps per epoch (default callbacks:

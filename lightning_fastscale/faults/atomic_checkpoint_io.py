@@ -13,11 +13,11 @@ filesystem), flushed and ``fsync``-ed, then renamed over the target with ``os.re
 (atomic on POSIX), and the folder is ``fsync``-ed so the rename survives a power loss. A
 failed write removes its temporary file; a process killed mid-write leaves one, named
 ``.<target>.<random>.partial`` (not ``*.ckpt``, so never taken for a checkpoint), which
-[`remove_partial_files`][lightning_fastscale.checkpoint_io.remove_partial_files] clears when the run folder is resumed. Remote paths (``s3://``
+[`remove_partial_files`][lightning_fastscale.faults.atomic_checkpoint_io.remove_partial_files] clears when the run folder is resumed. Remote paths (``s3://``
 and other fsspec URLs) keep Lightning's own upload.
 
-Functional core: [`save_atomically`][lightning_fastscale.checkpoint_io.save_atomically], [`partial_files`][lightning_fastscale.checkpoint_io.partial_files], [`remove_partial_files`][lightning_fastscale.checkpoint_io.remove_partial_files].
-Lightning adapter: [`AtomicCheckpointIO`][lightning_fastscale.checkpoint_io.AtomicCheckpointIO].
+Functional core: [`save_atomically`][lightning_fastscale.faults.atomic_checkpoint_io.save_atomically], [`partial_files`][lightning_fastscale.faults.atomic_checkpoint_io.partial_files], [`remove_partial_files`][lightning_fastscale.faults.atomic_checkpoint_io.remove_partial_files].
+Lightning adapter: [`AtomicCheckpointIO`][lightning_fastscale.faults.atomic_checkpoint_io.AtomicCheckpointIO].
 """
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def save_atomically(obj: Any, path: str | os.PathLike) -> None:
 
 
 def partial_files(folders: Iterable[str | os.PathLike]) -> list[Path]:
-    """Temporary files of [`save_atomically`][lightning_fastscale.checkpoint_io.save_atomically] left in ``folders`` by a killed writer."""
+    """Temporary files of [`save_atomically`][lightning_fastscale.faults.atomic_checkpoint_io.save_atomically] left in ``folders`` by a killed writer."""
     found: list[Path] = []
     for folder in folders:
         folder = Path(folder)
@@ -102,9 +102,9 @@ def partial_files(folders: Iterable[str | os.PathLike]) -> list[Path]:
 
 
 def remove_partial_files(folders: Iterable[str | os.PathLike]) -> list[Path]:
-    """Delete the leftovers [`partial_files`][lightning_fastscale.checkpoint_io.partial_files] finds (with a warning naming each); return them.
+    """Delete the leftovers [`partial_files`][lightning_fastscale.faults.atomic_checkpoint_io.partial_files] finds (with a warning naming each); return them.
 
-    Only for a run folder this process owns (see [`lightning_fastscale.run_folder`][lightning_fastscale.run_folder]): a
+    Only for a run folder this process owns (see [`lightning_fastscale.faults.run_folder_lock`][lightning_fastscale.faults.run_folder_lock]): a
     temporary file there is a write that a killed process never finished.
     """
     removed = []
@@ -120,10 +120,10 @@ def remove_partial_files(folders: Iterable[str | os.PathLike]) -> list[Path]:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning's ``TorchCheckpointIO`` with atomic local writes ([`save_atomically`][lightning_fastscale.checkpoint_io.save_atomically]).
+    """Lightning's ``TorchCheckpointIO`` with atomic local writes ([`save_atomically`][lightning_fastscale.faults.atomic_checkpoint_io.save_atomically]).
 
     Every checkpoint the Trainer writes (``ModelCheckpoint``, ``Trainer.save_checkpoint``,
-    [`PreemptionCheckpoint`][lightning_fastscale.callbacks.PreemptionCheckpoint]) goes through the strategy's
+    [`PreemptionCheckpoint`][lightning_fastscale.faults.PreemptionCheckpoint]) goes through the strategy's
     ``CheckpointIO``; ``fastscale-train`` installs this one. Loading is Lightning's.
 
     Examples:

@@ -6,7 +6,7 @@ settles, but a long run of them means the model itself produces infs or NaNs (a 
 learning rate, a bad batch, a broken layer), and the run then burns its allocation without
 learning. Large-batch runs (Jia et al. 2018: fp16 with LARS at batch 64K) run at learning
 rates where this happens. The guard counts consecutive bad optimizer steps and raises
-[`NonFiniteStepsError`][lightning_fastscale.callbacks.NonFiniteStepsError] once there are more than ``max_consecutive`` of them, naming the
+[`NonFiniteStepsError`][lightning_fastscale.faults.NonFiniteStepsError] once there are more than ``max_consecutive`` of them, naming the
 step, the loss scale and the first parameter with a non-finite gradient.
 
 The skip budget belongs to loss scaling only. With a loss scaler (fp16) a step counts as bad:
@@ -68,7 +68,7 @@ class NonFiniteGuard(Callback):
 
     Args:
         max_consecutive: with a loss scaler (fp16), how many consecutive skipped steps are
-            tolerated; one more raises [`NonFiniteStepsError`][lightning_fastscale.callbacks.NonFiniteStepsError]. A loss scaler that starts
+            tolerated; one more raises [`NonFiniteStepsError`][lightning_fastscale.faults.NonFiniteStepsError]. A loss scaler that starts
             at 2**16 needs a handful of skips to settle; 100 leaves room for that and for a rare
             bad batch. Without a scaler (fp32, bf16) the first non-finite step raises.
 
@@ -202,5 +202,5 @@ class NonFiniteGuard(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what [`state_dict`][lightning_fastscale.callbacks.NonFiniteGuard.state_dict] saved."""
+        """Restore what [`state_dict`][lightning_fastscale.faults.NonFiniteGuard.state_dict] saved."""
         self.consecutive = int(state_dict.get("consecutive", 0))

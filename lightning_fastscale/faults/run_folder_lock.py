@@ -19,8 +19,8 @@ on a filesystem without it (``flock`` fails with ``ENOLCK``) the claim falls bac
 file alone (exclusive create), and a stale file from another host must then be removed by
 hand, as the message says.
 
-Functional core: [`global_rank_from_env`][lightning_fastscale.run_folder.global_rank_from_env], [`claim`][lightning_fastscale.run_folder.claim]. Hydra adapter:
-[`ClaimRunFolder`][lightning_fastscale.run_folder.ClaimRunFolder] (a Hydra callback, so the claim comes before Hydra writes the run's
+Functional core: [`global_rank_from_env`][lightning_fastscale.faults.run_folder_lock.global_rank_from_env], [`claim`][lightning_fastscale.faults.run_folder_lock.claim]. Hydra adapter:
+[`ClaimRunFolder`][lightning_fastscale.faults.run_folder_lock.ClaimRunFolder] (a Hydra callback, so the claim comes before Hydra writes the run's
 config into the folder).
 """
 from __future__ import annotations
@@ -85,7 +85,7 @@ def _describe(holder: Mapping[str, Any]) -> str:
 
 
 class Claim:
-    """A held claim on a run folder; [`release`][lightning_fastscale.run_folder.Claim.release] (also run at exit) gives it up."""
+    """A held claim on a run folder; [`release`][lightning_fastscale.faults.run_folder_lock.Claim.release] (also run at exit) gives it up."""
 
     def __init__(self, folder: Path, fd: int | None) -> None:
         self.folder = folder
@@ -117,7 +117,7 @@ def _me() -> dict[str, Any]:
 
 
 def claim(folder: str | os.PathLike) -> Claim:
-    """Claim ``folder`` for this process, or raise [`RunFolderInUseError`][lightning_fastscale.run_folder.RunFolderInUseError] naming the holder.
+    """Claim ``folder`` for this process, or raise [`RunFolderInUseError`][lightning_fastscale.faults.run_folder_lock.RunFolderInUseError] naming the holder.
 
     Examples:
         >>> import tempfile
@@ -126,7 +126,7 @@ def claim(folder: str | os.PathLike) -> Claim:
         >>> claim(folder)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        lightning_fastscale.run_folder.RunFolderInUseError: run folder ... is in use by pid ...
+        lightning_fastscale.faults.run_folder_lock.RunFolderInUseError: run folder ... is in use by pid ...
         >>> held.release()
     """
     folder = Path(folder).absolute()
@@ -185,7 +185,7 @@ class ClaimRunFolder(Callback):
 
     Registered in ``train.yaml`` under ``hydra.callbacks``. In a single run (not ``-m``) the
     rank-0 process claims the folder at ``on_run_start``, before Hydra saves the config
-    there; a refused run exits with the message of [`RunFolderInUseError`][lightning_fastscale.run_folder.RunFolderInUseError] and status 1.
+    there; a refused run exits with the message of [`RunFolderInUseError`][lightning_fastscale.faults.run_folder_lock.RunFolderInUseError] and status 1.
     Multirun jobs each get their own sub-folder and are not claimed.
     """
 
