@@ -10,7 +10,7 @@ from torchvision.datasets import ImageFolder
 
 from lightning_fastscale.data.cli import main
 from lightning_fastscale.data.convert import read_metadata
-from lightning_fastscale.data.fast_decode import decode_rgb, jpeg_size
+from lightning_fastscale.data.transforms import decode_rgb, jpeg_size
 
 from .data_streaming_utils import CLASSES, convert_tree, write_tree
 

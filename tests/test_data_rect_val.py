@@ -16,7 +16,7 @@ from PIL import Image
 from torch import nn
 from torchvision.transforms.v2 import functional as F
 
-from lightning_fastscale.data import StreamingDataModule, fast_decode, rect_val
+from lightning_fastscale.data import StreamingDataModule, rect_val, transforms
 from lightning_fastscale.data.convert import convert, stored_sample_count
 from lightning_fastscale.data.streaming import ValidationBatches
 
@@ -112,7 +112,7 @@ def test_convert_records_val_sizes_in_litdata_order(stream):
     samples = StreamingDataset(str(stream / "val"))
     assert len(sizes) == len(samples) == 9
     for i, (h, w) in enumerate(sizes):
-        image = fast_decode.decode_rgb(torch.frombuffer(bytearray(samples[i]["image"]), dtype=torch.uint8))
+        image = transforms.decode_rgb(torch.frombuffer(bytearray(samples[i]["image"]), dtype=torch.uint8))
         assert tuple(image.shape[1:]) == (h, w)
     assert len({w / h for h, w in sizes}) >= 3  # the test data has varied ratios
 
@@ -127,8 +127,8 @@ def test_rect_batches_are_uint8_rectangles_normalised_on_device(stream):
     x, y = batches[-1]
     assert x.dtype == torch.uint8
     out, _ = dm.on_after_batch_transfer((x, y), 0)
-    mean = torch.tensor(fast_decode.IMAGENET_MEAN).view(1, 3, 1, 1)
-    std = torch.tensor(fast_decode.IMAGENET_STD).view(1, 3, 1, 1)
+    mean = torch.tensor(transforms.IMAGENET_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(transforms.IMAGENET_STD).view(1, 3, 1, 1)
     torch.testing.assert_close(out, (x.float() / 255 - mean) / std, rtol=1e-5, atol=1e-5)
     # two loader workers hand out the same batches in the same order
     again = list(_dm(stream, num_workers=2).val_dataloader())

@@ -2,7 +2,7 @@
 
 Without loader workers the batch is decoded in the training process, which on few cores is
 the fastest way to use them all (one process, no batch pickled between processes, the decode
-threads of `fast_decode.train_batch`), as FFCV (Leclerc et al. 2023) does. Run synchronously,
+threads of `transforms.train_batch`), as FFCV (Leclerc et al. 2023) does. Run synchronously,
 though, that decoding sits on the training thread between steps and the accelerator idles.
 `BackgroundStreamingDataLoader` runs litdata's iterator on one producer thread that reads
 each batch's samples and hands the batch to a pool of ``batches_ahead`` threads that decode it

@@ -293,7 +293,7 @@ def stored_image_sizes(split_dir: str | os.PathLike[str], **dataset_kwargs: Any)
     """
     from litdata import StreamingDataset
 
-    from .fast_decode import jpeg_size
+    from .transforms import jpeg_size
 
     dataset = StreamingDataset(str(split_dir), **dataset_kwargs)
     return [list(jpeg_size(dataset[i]["image"])) for i in range(stored_sample_count(dataset))]

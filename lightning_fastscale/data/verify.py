@@ -45,7 +45,7 @@ class CorruptDataError(RuntimeError):
 class SampleDecodeError(CorruptDataError):
     """A sample of a batch that cannot be decoded cleanly, by its ``position`` in the batch.
 
-    Raised by ``fast_decode.train_batch``, which knows only the bytes; the caller knows which
+    Raised by ``transforms.train_batch``, which knows only the bytes; the caller knows which
     chunk and sample sit at ``position`` and names them.
     """
 
@@ -224,7 +224,7 @@ def verify_split(split_dir: str | os.PathLike[str], decode: Callable[[torch.Tens
     sample of the sound chunks read through litdata and decoded strictly."""
     from litdata import StreamingDataset
 
-    from .fast_decode import decode_rgb
+    from .transforms import decode_rgb
 
     decode = decode or decode_rgb
     split = Path(split_dir)

@@ -198,7 +198,7 @@ def train_transform(
 ) -> torch.Tensor:
     """Decode, random-resized-crop to ``size`` and flip with probability 1/2; uint8 out.
 
-    The reference for one image; [`train_batch`][lightning_fastscale.data.fast_decode.train_batch]
+    The reference for one image; [`train_batch`][lightning_fastscale.data.transforms.train_batch]
     does the same to a batch, faster.
     """
     image = decode_rgb(data)
@@ -341,7 +341,7 @@ def val_transform(data: torch.Tensor, size: int, crop_ratio: float = 0.875) -> t
 
 
 def resize_centre_crop(image: torch.Tensor, size: int, crop_ratio: float = 0.875) -> torch.Tensor:
-    """The geometry of [`val_transform`][lightning_fastscale.data.fast_decode.val_transform] on a
+    """The geometry of [`val_transform`][lightning_fastscale.data.transforms.val_transform] on a
     decoded uint8 ``(C, H, W)`` image."""
     short = round(size / crop_ratio)
     h, w = image.shape[-2:]
@@ -409,7 +409,7 @@ def train_batch(
     """Decode, random-resized-crop and flip a whole batch: uint8 ``(N, 3, resolution, resolution)``.
 
     Sample ``i`` gets exactly the crop box and flip that
-    [`train_transform`][lightning_fastscale.data.fast_decode.train_transform]``(jpegs[i],
+    [`train_transform`][lightning_fastscale.data.transforms.train_transform]``(jpegs[i],
     resolution, generators[i], scale, ratio)`` draws. With ``threads > 1`` the batch is
     decoded and augmented in a pool of that many threads of this process (reused across calls;
     libjpeg-turbo and the resize release the GIL). ``out``, when given, is a preallocated
