@@ -45,8 +45,10 @@ import numpy as np
 import torch
 from PIL import Image
 
+from lightning_fastscale.data import jpeg_decode
 from lightning_fastscale.data.cli import bench_pipeline
-from lightning_fastscale.data.convert import convert, read_metadata
+from lightning_fastscale.data.convert import convert
+from lightning_fastscale.data.stored_format import read_metadata
 from lightning_fastscale.data.transforms import normalize_on_device as fast_normalize
 
 
@@ -129,7 +131,7 @@ def nvjpeg_images_per_s(stream_root: Path, resolution: int, batch_size: int, bat
 
     def run(k: int) -> None:
         chunk = [datas[(k * batch_size + j) % len(datas)] for j in range(batch_size)]
-        images = transforms.decode_jpeg_batch_on_device(chunk, "cuda")
+        images = jpeg_decode.decode_jpeg_batch_on_device(chunk, "cuda")
         out = []
         for img in images:
             box = transforms.random_resized_crop_box(img.shape[1], img.shape[2], g)
@@ -150,13 +152,12 @@ def decode_only_images_per_s(stream_root: Path, count: int) -> float:
     of any CPU pipeline that fully decodes these files, whatever it does after the decode."""
     from litdata import StreamingDataset
 
-    from lightning_fastscale.data import transforms
 
     ds = StreamingDataset(str(stream_root / "train"))
     datas = [torch.frombuffer(bytearray(ds[i]["image"]), dtype=torch.uint8) for i in range(min(len(ds), count))]
     start = time.process_time()
     for data in datas:
-        transforms.decode_rgb(data)
+        jpeg_decode.decode_rgb(data)
     return len(datas) / (time.process_time() - start)
 
 
@@ -168,12 +169,11 @@ def decoder_ms(tree: Path, files: int = 100, repeats: int = 5) -> dict[str, floa
 
     from torchvision.io import decode_jpeg as torchvision_decode_jpeg
 
-    from lightning_fastscale.data import transforms
 
     raw = [p.read_bytes() for p in sorted((tree / "train").rglob("*.JPEG"))[:files]]
     datas = [torch.frombuffer(bytearray(r), dtype=torch.uint8) for r in raw]
     cases: dict[str, Any] = {
-        "torchcodec decode_jpeg (decode_rgb)": lambda i: transforms.decode_rgb(datas[i]),
+        "torchcodec decode_jpeg (decode_rgb)": lambda i: jpeg_decode.decode_rgb(datas[i]),
         "torchvision decode_jpeg": lambda i: torchvision_decode_jpeg(datas[i]),
     }
     try:
@@ -220,7 +220,7 @@ def kernel_ms(stored: tuple[list[torch.Tensor], list[int]], resolution: int, fil
     from lightning_fastscale.data import transforms
 
     jpegs = stored[0][:files]
-    images = [transforms.decode_rgb(j) for j in jpegs]
+    images = [jpeg_decode.decode_rgb(j) for j in jpegs]
     plans = [transforms.draw_crop(im.shape[1], im.shape[2], transforms.sample_generator(0, 0, i))
              for i, im in enumerate(images)]
     out = torch.empty(len(jpegs), 3, resolution, resolution, dtype=torch.uint8, memory_format=torch.channels_last)
@@ -234,7 +234,7 @@ def kernel_ms(stored: tuple[list[torch.Tensor], list[int]], resolution: int, fil
                    dst=scratch, interpolation=cv2.INTER_AREA)
 
     cases: dict[str, Any] = {
-        "decode (TorchCodec `decode_jpeg`)": (lambda i: transforms.decode_rgb(jpegs[i]), range(len(jpegs))),
+        "decode (TorchCodec `decode_jpeg`)": (lambda i: jpeg_decode.decode_rgb(jpegs[i]), range(len(jpegs))),
         "decode (simplejpeg, accurate IDCT: `train_batch`'s)": (
             lambda i: simplejpeg.decode_jpeg(jpegs[i].numpy(), "RGB"), range(len(jpegs))),
         "decode (simplejpeg, fast IDCT, as FFCV's)": (

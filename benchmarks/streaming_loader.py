@@ -37,8 +37,8 @@ from input_pipeline import write_tree  # noqa: E402
 
 from lightning_fastscale.data import StreamingDataModule, transforms  # noqa: E402
 from lightning_fastscale.data.convert import convert  # noqa: E402
+from lightning_fastscale.data.jpeg_decode import strict_decode  # noqa: E402
 from lightning_fastscale.data.streaming_datasets import DecodedStreamingDataset  # noqa: E402
-from lightning_fastscale.data.verify import strict_decode  # noqa: E402
 
 IMAGENET_TRAIN = 1_281_167
 

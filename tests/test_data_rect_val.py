@@ -16,8 +16,9 @@ from PIL import Image
 from torch import nn
 from torchvision.transforms.v2 import functional as F
 
-from lightning_fastscale.data import StreamingDataModule, rect_val, transforms
-from lightning_fastscale.data.convert import convert, stored_sample_count
+from lightning_fastscale.data import StreamingDataModule, jpeg_decode, rect_val, transforms
+from lightning_fastscale.data.convert import convert
+from lightning_fastscale.data.stored_format import stored_sample_count
 from lightning_fastscale.data.streaming import ValidationBatches
 
 from .data_streaming_utils import write_tree
@@ -112,7 +113,7 @@ def test_convert_records_val_sizes_in_litdata_order(stream):
     samples = StreamingDataset(str(stream / "val"))
     assert len(sizes) == len(samples) == 9
     for i, (h, w) in enumerate(sizes):
-        image = transforms.decode_rgb(torch.frombuffer(bytearray(samples[i]["image"]), dtype=torch.uint8))
+        image = jpeg_decode.decode_rgb(torch.frombuffer(bytearray(samples[i]["image"]), dtype=torch.uint8))
         assert tuple(image.shape[1:]) == (h, w)
     assert len({w / h for h, w in sizes}) >= 3  # the test data has varied ratios
 

@@ -13,11 +13,11 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
-from lightning_fastscale.data import ImageFolderDataModule, StreamingDataModule, transforms
+from lightning_fastscale.data import ImageFolderDataModule, StreamingDataModule, jpeg_decode, transforms
 from lightning_fastscale.data.background_loader import BackgroundStreamingDataLoader
 from lightning_fastscale.data.device_prefetch import DevicePrefetcher
+from lightning_fastscale.data.stored_format import CorruptDataError
 from lightning_fastscale.data.streaming import DecodedStreamingDataset, EpochAwareStreamingDataLoader
-from lightning_fastscale.data.verify import CorruptDataError
 from lightning_fastscale.data.worker_autotune import WorkerCountCache, pick_smallest_within
 from lightning_fastscale.strategies import HierarchicalAllReduceStrategy
 
@@ -87,7 +87,7 @@ def test_decode_gives_the_pixels_pil_and_torchvision_give(stream):
     files = sorted((stream.parent / "tree" / "train").rglob("*.JPEG"))[:6]
     for path in files:
         data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
-        decoded = transforms.decode_rgb(data)
+        decoded = jpeg_decode.decode_rgb(data)
         with Image.open(path) as image:
             pil = torch.from_numpy(np.asarray(image.convert("RGB")).copy()).permute(2, 0, 1)
         assert decoded.dtype == torch.uint8 and torch.equal(decoded, pil), path
@@ -515,7 +515,6 @@ def test_dct_scaling_reaches_the_batches_and_is_train_batch_s(stream, num_worker
     samples read (in the training process and in a loader worker alike), and changes some of
     them against the default (at 16 px from images stored at max side 64, crops of >= 32 px on
     both axes are decoded at half scale)."""
-    pytest.importorskip("simplejpeg")
     dm = _dm(stream, resolution=16, dct_scaling=True, num_workers=num_workers, decode_threads=1)
     got = _batches(dm.train_dataloader())
     dataset = dm.train_dataset()

@@ -15,12 +15,14 @@ import threading
 
 import numpy as np
 import pytest
+import simplejpeg
 import torch
 from PIL import Image
 from torchvision.transforms.v2 import functional as F
 
-from lightning_fastscale.data import transforms
-from lightning_fastscale.data.verify import CorruptDataError, SampleDecodeError, decoder_messages, strict_decode
+from lightning_fastscale.data import jpeg_decode, transforms
+from lightning_fastscale.data.jpeg_decode import SampleDecodeError, decoder_messages, strict_decode
+from lightning_fastscale.data.stored_format import CorruptDataError
 
 RESOLUTION = 64
 
@@ -68,7 +70,7 @@ def test_train_batch_draws_what_train_transform_draws_and_gives_the_same_pixels(
         assert torch.equal(g_ref.get_state(), g.get_state())
     enlarged = 0
     for i, (jpeg, g) in enumerate(zip(jpegs, _generators(len(jpegs), epoch))):
-        height, width = transforms.jpeg_size(jpeg)
+        height, width = jpeg_decode.jpeg_size(jpeg)
         (_, _, h, w), _ = transforms.draw_crop(height, width, g)
         diff = (batch[i].int() - expected[i].int()).abs().max().item()
         if h <= RESOLUTION and w <= RESOLUTION:
@@ -92,18 +94,12 @@ def test_train_batch_same_boxes_over_many_seeds(jpegs):
     assert diff.max() <= 1 and (diff == 0).sum() >= 32, diff.tolist()
 
 
-def test_train_batch_without_opencv_is_train_transform_bitwise(jpegs, monkeypatch):
-    monkeypatch.setattr(transforms, "_cv2", None)
-    expected = _reference(jpegs, _generators(len(jpegs)))
-    assert torch.equal(transforms.train_batch(jpegs, _generators(len(jpegs)), RESOLUTION), expected)
-
-
 @pytest.mark.parametrize("size", [32, 64, 160])
 def test_val_transform_is_torchvision_resize_and_centre_crop(jpegs, size):
     """Images the resize enlarges (all at 160) go through OpenCV's bilinear resize: at most 1 apart;
     the others through torchvision's antialiased resize: bitwise equal."""
     for jpeg in jpegs:
-        image = transforms.decode_rgb(jpeg)
+        image = jpeg_decode.decode_rgb(jpeg)
         expected = F.center_crop(F.resize(image, [round(size / 0.875)], antialias=True), [size, size])
         got = transforms.val_transform(jpeg, size)
         assert got.shape == expected.shape == (3, size, size)
@@ -133,11 +129,9 @@ def _flipped_byte(jpeg: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(params=["simplejpeg", "torchcodec"])
 def decoder(request, monkeypatch) -> str:
-    """Each test using it runs with simplejpeg decoding (skipped where it is not installed) and
-    with TorchCodec decoding (as without simplejpeg)."""
-    if request.param == "simplejpeg":
-        pytest.importorskip("simplejpeg")
-    else:
+    """Each test using it runs with simplejpeg decoding and with TorchCodec decoding (the decoder
+    of the samples simplejpeg refuses, and of the benchmark's TorchCodec rows)."""
+    if request.param == "torchcodec":
         monkeypatch.setattr(transforms, "_simplejpeg", None)
     return request.param
 
@@ -149,9 +143,9 @@ def test_a_damaged_sample_raises_with_its_position(jpegs, threads, damage, capfd
     batch = list(jpegs)
     batch[bad] = jpegs[bad][: len(jpegs[bad]) // 2] if damage == "truncated" else _flipped_byte(jpegs[bad])
     if damage == "flipped byte":  # libjpeg only warns (not every flipped byte makes it warn)
-        assert transforms.decode_rgb(batch[bad]).shape == (3, 150, 200)
+        assert jpeg_decode.decode_rgb(batch[bad]).shape == (3, 150, 200)
         with pytest.raises(ValueError, match="Corrupt JPEG data"):
-            strict_decode(transforms.decode_rgb, batch[bad])
+            strict_decode(jpeg_decode.decode_rgb, batch[bad])
         capfd.readouterr()
     with pytest.raises(SampleDecodeError) as info:
         transforms.train_batch(batch, _generators(len(batch)), RESOLUTION, threads=threads, dct_scaling=threads == 2)
@@ -175,7 +169,7 @@ def test_strict_decodes_nest_and_a_batch_inside_a_capture_does_not_wait_for_itse
     bad = _flipped_byte(jpegs[4])
     with decoder_messages() as outer:
         with pytest.raises(ValueError, match="Corrupt JPEG data"):
-            strict_decode(transforms.decode_rgb, bad)  # a block nested in the same thread
+            strict_decode(jpeg_decode.decode_rgb, bad)  # a block nested in the same thread
         with pytest.raises(SampleDecodeError):
             transforms.train_batch([jpegs[0], bad], _generators(2), RESOLUTION, threads=2)
     assert "Corrupt JPEG data" in outer[0]  # the outer block saw what the inner ones did
@@ -186,7 +180,6 @@ def test_a_simplejpeg_batch_does_not_wait_for_another_threads_capture(jpegs):
     """simplejpeg refuses what libjpeg only warns of, so a batch it decodes whole takes no capture
     of file descriptor 2, and batches of other threads (the background loader decodes the next
     batch while this one decodes) run while a strict decode holds it."""
-    pytest.importorskip("simplejpeg")
     expected = transforms.train_batch(jpegs, _generators(len(jpegs)), RESOLUTION)
     got = []
     with decoder_messages():  # held by this thread while another decodes a batch
@@ -209,8 +202,7 @@ def test_simplejpeg_and_torchcodec_give_the_same_batch(jpegs, monkeypatch):
     batch, 4:2:0 photos as stored by the converter and other layouts alike; a CMYK JPEG (which
     the converter never writes) goes through each decoder's own CMYK-to-RGB conversion, which
     round differently: at most 1 apart."""
-    pytest.importorskip("simplejpeg")
-    rgb = Image.fromarray(transforms.decode_rgb(jpegs[5]).permute(1, 2, 0).numpy())
+    rgb = Image.fromarray(jpeg_decode.decode_rgb(jpegs[5]).permute(1, 2, 0).numpy())
     others = [_encoded(rgb.convert("L")), _encoded(rgb, subsampling=0), _encoded(rgb, progressive=True),
               _encoded(rgb, subsampling=1)]
     cmyk = _encoded(rgb.convert("CMYK"))
@@ -226,7 +218,6 @@ def test_a_warning_simplejpeg_refuses_is_judged_as_torchcodec_judges_it(jpegs, c
     """An unknown JFIF revision is harmless: libjpeg warns and decodes. simplejpeg refuses the
     image (it stops on any warning); TorchCodec decodes it again, and since the warning is not
     "Corrupt JPEG data" the batch is the reference one and the warning reaches stderr."""
-    simplejpeg = pytest.importorskip("simplejpeg")
     data = bytearray(jpegs[3].numpy().tobytes())
     data[data.index(b"JFIF\x00") + 5] = 2  # major version 2
     odd = torch.frombuffer(data, dtype=torch.uint8)
@@ -260,7 +251,6 @@ def test_dct_scaling_keeps_the_draws_and_changes_only_the_reduced_crops_within_t
     full decode resized from the rounded box (the filter alone), smooth images within 4 (mean
     1), textured ones (noise at the pixel scale, the worst case for a change of low-pass filter)
     within 32 (mean 4). Measured: at most 3 (0.5) and 22 (3.1)."""
-    pytest.importorskip("simplejpeg")
     batch = (large_jpegs + jpegs[:4]) * 8
     smooth = {3, 4, 5}  # positions of large_jpegs' smooth images, modulo 10
     gens, gens_ref = _generators(len(batch), 5), _generators(len(batch), 5)
@@ -271,7 +261,7 @@ def test_dct_scaling_keeps_the_draws_and_changes_only_the_reduced_crops_within_t
     for i, (jpeg, g) in enumerate(zip(batch, _generators(len(batch), 5))):
         pixels, (t, lf, hh, ww), flip = transforms._decode_for_crop(
             jpeg, g, RESOLUTION, transforms.DEFAULT_SCALE, transforms.DEFAULT_RATIO, True)
-        full = transforms.decode_rgb(jpeg)
+        full = jpeg_decode.decode_rgb(jpeg)
         d = full.shape[1] // pixels.shape[0]
         seen.add(d)
         if d == 1:
@@ -290,7 +280,6 @@ def test_dct_scaling_keeps_the_draws_and_changes_only_the_reduced_crops_within_t
 def test_a_reduced_decode_crops_the_drawn_box_rounded_outwards(d):
     """The box in the 1/d image covers the drawn box scaled by 1/d, and exceeds it by less than
     one reduced pixel per edge; the image is libjpeg's ceil(H / d) x ceil(W / d)."""
-    pytest.importorskip("simplejpeg")
     jpeg = _photo_jpeg(np.random.default_rng(2), 1033, 1290)
     for k in range(40):
         g, g_ref = transforms.sample_generator(1, 0, k), transforms.sample_generator(1, 0, k)

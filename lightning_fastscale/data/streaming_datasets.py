@@ -5,7 +5,7 @@
 * `EpochAwareStreamingDataLoader`: litdata's loader, starting a fresh epoch after a resumed one.
 
 A sample that cannot be read or decoded raises a
-[`CorruptDataError`][lightning_fastscale.data.verify.CorruptDataError] naming its chunk file, its litdata
+[`CorruptDataError`][lightning_fastscale.data.stored_format.CorruptDataError] naming its chunk file, its litdata
 index and its source file, with the command that lists every damaged sample.
 """
 from __future__ import annotations
@@ -20,8 +20,9 @@ from litdata import StreamingDataLoader, StreamingDataset
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 from typing_extensions import override
 
-from . import rect_val, transforms
-from .verify import CorruptDataError, SampleDecodeError, chunk_of, read_index
+from . import jpeg_decode, rect_val, transforms
+from .jpeg_decode import SampleDecodeError
+from .stored_format import CorruptDataError, chunk_of, read_index
 
 # One stored sample per litdata read: by default litdata deserialises a window of neighbouring
 # samples per read (sized for small leaves; a JPEG is stored as a plain "bytes" leaf), which a
@@ -70,7 +71,7 @@ def _decode_stored(
 ) -> tuple[torch.Tensor, int]:
     """``(transform(JPEG bytes), label)`` of a stored sample; a decode error names the sample.
 
-    ``transform`` decodes strictly ([`transforms.decode_rgb_strict`][lightning_fastscale.data.transforms.decode_rgb_strict]):
+    ``transform`` decodes strictly ([`jpeg_decode.decode_rgb_strict`][lightning_fastscale.data.jpeg_decode.decode_rgb_strict]):
     stored images were re-encoded by ``fastscale-data convert``, so libjpeg's "Corrupt JPEG
     data" means damaged storage, and training on the garbage it recovers would go unnoticed.
     """
@@ -108,7 +109,7 @@ class DecodedStreamingDataset(StreamingDataset):
     that read it nor on the thread that decoded it; with ``dct_scaling`` an image whose crop
     allows it is decoded at reduced scale (`train_batch`'s ``dct_scaling``). The last
     incomplete batch is dropped. A sample that cannot be read or decoded raises a
-    [`CorruptDataError`][lightning_fastscale.data.verify.CorruptDataError] naming its chunk file,
+    [`CorruptDataError`][lightning_fastscale.data.stored_format.CorruptDataError] naming its chunk file,
     its litdata index and its source file. (Validation reads by index instead:
     `ValidationBatches`.)
     """
@@ -228,7 +229,7 @@ class ValidationBatches(IterableDataset):
     in order again). Being an ``IterableDataset``, Lightning leaves it alone under DDP (it
     replaces the sampler of map-style loaders only), so the per-rank plan is what each rank
     runs. A batch's samples are read by their litdata index through litdata's chunk reader, one
-    after the other, then decoded strictly (``transforms.decode_rgb_strict``) and fitted in
+    after the other, then decoded strictly (``jpeg_decode.decode_rgb_strict``) and fitted in
     ``threads`` threads (``decode``, per sample). With ``crop_ratio=None`` (rectangular
     validation, `rect_val`) each is resized to cover its batch's shape
     (`rect_val.resize_to_cover`); otherwise it gets the square resize + centre crop
@@ -251,7 +252,7 @@ class ValidationBatches(IterableDataset):
         ``threads`` threads at once)."""
 
         def transform(data: torch.Tensor) -> torch.Tensor:
-            image = transforms.decode_rgb_strict(data)
+            image = jpeg_decode.decode_rgb_strict(data)
             if self.crop_ratio is None:
                 return rect_val.resize_to_cover(image, shape)
             return transforms.resize_centre_crop(image, shape[0], self.crop_ratio)

@@ -45,39 +45,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import cv2
 import numpy as np
+import simplejpeg as _simplejpeg  # the training batch's decoder (less overhead per call than TorchCodec)
 import torch
 from torchvision.transforms.v2 import functional as F
 from torchvision.transforms.v2.functional._geometry import _compute_resized_output_size
 
-try:  # OpenCV's bilinear enlargement is faster than torchvision's (benchmarks/README.md)
-    import cv2 as _cv2
-except ImportError:  # then torchvision does every resize
-    _cv2 = None
-
-from .verify import SampleDecodeError, decoder_messages, decoder_warnings, strict_decode
-
-try:  # the training batch's decoder: libjpeg-turbo with less overhead per call (benchmarks/README.md)
-    import simplejpeg as _simplejpeg
-
-    # the strict batch decode relies on `strict` (refuse where libjpeg only warns), which older
-    # releases lack
-    _simplejpeg.decode_jpeg(_simplejpeg.encode_jpeg(np.zeros((8, 8, 3), np.uint8)), "RGB", strict=True)
-except (ImportError, TypeError, ValueError):  # then TorchCodec decodes every training image
-    _simplejpeg = None
-
-try:
-    from torchcodec.decoders import decode_jpeg as _torchcodec_decode_jpeg
-
-    def _decode_jpeg_rgb(data: torch.Tensor | list[torch.Tensor], device: torch.device | str = "cpu") -> Any:
-        return _torchcodec_decode_jpeg(data, mode="RGB", device=device)
-
-except (ImportError, OSError, RuntimeError):  # not installed, or built for another torch
-    from torchvision.io import ImageReadMode
-    from torchvision.io import decode_jpeg as _torchvision_decode_jpeg
-
-    def _decode_jpeg_rgb(data: torch.Tensor | list[torch.Tensor], device: torch.device | str = "cpu") -> Any:
-        return _torchvision_decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+from .jpeg_decode import SampleDecodeError, decode_rgb, decoder_messages, decoder_warnings, strict_decode
 
 # torchvision's antialiased bilinear resize kernel, in its variant that writes into a given tensor
 _upsample_bilinear_aa_out = torch.ops.aten._upsample_bilinear2d_aa.out
@@ -137,42 +112,6 @@ def random_resized_crop_box(
     return (height - h) // 2, (width - w) // 2, h, w
 
 
-def decode_rgb(data: torch.Tensor) -> torch.Tensor:
-    """Decode JPEG bytes (a 1-D uint8 tensor) to a ``(3, H, W)`` uint8 RGB tensor."""
-    return _decode_jpeg_rgb(data)
-
-
-def decode_rgb_strict(data: torch.Tensor) -> torch.Tensor:
-    """`decode_rgb`, raising ``ValueError`` where libjpeg only warns of "Corrupt JPEG data".
-
-    simplejpeg decodes where it is installed (it raises on libjpeg's warnings itself, so no
-    capture of file descriptor 2 is taken and decodes in other threads run alongside: the same
-    pixels as TorchCodec's); what it refuses, or everything without it, TorchCodec decodes under
-    [`strict_decode`][lightning_fastscale.data.verify.strict_decode], which judges the sample: a
-    harmless warning passes, "Corrupt JPEG data" raises.
-    """
-    if _simplejpeg is not None:
-        try:
-            return torch.from_numpy(_simplejpeg.decode_jpeg(data.numpy(), "RGB", strict=True)).permute(2, 0, 1)
-        except ValueError:
-            pass
-    return strict_decode(decode_rgb, data)
-
-
-def jpeg_size(data: bytes | torch.Tensor) -> tuple[int, int]:
-    """``(height, width)`` read from a JPEG's SOF header, without decoding the pixels."""
-    buf = bytes(data.numpy()) if isinstance(data, torch.Tensor) else data
-    i = 2
-    while i + 9 < len(buf):
-        if buf[i] != 0xFF:
-            raise ValueError("not a JPEG stream (bad marker)")
-        marker = buf[i + 1]
-        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
-            return int.from_bytes(buf[i + 5 : i + 7], "big"), int.from_bytes(buf[i + 7 : i + 9], "big")
-        i += 2 + int.from_bytes(buf[i + 2 : i + 4], "big")
-    raise ValueError("not a JPEG stream (no frame header)")
-
-
 def crop_resize_flip(
     image: torch.Tensor, box: tuple[int, int, int, int], size: int, flip: bool
 ) -> torch.Tensor:
@@ -225,7 +164,7 @@ def _upscale_linear(src: Any, size: tuple[int, int], dst: Any = None) -> Any:
     """OpenCV's bilinear resize of an ``(H, W, C)`` uint8 array that is enlarged (or kept) on
     both axes, where antialiasing does nothing: the result equals torchvision's antialiased
     bilinear resize up to the rounding of their fixed-point weights (at most 1 apart, tested)."""
-    return _cv2.resize(src, (size[1], size[0]), dst=dst, interpolation=_cv2.INTER_LINEAR)
+    return cv2.resize(src, (size[1], size[0]), dst=dst, interpolation=cv2.INTER_LINEAR)
 
 
 # libjpeg-turbo's DCT-domain reductions that are cheaper than a full decode (benchmarks/README.md)
@@ -248,7 +187,7 @@ def _decode_for_crop(
     coordinates; ``pixels`` is None where simplejpeg refused the data, which `train_batch` then
     decodes with TorchCodec (``box`` is None where no crop is drawn yet).
 
-    simplejpeg decodes where it is installed: the same libjpeg-turbo decode, accurate integer
+    simplejpeg decodes: the same libjpeg-turbo decode, accurate integer
     IDCT, as TorchCodec (the same pixels, tested; CMYK JPEGs, which the converter never writes,
     within 1 grey level) with less overhead per call. With
     ``dct_scaling`` the crop is drawn from the header first and the image decoded at 1/2, 1/4 or
@@ -305,7 +244,7 @@ def _crop_resize_flip_into(
     view where the batch is pixel-interleaved (written in place, else through a copy).
 
     A crop enlarged on both axes goes through OpenCV's bilinear resize of the crop region; a
-    crop reduced on either axis (or any crop, without OpenCV) through the kernel of
+    crop reduced on either axis through the kernel of
     torchvision's antialiased bilinear resize, as `crop_resize_flip`, in its variant that
     writes into a given tensor (here ``(1, C, H, W)`` views of ``(H, W, C)`` memory: its
     vectorised uint8 path). Numpy views throughout: each torch call made here from Python
@@ -314,16 +253,13 @@ def _crop_resize_flip_into(
     top, left, h, w = box
     crop = pixels[top : top + h, left : left + w]
     dst = slot_pixels if slot_pixels is not None else np.empty((size, size, 3), np.uint8)
-    if _cv2 is not None and h <= size and w <= size:
+    if h <= size and w <= size:
         _upscale_linear(crop, (size, size), dst)
     else:
         chw = torch.from_numpy(crop).unsqueeze(0).permute(0, 3, 1, 2)
         _upsample_bilinear_aa_out(chw, [size, size], False, None, None, out=torch.from_numpy(dst).unsqueeze(0).permute(0, 3, 1, 2))
     if flip:
-        if _cv2 is not None:
-            _cv2.flip(dst, 1, dst=dst)
-        else:
-            dst[:] = dst[:, ::-1]
+        cv2.flip(dst, 1, dst=dst)
     if slot_pixels is None:
         slot.copy_(torch.from_numpy(dst).permute(2, 0, 1))
 
@@ -334,7 +270,7 @@ def val_transform(data: torch.Tensor, size: int, crop_ratio: float = 0.875) -> t
     The same geometry as the ImageNet evaluation of Krizhevsky et al. 2012 / He et al. 2016
     (resize 256, crop 224), as [`ImageFolderDataModule`][lightning_fastscale.data.ImageFolderDataModule] does it.
     An image enlarged by the resize (stored smaller than ``size / crop_ratio``) goes through
-    OpenCV's bilinear resize where OpenCV is installed: the same pixels up to rounding, since
+    OpenCV's bilinear resize: the same pixels up to rounding, since
     antialiasing does nothing to an enlargement.
     """
     return resize_centre_crop(decode_rgb(data), size, crop_ratio)
@@ -346,7 +282,7 @@ def resize_centre_crop(image: torch.Tensor, size: int, crop_ratio: float = 0.875
     short = round(size / crop_ratio)
     h, w = image.shape[-2:]
     new_h, new_w = _compute_resized_output_size((h, w), [short])  # torchvision's own rule
-    src = _hwc(image) if _cv2 is not None and new_h >= h and new_w >= w else None
+    src = _hwc(image) if new_h >= h and new_w >= w else None
     if src is None:
         image = F.resize(image, [short], antialias=True)
     else:
@@ -425,7 +361,7 @@ def train_batch(
     the figures); at 224 px few crops of ImageNet-sized images qualify, at 128 px about half.
 
     The decode is strict: a sample that does not decode, or whose decode makes libjpeg warn of
-    "Corrupt JPEG data", raises [`SampleDecodeError`][lightning_fastscale.data.verify.SampleDecodeError]
+    "Corrupt JPEG data", raises [`SampleDecodeError`][lightning_fastscale.data.jpeg_decode.SampleDecodeError]
     with its position in the batch (the first such position). simplejpeg refuses such a sample
     itself (it raises where libjpeg only warns), so a batch it decodes whole needs no capture of
     file descriptor 2 and other threads' batches and strict decodes run alongside it. A sample it
@@ -530,13 +466,3 @@ def normalize_on_device(
     return out.sub_(m * 255.0).mul_(1.0 / (255.0 * s))
 
 
-def decode_jpeg_batch_on_device(
-    datas: Sequence[torch.Tensor], device: torch.device | str = "cuda"
-) -> list[torch.Tensor]:
-    """Decode a list of JPEG byte tensors on a CUDA device in one batched nvJPEG call.
-
-    Returns ``(3, H, W)`` uint8 tensors on ``device``. Raises ``RuntimeError`` without CUDA.
-    """
-    if not torch.cuda.is_available():
-        raise RuntimeError("nvJPEG decode needs a CUDA device; use decode_rgb on the CPU")
-    return _decode_jpeg_rgb(list(datas), device=device)
