@@ -25,7 +25,7 @@ from lightning_fastscale.callbacks import (
 
 FIXTURE = Path(__file__).parent / "data" / "main_checkpoint"
 RUN = [
-    "callbacks=large_batch", "model.model_kwargs.widths=[4,4,4]", "data.train_size=128", "data.val_size=16",
+    "experiment=large_batch", "model.model_kwargs.widths=[4,4,4]", "data.train_size=128", "data.val_size=16",
     "data.batch_size=16", "data.resolution=16", "trainer.max_epochs=2", "trainer.accelerator=cpu", "logger=csv",
     "trainer.enable_progress_bar=false", "callbacks.progressive_resizing.size_increment=2",
     "callbacks.batch_size_ramp.lr_milestones=[1]",
