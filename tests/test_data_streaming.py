@@ -411,15 +411,6 @@ def test_remote_source_reads_through_a_size_limited_local_cache(stream, tmp_path
     assert dm.train_dataset().max_cache_size == "1GB"
 
 
-@pytest.mark.parametrize("name", ["transforms", "device_prefetch", "worker_autotune", "validation_plan"])
-def test_docstring_examples_pass(name):
-    import doctest
-    import importlib
-
-    result = doctest.testmod(importlib.import_module(f"lightning_fastscale.data.{name}"))
-    assert result.attempted > 0 and result.failed == 0
-
-
 def test_bench_cli_times_within_one_epoch_and_refuses_more(stream, capsys):
     from lightning_fastscale.data.cli import main
 

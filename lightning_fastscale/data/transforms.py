@@ -1,38 +1,11 @@
-"""Fast JPEG decode and uint8 augmentation: the CPU half of the input pipeline.
+"""Training and validation transforms in uint8: crop, resize, flip, batch assembly.
 
-The records that trained ImageNet in minutes all fixed the input pipeline first (Jia et al.
-2018 pipelined decoding with compute; Ying et al. 2018 list input-pipeline work as one of
-their three system changes; Mikami et al. 2018 used NVIDIA DALI). Here the workers do only
-what must happen per image on the CPU:
-
-* decode with libjpeg-turbo, not PIL: TorchCodec's ``decode_jpeg`` (its image decoders
-  supersede torchvision's, deprecated since torchvision 0.29, which remain the fallback where
-  TorchCodec (>= 0.16, torch >= 2.11) is not installed); the training batch (`train_batch`)
-  through simplejpeg where installed, the same libjpeg-turbo decode with the same pixels at
-  less overhead per call, which decides the per-core rate where the decode is most of the time
-  (large stored images); TorchCodec decodes again any sample simplejpeg refuses, so both accept
-  and refuse the same samples. Both use libjpeg's accurate integer IDCT: the fast one (as FFCV
-  uses) saves little here and moves the resized pixels by about 1 grey level on average.
-  Optionally (``dct_scaling``) an image whose crop is at least 2, 4 or 8 times the output size
-  is decoded at that reduced scale in the DCT domain, which saves decode time at low training
-  resolutions and changes those samples' pixels by the reduced IDCT's low-pass;
-* random-resized-crop and horizontal flip on the **uint8** tensor (the resize reads and
-  writes a quarter of the bytes a float pipeline would), of the crop region only, written
-  straight into the batch (`train_batch`, a whole batch per call, optionally in threads):
-  a crop reduced on either axis with torchvision's antialiased bilinear kernel, one enlarged
-  on both axes (where antialiasing does nothing) with OpenCV's faster bilinear resize;
-* leave the batch un-normalised: `normalize_on_device` converts to float, normalises
-  and optionally switches to ``channels_last`` on the training device, after the 4x smaller
-  uint8 batch has crossed the host-to-device link.
-
-Augmentation randomness comes from a generator seeded by ``(seed, epoch, sample index)``
-(`sample_generator`), not from worker RNG state, so a sample gets the same crop in a
-resumed run as in an uninterrupted one, whatever the worker count.
-
-The crop sampling follows ``RandomResizedCrop`` of Szegedy et al. 2015 (Inception), as
-torchvision implements it: scale (0.08, 1), aspect ratio (3/4, 4/3) log-uniform, ten tries,
-then a centre crop at the clamped ratio. On CUDA, `decode_jpeg_batch_on_device` decodes
-a whole batch with nvJPEG instead. Measured figures are in ``benchmarks/README.md``.
+`train_batch` decodes (simplejpeg; TorchCodec for what it refuses), random-resized-crops
+(Szegedy et al. 2015, as torchvision's ``RandomResizedCrop``) and flips a whole batch in uint8,
+in threads; `val_transform` resizes and centre-crops; `normalize_on_device` converts and
+normalises on the training device. Randomness comes from `sample_generator` (seed, epoch,
+sample), so a resumed run gets the same crops. Design and measurements: ``docs/input_pipeline.md``
+("The uint8 transforms").
 """
 from __future__ import annotations
 
@@ -307,7 +280,7 @@ def _thread_pool(threads: int) -> ThreadPoolExecutor:
     """This process's pool of ``threads`` threads, made on first use and kept."""
     with _pools_lock:
         if threads not in _pools:
-            _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="fast_decode")
+            _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="train_batch")
         return _pools[threads]
 
 
@@ -346,36 +319,13 @@ def train_batch(
 
     Sample ``i`` gets exactly the crop box and flip that
     [`train_transform`][lightning_fastscale.data.transforms.train_transform]``(jpegs[i],
-    resolution, generators[i], scale, ratio)`` draws. With ``threads > 1`` the batch is
-    decoded and augmented in a pool of that many threads of this process (reused across calls;
-    libjpeg-turbo and the resize release the GIL). ``out``, when given, is a preallocated
-    ``(N, 3, resolution, resolution)`` uint8 tensor (pinned, channels-last, ... as the caller
-    likes) that receives the batch and is returned.
-
-    The pixels are those of ``train_transform`` up to OpenCV's rounding of enlarged crops (at
-    most 1 grey level). ``dct_scaling=True`` decodes an image at 1/2, 1/4 or 1/8 scale in the
-    DCT domain where its crop is at least 2, 4 or 8 times ``resolution`` on both axes (needs
-    ``simplejpeg``; ignored without it): the same crop box, its edges rounded outwards to the
-    reduced grid, low-passed by the reduced IDCT before the antialiased resize, so those samples
-    differ from ``train_transform``'s by a few grey levels on average (benchmarks/README.md has
-    the figures); at 224 px few crops of ImageNet-sized images qualify, at 128 px about half.
-
-    The decode is strict: a sample that does not decode, or whose decode makes libjpeg warn of
-    "Corrupt JPEG data", raises [`SampleDecodeError`][lightning_fastscale.data.jpeg_decode.SampleDecodeError]
-    with its position in the batch (the first such position). simplejpeg refuses such a sample
-    itself (it raises where libjpeg only warns), so a batch it decodes whole needs no capture of
-    file descriptor 2 and other threads' batches and strict decodes run alongside it. A sample it
-    refuses is decoded again by TorchCodec, after the others, in the calling thread, under one
-    capture of file descriptor 2 (TorchCodec only writes the warning there), so the samples
-    accepted and refused are TorchCodec's; without simplejpeg TorchCodec decodes the whole batch
-    under that capture. Only if libjpeg wrote anything are the samples decoded again one at a time
-    to find which. The descriptor is the process's: what other threads write to it during a
-    capture is written back after it (and lost if the process dies meanwhile), and strict
-    decodes of other threads wait for it.
-
-    The threads parallelise across samples; each resize may also use torch's and OpenCV's own
-    intra-op threads. Where the pool has the cores to itself, set those to one
-    (``torch.set_num_threads(1)``, ``cv2.setNumThreads(1)``), as loader workers do for torch.
+    resolution, generators[i], scale, ratio)`` draws, and its pixels up to OpenCV's rounding of
+    enlarged crops (at most 1 grey level). ``threads``: a pool of that many threads of this
+    process (reused across calls); ``out``: a preallocated uint8 tensor of that shape to fill;
+    ``dct_scaling``: decode at 1/2, 1/4 or 1/8 scale in the DCT domain where the crop allows.
+    The decode is strict: a sample that does not decode cleanly raises
+    [`SampleDecodeError`][lightning_fastscale.data.jpeg_decode.SampleDecodeError] with its
+    position. Details: ``docs/input_pipeline.md`` ("`train_batch` in detail").
 
     Examples:
         >>> import io; from PIL import Image

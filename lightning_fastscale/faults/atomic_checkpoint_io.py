@@ -1,23 +1,6 @@
 """Atomic checkpoint writes on the destination's own filesystem.
 
-A job killed while it writes a checkpoint, or a disk that fills up during the write, must not
-leave a truncated file under a checkpoint's final name: ``resume=auto`` would pick it as the
-newest and the requeued job would fail again and again. Lightning's ``TorchCheckpointIO``
-writes through an fsspec transaction whose temporary file lives in ``TMPDIR``; when the run
-folder is on another filesystem (a local scratch disk, a shared output disk: the usual
-cluster layout) the final move is a copy, which a kill or a full disk cuts short under the
-final name, and the checkpoint-sized temporary file stays behind in ``TMPDIR``.
-
-Here the checkpoint is written to a temporary file beside the target (same folder, so same
-filesystem), flushed and ``fsync``-ed, then renamed over the target with ``os.replace``
-(atomic on POSIX), and the folder is ``fsync``-ed so the rename survives a power loss. A
-failed write removes its temporary file; a process killed mid-write leaves one, named
-``.<target>.<random>.partial`` (not ``*.ckpt``, so never taken for a checkpoint), which
-[`remove_partial_files`][lightning_fastscale.faults.atomic_checkpoint_io.remove_partial_files] clears when the run folder is resumed. Remote paths (``s3://``
-and other fsspec URLs) keep Lightning's own upload.
-
-Functional core: [`save_atomically`][lightning_fastscale.faults.atomic_checkpoint_io.save_atomically], [`partial_files`][lightning_fastscale.faults.atomic_checkpoint_io.partial_files], [`remove_partial_files`][lightning_fastscale.faults.atomic_checkpoint_io.remove_partial_files].
-Lightning adapter: [`AtomicCheckpointIO`][lightning_fastscale.faults.atomic_checkpoint_io.AtomicCheckpointIO].
+More in ``docs/faults.md`` ("Atomic checkpoint writes").
 """
 from __future__ import annotations
 
