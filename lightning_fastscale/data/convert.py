@@ -1,22 +1,6 @@
 """Convert an image tree (or the built-in procedural set) into the streaming format.
 
-Each split becomes a litdata dataset (``litdata.optimize``: chunked binary files plus an
-``index.json``), one sample per image: ``{"image": JPEG bytes, "label": int, "index": int,
-"name": str}``. Images are re-encoded as JPEG with the longer side capped at ``max_side``:
-decode cost grows with pixels, so storing at the largest size training will read is the
-cheapest speed-up there is (FFCV, Leclerc et al. 2023, stores at a maximum resolution for the
-same reason). ``index`` is the sample's position in ImageFolder order (classes sorted, files
-sorted in each class), ``name`` its path relative to the split folder, for error messages.
-
-Beside the splits, ``dataset.json`` records the class list (sorted folder names, the same
-label order as [`ImageFolderDataModule`][lightning_fastscale.data.ImageFolderDataModule]), per-class counts,
-``max_side`` and ``quality``, and ``extra["sizes"]["val"]``: the ``[height, width]`` of every
-stored validation image, entry ``i`` for litdata sample ``i`` (rectangular validation,
-`rect_val`, orders by these without decoding anything). litdata's sample ``i`` is not
-always the sample whose ``index`` is ``i``: with several writer processes, litdata may hand
-inputs to whichever process is free, so the sizes are read back from the written split in
-litdata's order. It is written last: a folder without it was not completely
-written, and `read_metadata` says so.
+More in ``docs/input_pipeline.md`` ("The converted format").
 """
 from __future__ import annotations
 

@@ -1,18 +1,6 @@
 """Refuse a truncated or mismatched checkpoint before the first training step.
 
-Lightning adapter of `lightning_fastscale.faults.checkpoint_reading`. Lightning reads the
-checkpoint inside ``Trainer.fit`` and fails with torch's own message (``PytorchStreamReader
-failed reading zip archive``, an ``OSError`` from a seek, or a ``load_state_dict`` key list)
-that does not name the file, and restores a learning-rate scheduler written under another
-schedule without a word. Lightning has no hook between reading a checkpoint and restoring
-it, so at ``setup`` this callback wraps the strategy's ``CheckpointIO`` plugin (the
-interface Lightning reads checkpoints through): a file that cannot be read becomes an error
-naming it, and the dictionary read is checked (model, module hyper-parameters, schedule
-callbacks' state) before Lightning restores anything from it. At ``on_fit_start`` (after
-``configure_optimizers``, before optimizer and scheduler states are restored) the optimizers'
-structure and the LR schedulers' settings are checked too. Lightning's default
-``TorchCheckpointIO`` is replaced by [`AtomicCheckpointIO`][lightning_fastscale.faults.atomic_checkpoint_io.AtomicCheckpointIO]
-on the way, so checkpoints are also written atomically.
+More in ``docs/faults.md`` ("The checkpoint check").
 """
 from __future__ import annotations
 

@@ -1,18 +1,6 @@
 """Checkpoints for resuming: find the newest one, read it, and say what does not match.
 
-A preempted or requeued large-batch job restarts from its own run folder (Goyal et al. 2017
-and Jia et al. 2018 trained on shared clusters; You et al. 2018 and fast.ai 2018 on machines
-that can vanish). Resuming from the wrong file costs more than refusing it: a checkpoint cut
-short by the kill (truncated), or one written by another model or another learning-rate /
-batch-size schedule, must stop the run before its first step with a message that names the
-file and the difference, not fail deep inside ``torch.load`` or ``load_state_dict``, or train
-on silently under a different schedule.
-
-Pure functions on checkpoint dictionaries (testable without a Trainer):
-`newest_checkpoint`, `newest_complete_checkpoint`, `read_checkpoint`, `state_dict_mismatches`,
-`hparams_mismatches`, `scheduler_mismatches`, `optimizer_mismatches`.
-The Lightning adapter that runs them before any step is
-[`lightning_fastscale.faults.CheckpointCheck`][lightning_fastscale.faults.CheckpointCheck].
+More in ``docs/faults.md`` ("Reading checkpoints").
 """
 from __future__ import annotations
 
