@@ -290,13 +290,13 @@ def nccl_tree_time(topology: Topology, nbytes, params: CommParams):
     ``2(P-1)/P``: about twice its bus bandwidth). Latency as in NCCL's tuning model:
     ``2 ((G-1) alpha_intra + floor(log2 N) alpha_inter)`` with ``G`` ranks per node.
     """
-    nodes, per_node = topology.num_nodes, topology.ranks_per_node
+    nodes, ranks_per_node = topology.num_nodes, topology.ranks_per_node
     x = np.asarray(nbytes, dtype=float)
     if topology.world_size <= 1:
         return 0.0 * x
-    latency = 2 * ((per_node - 1) * params.alpha_intra + (int(math.log2(nodes)) if nodes > 1 else 0) * params.alpha_inter)
+    latency = 2 * ((ranks_per_node - 1) * params.alpha_intra + (int(math.log2(nodes)) if nodes > 1 else 0) * params.alpha_inter)
     beta = _tree_link_load(nodes) * params.beta_inter
-    if per_node > 1:
+    if ranks_per_node > 1:
         beta = max(beta, params.beta_intra)
     world = topology.world_size
     return _scalar(latency + x * beta + (world - 1) / world * x * params.inter_gamma)

@@ -154,19 +154,19 @@ def leader_hook(state: LeaderHookState, bucket: dist.GradBucket) -> torch.future
     index = bucket.index()
     hierarchy = state.hierarchy
     groups = hierarchy.groups
-    per_node = groups.topology.ranks_per_node
+    ranks_per_node = groups.topology.ranks_per_node
     leader = groups.intra_ranks[0]
 
     def reduce() -> None:
-        if per_node > 1:
+        if ranks_per_node > 1:
             dist.reduce(tensor, dst=leader, group=groups.intra)
         if groups.is_leader:
-            if per_node > 1:
-                tensor.div_(per_node)
+            if ranks_per_node > 1:
+                tensor.div_(ranks_per_node)
             averaged = state.hook(state.hook_state, bucket).wait()
             if averaged.data_ptr() != tensor.data_ptr():
                 tensor.copy_(averaged)
-        if per_node > 1:
+        if ranks_per_node > 1:
             dist.broadcast(tensor, src=leader, group=groups.intra_out)
 
     def work(future: torch.futures.Future) -> None:
