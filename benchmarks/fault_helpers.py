@@ -19,7 +19,7 @@ import torch
 RECIPE_RUN = [
     "data.train_size=256", "data.val_size=32", "data.batch_size=32", "data.resolution=16",
     "model.model_kwargs.widths=[8,8,8]", "trainer.max_epochs=2", "trainer.enable_progress_bar=false",
-    "trainer.log_every_n_steps=1", "callbacks=large_batch", "callbacks.model_checkpoint.save_top_k=-1",
+    "trainer.log_every_n_steps=1", "experiment=large_batch", "callbacks.model_checkpoint.save_top_k=-1",
     "callbacks.batch_size_ramp.lr_milestones=[1]",
     "callbacks.progressive_resizing.size_increment=2", "trainer.devices=2",
     "trainer.accelerator=cpu", "strategy=ddp", "logger=csv",

@@ -121,14 +121,14 @@ def preempt(root: Path, name: str, folder: str, reference: Path, *, torchrun: bo
     seconds = f"{ended - float(stamp.read_text()):.1f}" if stamp.is_file() else "-"
     if code is None:
         return Row(name, "still running at the time-out; killed", seconds, "everything since the last checkpoint")
-    from lightning_fastscale import checkpointing
+    from lightning_fastscale.faults import checkpoint_reading
 
     before = steps_run(run_dir)
-    newest = checkpointing.newest_checkpoint([run_dir / "checkpoints"])
+    newest = checkpoint_reading.newest_checkpoint([run_dir / "checkpoints"])
     try:
-        saved_step = checkpointing.read_checkpoint(newest)["global_step"] if newest else 0
+        saved_step = checkpoint_reading.read_checkpoint(newest)["global_step"] if newest else 0
         intact = "intact"
-    except checkpointing.CheckpointError:
+    except checkpoint_reading.CheckpointError:
         saved_step, intact = 0, "UNREADABLE"
     happened = f"exit {code}, newest checkpoint {newest.name if newest else 'none'} ({intact}, step {saved_step})"
     if not with_callback:
@@ -190,14 +190,14 @@ SMALL_RUN = [
 
 def _checkpoint_state(folder: Path, tmpdir: Path) -> str:
     """Which checkpoint files are whole, partial leftovers beside them, and leaks into TMPDIR."""
-    from lightning_fastscale import checkpointing
-    from lightning_fastscale.checkpoint_io import partial_files
+    from lightning_fastscale.faults import checkpoint_reading
+    from lightning_fastscale.faults.atomic_checkpoint_io import partial_files
 
     whole, broken = [], []
     for path in sorted(folder.glob("*.ckpt")):
         try:
-            whole.append(f"{path.name} (step {checkpointing.read_checkpoint(path)['global_step']})")
-        except checkpointing.CheckpointError:
+            whole.append(f"{path.name} (step {checkpoint_reading.read_checkpoint(path)['global_step']})")
+        except checkpoint_reading.CheckpointError:
             broken.append(path.name)
     leaked = [p for p in tmpdir.rglob("*") if p.is_file() and p.stat().st_size > 10_000]
     return (f"whole: {', '.join(whole) or 'none'}; truncated under a final name: {', '.join(broken) or 'none'}; "
@@ -234,9 +234,9 @@ def storage_rows(root: Path) -> list[Row]:
             happened = f"exit {code}; {_checkpoint_state(run_dir / 'checkpoints', tmpdir)}"
             filler.unlink(missing_ok=True)
             rcode, rout, _ = wait(launch(run_dir, "resume=auto", run=SMALL_RUN, env=env), timeout=300)
-            from lightning_fastscale import checkpointing
+            from lightning_fastscale.faults import checkpoint_reading
 
-            final = checkpointing.read_checkpoint(run_dir / "checkpoints" / "last.ckpt")["global_step"]
+            final = checkpoint_reading.read_checkpoint(run_dir / "checkpoints" / "last.ckpt")["global_step"]
             rows.append(Row(f"{name}, run folder on a 4 MiB tmpfs", happened, f"{ended - start:.1f} (from start)",
                             f"{_resume_text(rcode, rout)}, ended at step {final} of 8; "
                             f"{steps_run(run_dir) - 8} steps redone"))

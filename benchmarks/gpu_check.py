@@ -306,7 +306,7 @@ def check_decode(batch: int = 64, rounds: int = 5) -> None:
     """Batched nvJPEG decode (``decode_jpeg_batch_on_device``) vs libjpeg-turbo on one CPU thread."""
     import time
 
-    from lightning_fastscale.data.fast_decode import decode_jpeg_batch_on_device, decode_rgb
+    from lightning_fastscale.data.jpeg_decode import decode_jpeg_batch_on_device, decode_rgb
 
     datas = _jpeg_batch(batch)
     cpu = [decode_rgb(d) for d in datas]

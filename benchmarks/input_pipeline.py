@@ -45,9 +45,11 @@ import numpy as np
 import torch
 from PIL import Image
 
+from lightning_fastscale.data import jpeg_decode
 from lightning_fastscale.data.cli import bench_pipeline
-from lightning_fastscale.data.convert import convert, read_metadata
-from lightning_fastscale.data.fast_decode import normalize_on_device as fast_normalize
+from lightning_fastscale.data.convert import convert
+from lightning_fastscale.data.stored_format import read_metadata
+from lightning_fastscale.data.transforms import normalize_on_device as fast_normalize
 
 
 def photo_like(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
@@ -121,7 +123,7 @@ def nvjpeg_images_per_s(stream_root: Path, resolution: int, batch_size: int, bat
     from litdata import StreamingDataset
     from torchvision.transforms.v2 import functional as F
 
-    from lightning_fastscale.data import fast_decode
+    from lightning_fastscale.data import transforms
 
     ds = StreamingDataset(str(stream_root / "train"))
     datas = [torch.frombuffer(bytearray(ds[i]["image"]), dtype=torch.uint8) for i in range(min(len(ds), batch_size * 4))]
@@ -129,12 +131,12 @@ def nvjpeg_images_per_s(stream_root: Path, resolution: int, batch_size: int, bat
 
     def run(k: int) -> None:
         chunk = [datas[(k * batch_size + j) % len(datas)] for j in range(batch_size)]
-        images = fast_decode.decode_jpeg_batch_on_device(chunk, "cuda")
+        images = jpeg_decode.decode_jpeg_batch_on_device(chunk, "cuda")
         out = []
         for img in images:
-            box = fast_decode.random_resized_crop_box(img.shape[1], img.shape[2], g)
+            box = transforms.random_resized_crop_box(img.shape[1], img.shape[2], g)
             out.append(F.resized_crop(img, *box, [resolution, resolution], antialias=True))
-        fast_decode.normalize_on_device(torch.stack(out))
+        transforms.normalize_on_device(torch.stack(out))
 
     run(0)
     torch.cuda.synchronize()
@@ -150,13 +152,12 @@ def decode_only_images_per_s(stream_root: Path, count: int) -> float:
     of any CPU pipeline that fully decodes these files, whatever it does after the decode."""
     from litdata import StreamingDataset
 
-    from lightning_fastscale.data import fast_decode
 
     ds = StreamingDataset(str(stream_root / "train"))
     datas = [torch.frombuffer(bytearray(ds[i]["image"]), dtype=torch.uint8) for i in range(min(len(ds), count))]
     start = time.process_time()
     for data in datas:
-        fast_decode.decode_rgb(data)
+        jpeg_decode.decode_rgb(data)
     return len(datas) / (time.process_time() - start)
 
 
@@ -168,12 +169,11 @@ def decoder_ms(tree: Path, files: int = 100, repeats: int = 5) -> dict[str, floa
 
     from torchvision.io import decode_jpeg as torchvision_decode_jpeg
 
-    from lightning_fastscale.data import fast_decode
 
     raw = [p.read_bytes() for p in sorted((tree / "train").rglob("*.JPEG"))[:files]]
     datas = [torch.frombuffer(bytearray(r), dtype=torch.uint8) for r in raw]
     cases: dict[str, Any] = {
-        "torchcodec decode_jpeg (decode_rgb)": lambda i: fast_decode.decode_rgb(datas[i]),
+        "torchcodec decode_jpeg (decode_rgb)": lambda i: jpeg_decode.decode_rgb(datas[i]),
         "torchvision decode_jpeg": lambda i: torchvision_decode_jpeg(datas[i]),
     }
     try:
@@ -217,15 +217,15 @@ def kernel_ms(stored: tuple[list[torch.Tensor], list[int]], resolution: int, fil
     import simplejpeg
     from torchvision.transforms.v2 import functional as F
 
-    from lightning_fastscale.data import fast_decode
+    from lightning_fastscale.data import transforms
 
     jpegs = stored[0][:files]
-    images = [fast_decode.decode_rgb(j) for j in jpegs]
-    plans = [fast_decode.draw_crop(im.shape[1], im.shape[2], fast_decode.sample_generator(0, 0, i))
+    images = [jpeg_decode.decode_rgb(j) for j in jpegs]
+    plans = [transforms.draw_crop(im.shape[1], im.shape[2], transforms.sample_generator(0, 0, i))
              for i, im in enumerate(images)]
     out = torch.empty(len(jpegs), 3, resolution, resolution, dtype=torch.uint8, memory_format=torch.channels_last)
     scratch = np.empty((resolution, resolution, 3), np.uint8)
-    pixels, slots = [fast_decode._pixels(im) for im in images], out.permute(0, 2, 3, 1).numpy()  # train_batch's views
+    pixels, slots = [transforms._pixels(im) for im in images], out.permute(0, 2, 3, 1).numpy()  # train_batch's views
     enlarged = [i for i, (box, _) in enumerate(plans) if box[2] <= resolution and box[3] <= resolution]
 
     def area(i: int) -> None:  # FFCV's resize: INTER_AREA on the crop region, whatever the scale
@@ -234,36 +234,36 @@ def kernel_ms(stored: tuple[list[torch.Tensor], list[int]], resolution: int, fil
                    dst=scratch, interpolation=cv2.INTER_AREA)
 
     cases: dict[str, Any] = {
-        "decode (TorchCodec `decode_jpeg`)": (lambda i: fast_decode.decode_rgb(jpegs[i]), range(len(jpegs))),
+        "decode (TorchCodec `decode_jpeg`)": (lambda i: jpeg_decode.decode_rgb(jpegs[i]), range(len(jpegs))),
         "decode (simplejpeg, accurate IDCT: `train_batch`'s)": (
             lambda i: simplejpeg.decode_jpeg(jpegs[i].numpy(), "RGB"), range(len(jpegs))),
         "decode (simplejpeg, fast IDCT, as FFCV's)": (
             lambda i: simplejpeg.decode_jpeg(jpegs[i].numpy(), "RGB", fastdct=True), range(len(jpegs))),
         "resize + flip, torchvision `resized_crop` (per-image path)": (
-            lambda i: fast_decode.crop_resize_flip(images[i], *plans[i][:1], resolution, plans[i][1]), range(len(jpegs))),
+            lambda i: transforms.crop_resize_flip(images[i], *plans[i][:1], resolution, plans[i][1]), range(len(jpegs))),
         "resize + flip, `train_batch`'s (into the batch slot)": (
-            lambda i: fast_decode._crop_resize_flip_into(pixels[i], plans[i][0], resolution, plans[i][1], out[i], slots[i]),
+            lambda i: transforms._crop_resize_flip_into(pixels[i], plans[i][0], resolution, plans[i][1], out[i], slots[i]),
             range(len(jpegs))),
         "resize, OpenCV INTER_AREA on the crop (FFCV's)": (area, range(len(jpegs))),
         "crops enlarged on both axes only: torchvision `resized_crop`": (
-            lambda i: fast_decode.crop_resize_flip(images[i], *plans[i][:1], resolution, plans[i][1]), enlarged),
+            lambda i: transforms.crop_resize_flip(images[i], *plans[i][:1], resolution, plans[i][1]), enlarged),
         "the same crops: `train_batch`'s (OpenCV bilinear)": (
-            lambda i: fast_decode._crop_resize_flip_into(pixels[i], plans[i][0], resolution, plans[i][1], out[i], slots[i]),
+            lambda i: transforms._crop_resize_flip_into(pixels[i], plans[i][0], resolution, plans[i][1], out[i], slots[i]),
             enlarged),
         "whole transform, per image (`train_transform`)": (
-            lambda i: fast_decode.train_transform(jpegs[i], resolution, fast_decode.sample_generator(0, 0, i)),
+            lambda i: transforms.train_transform(jpegs[i], resolution, transforms.sample_generator(0, 0, i)),
             range(len(jpegs))),
     }
     best = {name: math.inf for name in cases}
-    gens = lambda: [fast_decode.sample_generator(0, 0, i) for i in range(len(jpegs))]  # noqa: E731
-    sj = fast_decode._simplejpeg
+    gens = lambda: [transforms.sample_generator(0, 0, i) for i in range(len(jpegs))]  # noqa: E731
+    sj = transforms._simplejpeg
 
     def batch(decoder: Any, dct_scaling: bool = False) -> torch.Tensor:
-        fast_decode._simplejpeg = decoder  # None: TorchCodec decodes, as without simplejpeg
+        transforms._simplejpeg = decoder  # None: TorchCodec decodes, as without simplejpeg
         try:
-            return fast_decode.train_batch(jpegs, gens(), resolution, out=out, dct_scaling=dct_scaling)
+            return transforms.train_batch(jpegs, gens(), resolution, out=out, dct_scaling=dct_scaling)
         finally:
-            fast_decode._simplejpeg = sj
+            transforms._simplejpeg = sj
 
     batches = {"whole transform, `train_batch` (1 thread, TorchCodec decode)": lambda: batch(None),
                "whole transform, `train_batch` (1 thread, simplejpeg decode)": lambda: batch(sj),
@@ -290,7 +290,7 @@ def kernel_ms(stored: tuple[list[torch.Tensor], list[int]], resolution: int, fil
             F.center_crop(F.resize(im, [short], antialias=True), [resolution, resolution])
         mid = time.process_time()
         for im in images:
-            fast_decode.resize_centre_crop(im, resolution)
+            transforms.resize_centre_crop(im, resolution)
         end = time.process_time()
         for name, took in zip(val_best, (mid - start, end - mid)):
             val_best[name] = min(val_best[name], took / len(images) * 1e3)
@@ -304,9 +304,9 @@ def kernel_ms(stored: tuple[list[torch.Tensor], list[int]], resolution: int, fil
     for name, which, fn in (("`train_batch`", range(len(jpegs)), None), ("OpenCV INTER_AREA, reduced crops", reduced, area)):
         diffs = []
         for i in which:
-            ref = fast_decode.crop_resize_flip(images[i], plans[i][0], resolution, False).permute(1, 2, 0).numpy()
+            ref = transforms.crop_resize_flip(images[i], plans[i][0], resolution, False).permute(1, 2, 0).numpy()
             if fn is None:
-                fast_decode._crop_resize_flip_into(pixels[i], plans[i][0], resolution, False, out[i], slots[i])
+                transforms._crop_resize_flip_into(pixels[i], plans[i][0], resolution, False, out[i], slots[i])
                 got = out[i].permute(1, 2, 0).numpy()
             else:
                 fn(i)
@@ -316,7 +316,7 @@ def kernel_ms(stored: tuple[list[torch.Tensor], list[int]], resolution: int, fil
         best[f"{name}: max abs diff to torchvision"] = float(max(d.max() for d in diffs)) if diffs else math.nan
     # the whole transform with the fast IDCT or DCT-domain scaling against `train_batch` as it is
     accurate = batch(sj).clone()
-    reductions = [fast_decode._dct_reduction(box, resolution) for box, _ in plans]
+    reductions = [transforms._dct_reduction(box, resolution) for box, _ in plans]
     best["share of crops decoded at 1/2, 1/4 or 1/8 scale (`dct_scaling`)"] = sum(d > 1 for d in reductions) / len(jpegs)
     scaled = batch(sj, True)
     changed = [i for i, d in enumerate(reductions) if d > 1]
@@ -327,8 +327,8 @@ def kernel_ms(stored: tuple[list[torch.Tensor], list[int]], resolution: int, fil
         ((scaled[i].int() - accurate[i].int()).abs().max().item() for i in range(len(jpegs)) if reductions[i] == 1),
         default=math.nan)
     fast_images = [torch.from_numpy(simplejpeg.decode_jpeg(j.numpy(), "RGB", fastdct=True)).permute(2, 0, 1) for j in jpegs]
-    d = torch.stack([(fast_decode.crop_resize_flip(fi, box, resolution, False).int()
-                      - fast_decode.crop_resize_flip(im, box, resolution, False).int()).abs()
+    d = torch.stack([(transforms.crop_resize_flip(fi, box, resolution, False).int()
+                      - transforms.crop_resize_flip(im, box, resolution, False).int()).abs()
                      for fi, im, (box, _) in zip(fast_images, images, plans)])
     best["fast IDCT after the crop + resize: mean abs diff"] = d.float().mean().item()
     best["fast IDCT after the crop + resize: max abs diff"] = d.max().item()
@@ -511,30 +511,30 @@ def datamodule_epochs(pipeline: str, root: Path, args: argparse.Namespace, worke
 
 def train_batch_epochs(stored: tuple[list[torch.Tensor], list[int]], args: argparse.Namespace, threads: int,
                        torchcodec: bool = False) -> Any:
-    """`fast_decode.train_batch` over the stored bytes held in memory (no chunk reads): shuffled
+    """`transforms.train_batch` over the stored bytes held in memory (no chunk reads): shuffled
     batches, one generator per sample, ``threads`` threads, one reused output buffer;
     ``torchcodec``: decoded by TorchCodec, as where simplejpeg is not installed."""
-    from lightning_fastscale.data import fast_decode
+    from lightning_fastscale.data import transforms
 
     jpegs, _ = stored
     out = torch.empty(args.batch_size, 3, args.resolution, args.resolution, dtype=torch.uint8,
                       memory_format=torch.channels_last)
     epoch = [0]
-    simplejpeg = fast_decode._simplejpeg
+    simplejpeg = transforms._simplejpeg
 
     def run() -> int:
         epoch[0] += 1
         order = torch.randperm(len(jpegs), generator=torch.Generator().manual_seed(epoch[0])).tolist()
         seen = 0
-        fast_decode._simplejpeg = None if torchcodec else simplejpeg
+        transforms._simplejpeg = None if torchcodec else simplejpeg
         try:
             for b in range(len(order) // args.batch_size):
                 idx = order[b * args.batch_size : (b + 1) * args.batch_size]
-                gens = [fast_decode.sample_generator(0, epoch[0], i) for i in idx]
-                fast_decode.train_batch([jpegs[i] for i in idx], gens, args.resolution, threads=threads, out=out)
+                gens = [transforms.sample_generator(0, epoch[0], i) for i in idx]
+                transforms.train_batch([jpegs[i] for i in idx], gens, args.resolution, threads=threads, out=out)
                 seen += len(idx)
         finally:
-            fast_decode._simplejpeg = simplejpeg
+            transforms._simplejpeg = simplejpeg
         return seen
 
     return _warmed(run, "process" if threads == 1 else "wall")

@@ -5,7 +5,7 @@ On a generated tree of photo-like JPEGs (``input_pipeline.write_tree``) converte
 
 1. images/s of ``StreamingDataModule``'s training loader up to the uint8 batch, within one
    epoch, at several (loader workers, decode threads): the batch path (one
-   ``fast_decode.train_batch`` call per batch, the datamodule's own) against the per-sample
+   ``transforms.train_batch`` call per batch, the datamodule's own) against the per-sample
    path it replaced (each sample decoded strictly and augmented as it is read, then
    ``default_collate``), both on the same samples, crops and flips;
 2. one ``train_batch`` call into an NCHW buffer against a channels-last one; the per-batch
@@ -35,10 +35,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from input_pipeline import write_tree  # noqa: E402
 
-from lightning_fastscale.data import StreamingDataModule, fast_decode  # noqa: E402
+from lightning_fastscale.data import StreamingDataModule, transforms  # noqa: E402
 from lightning_fastscale.data.convert import convert  # noqa: E402
+from lightning_fastscale.data.jpeg_decode import strict_decode  # noqa: E402
 from lightning_fastscale.data.streaming_datasets import DecodedStreamingDataset  # noqa: E402
-from lightning_fastscale.data.verify import strict_decode  # noqa: E402
 
 IMAGENET_TRAIN = 1_281_167
 
@@ -47,9 +47,9 @@ class PerSampleDataset(DecodedStreamingDataset):
     """The path before batch decode: each sample decoded strictly and augmented as it is read."""
 
     def decode(self, item: dict[str, Any]) -> tuple[torch.Tensor, int]:
-        g = fast_decode.sample_generator(self.augment_seed, self.current_epoch, int(item["index"]))
+        g = transforms.sample_generator(self.augment_seed, self.current_epoch, int(item["index"]))
         data = torch.frombuffer(bytearray(item["image"]), dtype=torch.uint8)
-        image = strict_decode(lambda d: fast_decode.train_transform(d, self.resolution, g, self.scale, self.ratio), data)
+        image = strict_decode(lambda d: transforms.train_transform(d, self.resolution, g, self.scale, self.ratio), data)
         return image, int(item["label"])
 
 
@@ -139,9 +139,9 @@ def layout_rates(root: Path, args: argparse.Namespace, count: int = 64) -> dict[
     for _ in range(args.rounds + 2):
         for name, layout in (("NCHW", torch.contiguous_format), ("channels-last", torch.channels_last)):
             out = torch.empty((count, 3, args.resolution, args.resolution), dtype=torch.uint8, memory_format=layout)
-            generators = [fast_decode.sample_generator(0, 0, i) for i in range(count)]
+            generators = [transforms.sample_generator(0, 0, i) for i in range(count)]
             start = time.process_time()
-            fast_decode.train_batch(jpegs, generators, args.resolution, out=out)
+            transforms.train_batch(jpegs, generators, args.resolution, out=out)
             times[name].append(time.process_time() - start)
     return {name: round(count / statistics.median(t), 1) for name, t in times.items()}
 

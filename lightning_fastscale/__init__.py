@@ -9,6 +9,7 @@ smoothing, 2D-torus all-reduce), fast.ai 2018 (progressive resizing) and Tencent
 * `strategies`: ``HierarchicalAllReduceStrategy`` (a DDP strategy);
 * `precision`: ``LARSMixedPrecision`` and the ``LARS`` optimizer;
 * `callbacks`: the recipe callbacks;
+* `faults`: checkpoints, exact resume, preemption and the non-finite guard;
 * [`planner`][lightning_fastscale.planner]: the communication cost model behind ``fastscale-plan``;
 * `data`, `models`: built-in data and models.
 

@@ -1,17 +1,6 @@
 """The one rule that decides which parameters are "bias/BN-like".
 
-Jia et al. 2018 (Tencent, "Highly Scalable Deep Learning Training System with
-Mixed-Precision: Training ImageNet in Four Minutes") removed weight decay from the bias and
-the batch-norm beta/gamma (+1.3% top-1 for AlexNet at batch 64K); the MLPerf LARS reference
-likewise gives these parameters neither weight decay nor LARS adaptation. Every component of
-this package that needs the distinction (the optimizer groups of
-[`param_groups_without_decay`][lightning_fastscale.param_groups.param_groups_without_decay], ``LARSMixedPrecision``, the ``LARS``
-optimizer) asks [`is_excluded`][lightning_fastscale.param_groups.is_excluded]; none re-implements it.
-
-The rule: a parameter is excluded when it has ``ndim <= 1`` (biases, norm-layer affine
-parameters, scalars such as layer-scale gammas), when it belongs to a normalisation layer
-(BatchNorm/GroupNorm/LayerNorm/InstanceNorm/LocalResponseNorm, whatever its shape), or when
-its qualified name matches one of the user's extra glob patterns.
+More in ``docs/methods/no_weight_decay_bias_norm.md`` ("In code").
 """
 from __future__ import annotations
 

@@ -28,13 +28,13 @@ from omegaconf import DictConfig, OmegaConf
 
 import lightning_fastscale  # noqa: F401  (registers strategies, models and the configs' resolver)
 
-from . import checkpointing
 from ._validation import positive_int, positive_number
-from .callbacks.exact_resume import WorldSizeChangeError
-from .checkpoint_io import AtomicCheckpointIO
 from .config_check import ConfigError, setting_errors, show
+from .faults import checkpoint_reading
+from .faults.atomic_checkpoint_io import AtomicCheckpointIO
+from .faults.exact_resume import WorldSizeChangeError
+from .faults.run_folder_lock import LOCK_NAME
 from .module import ImageClassifier
-from .run_folder import LOCK_NAME
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ def resolve_resume(cfg: DictConfig) -> str | None:
             "checkpoint of the run folder itself: drop one of them",
             key="ckpt_path",
         )
-    return checkpointing.resume_point(_checkpoint_folders(cfg))
+    return checkpoint_reading.resume_point(_checkpoint_folders(cfg))
 
 
 def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.Trainer]:

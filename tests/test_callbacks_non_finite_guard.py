@@ -190,7 +190,7 @@ def test_fastscale_train_diverging_in_fp32_fails_and_keeps_no_nan_checkpoint(tmp
     the run stops at the first non-finite loss with a non-zero status, prints no final
     accuracy, and every checkpoint it left holds finite weights."""
     from benchmarks.fault_helpers import finish, start
-    from lightning_fastscale import checkpointing
+    from lightning_fastscale.faults import checkpoint_reading
 
     run = ["data.train_size=64", "data.val_size=16", "data.batch_size=16", "data.resolution=16",
            "model.model_kwargs.widths=[8,8,8]", "trainer.max_epochs=3", "trainer.enable_progress_bar=false",
@@ -200,5 +200,5 @@ def test_fastscale_train_diverging_in_fp32_fails_and_keeps_no_nan_checkpoint(tmp
     assert "NonFiniteGuard: optimizer step" in out and "no loss scaler (fp32/bf16)" in out
     assert "final val/top1" not in out
     for path in (tmp_path / "run" / "checkpoints").glob("*.ckpt"):
-        state = checkpointing.read_checkpoint(path)["state_dict"]
+        state = checkpoint_reading.read_checkpoint(path)["state_dict"]
         assert all(bool(torch.isfinite(t).all()) for t in state.values() if t.is_floating_point()), path

@@ -1,4 +1,4 @@
-"""Hydra: `callbacks=large_batch` and the two 64K experiment presets compose, instantiate, run."""
+"""Hydra: `experiment=large_batch` and the two 64K experiment presets compose, instantiate, run."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -37,7 +37,7 @@ def _recipe_callbacks(cfg: DictConfig) -> dict[str, object]:
 
 
 def test_large_batch_turns_on_every_technique_and_keeps_the_defaults() -> None:
-    cfg = _compose("callbacks=large_batch")
+    cfg = _compose("experiment=large_batch")
     assert {"model_checkpoint", "lr_monitor"} <= set(cfg.callbacks)
     built = _recipe_callbacks(cfg)
     assert {name: type(cb) for name, cb in built.items()} == RECIPE
@@ -73,7 +73,7 @@ def test_default_job_trains_with_the_whole_recipe(tmp_path) -> None:
     from lightning_fastscale.train import build
 
     cfg = _compose(
-        "callbacks=large_batch",
+        "experiment=large_batch",
         "logger=csv",
         f"logger.save_dir={tmp_path}",
         "trainer=cpu",

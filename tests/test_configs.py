@@ -166,7 +166,7 @@ def test_hierarchical_strategy_configs(override, algorithm, tmp_path, monkeypatc
 
 
 def test_large_batch_callbacks_replace_the_scheduler(tmp_path, monkeypatch):
-    cfg, _, module, trainer = build(["callbacks=large_batch"], tmp_path, monkeypatch)
+    cfg, _, module, trainer = build(["experiment=large_batch"], tmp_path, monkeypatch)
     types = {type(c) for c in trainer.callbacks}
     assert {BatchSizeRamp, WarmupDecayLR, LabelSmoothing} <= types
     # WarmupDecayLR owns the LR, so the group turns the module's scheduler off

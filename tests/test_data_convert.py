@@ -9,8 +9,8 @@ from litdata import StreamingDataset
 from torchvision.datasets import ImageFolder
 
 from lightning_fastscale.data.cli import main
-from lightning_fastscale.data.convert import read_metadata
-from lightning_fastscale.data.fast_decode import decode_rgb, jpeg_size
+from lightning_fastscale.data.jpeg_decode import decode_rgb, jpeg_size
+from lightning_fastscale.data.stored_format import read_metadata
 
 from .data_streaming_utils import CLASSES, convert_tree, write_tree
 

@@ -16,8 +16,9 @@ from PIL import Image
 from torch import nn
 from torchvision.transforms.v2 import functional as F
 
-from lightning_fastscale.data import StreamingDataModule, fast_decode, rect_val
-from lightning_fastscale.data.convert import convert, stored_sample_count
+from lightning_fastscale.data import StreamingDataModule, jpeg_decode, rect_val, transforms
+from lightning_fastscale.data.convert import convert
+from lightning_fastscale.data.stored_format import stored_sample_count
 from lightning_fastscale.data.streaming import ValidationBatches
 
 from .data_streaming_utils import write_tree
@@ -112,7 +113,7 @@ def test_convert_records_val_sizes_in_litdata_order(stream):
     samples = StreamingDataset(str(stream / "val"))
     assert len(sizes) == len(samples) == 9
     for i, (h, w) in enumerate(sizes):
-        image = fast_decode.decode_rgb(torch.frombuffer(bytearray(samples[i]["image"]), dtype=torch.uint8))
+        image = jpeg_decode.decode_rgb(torch.frombuffer(bytearray(samples[i]["image"]), dtype=torch.uint8))
         assert tuple(image.shape[1:]) == (h, w)
     assert len({w / h for h, w in sizes}) >= 3  # the test data has varied ratios
 
@@ -127,8 +128,8 @@ def test_rect_batches_are_uint8_rectangles_normalised_on_device(stream):
     x, y = batches[-1]
     assert x.dtype == torch.uint8
     out, _ = dm.on_after_batch_transfer((x, y), 0)
-    mean = torch.tensor(fast_decode.IMAGENET_MEAN).view(1, 3, 1, 1)
-    std = torch.tensor(fast_decode.IMAGENET_STD).view(1, 3, 1, 1)
+    mean = torch.tensor(transforms.IMAGENET_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(transforms.IMAGENET_STD).view(1, 3, 1, 1)
     torch.testing.assert_close(out, (x.float() / 255 - mean) / std, rtol=1e-5, atol=1e-5)
     # two loader workers hand out the same batches in the same order
     again = list(_dm(stream, num_workers=2).val_dataloader())
@@ -271,10 +272,3 @@ def test_two_rank_ddp_validation_sees_every_sample_once(stream, tmp_path, rect):
     else:  # square: each rank a contiguous range of the split
         assert ranks[0]["seen"] == [0, 1, 2, 3, 4, 5] and ranks[1]["seen"] == [6, 7, 8]
         assert all(shape == [32, 32] for r in ranks for shape in r["shapes"])
-
-
-def test_docstring_examples_pass():
-    import doctest
-
-    result = doctest.testmod(rect_val)
-    assert result.attempted >= 6 and result.failed == 0

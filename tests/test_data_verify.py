@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_fastscale.data import StreamingDataModule, fast_decode
+from lightning_fastscale.data import StreamingDataModule, jpeg_decode
 from lightning_fastscale.data.cli import main as fastscale_data
+from lightning_fastscale.data.jpeg_decode import strict_decode
+from lightning_fastscale.data.stored_format import CorruptDataError
 from lightning_fastscale.data.streaming import DecodedStreamingDataset
-from lightning_fastscale.data.verify import CorruptDataError, strict_decode, verify
+from lightning_fastscale.data.verify import verify
 
 from .data_streaming_utils import write_tree
 
@@ -101,9 +103,9 @@ def test_libjpeg_warning_is_an_error_in_strict_decode_only(stream, tmp_path):
     start, end = _offsets(data)[SAMPLE : SAMPLE + 2]
     image = data[start:end]
     jpeg = torch.frombuffer(bytearray(image[image.index(b"\xff\xd8"):]), dtype=torch.uint8)
-    assert fast_decode.decode_rgb(jpeg).shape[0] == 3  # what trained through before: a warning only
+    assert jpeg_decode.decode_rgb(jpeg).shape[0] == 3  # what trained through before: a warning only
     with pytest.raises(ValueError, match="Corrupt JPEG data"):
-        strict_decode(fast_decode.decode_rgb, jpeg)
+        strict_decode(jpeg_decode.decode_rgb, jpeg)
 
 
 @pytest.mark.parametrize("num_workers", [0, 1])
@@ -138,7 +140,7 @@ def test_validation_in_threads_gives_the_same_batches_and_names_a_flipped_byte(s
         damaged[pos] ^= 0xFF
         jpeg = damaged[start:end]
         try:
-            strict_decode(fast_decode.decode_rgb, torch.frombuffer(jpeg[jpeg.index(b"\xff\xd8"):], dtype=torch.uint8))
+            strict_decode(jpeg_decode.decode_rgb, torch.frombuffer(jpeg[jpeg.index(b"\xff\xd8"):], dtype=torch.uint8))
         except ValueError:
             break
     else:

@@ -54,7 +54,7 @@ DOCTOR_LIMITS = ("doctor.warmup_steps=1 doctor.steps=3 doctor.compute_steps=1 do
 DATA_LIMITS = "data.batch_size=4 data.resolution=32 data.num_workers=0 data.persistent_workers=false"
 ONE_CPU_NODE = "trainer.accelerator=cpu trainer.num_nodes=1 trainer.devices=1"
 FINAL = r"final val/top1: \d"
-# the recipe's warmup (1 epoch in callbacks=large_batch, 5-25 in the 64K experiments) must leave
+# the recipe's warmup (1 epoch in experiment=large_batch, 5-25 in the 64K experiments) must leave
 # room for the decay inside the one epoch run here
 SHORT_WARMUP = "callbacks.warmup_decay_lr.warmup_epochs=0.5"
 
@@ -108,7 +108,7 @@ RULES: list[Rule] = [
     Rule(r"^fastscale-train hydra\.run\.dir=outputs/job-\$\{SLURM_JOB_ID\} resume=auto$", "run",
          append=TRAIN_LIMITS, expect=(FINAL,), files=("outputs/job-4242",), env={"SLURM_JOB_ID": "4242"},
          slow=True),
-    Rule(r"^fastscale-train .*callbacks=large_batch", "run", append=f"{TRAIN_LIMITS} {SHORT_WARMUP}",
+    Rule(r"^fastscale-train .*experiment=large_batch", "run", append=f"{TRAIN_LIMITS} {SHORT_WARMUP}",
          expect=(FINAL,), slow=True),
     # every other fastscale-train command: a short run
     Rule(r"^fastscale-train ", "run", append=TRAIN_LIMITS, expect=(FINAL,), slow=True),

@@ -11,11 +11,11 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import OmegaConf
 
-from lightning_fastscale import checkpointing
 from lightning_fastscale.callbacks import BatchSizeRamp, CheckpointCheck
-from lightning_fastscale.checkpointing import CheckpointError
 from lightning_fastscale.config_check import ConfigError
 from lightning_fastscale.data import ProceduralDataModule
+from lightning_fastscale.faults import checkpoint_reading
+from lightning_fastscale.faults.checkpoint_reading import CheckpointError
 from lightning_fastscale.module import ImageClassifier, cosine_schedule
 from lightning_fastscale.train import resolve_resume
 
@@ -85,11 +85,11 @@ def test_empty_and_foreign_files_are_refused(tmp_path):
     empty = tmp_path / "empty.ckpt"
     empty.write_bytes(b"")
     with pytest.raises(CheckpointError, match="empty"):
-        checkpointing.read_checkpoint(empty)
+        checkpoint_reading.read_checkpoint(empty)
     foreign = tmp_path / "weights.ckpt"
     torch.save({"weight": torch.zeros(2)}, foreign)
     with pytest.raises(CheckpointError, match="not a Lightning checkpoint"):
-        checkpointing.read_checkpoint(foreign)
+        checkpoint_reading.read_checkpoint(foreign)
 
 
 def test_checkpoint_of_another_model_is_refused(tmp_path, checkpoint):
@@ -122,15 +122,15 @@ def test_checkpoint_of_another_batch_size_ramp_is_refused(tmp_path):
 
 
 def test_newest_checkpoint_is_the_latest_written(tmp_path):
-    assert checkpointing.newest_checkpoint([tmp_path, tmp_path / "absent"]) is None
+    assert checkpoint_reading.newest_checkpoint([tmp_path, tmp_path / "absent"]) is None
     old, new = tmp_path / "last.ckpt", tmp_path / "preempted-epoch1-step8.ckpt"
     old.write_bytes(b"a")
     new.write_bytes(b"b")
     now = time.time()
     os.utime(old, (now - 10, now - 10))
-    assert checkpointing.newest_checkpoint([tmp_path]) == new
+    assert checkpoint_reading.newest_checkpoint([tmp_path]) == new
     os.utime(old, (now + 10, now + 10))
-    assert checkpointing.newest_checkpoint([tmp_path]) == old
+    assert checkpoint_reading.newest_checkpoint([tmp_path]) == old
 
 
 def _cfg(run_dir, **extra):

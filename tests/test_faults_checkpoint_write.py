@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from benchmarks.fault_helpers import finish, start
-from lightning_fastscale import checkpointing
-from lightning_fastscale.checkpoint_io import partial_files, save_atomically
+from lightning_fastscale.faults import checkpoint_reading
+from lightning_fastscale.faults.atomic_checkpoint_io import partial_files, save_atomically
 
 # 1 rank, 64 samples / 16: 4 steps per epoch; checkpoints at the end of epochs 0 and 1 (about 94 kB each)
 RUN = [
@@ -43,7 +43,7 @@ def small_fs(tmp_path):
 
 def assert_no_partial_checkpoint(folder: Path, tmpdir: Path) -> None:
     for path in folder.glob("*.ckpt"):
-        checkpointing.read_checkpoint(path)  # raises, naming the file, on a truncated one
+        checkpoint_reading.read_checkpoint(path)  # raises, naming the file, on a truncated one
     leaked = [p for p in tmpdir.rglob("*") if p.is_file() and p.stat().st_size > 10_000]
     assert not leaked, f"checkpoint-sized temporary files in TMPDIR: {leaked}"
 
@@ -68,13 +68,13 @@ def test_rank_killed_while_writing_a_checkpoint_then_resume_auto(small_fs, tmp_p
     assert_no_partial_checkpoint(folder, tmpdir)
     leftovers = partial_files([folder])
     assert len(leftovers) == 1 and 0 < leftovers[0].stat().st_size <= 20_000  # the cut-short write, beside its target
-    assert checkpointing.read_checkpoint(folder / "last.ckpt")["global_step"] == 4  # epoch 0's, whole
+    assert checkpoint_reading.read_checkpoint(folder / "last.ckpt")["global_step"] == 4  # epoch 0's, whole
 
     code, out = finish(start(run_dir, "resume=auto", run=RUN, env={"TMPDIR": str(tmpdir)}))
     assert code == 0, out[-3000:]
     assert f"removing {leftovers[0]}" in out and "continuing from" in out
     assert "taking over the lock of pid" in out  # the killed run never released its run folder
-    assert checkpointing.read_checkpoint(folder / "last.ckpt")["global_step"] == 8
+    assert checkpoint_reading.read_checkpoint(folder / "last.ckpt")["global_step"] == 8
     assert not partial_files([folder])
     assert_no_partial_checkpoint(folder, tmpdir)
 
@@ -90,11 +90,11 @@ def test_disk_full_while_writing_a_checkpoint_then_resume_auto(small_fs, tmp_pat
     folder = run_dir / "checkpoints"
     assert_no_partial_checkpoint(folder, tmpdir)
     assert not partial_files([folder])  # the failed write removed its temporary file
-    assert checkpointing.read_checkpoint(folder / "last.ckpt")["global_step"] == 4
+    assert checkpoint_reading.read_checkpoint(folder / "last.ckpt")["global_step"] == 4
 
     filler.unlink()  # space freed, as an operator would; the requeued job continues
     code, out = finish(start(run_dir, "resume=auto", run=RUN, env={"TMPDIR": str(tmpdir)}))
     assert code == 0, out[-3000:]
     assert "continuing from" in out
-    assert checkpointing.read_checkpoint(folder / "last.ckpt")["global_step"] == 8
+    assert checkpoint_reading.read_checkpoint(folder / "last.ckpt")["global_step"] == 8
     assert_no_partial_checkpoint(folder, tmpdir)

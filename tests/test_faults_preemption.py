@@ -14,9 +14,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks.fault_helpers import SignalAtStep
 from lightning_fastscale.callbacks import ExactResume, PreemptionCheckpoint
-from lightning_fastscale.callbacks.exact_resume import SkipFirstBatches
-from lightning_fastscale.callbacks.preemption import parse_signals, slurm_job_id
 from lightning_fastscale.data import ProceduralDataModule
+from lightning_fastscale.faults.exact_resume import SkipFirstBatches
+from lightning_fastscale.faults.preemption import parse_signals, slurm_job_id
 
 
 class DropoutNet(pl.LightningModule):

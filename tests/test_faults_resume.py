@@ -2,7 +2,7 @@
 uninterrupted one (CPU, gloo), or the combination is refused before it trains.
 
 The matrix: data {procedural, streaming} x scheduler {none, cosine (the default)} x callbacks
-{default, large_batch} x {1, 2} ranks. ``callbacks=large_batch`` owns the learning rate
+{default, large_batch} x {1, 2} ranks. ``experiment=large_batch`` owns the learning rate
 (WarmupDecayLR), so with ``scheduler=cosine`` the run is refused; every other cell resumes
 bitwise: the batches of every step (samples, pixels, the next number of the global generator)
 on every rank, the final weights, BN buffers and SGD momentum. The default run keeps the one
@@ -19,8 +19,8 @@ import torch
 
 from benchmarks.fault_helpers import finish, finish_all, read_batch_log, start
 from lightning_fastscale.callbacks import ExactResume
-from lightning_fastscale.callbacks.exact_resume import WorldSizeChangeError
 from lightning_fastscale.data.convert import convert
+from lightning_fastscale.faults.exact_resume import WorldSizeChangeError
 
 # 256 samples, global batch 32 (large_batch: data.batch_size is the global batch; default
 # callbacks: the per-device batch, set to 32 / ranks): 8 steps per epoch (default callbacks:
@@ -32,7 +32,7 @@ RUN = [
 ]
 PROCEDURAL = ["data.train_size=256", "data.val_size=32"]
 LARGE_BATCH = [
-    "callbacks=large_batch", "callbacks.batch_size_ramp.lr_milestones=[1]",
+    "experiment=large_batch", "callbacks.batch_size_ramp.lr_milestones=[1]",
     "callbacks.progressive_resizing.size_increment=2",
 ]
 STOP_STEP = 9

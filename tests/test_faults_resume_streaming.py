@@ -27,9 +27,9 @@ from torch import nn
 
 from benchmarks.fault_helpers import RECIPE_RUN, SignalAtStep, finish_all, read_batch_log, start
 from lightning_fastscale.callbacks import ExactResume, PreemptionCheckpoint
-from lightning_fastscale.callbacks.exact_resume import collect_rng_states
 from lightning_fastscale.data import StreamingDataModule
 from lightning_fastscale.data.convert import convert
+from lightning_fastscale.faults.exact_resume import collect_rng_states
 
 # RECIPE_RUN's job on converted data: 256 train samples at 16 px (the stored max side, which
 # progressive resizing reaches in epoch 1), 32 val samples.

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from benchmarks.fault_helpers import finish, kill_group, start
-from lightning_fastscale.run_folder import (
+from lightning_fastscale.faults.run_folder_lock import (
     LOCK_NAME,
     RunFolderInUseError,
     claim,
@@ -82,7 +82,7 @@ def test_claim_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path, caplog)
     assert not (tmp_path / LOCK_NAME).exists()
 
     # a run killed while holding the folder leaves its lock file, but not its lock
-    code = "from lightning_fastscale.run_folder import claim; import os, sys; claim(sys.argv[1]); os._exit(0)"
+    code = "from lightning_fastscale.faults.run_folder_lock import claim; import os, sys; claim(sys.argv[1]); os._exit(0)"
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, env={**os.environ, "RANK": "0"})
     dead = json.loads((tmp_path / LOCK_NAME).read_text())["pid"]
     with caplog.at_level(logging.WARNING):

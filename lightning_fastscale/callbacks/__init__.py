@@ -1,7 +1,9 @@
-"""Large-batch recipe callbacks, one technique per module (see each module for its paper)."""
+"""The large-batch recipe callbacks, one technique per module (see each module for its paper).
+
+The fault-tolerance callbacks live in `lightning_fastscale.faults` and the step breakdown in
+`lightning_fastscale.diagnostics`; both are re-exported here, the import path the README teaches.
+"""
 from lightning_fastscale.callbacks.batch_size_ramp import BatchSizeRamp
-from lightning_fastscale.callbacks.checkpoint_check import CheckpointCheck
-from lightning_fastscale.callbacks.exact_resume import ExactResume
 from lightning_fastscale.callbacks.ghost_batch_norm import (
     GhostBatchNorm,
     GhostBatchNormLayer,
@@ -10,11 +12,16 @@ from lightning_fastscale.callbacks.ghost_batch_norm import (
 )
 from lightning_fastscale.callbacks.label_smoothing import LabelSmoothing, smooth_targets, smoothing_at_epoch
 from lightning_fastscale.callbacks.lr_schedule import WarmupDecayLR
-from lightning_fastscale.callbacks.non_finite_guard import NonFiniteGuard, NonFiniteStepsError
-from lightning_fastscale.callbacks.preemption import PreemptionCheckpoint
 from lightning_fastscale.callbacks.progressive_resizing import ProgressiveResizing
 from lightning_fastscale.callbacks.zero_init_residual_bn import ZeroInitResidualBN, zero_init_residual_bn
 from lightning_fastscale.diagnostics.step_breakdown_callback import StepBreakdown
+from lightning_fastscale.faults import (
+    CheckpointCheck,
+    ExactResume,
+    NonFiniteGuard,
+    NonFiniteStepsError,
+    PreemptionCheckpoint,
+)
 
 __all__ = [
     "BatchSizeRamp",

@@ -5,23 +5,7 @@ from 34K to 68K during training; Smith et al. 2017 ("Don't Decay the Learning Ra
 the Batch Size") showed that multiplying the batch by 1/gamma where a schedule would multiply
 the learning rate by gamma gives the same curve with fewer parameter updates.
 
-A global batch ``B`` on ``W`` processes becomes ``per_device x W x accumulation``: the
-per-device batch grows up to a memory ceiling, then gradient accumulation takes over.
-
-Functional core: `smith_schedule` and `decompose` (with the shared schedule helpers
-`resolve_schedule` and
-`value_at_epoch`). Lightning adapter:
-[`BatchSizeRamp`][lightning_fastscale.callbacks.BatchSizeRamp].
-
-How the new batch takes effect: Lightning builds the training dataloader at the start of an
-epoch *before* ``on_train_epoch_start`` runs, so the callback tells the datamodule the next
-epoch's per-device batch at ``on_train_epoch_end`` (and, for the first epoch or a resumed run,
-at ``on_fit_start``), and sets ``trainer.reload_dataloaders_every_n_epochs = 1`` so the
-loader is rebuilt at every epoch boundary. Accumulation is set on
-``trainer.accumulate_grad_batches`` at ``on_train_epoch_start``, which the fit loop reads on
-every batch (the mechanism of Lightning's own ``GradientAccumulationScheduler``). At the
-start of every epoch the callback checks that the loader really has the scheduled batch size,
-so a datamodule that caches its loader fails loudly instead of training at the wrong size.
+More in ``docs/methods/batch_size_ramp.md`` ("In code").
 """
 from __future__ import annotations
 

@@ -7,16 +7,7 @@ al. 2017 ("Train longer, generalize better") call the same thing ghost batch nor
 show it recovers part of the large-batch generalisation gap; Ying et al. 2018 (TPU ImageNet
 in minutes) likewise pick the BN group independently of the per-replica batch.
 
-So when one device holds what would be many workers' batches (a CPU study of batch 512, or a
-large per-GPU batch), plain BN normalises over far more samples than the published recipes did.
-This module splits each device's batch into consecutive groups of ``ghost_batch_size`` samples
-and normalises every group with its own mean and variance, as that many workers would. The
-running statistics used at evaluation are updated once per step with the mean over the full
-groups of their means and (unbiased) variances. A batch that is not a multiple of the group size
-normalises its remainder as one smaller group; a batch no larger than one group is plain BN.
-
-Functional core: `ghost_batch_norm`, [`apply_ghost_batch_norm`][lightning_fastscale.callbacks.apply_ghost_batch_norm]. Module:
-`GhostBatchNormLayer`. Lightning adapter: [`GhostBatchNorm`][lightning_fastscale.callbacks.GhostBatchNorm].
+More in ``docs/methods/ghost_batch_norm.md`` ("In code").
 """
 from __future__ import annotations
 

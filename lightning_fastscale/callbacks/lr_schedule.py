@@ -6,26 +6,7 @@ learning rate linearly with the global batch, ``lr = base_lr * global_batch / re
 epochs (5). After warmup the MLPerf LARS reference decays polynomially (power 2) to an end LR;
 cosine decay (Loshchilov & Hutter 2017) is the other common choice.
 
-Functional core: [`lr_at`][lightning_fastscale.callbacks.lr_schedule.lr_at] (the closed form; at whole steps it equals torch's
-``LinearLR`` warmup followed by ``PolynomialLR`` / ``CosineAnnealingLR``, which the tests
-check). The torch scheduler objects are not used directly because they count calls to
-``step()``; here the position is *fractional epochs of applied optimizer steps*, which stays
-right when ``BatchSizeRamp`` or ``ProgressiveResizing`` change the number of steps per epoch
-and when the loss scaler skips a step.
-
-Lightning adapter: [`WarmupDecayLR`][lightning_fastscale.callbacks.WarmupDecayLR]. Skipped steps: when fp16 loss scaling finds
-inf/NaN gradients the optimizer step is skipped, and the schedule must not move (a known
-Lightning complaint: a plain ``LRScheduler`` still steps). A step counts as skipped when:
-
-* the precision plugin exposes ``last_step_skipped`` (``LARSMixedPrecision`` of this
-  package) and it is true; that answer is authoritative; otherwise when
-* the optimizer's ``step()`` did not run (seen through torch's
-  ``Optimizer.register_step_post_hook``): this is how ``GradScaler.step`` skips for ordinary
-  optimizers, and how any other plugin that skips would show; or
-* the ``GradScaler``'s scale went down during the step: ``update()`` lowers it exactly when it
-  found inf/NaN (by ``backoff_factor`` < 1). This catches fused optimizers, which are handed
-  the scaler and skip inside their own ``step()``. Reading the scale costs one host sync per
-  step on GPU.
+More in ``docs/methods/lr_scaling_warmup.md`` ("In code").
 """
 from __future__ import annotations
 

@@ -6,21 +6,7 @@ while images were small, and validated at a larger resolution than it trained at
 progressive resizing (MosaicML) starts at a fraction of full size (``initial_scale``, e.g. 0.5)
 and grows linearly to full size, which it keeps for the last ``finish_fraction`` of training.
 
-Functional core: `composer_schedule`, `scaled_batch_size`, `resize_images`
-(plus the shared `value_at_epoch`).
-Lightning adapter: [`ProgressiveResizing`][lightning_fastscale.callbacks.ProgressiveResizing], with two ways to make the images a size:
-
-* ``mode="datamodule"``: the datamodule implements
-  [`ResolutionControllable`][lightning_fastscale.data.protocol.ResolutionControllable] and decodes at that size
-  (cheaper: small images are also cheaper to load). The callback sets the next epoch's
-  resolution at the end of the previous one and has the dataloaders rebuilt every epoch.
-* ``mode="batch"``: the fallback for any datamodule. Each batch, already on the device, is
-  resized in place with ``torch.nn.functional.interpolate`` (anti-aliased bilinear). This
-  needs batches laid out as a list ``[images, targets, ...]`` with ``images`` of shape
-  ``(N, C, H, W)``, which is what the default collate makes of ``(image, target)`` samples.
-
-``mode="auto"`` takes the datamodule path when the datamodule implements the protocol and
-the batch path otherwise.
+More in ``docs/methods/progressive_resizing.md`` ("In code").
 """
 from __future__ import annotations
 

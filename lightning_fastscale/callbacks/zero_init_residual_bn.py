@@ -6,14 +6,7 @@ identity and the network behaves as a shallower one early in training, which eas
 large learning rates of large-batch training; Jia et al. 2018 (Tencent, batch 64K) use the
 same initialisation.
 
-Supported residual blocks:
-
-* torchvision ResNets: ``BasicBlock.bn2`` and ``Bottleneck.bn3``;
-* any block with a ``zero_init_last()`` method: the marker convention of timm (its ResNet
-  blocks, and other timm families, define it) that this package's own models
-  (``resnet_small``) follow too. Give your own residual blocks such a method to support them.
-
-Functional core: `zero_init_residual_bn`. Lightning adapter: [`ZeroInitResidualBN`][lightning_fastscale.callbacks.ZeroInitResidualBN].
+More in ``docs/methods/zero_init_residual_bn.md`` ("In code").
 """
 from __future__ import annotations
 

@@ -1,22 +1,6 @@
 """Background batches: with ``num_workers=0``, decode the next batches on a thread of the training process.
 
-Without loader workers the batch is decoded in the training process, which on few cores is
-the fastest way to use them all (one process, no batch pickled between processes, the decode
-threads of `fast_decode.train_batch`), as FFCV (Leclerc et al. 2023) does. Run synchronously,
-though, that decoding sits on the training thread between steps and the accelerator idles.
-`BackgroundStreamingDataLoader` runs litdata's iterator on one producer thread that reads
-each batch's samples and hands the batch to a pool of ``batches_ahead`` threads that decode it
-(the collate function), keeping a bounded queue of ``batches_ahead`` batches ahead; the training
-thread only takes them in order, so decoding overlaps the step (pipelined loading, Jia et al.
-2018). Reading the next batch and decoding two at a time also keep the decode threads busy
-where one batch at a time would leave cores idle: at its end, while its last samples finish,
-and while the next batch is read (benchmarks/README.md).
-
-Resumption stays exact: litdata's ``state_dict`` counts the samples its iterator yielded,
-which includes the batches decoded ahead (and past an epoch's end its dataset has already
-counted the next epoch); `BackgroundStreamingDataLoader.state_dict` reports the state taken
-when the batch last handed out was produced, which is what the synchronous loader reports
-after handing it out.
+More in ``docs/input_pipeline.md`` ("Background loading").
 """
 from __future__ import annotations
 

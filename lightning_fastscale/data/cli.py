@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .convert import DEFAULT_MAX_SIDE, DEFAULT_QUALITY, PROCEDURAL_SOURCE, convert
+from .verify import verify
 
 
 def make_datamodule(
@@ -102,8 +103,6 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .verify import verify
-
     checked, problems = verify(args.out)
     for problem in problems:
         print(f"bad: {problem}")

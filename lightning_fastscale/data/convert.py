@@ -1,22 +1,6 @@
 """Convert an image tree (or the built-in procedural set) into the streaming format.
 
-Each split becomes a litdata dataset (``litdata.optimize``: chunked binary files plus an
-``index.json``), one sample per image: ``{"image": JPEG bytes, "label": int, "index": int,
-"name": str}``. Images are re-encoded as JPEG with the longer side capped at ``max_side``:
-decode cost grows with pixels, so storing at the largest size training will read is the
-cheapest speed-up there is (FFCV, Leclerc et al. 2023, stores at a maximum resolution for the
-same reason). ``index`` is the sample's position in ImageFolder order (classes sorted, files
-sorted in each class), ``name`` its path relative to the split folder, for error messages.
-
-Beside the splits, ``dataset.json`` records the class list (sorted folder names, the same
-label order as [`ImageFolderDataModule`][lightning_fastscale.data.ImageFolderDataModule]), per-class counts,
-``max_side`` and ``quality``, and ``extra["sizes"]["val"]``: the ``[height, width]`` of every
-stored validation image, entry ``i`` for litdata sample ``i`` (rectangular validation,
-`rect_val`, orders by these without decoding anything). litdata's sample ``i`` is not
-always the sample whose ``index`` is ``i``: with several writer processes, litdata may hand
-inputs to whichever process is free, so the sizes are read back from the written split in
-litdata's order. It is written last: a folder without it was not completely
-written, and `read_metadata` says so.
+More in ``docs/input_pipeline.md`` ("The converted format").
 """
 from __future__ import annotations
 
@@ -29,39 +13,29 @@ import shutil
 import sys
 import threading
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
 from PIL import Image
+from torchvision.datasets.folder import IMG_EXTENSIONS
 
-METADATA_FILE = "dataset.json"
-FORMAT_NAME = "lightning_fastscale.streaming"
-FORMAT_VERSION = 1
-SPLITS = ("train", "val")
+from .jpeg_decode import jpeg_size
+from .procedural import SHAPES, ProceduralShapes
+from .stored_format import (
+    METADATA_FILE,
+    SIZES_KEY,
+    SPLITS,
+    StreamingMetadata,
+    _check_class_tree,
+    stored_sample_count,
+)
+
 PROCEDURAL_SOURCE = "procedural"
 DEFAULT_MAX_SIDE = 512
 DEFAULT_QUALITY = 90
-SIZES_KEY = "sizes"
-
-
-@dataclass
-class StreamingMetadata:
-    """What ``dataset.json`` holds: classes in label order, counts, and how images were stored."""
-
-    classes: list[str]
-    counts: dict[str, list[int]]  # split -> samples per class, in label order
-    max_side: int
-    quality: int
-    source: str
-    format: str = FORMAT_NAME
-    version: int = FORMAT_VERSION
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def split_size(self, split: str) -> int:
-        """Number of samples stored for ``split``."""
-        return sum(self.counts.get(split, []))
 
 
 def _encode_jpeg(image: Image.Image, max_side: int, quality: int) -> bytes:
@@ -93,10 +67,6 @@ def _encode_procedural(
     item: tuple[str, int], num_classes: int, size: int, resolution: int, seed: int,
     max_side: int, quality: int,
 ) -> dict[str, Any]:
-    import torch
-
-    from .procedural import ProceduralShapes
-
     split, index = item
     dataset = ProceduralShapes(num_classes, size, resolution, seed, split, normalize=False)
     pixels = (dataset.render([index])[0] * 255).round().to(torch.uint8)
@@ -113,10 +83,6 @@ def image_tree_samples(root: Path) -> tuple[list[str], dict[str, list[tuple[str,
     Raises the same errors as [`ImageFolderDataModule`][lightning_fastscale.data.ImageFolderDataModule] for a
     missing split folder, no class folders or an empty class.
     """
-    from torchvision.datasets.folder import IMG_EXTENSIONS
-
-    from .datamodules import _check_class_tree
-
     for split in SPLITS:
         _check_class_tree(root / split)
     classes = sorted(p.name for p in (root / "train").iterdir() if p.is_dir())
@@ -247,11 +213,7 @@ def convert(
     if str(source) == PROCEDURAL_SOURCE:
         opts = {"num_classes": 10, "train_size": 10000, "val_size": 2000, "resolution": 64, "seed": 0,
                 **(procedural or {})}
-        from .procedural import ProceduralShapes
-
         ProceduralShapes(opts["num_classes"], 1, opts["resolution"])  # validate the options here
-        from .procedural import SHAPES
-
         classes = list(SHAPES)[: opts["num_classes"]]
         inputs = {s: [(s, i) for i in range(opts[f"{s}_size"])] for s in SPLITS}
         counts = {s: [sum(1 for i in range(opts[f"{s}_size"]) if i % opts["num_classes"] == c)
@@ -293,64 +255,7 @@ def stored_image_sizes(split_dir: str | os.PathLike[str], **dataset_kwargs: Any)
     """
     from litdata import StreamingDataset
 
-    from .fast_decode import jpeg_size
-
     dataset = StreamingDataset(str(split_dir), **dataset_kwargs)
     return [list(jpeg_size(dataset[i]["image"])) for i in range(stored_sample_count(dataset))]
 
 
-def stored_sample_count(dataset: Any) -> int:
-    """All samples of a litdata ``StreamingDataset``, whatever rank asks.
-
-    Its ``len()`` is the calling rank's shard under ``torch.distributed``, while an integer
-    index reads from the whole dataset; this is the range of such indices.
-    """
-    return sum(end - start for start, end in dataset.region_of_interest)
-
-
-def read_metadata(root: str | os.PathLike[str]) -> StreamingMetadata:
-    """Read and check ``dataset.json`` of a converted folder; errors name the path and the fix."""
-    path = Path(os.path.expanduser(str(root)))
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"streaming data folder {path} does not exist; create it with "
-            "`fastscale-data convert ROOT OUT` and set data.root to OUT"
-        )
-    meta_file = path / METADATA_FILE
-    if not meta_file.is_file():
-        raise FileNotFoundError(
-            f"{path} has no {METADATA_FILE}: it is not a converted folder or its conversion did not "
-            "finish; re-run `fastscale-data convert ROOT OUT` into a new folder"
-        )
-    raw = json.loads(meta_file.read_text())
-    if raw.get("format") != FORMAT_NAME or raw.get("version") != FORMAT_VERSION:
-        raise ValueError(f"{meta_file} is not {FORMAT_NAME} version {FORMAT_VERSION}: {raw.get('format')!r}")
-    meta = StreamingMetadata(**raw)
-    for split in SPLITS:
-        _check_split_files(path / split)
-        for cls, n in zip(meta.classes, meta.counts.get(split, [])):
-            if split == "train" and n == 0:
-                raise ValueError(
-                    f"class {cls!r} has no training samples in {path}; remove the class folder from "
-                    "the source tree or add images, then convert again"
-                )
-    return meta
-
-
-def _check_split_files(split_dir: Path) -> None:
-    from .verify import CorruptDataError, check_split_files, read_index
-
-    chunks = [c["filename"] for c in read_index(split_dir)]
-    missing = [c for c in chunks if not (split_dir / c).is_file()]
-    if missing:
-        raise FileNotFoundError(
-            f"{split_dir} lacks {len(missing)} chunk file(s) listed in its index.json "
-            f"({missing[0]}, ...): the folder is half-written or damaged; convert again"
-        )
-    problems = check_split_files(split_dir)
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise CorruptDataError(
-            f"damaged streaming data: {problems[0]}{more}. Run `fastscale-data verify "
-            f"{split_dir.parent}` for the full list, then convert again or restore the file(s)"
-        )

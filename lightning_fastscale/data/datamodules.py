@@ -15,11 +15,11 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets import ImageFolder
-from torchvision.datasets.folder import IMG_EXTENSIONS
 from torchvision.transforms import v2
 
 from .procedural import ProceduralShapes
 from .protocol import check_positive
+from .stored_format import _check_class_tree
 
 
 class _ResizableDataModule(pl.LightningDataModule):
@@ -217,22 +217,6 @@ class ImageFolderDataModule(_ResizableDataModule):
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
-def _check_class_tree(directory: Path) -> None:
-    if not directory.is_dir():
-        raise FileNotFoundError(
-            f"data directory {directory} does not exist; give root a folder holding "
-            "train/<class>/*.JPEG and val/<class>/* (the ImageNet layout)"
-        )
-    classes = [p for p in directory.iterdir() if p.is_dir()]
-    if not classes:
-        raise FileNotFoundError(f"{directory} has no class sub-folders (expected {directory}/<class>/<image>)")
-    for c in classes:
-        if not any(f.suffix.lower() in IMG_EXTENSIONS for f in c.iterdir() if f.is_file()):
-            raise FileNotFoundError(
-                f"class folder {c} holds no images ({', '.join(IMG_EXTENSIONS)}); remove it or add images"
-            )
 
 
 class _CheckedImageFolder(ImageFolder):

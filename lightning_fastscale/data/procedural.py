@@ -1,17 +1,6 @@
 """The built-in dataset: procedurally rendered shapes, generated on demand at any resolution.
 
-Every sample is a pure function of (seed, split, index, resolution): a shape class drawn from
-a family of signed-distance templates (disk, ring, triangle, star, ...), placed with a random
-rotation, scale and position, in random foreground and background colours over a gradient,
-with line and blob clutter partly occluding it and Gaussian pixel noise. Class identity lives
-only in the shape, never in colour or position, so a linear classifier on raw pixels does
-poorly while a small CNN learns it: a real learning problem that needs no download and no
-files. Because samples are rendered at the requested resolution (edges are anti-aliased from
-the signed distance, so a shape looks the same at 32 and 128 px), progressive resizing
-(fast.ai 2018) can ask for a new size at any epoch, and every rank renders its own shard.
-
-Rendering is vectorised over a batch of indices (``__getitems__``, which torch's DataLoader
-calls with a whole batch), so the data pipeline costs a small fraction of a training step.
+More in ``docs/getting_started.md`` ("The built-in dataset").
 """
 from __future__ import annotations
 

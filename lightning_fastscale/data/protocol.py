@@ -6,18 +6,7 @@ Lightning builds dataloaders once per reload, so a callback cannot do this alone
 datamodule through these methods, then makes the Trainer reload the dataloaders at the next
 epoch boundary (``trainer.reload_dataloaders_every_n_epochs``).
 
-To make your own ``LightningDataModule`` work with ``BatchSizeRamp`` and
-``ProgressiveResizing``, give it:
-
-* ``train_batch_size: int`` (per device) and ``set_train_batch_size(n)``: the next call of
-  ``train_dataloader()`` yields batches of ``n`` samples per device;
-* ``train_resolution: int`` and ``set_train_resolution(px)``: the next ``train_dataloader()``
-  yields square images of ``px`` pixels;
-* ``val_resolution: int`` and ``set_val_resolution(px)``: likewise for ``val_dataloader()``.
-
-Setters raise ``ValueError`` for values they cannot serve (zero, negative). A datamodule that
-lacks a method gets a clear error from the callback at setup, never a silent no-op. Both
-built-in datamodules (``ProceduralDataModule``, ``ImageFolderDataModule``) implement it.
+More in ``docs/methods/batch_size_ramp.md`` ("The datamodule protocol").
 """
 from __future__ import annotations
 

@@ -6,21 +6,7 @@ validation images were sorted by aspect ratio and each batch was given one shape
 its images' ratio, so almost nothing of an image is cut away and top-1 rises at equal
 resolution. This module is the pure part of that:
 
-* `aspect_order`: sample positions sorted by width / height;
-* `split_batches`: the sorted list cut into a multiple of ``world_size`` batches of
-  near-equal size (sizes differ by at most one, none above the batch size), so that every
-  rank gets the same number of batches (per-step ``sync_dist`` logging needs that) and every
-  sample is read exactly once across ranks; rank ``r`` takes batches ``r, r + W, ...``
-  (`rank_batches`);
-* `batch_shape`: one ``(H, W)`` per batch, short side = the validation resolution, long
-  side from the batch's median aspect ratio, rounded to a multiple of 8;
-* `resize_to_cover`: an image resized (antialiased, uint8) to cover that shape, then
-  centre-cropped only by the excess its own ratio leaves over the batch's.
-
-Models whose classifier follows an adaptive pooling (the package's ResNets, torchvision's and
-timm's CNNs) accept any ``H, W``; a model with a fixed input size (a ViT without position
-embedding interpolation, a classifier on flattened features) does not, and must keep the
-square centre crop.
+More in ``docs/input_pipeline.md`` ("Rectangular validation in code").
 """
 from __future__ import annotations
 

@@ -1,32 +1,11 @@
 """``StreamingDataModule``: litdata streaming, fast uint8 decode, normalise on the device.
 
-A drop-in replacement for [`ImageFolderDataModule`][lightning_fastscale.data.ImageFolderDataModule] on data
-written by ``fastscale-data convert`` (`convert`): the same class list and label order,
-the same training augmentation (random resized crop + flip) and validation geometry (resize,
-centre crop), but
-
-* samples come from litdata's ``StreamingDataset`` / ``StreamingDataLoader``: chunked files
-  read sequentially, sharded across ranks and nodes (each rank its own shard, no sample twice
-  in an epoch), from a local folder or object storage through a size-limited local cache
-  (Tencent Cloud 2020 cache the data set locally); the loader's position is part of
-  Lightning's checkpoint, so a run stopped mid-epoch resumes with the same next batches;
-* validation runs planned batches (`ValidationBatches`): every sample exactly once
-  across ranks and the same number of batches on every rank, so a distributed validation
-  measures the whole split;
-* each training batch is decoded (libjpeg-turbo) and augmented in uint8 by one
-  `fast_decode.train_batch` call, in ``decode_threads`` threads, in the loader worker that
-  read it or, with ``num_workers=0``, in the training process (as FFCV does), a few batches
-  ahead of the step on background threads (`background_loader`); the float
-  conversion, normalisation and ``channels_last`` happen in `on_after_batch_transfer`,
-  on the device, for any LightningModule;
-* on CUDA the next batch is copied ahead on a side stream (`device_prefetch`);
-* ``num_workers="auto"`` measures and caches the worker count and the decode threads of each
-  worker (`worker_autotune`);
-* ``rect_val=True`` validates fast.ai-style on rectangles grouped by aspect ratio instead of
-  centre-cropped squares (`rect_val`, `ValidationBatches`).
-
-It implements the batch-size/resolution protocol ([`protocol`][lightning_fastscale.data.protocol]), so ``BatchSizeRamp`` and
-``ProgressiveResizing`` work on it. Throughput against ImageFolder is in ``benchmarks/README.md``.
+A drop-in replacement for [`ImageFolderDataModule`][lightning_fastscale.data.ImageFolderDataModule]
+on data written by ``fastscale-data convert``: the same classes, augmentation and validation
+geometry, read from litdata chunks (sharded across ranks, resumable mid-epoch), decoded in
+uint8 a batch at a time, normalised on the device. It implements the batch-size/resolution
+[`protocol`][lightning_fastscale.data.protocol]. What each stage does: ``docs/input_pipeline.md``
+("What `StreamingDataModule` does").
 """
 from __future__ import annotations
 
@@ -39,7 +18,7 @@ from litdata import StreamingDataLoader, StreamingDataset
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from . import fast_decode, validation_plan
+from . import transforms, validation_plan
 from .background_loader import BackgroundStreamingDataLoader
 from .datamodules import _ResizableDataModule
 from .device_prefetch import DevicePrefetcher
@@ -95,13 +74,13 @@ class StreamingDataModule(_ResizableDataModule):
             every rank gets the same number of batches (of at most ``val_batch_size``). Needs
             a model that accepts any input size (adaptive pooling, as the package's ResNets).
         decode_threads: threads that decode and augment each training batch in its loader
-            process (one ``fast_decode.train_batch`` call per batch), and decode the samples of
+            process (one ``transforms.train_batch`` call per batch), and decode the samples of
             each validation batch; ``"auto"``: chosen with
             ``num_workers="auto"`` by the probe, else those that fill the rank's cores with
             ``num_workers`` processes. Threads change no pixel.
         dct_scaling: decode a training image at 1/2, 1/4 or 1/8 scale in the DCT domain where its
             random crop is at least that many times ``resolution`` on both axes
-            (`fast_decode.train_batch`): less decode time at low training resolutions of images
+            (`transforms.train_batch`): less decode time at low training resolutions of images
             stored large (progressive resizing's early epochs), at the price of those samples'
             pixels, low-passed by the reduced decode (a few grey levels; figures in
             benchmarks/README.md). Off by default: the recipes were validated without it.
@@ -324,7 +303,7 @@ class StreamingDataModule(_ResizableDataModule):
         if images.dtype != torch.uint8:
             return images
         channels_last = images.is_cuda if self.channels_last is None else self.channels_last
-        return fast_decode.normalize_on_device(images, channels_last=channels_last)
+        return transforms.normalize_on_device(images, channels_last=channels_last)
 
     @override
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:

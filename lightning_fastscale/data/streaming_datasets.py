@@ -5,7 +5,7 @@
 * `EpochAwareStreamingDataLoader`: litdata's loader, starting a fresh epoch after a resumed one.
 
 A sample that cannot be read or decoded raises a
-[`CorruptDataError`][lightning_fastscale.data.verify.CorruptDataError] naming its chunk file, its litdata
+[`CorruptDataError`][lightning_fastscale.data.stored_format.CorruptDataError] naming its chunk file, its litdata
 index and its source file, with the command that lists every damaged sample.
 """
 from __future__ import annotations
@@ -20,8 +20,9 @@ from litdata import StreamingDataLoader, StreamingDataset
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 from typing_extensions import override
 
-from . import fast_decode, rect_val
-from .verify import CorruptDataError, SampleDecodeError, chunk_of, read_index
+from . import jpeg_decode, rect_val, transforms
+from .jpeg_decode import SampleDecodeError
+from .stored_format import CorruptDataError, chunk_of, read_index
 
 # One stored sample per litdata read: by default litdata deserialises a window of neighbouring
 # samples per read (sized for small leaves; a JPEG is stored as a plain "bytes" leaf), which a
@@ -70,7 +71,7 @@ def _decode_stored(
 ) -> tuple[torch.Tensor, int]:
     """``(transform(JPEG bytes), label)`` of a stored sample; a decode error names the sample.
 
-    ``transform`` decodes strictly ([`fast_decode.decode_rgb_strict`][lightning_fastscale.data.fast_decode.decode_rgb_strict]):
+    ``transform`` decodes strictly ([`jpeg_decode.decode_rgb_strict`][lightning_fastscale.data.jpeg_decode.decode_rgb_strict]):
     stored images were re-encoded by ``fastscale-data convert``, so libjpeg's "Corrupt JPEG
     data" means damaged storage, and training on the garbage it recovers would go unnoticed.
     """
@@ -101,14 +102,14 @@ class DecodedStreamingDataset(StreamingDataset):
 
     Iterating yields `StoredSample` records (JPEG bytes, index, label, name): reading them is
     cheap, and the collate function of `batch_decoder` decodes and augments the whole batch
-    in one [`train_batch`][lightning_fastscale.data.fast_decode.train_batch] call, in threads, in
+    in one [`train_batch`][lightning_fastscale.data.transforms.train_batch] call, in threads, in
     the loader worker that read it (or in the training process with ``num_workers=0``, as FFCV
     does). Each sample gets a random resized crop + flip drawn from `sample_generator` of
     ``(seed, epoch, index)``, so the augmentation of a sample depends neither on the worker
     that read it nor on the thread that decoded it; with ``dct_scaling`` an image whose crop
     allows it is decoded at reduced scale (`train_batch`'s ``dct_scaling``). The last
     incomplete batch is dropped. A sample that cannot be read or decoded raises a
-    [`CorruptDataError`][lightning_fastscale.data.verify.CorruptDataError] naming its chunk file,
+    [`CorruptDataError`][lightning_fastscale.data.stored_format.CorruptDataError] naming its chunk file,
     its litdata index and its source file. (Validation reads by index instead:
     `ValidationBatches`.)
     """
@@ -118,8 +119,8 @@ class DecodedStreamingDataset(StreamingDataset):
         input_dir: str,
         resolution: int,
         seed: int = 0,
-        scale: tuple[float, float] = fast_decode.DEFAULT_SCALE,
-        ratio: tuple[float, float] = fast_decode.DEFAULT_RATIO,
+        scale: tuple[float, float] = transforms.DEFAULT_SCALE,
+        ratio: tuple[float, float] = transforms.DEFAULT_RATIO,
         dct_scaling: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -160,7 +161,7 @@ class DecodedStreamingDataset(StreamingDataset):
 class TrainBatchDecoder:
     """Collate function of the training loader: a list of `StoredSample` -> ``(uint8 images, labels)``.
 
-    One [`train_batch`][lightning_fastscale.data.fast_decode.train_batch] call per batch, in
+    One [`train_batch`][lightning_fastscale.data.transforms.train_batch] call per batch, in
     ``threads`` threads, written straight into the (channels-last) buffer the batch leaves the
     loader in:
     shared memory in a loader worker (what ``default_collate`` allocates there too; the batch
@@ -186,10 +187,10 @@ class TrainBatchDecoder:
         if not samples or not all(isinstance(s, StoredSample) for s in samples):
             return default_collate(samples)
         jpegs = [torch.frombuffer(bytearray(s.jpeg), dtype=torch.uint8) for s in samples]
-        generators = [fast_decode.sample_generator(self.seed, s.epoch, s.index) for s in samples]
+        generators = [transforms.sample_generator(self.seed, s.epoch, s.index) for s in samples]
         out = self._buffer((len(samples), 3, self.resolution, self.resolution))
         try:
-            images = fast_decode.train_batch(
+            images = transforms.train_batch(
                 jpegs, generators, self.resolution, self.scale, self.ratio, threads=self.threads, out=out,
                 dct_scaling=self.dct_scaling,
             )
@@ -228,11 +229,11 @@ class ValidationBatches(IterableDataset):
     in order again). Being an ``IterableDataset``, Lightning leaves it alone under DDP (it
     replaces the sampler of map-style loaders only), so the per-rank plan is what each rank
     runs. A batch's samples are read by their litdata index through litdata's chunk reader, one
-    after the other, then decoded strictly (``fast_decode.decode_rgb_strict``) and fitted in
+    after the other, then decoded strictly (``jpeg_decode.decode_rgb_strict``) and fitted in
     ``threads`` threads (``decode``, per sample). With ``crop_ratio=None`` (rectangular
     validation, `rect_val`) each is resized to cover its batch's shape
     (`rect_val.resize_to_cover`); otherwise it gets the square resize + centre crop
-    (`fast_decode.val_transform`'s geometry).
+    (`transforms.val_transform`'s geometry).
     """
 
     def __init__(
@@ -251,10 +252,10 @@ class ValidationBatches(IterableDataset):
         ``threads`` threads at once)."""
 
         def transform(data: torch.Tensor) -> torch.Tensor:
-            image = fast_decode.decode_rgb_strict(data)
+            image = jpeg_decode.decode_rgb_strict(data)
             if self.crop_ratio is None:
                 return rect_val.resize_to_cover(image, shape)
-            return fast_decode.resize_centre_crop(image, shape[0], self.crop_ratio)
+            return transforms.resize_centre_crop(image, shape[0], self.crop_ratio)
 
         return _decode_stored(item, transform, self.source)
 
@@ -268,7 +269,7 @@ class ValidationBatches(IterableDataset):
             index = batch.indices[k]
             decoded[k] = _named(self.samples, index, lambda: self.decode(items[k], batch.shape))
 
-        error = next((err for err in fast_decode.map_in_threads(one, len(items), self.threads) if err is not None), None)
+        error = next((err for err in transforms.map_in_threads(one, len(items), self.threads) if err is not None), None)
         if error is not None:
             raise error
         return decoded

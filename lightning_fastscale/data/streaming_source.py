@@ -16,7 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .convert import METADATA_FILE, SIZES_KEY, StreamingMetadata, read_metadata, stored_image_sizes
+from .convert import stored_image_sizes
+from .stored_format import METADATA_FILE, SIZES_KEY, StreamingMetadata, read_metadata
 
 log = logging.getLogger(__name__)
 

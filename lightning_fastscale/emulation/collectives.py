@@ -5,28 +5,7 @@ per bandwidth cap, starts ``torchrun --nnodes N --node_rank i`` on every emulate
 real multi-node launch path) and times each algorithm on each size. Results come back as a
 plain dict, so the planner can fit its alpha-beta cost model to them.
 
-Times are compared against the bandwidth bound 2(N-1)/N * M / B: the bytes each node must
-send over its link in any all-reduce of M bytes across N nodes (Patarasuk & Yuan 2009; used
-for the hierarchical all-reduce of Jia et al. 2018 and the 2D torus of Mikami et al. 2018).
-
-The algorithms are timed interleaved: per size, each runs once to warm up, then every round
-runs each of them once, the order rotated by one per round. On a shared machine the load
-drifts over a measurement; timed back to back (all repetitions of one algorithm, then the
-next) that drift lands on the algorithms unequally and can decide which looks fastest when
-they are close. Interleaved, each round's times are taken under nearly the same load, so
-algorithms can be compared round by round (paired), and rotating the order keeps any
-first-in-round or follows-that-one effect from always landing on the same algorithm.
-
-Algorithm specs are ``name[:dtype][@chunks]``: ``dtype`` (``fp32``, ``fp16``, ``bf16``) is
-what goes over the inter-node wire, ``chunks`` splits the tensor into that many pieces
-pipelined through the stages (default: one piece), or ``@<x>mb`` into pieces of x MiB (the
-strategy's ``pipeline_chunk_mb``). Names:
-
-- ``flat``, ``hier``, ``torus2d``: the strategy's functions in
-  [`lightning_fastscale.strategies.allreduce`][lightning_fastscale.strategies.allreduce] (``flat`` in fp32 unchunked is one
-  ``all_reduce`` over all ranks, what plain DDP does).
-- ``hier_topk``, ``torus2d_topk``: the same with top-k compression of the inter-node stage
-  (``topk_ratio``, error feedback carried across rounds).
+More in ``docs/emulated_cluster.md`` ("Measuring algorithms").
 """
 from __future__ import annotations
 

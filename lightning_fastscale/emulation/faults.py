@@ -1,17 +1,6 @@
 """Fault injection: one rank killed or hung in the middle of backward, and how the run ends.
 
-[`run_fault_scenario`][lightning_fastscale.emulation.faults.run_fault_scenario] starts ``world_size`` CPU ranks the way ``torchrun`` does (one
-process per rank with ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set, one gloo process group with
-the strategy's ``timeout``), each running ``Trainer(strategy=..., devices=world_size)`` on a
-small model. At ``fault_step`` one rank either kills itself (``SIGKILL``, as the OOM killer or
-a lost machine would) or sleeps forever, from a gradient hook of the first layer: the later
-layers' buckets are already on the wire. Every other rank must then end on its own, with an
-error naming the cause, within about twice the time-out, as plain DDP does.
-
-Like ``torchrun``'s agent, the scenario stops what is left once a rank has failed, but only at
-the end of the bound: a process still alive then (the hung rank itself, or a survivor that
-never noticed) is reported in ``killed_leftovers``. Every process the scenario starts runs in
-its own session and is killed by process group when the scenario ends, also on errors.
+More in ``docs/emulated_cluster.md`` ("Faults on the emulated cluster").
 """
 from __future__ import annotations
 

@@ -1,19 +1,6 @@
 """An emulated multi-node cluster on one Linux machine, built from network namespaces.
 
-Each emulated "node" is a network namespace with one interface (``eth0``) whose other end
-sits on a bridge inside a private "hub" namespace. A ``tbf`` qdisc on both ends of every
-node's link caps the node's bandwidth in each direction, like a NIC on a switch. Processes of
-one node talk to each other through the node's own address, which the kernel routes over
-that namespace's loopback: the fast local path (the stand-in for NVLink / shared memory),
-while traffic between nodes crosses the capped link. This is the setting of the
-communication experiments of Jia et al. 2018 ("Highly Scalable Deep Learning Training
-System with Mixed-Precision", hierarchical all-reduce) and Mikami et al. 2018 (2D-torus
-all-reduce): fast links inside a node, a slow network between nodes.
-
-Nothing outside the namespaces this harness creates is configured: the veth pairs are made
-inside the hub namespace, addresses live only inside the node namespaces, and every
-namespace (hence every link, bridge and qdisc in it) and every process started in it is
-removed on exit, also on failure, time-out or ``KeyboardInterrupt``.
+More in ``docs/emulated_cluster.md`` ("Network namespaces").
 """
 from __future__ import annotations
 

@@ -5,13 +5,7 @@ replaced its local response normalisation by BN after each convolution ("AlexNet
 reach batch 8K-32K, and Jia et al. 2018 (Tencent, "Training ImageNet in Four Minutes") added
 one more BN layer after pool5 so that batch 64K converges (58.7% top-1 in 95 epochs).
 
-Layout (ImageNet widths of the original single-tower network, no channel groups):
-conv1 11x11/4 96 - pool - conv2 5x5 256 - pool - conv3 3x3 384 - conv4 3x3 384 - conv5 3x3 256
-- pool5 - BN - fc6 4096 - fc7 4096 - fc8, each conv followed by BN and ReLU (conv biases are
-dropped: the BN shift replaces them). pool5 is an adaptive max-pool to 6x6: on the 13x13 map a
-224 px input gives, its windows are exactly those of the original 3x3 stride-2 pool, and it
-also lets the network run on the 32-64 px images of the built-in dataset (any input of at
-least 31 px).
+More in ``docs/methods/alexnet_bn.md`` ("In code").
 """
 from __future__ import annotations
 

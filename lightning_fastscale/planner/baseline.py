@@ -7,12 +7,7 @@ between nodes, broadcast in the node: hierarchical in effect). A speed-up of ``h
 NCCL model of `cost_model`), never against a flat ring
 that NCCL does not run.
 
-[`compare_algorithms`][lightning_fastscale.planner.compare_algorithms] prices (or takes the measured time of) every algorithm, wire
-dtype and top-k ratio against the baseline and says whether plain DDP is within
-[`PLAIN_DDP_TOLERANCE`][lightning_fastscale.planner.PLAIN_DDP_TOLERANCE] of the best, in which case the strategy installs no hook.
-[`crossover_table`][lightning_fastscale.planner.crossover_table] is the table of ``fastscale-plan --crossover``: where ``hier``,
-``torus2d``, a 16-bit wire and top-k beat NCCL's own ring and tree, on clusters of 8-GPU
-nodes (`CROSSOVER_ASSUMPTIONS` lists what it assumes).
+More in ``docs/planner.md`` ("The baseline in code").
 """
 from __future__ import annotations
 

@@ -1,45 +1,11 @@
 """Start-up calibration: time a few collectives on the real process groups, fit alpha/beta/gamma.
 
-Inside each node (every node at once, as in training) and among the node leaders, a few
-message sizes go through the primitives the algorithms are built from on that level: inside a
-node all-reduce (one node), reduce and broadcast (hier; the torus on gloo) and, except on
-gloo, where the torus does not use it, all-gather (the torus's reduce-scatter / all-gather on
-NCCL); between nodes all-reduce, which every algorithm runs there (top-k's sparse all-gather
-is not calibrated). Between nodes the all-reduce's additions overlap the transfer (and, on a
-fast link, can be slower than it: then a fixed in-node gamma would claim more time than the
-all-reduce took), so the inter-node fit has no reduction term: ``gamma_inter = 0`` and
-``beta_inter`` is the all-reduce's effective seconds per byte, the quantity the flat all-reduce
-and the inter-node stages need. A primitive the strategy does not run on a level is not fitted
-on it: gloo's broadcast sends the whole message from the root to every peer, not the van de
-Geijn scatter + all-gather of the model, and its in-node all-gather is several times slower
-than the model form (the strategy's torus avoids it on gloo); fitting them would bend the link
-parameters towards primitives that never run there. Each measured time ``t`` is, in the model,
-linear in the link parameters: ``t = c_a alpha + c_b beta + c_g gamma`` with coefficients given by the closed
-forms of `cost_model` (Thakur et al. 2005) for that
-primitive, ``p`` and size. One non-negative least-squares fit over all primitives and sizes
-(relative errors, so small messages count as much as large ones) gives the link's
-parameters. Gamma, which both levels share in the model, is taken from inside the node.
-
-The 2D torus drives the node link differently: every rank of a node all-reduces its own
-``1/ranks_per_node`` shard across nodes at the same time. How well concurrent flows share the
-link (fairly, or worse: CPU contention, per-flow effects) is measured on exactly that traffic,
-every rank at once on its inter-node group, and fitted as ``beta_inter_shared`` (seconds per
-byte of the link under that load), so the torus is priced from its own pattern rather than
-from the leaders' single flow.
-
-The inter-node level is timed in the wire dtype the strategy will send (``wire_dtype``; sizes
-and ``beta`` count bytes on the wire), so a 16-bit wire is measured rather than assumed to cost
-half of fp32 (a backend may add 16-bit numbers more slowly than it moves them). The in-node
-stages stay in fp32, as the strategy runs them.
-
-Plain DDP's own all-reduce is measured as well, not only modelled: [`measure_flat_allreduce`][lightning_fastscale.planner.measure_flat_allreduce]
-times a plain ``all_reduce`` on the world group with the real backend (NCCL runs its own ring
-or tree there, gloo its ring) at the given sizes, e.g. the model's gradient and DDP's bucket
-sizes. The result ([`FlatMeasurement`][lightning_fastscale.planner.FlatMeasurement]) rides in
-``CommParams.flat_measured``, where it replaces the model of the flat path on this topology,
-so every algorithm is compared against what DDP really does here.
-
-Every rank takes part; rank 0's fit is broadcast so all ranks plan identically.
+Inside each node and among the node leaders, the primitives each algorithm runs on that level
+are timed at a few sizes and fitted by non-negative least squares to the closed forms of
+`cost_model` (Thakur et al. 2005); the torus's concurrent inter-node flows are fitted as
+``beta_inter_shared``, the inter-node level is timed in the wire dtype, and plain DDP's own
+all-reduce is measured too. Every rank takes part; rank 0's fit is broadcast. What is timed and
+why is in ``docs/planner.md`` ("Calibration").
 """
 from __future__ import annotations
 

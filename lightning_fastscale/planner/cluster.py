@@ -1,30 +1,6 @@
 """Cluster descriptions for the planner: nodes x ranks, link speeds, device speed, workload.
 
-A description is a YAML file (see ``planner/clusters/*.yaml`` for the shipped ones, each with
-its sources and the figures that are assumptions)::
-
-    name: my_cluster
-    backend: nccl             # nccl (GPUs: the flat path is NCCL's ring or tree) or gloo (a flat ring)
-    nodes: 16                 # or `gpus: 128` (must be a multiple of ranks_per_node)
-    ranks_per_node: 8
-    intra: {bandwidth_gbit_s: 100, latency_us: 5}    # per rank, inside a node
-    inter: {bandwidth_gbit_s: 25, latency_us: 30}    # per node (its NIC), shared by its ranks
-    # optional in `inter`: per_flow_gbit_s (most one flow/connection reaches),
-    # shared_gbit_s (the link's total when every rank of the node sends its own flow at once)
-    # and reduction_hidden: true (all-reduces between nodes hide their additions behind the
-    # transfer; bandwidth_gbit_s is then the all-reduce's effective rate, as calibrated)
-    reduce_gbyte_s: 100       # optional: speed of the reduction arithmetic (gamma)
-    device: {name: V100, sustained_tflops: 30}       # training FLOP/s one rank sustains
-    workload: {model: resnet50, per_gpu_batch: 64, input_size: 224, wire_dtype: fp16}
-    # optional: plain DDP's all-reduce as measured on this cluster (the calibration's
-    # "flat_allreduce" output); it replaces the model of the flat path on that topology
-    flat_allreduce: {nodes: 16, ranks_per_node: 8, wire_dtype: fp32,
-                     sizes_bytes: [4194304, 102228128], seconds: [0.0031, 0.046]}
-    sources: ["..."]
-    assumptions: ["..."]
-
-Every error names the field and what a valid value looks like, so a wrong description fails
-before any planning (or training) is done.
+More in ``docs/planner.md`` ("Cluster files").
 """
 from __future__ import annotations
 

@@ -1,93 +1,10 @@
-"""Alpha-beta-gamma cost model of gradient all-reduce on a cluster of nodes x ranks.
+"""Alpha-beta-gamma cost model of gradient all-reduce on a cluster of nodes x ranks per node.
 
-The model is the one of Thakur, Rabenseifner & Gropp, "Optimization of Collective
-Communication Operations in MPICH" (IJHPCA 2005): a message of ``n`` bytes between two ranks
-costs ``alpha + n * beta`` (latency per message, seconds per byte), and reducing ``n`` bytes
-costs ``n * gamma``. Closed forms used (``p`` ranks, ``n`` bytes):
-
-* ring all-reduce:      ``2(p-1) alpha + 2(p-1)/p n beta + (p-1)/p n gamma``
-* ring reduce-scatter:  ``(p-1) alpha + (p-1)/p n beta + (p-1)/p n gamma``
-* ring all-gather:      ``(p-1) alpha + (p-1)/p n beta``
-* reduce (Rabenseifner: reduce-scatter then binomial gather):
-  ``(p-1 + log2 p) alpha + 2(p-1)/p n beta + (p-1)/p n gamma``
-* broadcast (van de Geijn: binomial scatter then ring all-gather):
-  ``(log2 p + p-1) alpha + 2(p-1)/p n beta``
-
-Two link levels are modelled: an intra-node link (NVLink / PCIe / shared memory) and each
-node's inter-node link (its NIC), whose bandwidth is shared by every flow leaving the node.
-On top of the primitives, the three algorithms of the strategy
-([`ALGORITHMS`][lightning_fastscale.planner.ALGORITHMS]):
-
-* ``flat``: the all-reduce over all ``P = nodes * ranks_per_node`` ranks that plain DDP runs,
-  priced as the backend runs it (``CommParams.backend``):
-
-  - ``gloo``: one flat ring over all ranks, ordered node by node. Every step moves ``n/P``
-    bytes on every edge at once, so a step lasts as long as the slowest edge, each with its
-    own latency: ``max(alpha_inter + n/P beta_inter, alpha_intra + n/P beta_intra)``, with one
-    flow's ``beta_inter`` ([`CommParams.flow_beta`][lightning_fastscale.planner.CommParams.flow_beta]).
-  - ``nccl``: the better of NCCL's two algorithms (NCCL user guide; its tuning model in
-    ``src/graph/tuning.cc``; nccl-tests ``doc/PERFORMANCE.md``), see [`nccl_ring_time`][lightning_fastscale.planner.nccl_ring_time]
-    and [`nccl_tree_time`][lightning_fastscale.planner.nccl_tree_time]. The ring is topology-aware: a node's ranks are contiguous,
-    so every node's link carries ``2(P-1)/P n`` bytes each way (nccl-tests' bus bandwidth
-    ``busbw = algbw * 2(P-1)/P`` is that link's rate) and every in-node link the same; its
-    latency is ``2(N-1)`` inter-node and ``2(P-1) - 2(N-1)`` in-node hops. The tree reduces
-    inside the node along a chain, all-reduces between nodes over a double binary tree
-    (each tree carries half the data; a node is an inner node of at most one of them), and
-    broadcasts inside the node: a node's link carries ``n`` bytes each way on 2 nodes (twice
-    the ring's bus bandwidth, NVIDIA/nccl 946, nccl-tests 196), ``1.5 n`` on 3 and ``2 n`` from
-    4 nodes on; the in-node chain carries ``n``; its latency is
-    ``2 ((G-1) alpha_intra + floor(log2 N) alpha_inter)``.
-
-  A measured flat all-reduce (``CommParams.flat_measured``, [`FlatMeasurement`][lightning_fastscale.planner.FlatMeasurement], timed
-  by `calibrate` on the world group with the real backend)
-  replaces either model on the topology and wire dtype it was measured on.
-* ``hier`` (Jia et al. 2018, "Highly Scalable Deep Learning Training System with
-  Mixed-Precision"): reduce inside the node, ring all-reduce among the node leaders,
-  broadcast inside the node.
-* ``torus2d`` (Mikami et al. 2018, "Massively Distributed SGD: ImageNet/ResNet-50 Training
-  in a Flash"): reduce-scatter inside the node, all-reduce of each ``1/ranks_per_node``
-  shard across nodes (``ranks_per_node`` rings in parallel sharing the NIC), all-gather
-  inside the node.
-
-On gloo the strategy runs the torus's in-node stages as concurrent per-shard reduces and
-broadcasts, not as a reduce-scatter / all-gather; the model still prices them in the ring forms,
-because inside the torus they overlap with the inter-node stage (a rank's own shard crosses as
-soon as it is reduced), which a sum of separately fitted stages does not capture. How well
-this prices the measured algorithms is in ``benchmarks/README.md`` (section "Planner against
-measurement").
-
-Each node must send (and receive) at least ``2(N-1)/N * n`` bytes over its link for any
-all-reduce across ``N`` nodes: [`bandwidth_bound`][lightning_fastscale.planner.bandwidth_bound]. ``hier`` and ``torus2d`` reach that
-byte count; the flat all-reduce sends ``2(P-1)/P * n``, i.e. ``(P-1)N / ((N-1)P)`` times more
-(1.75x for 2 nodes x 4 ranks).
-
-The wire dtype applies where the strategy casts: only the inter-node stage of ``hier`` /
-``torus2d`` (sums inside a node stay in the gradients' fp32), the whole flat all-reduce once
-there are several nodes (all of it crosses nodes), and the whole all-reduce on a single node.
-Optional top-k compression (Tencent Cloud 2020; Lin et al. 2018, "Deep Gradient Compression") replaces the inter-node stage of
-``hier`` / ``torus2d`` by an all-gather of ``ratio * numel`` (value, int32 index) pairs per
-node: sparse vectors from different nodes do not add up in place, so a ring all-reduce of
-them is not possible. The flat all-reduce has no separate inter-node stage and is not compressed.
-
-Flows on the node link ([`CommParams.flow_beta`][lightning_fastscale.planner.CommParams.flow_beta]): ``beta_inter`` is what one flow per
-node gets (the flat all-reduce's and the leaders' ring). The torus drives ``ranks_per_node`` flows
-per node at once; ideally they share the link fairly (each at ``ranks_per_node * beta_inter``),
-but concurrency can cost more (``beta_inter_shared``: measured on exactly that traffic by
-`calibrate`), and one flow may be unable to fill the link
-(``beta_flow``: a per-flow bandwidth limit, e.g. one TCP connection on a fast NIC), which
-penalises the one-flow algorithms instead.
-
-Chunk pipelining (``chunk_numel``): the strategy can split a bucket into chunks that flow
-through the stages (in-node reduce, inter-node all-reduce, in-node broadcast) at once. With
-``k`` chunks, each stage ``s`` costing ``lat_s + bw_s(bytes)``, the model charges every chunk
-every stage's latency (``k * sum lat_s``: issuing and per-message overhead do not overlap), the
-slowest stage's bandwidth term for the whole message, and the other stages' bandwidth terms
-for one chunk each (pipeline fill and drain). One chunk gives the unchunked sum of the
-stages; many chunks tend to the slowest stage alone plus the latencies. The flat all-reduce is
-one stage: chunking it only adds latencies.
-
-[`allreduce_time`][lightning_fastscale.planner.allreduce_time] accepts a numpy array of sizes as well as a number, so the fusion
-planner can price every candidate bucket at once.
+The closed forms of Thakur, Rabenseifner & Gropp (IJHPCA 2005) for ring, reduce and broadcast,
+over an intra-node and an inter-node link, price the strategy's algorithms: ``flat`` as gloo or
+NCCL runs it, ``hier`` (Jia et al. 2018), ``torus2d`` (Mikami et al. 2018), with the wire dtype,
+top-k compression and chunk pipelining. The derivations are in ``docs/planner.md`` ("The cost
+model in full"), its accuracy against measurement in ``benchmarks/README.md``.
 """
 from __future__ import annotations
 
@@ -373,13 +290,13 @@ def nccl_tree_time(topology: Topology, nbytes, params: CommParams):
     ``2(P-1)/P``: about twice its bus bandwidth). Latency as in NCCL's tuning model:
     ``2 ((G-1) alpha_intra + floor(log2 N) alpha_inter)`` with ``G`` ranks per node.
     """
-    nodes, per_node = topology.num_nodes, topology.ranks_per_node
+    nodes, ranks_per_node = topology.num_nodes, topology.ranks_per_node
     x = np.asarray(nbytes, dtype=float)
     if topology.world_size <= 1:
         return 0.0 * x
-    latency = 2 * ((per_node - 1) * params.alpha_intra + (int(math.log2(nodes)) if nodes > 1 else 0) * params.alpha_inter)
+    latency = 2 * ((ranks_per_node - 1) * params.alpha_intra + (int(math.log2(nodes)) if nodes > 1 else 0) * params.alpha_inter)
     beta = _tree_link_load(nodes) * params.beta_inter
-    if per_node > 1:
+    if ranks_per_node > 1:
         beta = max(beta, params.beta_intra)
     world = topology.world_size
     return _scalar(latency + x * beta + (world - 1) / world * x * params.inter_gamma)

@@ -5,21 +5,7 @@ Sec. 4.2) fuse gradients into few large messages and pick the segments from a mo
 backward compute time and transfer time (ResNet-50 on 1024 GPUs: two segments, split between
 layers 76 and 77). This module does that exactly for an affine-or-not cost function:
 
-Gradients are produced in backward order; gradient ``i`` (``bytes[i]``) is ready at
-``ready[i] = sum(backward_s[:i+1])``. A bucket is a contiguous run of gradients in that order;
-it can start once its last gradient is ready and once the previous bucket's all-reduce has
-finished (one communication stream, as in DDP). The plan minimises the time at which the last
-all-reduce finishes, hence the exposed communication ``finish - ready[-1]``. Because the
-finish time of a bucket is non-decreasing in the finish time of the previous one, the best
-plan for a prefix extends to the best plan for the whole: a dynamic programme over the cut
-positions is exact, O(n^2) for unbounded buckets and O(k n^2) for at most ``k`` buckets
-(``max_buckets=2`` is the two-segment case).
-
-DDP buckets by a byte cap in gradient-ready order: a bucket closes as soon as it holds at
-least the cap. Recent torch also accepts ``bucket_cap_mb_list`` (one cap per bucket, in that
-order), which reproduces any plan exactly ([`FusionPlan.ddp_kwargs`][lightning_fastscale.planner.FusionPlan.ddp_kwargs]); for older torch
-[`best_uniform_cap`][lightning_fastscale.planner.best_uniform_cap] finds the single ``bucket_cap_mb`` whose DDP buckets minimise the
-same predicted finish time, and reports how much worse it is than the exact plan.
+More in ``docs/methods/gradient_fusion.md`` ("The planning problem").
 """
 from __future__ import annotations
 

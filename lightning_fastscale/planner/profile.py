@@ -1,17 +1,6 @@
 """Gradient profile of a model: gradient sizes in backward order and estimated backward time.
 
-The fusion planner needs, for every gradient in the order backward produces it, its size and
-the compute time spent before it is ready. Sizes come from the model's parameters. Times
-come from FLOPs: torch's own ``FlopCounterMode`` counts the forward FLOPs of every module on
-a model built on the ``meta`` device (no memory, no compute), backward is taken as twice the
-forward (Kaplan et al. 2020's usual 1:2 forward:backward ratio for matmul/conv), and the
-device's sustained FLOP/s turns FLOPs into seconds. Memory-bound layers (batch norm,
-activations) count zero FLOPs, so pass measured per-layer times where they matter
-(`profile_from_times`), or let [`measure_backward_profile`][lightning_fastscale.planner.measure_backward_profile] time every gradient
-on the real device.
-
-Backward order is the reverse of ``model.parameters()``, which is also the order DDP assumes
-before its first rebuild; for sequential models it is the order gradients become ready.
+More in ``docs/planner.md`` ("Workload profiles").
 """
 from __future__ import annotations
 

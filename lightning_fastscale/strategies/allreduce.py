@@ -1,39 +1,12 @@
 """Two-level all-reduce algorithms over a flat tensor: flat, hierarchical, 2D torus.
 
-Every function sums ``tensor`` in place across all ranks and returns it; all ranks end with the
-same values. They need only a [`ProcessGroups`][lightning_fastscale.strategies.topology.ProcessGroups]
-(so they work outside DDP, e.g. in benchmarks), and are what the DDP communication hooks in
-`lightning_fastscale.strategies.comm_hooks` run on each gradient bucket.
-
-- ``flat_allreduce_``: one all-reduce over all ranks (the baseline; what plain DDP does).
-- ``hierarchical_allreduce_``: reduce inside the node to the leader, all-reduce among the
-  node leaders, broadcast inside the node (Jia et al. 2018, Tencent, arXiv:1807.11205).
-- ``torus2d_allreduce_``: reduce-scatter inside the node, all-reduce of each shard across
-  nodes (every local rank drives its own inter-node group at once), all-gather inside the node
-  (Mikami et al. 2018, Sony, arXiv:1811.05233).
-
-Options shared by all three:
-
-- ``wire_dtype``: name of the dtype on the inter-node wire, one of
-  [`WIRE_DTYPES`][lightning_fastscale.strategies.options.WIRE_DTYPES] (fp16/bf16 halve the bytes that
-  cross the slow links; ``"fp32"`` casts nothing). Hierarchical and torus cast only what crosses nodes, chunk by chunk, and copy the
-  sum back: the in-node stages stay in the gradient's dtype, which is more accurate, and the
-  in-node links are not the bottleneck. The flat all-reduce, and one node, cast the whole tensor.
-- ``chunk_numel``: split the tensor into chunks and pipeline them through the stages with
-  asynchronous collectives (chunk ``i`` crosses the nodes while chunk ``i+1`` is reduced in the
-  node). ``None`` sends the tensor as one piece; DDP buckets already give some pipelining.
-- ``topk`` (hierarchical and torus only): top-k sparsification with error feedback, applied to
-  the inter-node stage only (Tencent Cloud 2020 hierarchical top-k; Lin et al. 2018, Deep
-  Gradient Compression, for the error feedback). See [`TopKErrorFeedback`][lightning_fastscale.strategies.allreduce.TopKErrorFeedback].
-
-In-node primitives of the torus per backend: NCCL's native reduce-scatter / all-gather are its
-fast path; gloo's are slower than one asynchronous ``reduce`` / ``broadcast`` per shard, so on
-gloo the torus uses those (shards may then be uneven: no padding). The timings behind this
-choice are in ``benchmarks/README.md`` (section "All-reduce algorithms on the emulated
-cluster"). ``native_scatter_gather`` forces either path.
-
-A collective that fails raises [`CollectiveStageError`][lightning_fastscale.strategies.allreduce.CollectiveStageError] naming the stage
-([`STAGES`][lightning_fastscale.strategies.allreduce.STAGES]) and the original error as its cause.
+Each function sums ``tensor`` in place across all ranks given only a
+[`ProcessGroups`][lightning_fastscale.strategies.topology.ProcessGroups], so they run outside
+DDP too; the DDP communication hooks (`comm_hooks`) run them on each gradient bucket.
+``hierarchical_allreduce_`` is Jia et al. 2018's, ``torus2d_allreduce_`` Mikami et al. 2018's;
+their options (wire dtype, chunk pipelining, top-k) are described in
+``docs/methods/hierarchical_allreduce.md`` ("The algorithms in code"). A failed collective
+raises [`CollectiveStageError`][lightning_fastscale.strategies.allreduce.CollectiveStageError].
 """
 from __future__ import annotations
 

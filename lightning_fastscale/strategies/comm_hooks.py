@@ -6,26 +6,7 @@ bucketing the gradients and calling the hook as buckets fill during backward; th
 the averaged bucket. Register with ``ddp_model.register_comm_hook(state, hierarchical_hook)``
 on any backend (gloo included).
 
-Why a worker thread on gloo: a bucket goes through several collectives on different groups,
-and gloo's collectives block the thread that waits on them. Issuing them from future
-callbacks (as PowerSGD does) lets the order in which ranks issue collectives on one group
-differ between ranks, since gloo runs callbacks on its own threads; a mismatch there corrupts
-or hangs. Here the hook only enqueues the bucket; one thread per process runs the buckets in
-the order DDP produced them (the same on every rank) while backward continues, so
-communication still overlaps computation. On NCCL every collective is asynchronous on the
-GPU (``wait`` only orders streams), so the hook runs the algorithm inline: no thread hop.
-
-CUDA buckets on the worker thread: the thread sets the bucket's device, runs the bucket on
-its own stream after an event recorded on the stream that produced the bucket, and completes
-a CUDA-aware future on that stream, so DDP's use of the result is ordered after the
-communication. gloo moves CUDA tensors through host memory anyway; the worker stages a CUDA
-bucket through a host copy so every primitive the algorithms use is available.
-
-Failures: a collective that fails (a dead peer, a time-out) ends the bucket with
-[`CommHookError`][lightning_fastscale.strategies.CommHookError], naming the algorithm, the stage, the bucket and the rank, with the
-backend's error as its cause. Later buckets fail at once with the same error instead of
-waiting on broken groups, and `HierarchicalHookState.raise_if_failed` lets the training
-thread raise it (DDP itself would only report that the error "cannot be cast to Tensor").
+More in ``docs/strategy.md`` ("Communication hooks").
 """
 # No ``from __future__ import annotations``: DDP checks the hooks' annotations as real objects.
 import queue

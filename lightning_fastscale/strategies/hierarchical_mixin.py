@@ -1,19 +1,6 @@
 """The hierarchical all-reduce strategy's steps, for the Trainer's and Fabric's DDP alike (torch only).
 
-`HierarchicalAllReduceMixin` is a mixin placed before a Lightning ``DDPStrategy`` (the
-Trainer's [`HierarchicalAllReduceStrategy`][lightning_fastscale.strategies.HierarchicalAllReduceStrategy] and Fabric's
-[`FabricHierarchicalAllReduceStrategy`][lightning_fastscale.strategies.FabricHierarchicalAllReduceStrategy]). It holds
-the options and the run's state and calls, in order, one module per concern: `option_checks`
-(the options, before any process starts), `node_checks` (devices and nodes against the
-launcher, every node holding the same contiguous ranks), `plan_resolution` (its planner's
-answer, [`planning`][lightning_fastscale.strategies.planning], under the explicit settings),
-`topology` and `user_hooks` (the node groups, and the hook: the strategy's own or a user's),
-`topk_residuals` (top-k state across a resume) and `plan_report` (what is logged); it releases
-the groups at teardown. It relies only on what both DDP strategies share (``num_nodes``,
-``num_processes``, ``cluster_environment``, ``global_rank``, ``node_rank``, ``world_size``,
-``_ddp_kwargs``); each strategy file calls these steps from its own Lightning or Fabric hooks.
-The algorithms are Jia et al. 2018 (hierarchical, arXiv:1807.11205) and Mikami et al. 2018
-(2D torus, arXiv:1811.05233).
+More in ``docs/strategy.md`` ("The shared strategy core").
 """
 from __future__ import annotations
 

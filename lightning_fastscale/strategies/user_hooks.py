@@ -1,31 +1,6 @@
 """A user's DDP communication hook composed with the hierarchical all-reduce.
 
-``ddp_comm_hook=`` (with ``ddp_comm_state=`` and ``ddp_comm_wrapper=``, Lightning's DDP
-arguments) takes torch's hooks (``torch.distributed.algorithms.ddp_comm_hooks``). With several
-nodes the hook becomes the inter-node stage of the hierarchical algorithm of Jia et al. 2018
-(arXiv:1807.11205): each node sums its bucket onto its leader (local rank 0), the leader
-averages it over the node, the user's hook averages that across the node leaders (so
-``fp16_compress_hook`` halves only the bytes that cross nodes, and PowerSGD (Vogels et al.
-2019, arXiv:1905.13727) compresses only the inter-node traffic), and the leader broadcasts the
-result inside its node. On one node there is no inter-node stage and the hook is registered as
-plain DDP would register it.
-
-What combines and what does not, and why:
-
-- ``ddp_comm_wrapper`` alone (``fp16_compress_wrapper``, ``bf16_compress_wrapper``): wraps the
-  strategy's own hook, so the whole two-level all-reduce runs on the cast bucket.
-- ``ddp_comm_hook`` with ``algorithm="hier"``: the inter-node stage, as above; a wrapper wraps
-  the user's hook. The hook's state must leave the process group to the strategy: ``None``
-  (torch's default hooks) or an object whose ``process_group`` is ``None`` (``PowerSGDState``);
-  the strategy sets it to the leaders' group.
-- ``algorithm="torus2d"``: refused, the torus reduces each bucket as per-rank shards, and a
-  bucket hook (PowerSGD factors whole gradient matrices) cannot run on a shard.
-  ``algorithm="flat"``: refused, it has no inter-node stage; the hook alone is plain DDP.
-- ``allreduce_hook``: refused, it is DDP's flat all-reduce, which the strategy replaces.
-- ``post_localSGD_hook`` / ``model_averaging_period``: refused, post-local SGD replaces the
-  gradient all-reduce by periodic model averaging.
-- ``wire_dtype`` other than fp32 or ``compression="topk"`` with a hook: refused, the hook
-  decides what crosses the nodes and a second cast or sparsification would stack on it.
+More in ``docs/strategy.md`` ("A user's communication hook").
 """
 # No ``from __future__ import annotations``: DDP checks the hook's annotations as real objects.
 from collections.abc import Callable
@@ -179,19 +154,19 @@ def leader_hook(state: LeaderHookState, bucket: dist.GradBucket) -> torch.future
     index = bucket.index()
     hierarchy = state.hierarchy
     groups = hierarchy.groups
-    per_node = groups.topology.ranks_per_node
+    ranks_per_node = groups.topology.ranks_per_node
     leader = groups.intra_ranks[0]
 
     def reduce() -> None:
-        if per_node > 1:
+        if ranks_per_node > 1:
             dist.reduce(tensor, dst=leader, group=groups.intra)
         if groups.is_leader:
-            if per_node > 1:
-                tensor.div_(per_node)
+            if ranks_per_node > 1:
+                tensor.div_(ranks_per_node)
             averaged = state.hook(state.hook_state, bucket).wait()
             if averaged.data_ptr() != tensor.data_ptr():
                 tensor.copy_(averaged)
-        if per_node > 1:
+        if ranks_per_node > 1:
             dist.broadcast(tensor, src=leader, group=groups.intra_out)
 
     def work(future: torch.futures.Future) -> None:

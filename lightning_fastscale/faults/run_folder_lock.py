@@ -1,27 +1,6 @@
 """Claim a run folder for one run at a time.
 
-Two jobs started together on the same ``hydra.run.dir`` (a fixed folder per job, as requeued
-cluster jobs use) would both find the folder fresh, both train, and overwrite each other's
-config and checkpoints. The first to start claims the folder: it creates
-``.fastscale-run.lock`` in it and holds an exclusive ``fcntl.flock`` on that file for the
-whole run (the kernel drops the lock when the process ends, however it ends). Another run
-that finds the lock held is refused with a message naming the folder and the holder's pid and
-host. A lock file whose lock nobody holds was left by a run that died (SIGKILL, node
-failure): it is taken over with a warning naming that run, so ``resume=auto`` requeues work.
-
-One claim per run: only the process of global rank 0 claims. Ranks started by Lightning's
-launcher (which re-executes the script with ``LOCAL_RANK``/``NODE_RANK`` set), by
-``torchrun`` (``RANK``) or by SLURM's ``srun`` (``SLURM_PROCID``) see from their environment
-that they are not rank 0, so they never refuse their own run.
-
-``flock`` is reliable on local filesystems and on NFSv4 / Lustre mounted with lock support;
-on a filesystem without it (``flock`` fails with ``ENOLCK``) the claim falls back to the lock
-file alone (exclusive create), and a stale file from another host must then be removed by
-hand, as the message says.
-
-Functional core: [`global_rank_from_env`][lightning_fastscale.run_folder.global_rank_from_env], [`claim`][lightning_fastscale.run_folder.claim]. Hydra adapter:
-[`ClaimRunFolder`][lightning_fastscale.run_folder.ClaimRunFolder] (a Hydra callback, so the claim comes before Hydra writes the run's
-config into the folder).
+More in ``docs/faults.md`` ("The run-folder lock").
 """
 from __future__ import annotations
 
@@ -85,7 +64,7 @@ def _describe(holder: Mapping[str, Any]) -> str:
 
 
 class Claim:
-    """A held claim on a run folder; [`release`][lightning_fastscale.run_folder.Claim.release] (also run at exit) gives it up."""
+    """A held claim on a run folder; [`release`][lightning_fastscale.faults.run_folder_lock.Claim.release] (also run at exit) gives it up."""
 
     def __init__(self, folder: Path, fd: int | None) -> None:
         self.folder = folder
@@ -117,7 +96,7 @@ def _me() -> dict[str, Any]:
 
 
 def claim(folder: str | os.PathLike) -> Claim:
-    """Claim ``folder`` for this process, or raise [`RunFolderInUseError`][lightning_fastscale.run_folder.RunFolderInUseError] naming the holder.
+    """Claim ``folder`` for this process, or raise [`RunFolderInUseError`][lightning_fastscale.faults.run_folder_lock.RunFolderInUseError] naming the holder.
 
     Examples:
         >>> import tempfile
@@ -126,7 +105,7 @@ def claim(folder: str | os.PathLike) -> Claim:
         >>> claim(folder)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        lightning_fastscale.run_folder.RunFolderInUseError: run folder ... is in use by pid ...
+        lightning_fastscale.faults.run_folder_lock.RunFolderInUseError: run folder ... is in use by pid ...
         >>> held.release()
     """
     folder = Path(folder).absolute()
@@ -185,7 +164,7 @@ class ClaimRunFolder(Callback):
 
     Registered in ``train.yaml`` under ``hydra.callbacks``. In a single run (not ``-m``) the
     rank-0 process claims the folder at ``on_run_start``, before Hydra saves the config
-    there; a refused run exits with the message of [`RunFolderInUseError`][lightning_fastscale.run_folder.RunFolderInUseError] and status 1.
+    there; a refused run exits with the message of [`RunFolderInUseError`][lightning_fastscale.faults.run_folder_lock.RunFolderInUseError] and status 1.
     Multirun jobs each get their own sub-folder and are not claimed.
     """
 

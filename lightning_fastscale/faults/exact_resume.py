@@ -5,7 +5,7 @@ from a mid-epoch checkpoint, but a plain ``DataLoader`` starts its epoch over (L
 "your dataloader is not resumable"), so the resumed epoch repeats its first batches, drops
 its last ones and ends at another step than the uninterrupted run; the random-number
 generators also restart from the seed instead of where the run was. For a preempted
-large-batch job (see [`PreemptionCheckpoint`][lightning_fastscale.callbacks.PreemptionCheckpoint]) that means
+large-batch job (see [`PreemptionCheckpoint`][lightning_fastscale.faults.PreemptionCheckpoint]) that means
 a different run, not a resumed one.
 
 This callback makes the training ``DataLoader`` resumable through Lightning's own interface
@@ -48,7 +48,7 @@ global batch, another split of the samples over the ranks, other per-rank genera
 such a resume is refused before the first step unless ``allow_world_size_change=True``.
 
 Functional core: `collect_rng_states`, `set_rng_states`, `SkipFirstBatches`.
-Lightning adapter: [`ExactResume`][lightning_fastscale.callbacks.ExactResume].
+Lightning adapter: [`ExactResume`][lightning_fastscale.faults.ExactResume].
 """
 from __future__ import annotations
 
@@ -254,7 +254,7 @@ class ExactResume(Callback):
 
     Add it to the Trainer's callbacks (``fastscale-train`` does by default); nothing else
     changes: checkpoints made at any step by any checkpoint callback (``ModelCheckpoint(
-    every_n_train_steps=...)``, [`PreemptionCheckpoint`][lightning_fastscale.callbacks.PreemptionCheckpoint])
+    every_n_train_steps=...)``, [`PreemptionCheckpoint`][lightning_fastscale.faults.PreemptionCheckpoint])
     carry the data position and RNG states, and ``Trainer.fit(ckpt_path=...)`` uses them.
     The training loader comes from the datamodule's or the LightningModule's
     ``train_dataloader`` (or is the loader given to ``fit``); its class is extended, not

@@ -1,38 +1,11 @@
-"""Fast JPEG decode and uint8 augmentation: the CPU half of the input pipeline.
+"""Training and validation transforms in uint8: crop, resize, flip, batch assembly.
 
-The records that trained ImageNet in minutes all fixed the input pipeline first (Jia et al.
-2018 pipelined decoding with compute; Ying et al. 2018 list input-pipeline work as one of
-their three system changes; Mikami et al. 2018 used NVIDIA DALI). Here the workers do only
-what must happen per image on the CPU:
-
-* decode with libjpeg-turbo, not PIL: TorchCodec's ``decode_jpeg`` (its image decoders
-  supersede torchvision's, deprecated since torchvision 0.29, which remain the fallback where
-  TorchCodec (>= 0.16, torch >= 2.11) is not installed); the training batch (`train_batch`)
-  through simplejpeg where installed, the same libjpeg-turbo decode with the same pixels at
-  less overhead per call, which decides the per-core rate where the decode is most of the time
-  (large stored images); TorchCodec decodes again any sample simplejpeg refuses, so both accept
-  and refuse the same samples. Both use libjpeg's accurate integer IDCT: the fast one (as FFCV
-  uses) saves little here and moves the resized pixels by about 1 grey level on average.
-  Optionally (``dct_scaling``) an image whose crop is at least 2, 4 or 8 times the output size
-  is decoded at that reduced scale in the DCT domain, which saves decode time at low training
-  resolutions and changes those samples' pixels by the reduced IDCT's low-pass;
-* random-resized-crop and horizontal flip on the **uint8** tensor (the resize reads and
-  writes a quarter of the bytes a float pipeline would), of the crop region only, written
-  straight into the batch (`train_batch`, a whole batch per call, optionally in threads):
-  a crop reduced on either axis with torchvision's antialiased bilinear kernel, one enlarged
-  on both axes (where antialiasing does nothing) with OpenCV's faster bilinear resize;
-* leave the batch un-normalised: `normalize_on_device` converts to float, normalises
-  and optionally switches to ``channels_last`` on the training device, after the 4x smaller
-  uint8 batch has crossed the host-to-device link.
-
-Augmentation randomness comes from a generator seeded by ``(seed, epoch, sample index)``
-(`sample_generator`), not from worker RNG state, so a sample gets the same crop in a
-resumed run as in an uninterrupted one, whatever the worker count.
-
-The crop sampling follows ``RandomResizedCrop`` of Szegedy et al. 2015 (Inception), as
-torchvision implements it: scale (0.08, 1), aspect ratio (3/4, 4/3) log-uniform, ten tries,
-then a centre crop at the clamped ratio. On CUDA, `decode_jpeg_batch_on_device` decodes
-a whole batch with nvJPEG instead. Measured figures are in ``benchmarks/README.md``.
+`train_batch` decodes (simplejpeg; TorchCodec for what it refuses), random-resized-crops
+(Szegedy et al. 2015, as torchvision's ``RandomResizedCrop``) and flips a whole batch in uint8,
+in threads; `val_transform` resizes and centre-crops; `normalize_on_device` converts and
+normalises on the training device. Randomness comes from `sample_generator` (seed, epoch,
+sample), so a resumed run gets the same crops. Design and measurements: ``docs/input_pipeline.md``
+("The uint8 transforms").
 """
 from __future__ import annotations
 
@@ -45,39 +18,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import cv2
 import numpy as np
+import simplejpeg as _simplejpeg  # the training batch's decoder (less overhead per call than TorchCodec)
 import torch
 from torchvision.transforms.v2 import functional as F
 from torchvision.transforms.v2.functional._geometry import _compute_resized_output_size
 
-try:  # OpenCV's bilinear enlargement is faster than torchvision's (benchmarks/README.md)
-    import cv2 as _cv2
-except ImportError:  # then torchvision does every resize
-    _cv2 = None
-
-from .verify import SampleDecodeError, decoder_messages, decoder_warnings, strict_decode
-
-try:  # the training batch's decoder: libjpeg-turbo with less overhead per call (benchmarks/README.md)
-    import simplejpeg as _simplejpeg
-
-    # the strict batch decode relies on `strict` (refuse where libjpeg only warns), which older
-    # releases lack
-    _simplejpeg.decode_jpeg(_simplejpeg.encode_jpeg(np.zeros((8, 8, 3), np.uint8)), "RGB", strict=True)
-except (ImportError, TypeError, ValueError):  # then TorchCodec decodes every training image
-    _simplejpeg = None
-
-try:
-    from torchcodec.decoders import decode_jpeg as _torchcodec_decode_jpeg
-
-    def _decode_jpeg_rgb(data: torch.Tensor | list[torch.Tensor], device: torch.device | str = "cpu") -> Any:
-        return _torchcodec_decode_jpeg(data, mode="RGB", device=device)
-
-except (ImportError, OSError, RuntimeError):  # not installed, or built for another torch
-    from torchvision.io import ImageReadMode
-    from torchvision.io import decode_jpeg as _torchvision_decode_jpeg
-
-    def _decode_jpeg_rgb(data: torch.Tensor | list[torch.Tensor], device: torch.device | str = "cpu") -> Any:
-        return _torchvision_decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+from .jpeg_decode import SampleDecodeError, decode_rgb, decoder_messages, decoder_warnings, strict_decode
 
 # torchvision's antialiased bilinear resize kernel, in its variant that writes into a given tensor
 _upsample_bilinear_aa_out = torch.ops.aten._upsample_bilinear2d_aa.out
@@ -137,42 +85,6 @@ def random_resized_crop_box(
     return (height - h) // 2, (width - w) // 2, h, w
 
 
-def decode_rgb(data: torch.Tensor) -> torch.Tensor:
-    """Decode JPEG bytes (a 1-D uint8 tensor) to a ``(3, H, W)`` uint8 RGB tensor."""
-    return _decode_jpeg_rgb(data)
-
-
-def decode_rgb_strict(data: torch.Tensor) -> torch.Tensor:
-    """`decode_rgb`, raising ``ValueError`` where libjpeg only warns of "Corrupt JPEG data".
-
-    simplejpeg decodes where it is installed (it raises on libjpeg's warnings itself, so no
-    capture of file descriptor 2 is taken and decodes in other threads run alongside: the same
-    pixels as TorchCodec's); what it refuses, or everything without it, TorchCodec decodes under
-    [`strict_decode`][lightning_fastscale.data.verify.strict_decode], which judges the sample: a
-    harmless warning passes, "Corrupt JPEG data" raises.
-    """
-    if _simplejpeg is not None:
-        try:
-            return torch.from_numpy(_simplejpeg.decode_jpeg(data.numpy(), "RGB", strict=True)).permute(2, 0, 1)
-        except ValueError:
-            pass
-    return strict_decode(decode_rgb, data)
-
-
-def jpeg_size(data: bytes | torch.Tensor) -> tuple[int, int]:
-    """``(height, width)`` read from a JPEG's SOF header, without decoding the pixels."""
-    buf = bytes(data.numpy()) if isinstance(data, torch.Tensor) else data
-    i = 2
-    while i + 9 < len(buf):
-        if buf[i] != 0xFF:
-            raise ValueError("not a JPEG stream (bad marker)")
-        marker = buf[i + 1]
-        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
-            return int.from_bytes(buf[i + 5 : i + 7], "big"), int.from_bytes(buf[i + 7 : i + 9], "big")
-        i += 2 + int.from_bytes(buf[i + 2 : i + 4], "big")
-    raise ValueError("not a JPEG stream (no frame header)")
-
-
 def crop_resize_flip(
     image: torch.Tensor, box: tuple[int, int, int, int], size: int, flip: bool
 ) -> torch.Tensor:
@@ -198,7 +110,7 @@ def train_transform(
 ) -> torch.Tensor:
     """Decode, random-resized-crop to ``size`` and flip with probability 1/2; uint8 out.
 
-    The reference for one image; [`train_batch`][lightning_fastscale.data.fast_decode.train_batch]
+    The reference for one image; [`train_batch`][lightning_fastscale.data.transforms.train_batch]
     does the same to a batch, faster.
     """
     image = decode_rgb(data)
@@ -225,7 +137,7 @@ def _upscale_linear(src: Any, size: tuple[int, int], dst: Any = None) -> Any:
     """OpenCV's bilinear resize of an ``(H, W, C)`` uint8 array that is enlarged (or kept) on
     both axes, where antialiasing does nothing: the result equals torchvision's antialiased
     bilinear resize up to the rounding of their fixed-point weights (at most 1 apart, tested)."""
-    return _cv2.resize(src, (size[1], size[0]), dst=dst, interpolation=_cv2.INTER_LINEAR)
+    return cv2.resize(src, (size[1], size[0]), dst=dst, interpolation=cv2.INTER_LINEAR)
 
 
 # libjpeg-turbo's DCT-domain reductions that are cheaper than a full decode (benchmarks/README.md)
@@ -248,7 +160,7 @@ def _decode_for_crop(
     coordinates; ``pixels`` is None where simplejpeg refused the data, which `train_batch` then
     decodes with TorchCodec (``box`` is None where no crop is drawn yet).
 
-    simplejpeg decodes where it is installed: the same libjpeg-turbo decode, accurate integer
+    simplejpeg decodes: the same libjpeg-turbo decode, accurate integer
     IDCT, as TorchCodec (the same pixels, tested; CMYK JPEGs, which the converter never writes,
     within 1 grey level) with less overhead per call. With
     ``dct_scaling`` the crop is drawn from the header first and the image decoded at 1/2, 1/4 or
@@ -305,7 +217,7 @@ def _crop_resize_flip_into(
     view where the batch is pixel-interleaved (written in place, else through a copy).
 
     A crop enlarged on both axes goes through OpenCV's bilinear resize of the crop region; a
-    crop reduced on either axis (or any crop, without OpenCV) through the kernel of
+    crop reduced on either axis through the kernel of
     torchvision's antialiased bilinear resize, as `crop_resize_flip`, in its variant that
     writes into a given tensor (here ``(1, C, H, W)`` views of ``(H, W, C)`` memory: its
     vectorised uint8 path). Numpy views throughout: each torch call made here from Python
@@ -314,16 +226,13 @@ def _crop_resize_flip_into(
     top, left, h, w = box
     crop = pixels[top : top + h, left : left + w]
     dst = slot_pixels if slot_pixels is not None else np.empty((size, size, 3), np.uint8)
-    if _cv2 is not None and h <= size and w <= size:
+    if h <= size and w <= size:
         _upscale_linear(crop, (size, size), dst)
     else:
         chw = torch.from_numpy(crop).unsqueeze(0).permute(0, 3, 1, 2)
         _upsample_bilinear_aa_out(chw, [size, size], False, None, None, out=torch.from_numpy(dst).unsqueeze(0).permute(0, 3, 1, 2))
     if flip:
-        if _cv2 is not None:
-            _cv2.flip(dst, 1, dst=dst)
-        else:
-            dst[:] = dst[:, ::-1]
+        cv2.flip(dst, 1, dst=dst)
     if slot_pixels is None:
         slot.copy_(torch.from_numpy(dst).permute(2, 0, 1))
 
@@ -334,19 +243,19 @@ def val_transform(data: torch.Tensor, size: int, crop_ratio: float = 0.875) -> t
     The same geometry as the ImageNet evaluation of Krizhevsky et al. 2012 / He et al. 2016
     (resize 256, crop 224), as [`ImageFolderDataModule`][lightning_fastscale.data.ImageFolderDataModule] does it.
     An image enlarged by the resize (stored smaller than ``size / crop_ratio``) goes through
-    OpenCV's bilinear resize where OpenCV is installed: the same pixels up to rounding, since
+    OpenCV's bilinear resize: the same pixels up to rounding, since
     antialiasing does nothing to an enlargement.
     """
     return resize_centre_crop(decode_rgb(data), size, crop_ratio)
 
 
 def resize_centre_crop(image: torch.Tensor, size: int, crop_ratio: float = 0.875) -> torch.Tensor:
-    """The geometry of [`val_transform`][lightning_fastscale.data.fast_decode.val_transform] on a
+    """The geometry of [`val_transform`][lightning_fastscale.data.transforms.val_transform] on a
     decoded uint8 ``(C, H, W)`` image."""
     short = round(size / crop_ratio)
     h, w = image.shape[-2:]
     new_h, new_w = _compute_resized_output_size((h, w), [short])  # torchvision's own rule
-    src = _hwc(image) if _cv2 is not None and new_h >= h and new_w >= w else None
+    src = _hwc(image) if new_h >= h and new_w >= w else None
     if src is None:
         image = F.resize(image, [short], antialias=True)
     else:
@@ -371,7 +280,7 @@ def _thread_pool(threads: int) -> ThreadPoolExecutor:
     """This process's pool of ``threads`` threads, made on first use and kept."""
     with _pools_lock:
         if threads not in _pools:
-            _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="fast_decode")
+            _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="train_batch")
         return _pools[threads]
 
 
@@ -409,37 +318,14 @@ def train_batch(
     """Decode, random-resized-crop and flip a whole batch: uint8 ``(N, 3, resolution, resolution)``.
 
     Sample ``i`` gets exactly the crop box and flip that
-    [`train_transform`][lightning_fastscale.data.fast_decode.train_transform]``(jpegs[i],
-    resolution, generators[i], scale, ratio)`` draws. With ``threads > 1`` the batch is
-    decoded and augmented in a pool of that many threads of this process (reused across calls;
-    libjpeg-turbo and the resize release the GIL). ``out``, when given, is a preallocated
-    ``(N, 3, resolution, resolution)`` uint8 tensor (pinned, channels-last, ... as the caller
-    likes) that receives the batch and is returned.
-
-    The pixels are those of ``train_transform`` up to OpenCV's rounding of enlarged crops (at
-    most 1 grey level). ``dct_scaling=True`` decodes an image at 1/2, 1/4 or 1/8 scale in the
-    DCT domain where its crop is at least 2, 4 or 8 times ``resolution`` on both axes (needs
-    ``simplejpeg``; ignored without it): the same crop box, its edges rounded outwards to the
-    reduced grid, low-passed by the reduced IDCT before the antialiased resize, so those samples
-    differ from ``train_transform``'s by a few grey levels on average (benchmarks/README.md has
-    the figures); at 224 px few crops of ImageNet-sized images qualify, at 128 px about half.
-
-    The decode is strict: a sample that does not decode, or whose decode makes libjpeg warn of
-    "Corrupt JPEG data", raises [`SampleDecodeError`][lightning_fastscale.data.verify.SampleDecodeError]
-    with its position in the batch (the first such position). simplejpeg refuses such a sample
-    itself (it raises where libjpeg only warns), so a batch it decodes whole needs no capture of
-    file descriptor 2 and other threads' batches and strict decodes run alongside it. A sample it
-    refuses is decoded again by TorchCodec, after the others, in the calling thread, under one
-    capture of file descriptor 2 (TorchCodec only writes the warning there), so the samples
-    accepted and refused are TorchCodec's; without simplejpeg TorchCodec decodes the whole batch
-    under that capture. Only if libjpeg wrote anything are the samples decoded again one at a time
-    to find which. The descriptor is the process's: what other threads write to it during a
-    capture is written back after it (and lost if the process dies meanwhile), and strict
-    decodes of other threads wait for it.
-
-    The threads parallelise across samples; each resize may also use torch's and OpenCV's own
-    intra-op threads. Where the pool has the cores to itself, set those to one
-    (``torch.set_num_threads(1)``, ``cv2.setNumThreads(1)``), as loader workers do for torch.
+    [`train_transform`][lightning_fastscale.data.transforms.train_transform]``(jpegs[i],
+    resolution, generators[i], scale, ratio)`` draws, and its pixels up to OpenCV's rounding of
+    enlarged crops (at most 1 grey level). ``threads``: a pool of that many threads of this
+    process (reused across calls); ``out``: a preallocated uint8 tensor of that shape to fill;
+    ``dct_scaling``: decode at 1/2, 1/4 or 1/8 scale in the DCT domain where the crop allows.
+    The decode is strict: a sample that does not decode cleanly raises
+    [`SampleDecodeError`][lightning_fastscale.data.jpeg_decode.SampleDecodeError] with its
+    position. Details: ``docs/input_pipeline.md`` ("`train_batch` in detail").
 
     Examples:
         >>> import io; from PIL import Image
@@ -530,13 +416,3 @@ def normalize_on_device(
     return out.sub_(m * 255.0).mul_(1.0 / (255.0 * s))
 
 
-def decode_jpeg_batch_on_device(
-    datas: Sequence[torch.Tensor], device: torch.device | str = "cuda"
-) -> list[torch.Tensor]:
-    """Decode a list of JPEG byte tensors on a CUDA device in one batched nvJPEG call.
-
-    Returns ``(3, H, W)`` uint8 tensors on ``device``. Raises ``RuntimeError`` without CUDA.
-    """
-    if not torch.cuda.is_available():
-        raise RuntimeError("nvJPEG decode needs a CUDA device; use decode_rgb on the CPU")
-    return _decode_jpeg_rgb(list(datas), device=device)

@@ -1,18 +1,6 @@
 """Checkpoints for resuming: find the newest one, read it, and say what does not match.
 
-A preempted or requeued large-batch job restarts from its own run folder (Goyal et al. 2017
-and Jia et al. 2018 trained on shared clusters; You et al. 2018 and fast.ai 2018 on machines
-that can vanish). Resuming from the wrong file costs more than refusing it: a checkpoint cut
-short by the kill (truncated), or one written by another model or another learning-rate /
-batch-size schedule, must stop the run before its first step with a message that names the
-file and the difference, not fail deep inside ``torch.load`` or ``load_state_dict``, or train
-on silently under a different schedule.
-
-Pure functions on checkpoint dictionaries (testable without a Trainer):
-`newest_checkpoint`, `newest_complete_checkpoint`, `read_checkpoint`, `state_dict_mismatches`,
-`hparams_mismatches`, `scheduler_mismatches`, `optimizer_mismatches`.
-The Lightning adapter that runs them before any step is
-[`lightning_fastscale.callbacks.CheckpointCheck`][lightning_fastscale.callbacks.CheckpointCheck].
+More in ``docs/faults.md`` ("Reading checkpoints").
 """
 from __future__ import annotations
 
@@ -108,14 +96,14 @@ def unreadable(path: str | Path, err: BaseException) -> CheckpointError:
 
 
 def check_is_lightning_checkpoint(path: str | Path, checkpoint: Any) -> None:
-    """Raise [`CheckpointError`][lightning_fastscale.checkpointing.CheckpointError] unless ``checkpoint`` looks like a Lightning checkpoint."""
+    """Raise [`CheckpointError`][lightning_fastscale.faults.checkpoint_reading.CheckpointError] unless ``checkpoint`` looks like a Lightning checkpoint."""
     if not isinstance(checkpoint, Mapping) or "state_dict" not in checkpoint:
         found = sorted(checkpoint)[:_MAX_LISTED] if isinstance(checkpoint, Mapping) else type(checkpoint).__name__
         raise CheckpointError(path, f"is not a Lightning checkpoint (no 'state_dict'; found {found})")
 
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load a Lightning checkpoint on the CPU, or raise [`CheckpointError`][lightning_fastscale.checkpointing.CheckpointError] naming the file.
+    """Load a Lightning checkpoint on the CPU, or raise [`CheckpointError`][lightning_fastscale.faults.checkpoint_reading.CheckpointError] naming the file.
 
     A truncated file (the writer was killed), an empty file, or a file that is not a
     checkpoint all end here with the size found and what to do, before any training state
@@ -224,7 +212,7 @@ def optimizer_mismatches(saved_states: Sequence[Mapping[str, Any]], optimizers: 
 
 
 def raise_if_mismatched(path: str | Path, problems: Sequence[str], what: str) -> None:
-    """Raise [`CheckpointError`][lightning_fastscale.checkpointing.CheckpointError] listing ``problems`` (a no-op when there are none)."""
+    """Raise [`CheckpointError`][lightning_fastscale.faults.checkpoint_reading.CheckpointError] listing ``problems`` (a no-op when there are none)."""
     if problems:
         raise CheckpointError(
             path,
@@ -242,7 +230,7 @@ def resume_point(folders: Sequence[str | Path]) -> str | None:
     one is chosen (`newest_complete_checkpoint`). Checkpoints none of which is complete
     are an error naming them: a run is not started over on top of them without a word.
     """
-    from lightning_fastscale.checkpoint_io import remove_partial_files
+    from lightning_fastscale.faults.atomic_checkpoint_io import remove_partial_files
 
     remove_partial_files(folders)
     newest, skipped = newest_complete_checkpoint(folders)

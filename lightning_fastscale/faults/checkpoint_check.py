@@ -1,18 +1,6 @@
 """Refuse a truncated or mismatched checkpoint before the first training step.
 
-Lightning adapter of `lightning_fastscale.checkpointing`. Lightning reads the
-checkpoint inside ``Trainer.fit`` and fails with torch's own message (``PytorchStreamReader
-failed reading zip archive``, an ``OSError`` from a seek, or a ``load_state_dict`` key list)
-that does not name the file, and restores a learning-rate scheduler written under another
-schedule without a word. Lightning has no hook between reading a checkpoint and restoring
-it, so at ``setup`` this callback wraps the strategy's ``CheckpointIO`` plugin (the
-interface Lightning reads checkpoints through): a file that cannot be read becomes an error
-naming it, and the dictionary read is checked (model, module hyper-parameters, schedule
-callbacks' state) before Lightning restores anything from it. At ``on_fit_start`` (after
-``configure_optimizers``, before optimizer and scheduler states are restored) the optimizers'
-structure and the LR schedulers' settings are checked too. Lightning's default
-``TorchCheckpointIO`` is replaced by [`AtomicCheckpointIO`][lightning_fastscale.checkpoint_io.AtomicCheckpointIO]
-on the way, so checkpoints are also written atomically.
+More in ``docs/faults.md`` ("The checkpoint check").
 """
 from __future__ import annotations
 
@@ -26,14 +14,14 @@ from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_fastscale import checkpointing
-from lightning_fastscale.checkpoint_io import AtomicCheckpointIO
+from lightning_fastscale.faults import checkpoint_reading
+from lightning_fastscale.faults.atomic_checkpoint_io import AtomicCheckpointIO
 
 
 def _is_schedule_callback(cls: type) -> bool:
     """A callback of this package whose checkpointed state is part of the training schedule."""
     return (
-        cls.__module__.startswith("lightning_fastscale.callbacks")
+        cls.__module__.startswith(("lightning_fastscale.callbacks", "lightning_fastscale.faults"))
         and cls.state_dict is not Callback.state_dict
         and not getattr(cls, "schedule_neutral", False)
     )
@@ -62,7 +50,7 @@ class _CheckingCheckpointIO(CheckpointIO):
         try:
             checkpoint = self.inner.load_checkpoint(path, **kwargs)
         except Exception as err:  # zip, pickle, seek and EOF errors all mean the same here
-            raise checkpointing.unreadable(path, err) from err
+            raise checkpoint_reading.unreadable(path, err) from err
         self.check(str(path), checkpoint)
         return checkpoint
 
@@ -78,7 +66,7 @@ class _CheckingCheckpointIO(CheckpointIO):
 class CheckpointCheck(Callback):
     """Check the checkpoint a fit resumes from (``ckpt_path``) before any step runs.
 
-    Errors are [`CheckpointError`][lightning_fastscale.checkpointing.CheckpointError], naming the file
+    Errors are [`CheckpointError`][lightning_fastscale.faults.checkpoint_reading.CheckpointError], naming the file
     and each difference: unreadable or truncated file; model tensors missing, extra or of
     another shape; module hyper-parameters that differ; a schedule callback (batch-size ramp,
     LR warmup/decay, progressive resizing) that is in one run and not the other, or whose
@@ -120,16 +108,16 @@ class CheckpointCheck(Callback):
         trainer = self._trainer
         assert trainer is not None
         pl_module = trainer.lightning_module
-        checkpointing.check_is_lightning_checkpoint(path, checkpoint)
-        checkpointing.raise_if_mismatched(
-            path, checkpointing.state_dict_mismatches(checkpoint["state_dict"], pl_module.state_dict()),
+        checkpoint_reading.check_is_lightning_checkpoint(path, checkpoint)
+        checkpoint_reading.raise_if_mismatched(
+            path, checkpoint_reading.state_dict_mismatches(checkpoint["state_dict"], pl_module.state_dict()),
             "model",
         )
-        checkpointing.raise_if_mismatched(
-            path, checkpointing.hparams_mismatches(checkpoint.get("hyper_parameters", {}), dict(pl_module.hparams)),
+        checkpoint_reading.raise_if_mismatched(
+            path, checkpoint_reading.hparams_mismatches(checkpoint.get("hyper_parameters", {}), dict(pl_module.hparams)),
             "configuration of the module",
         )
-        checkpointing.raise_if_mismatched(
+        checkpoint_reading.raise_if_mismatched(
             path, self._callback_mismatches(trainer, checkpoint.get("callbacks", {})), "schedule",
         )
         # only the small parts are kept: parameter-group sizes and scheduler settings
@@ -171,12 +159,12 @@ class CheckpointCheck(Callback):
         if self._pending is None:
             return
         (path, optimizer_states, scheduler_states), self._pending = self._pending, None
-        checkpointing.raise_if_mismatched(
-            path, checkpointing.optimizer_mismatches(optimizer_states, trainer.optimizers), "optimizer setup",
+        checkpoint_reading.raise_if_mismatched(
+            path, checkpoint_reading.optimizer_mismatches(optimizer_states, trainer.optimizers), "optimizer setup",
         )
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
-        checkpointing.raise_if_mismatched(
-            path, checkpointing.scheduler_mismatches(scheduler_states, schedulers), "LR schedule",
+        checkpoint_reading.raise_if_mismatched(
+            path, checkpoint_reading.scheduler_mismatches(scheduler_states, schedulers), "LR schedule",
         )
 
     @override

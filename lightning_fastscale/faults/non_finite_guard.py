@@ -1,35 +1,6 @@
 """``NonFiniteGuard``: stop a run whose optimizer steps fail on non-finite numbers.
 
-Dynamic loss scaling (Micikevicius et al. 2018, "Mixed Precision Training") skips a step
-whose gradients overflowed and halves the scale; a few skips are normal while the scale
-settles, but a long run of them means the model itself produces infs or NaNs (a diverged
-learning rate, a bad batch, a broken layer), and the run then burns its allocation without
-learning. Large-batch runs (Jia et al. 2018: fp16 with LARS at batch 64K) run at learning
-rates where this happens. The guard counts consecutive bad optimizer steps and raises
-[`NonFiniteStepsError`][lightning_fastscale.callbacks.NonFiniteStepsError] once there are more than ``max_consecutive`` of them, naming the
-step, the loss scale and the first parameter with a non-finite gradient.
-
-The skip budget belongs to loss scaling only. With a loss scaler (fp16) a step counts as bad:
-
-* with a plugin that skips non-finite steps itself and reports them
-  ([`LARSMixedPrecision`][lightning_fastscale.precision.LARSMixedPrecision]): when the plugin skipped it
-  (its own ``consecutive_skipped_steps`` counter);
-* with Lightning's ``16-mixed`` (a ``GradScaler``): when the scaler skipped it, seen as a
-  lower scale after the step than before (the scaler lowers it only after an overflow).
-
-Without a loss scaler (fp32, bf16: Lightning's ``32-true`` and ``bf16-mixed``, or the LARS
-plugin without a scaler) nothing recovers a non-finite step: a lower scale cannot help, and
-Lightning's plugins step whatever the gradient is, so the weights turn NaN and the run trains
-on garbage (and a short run ends "successfully" with chance accuracy). The first non-finite
-loss, decided on all ranks together before the optimizer step, stops the run before that
-step changes the weights; a step the LARS plugin skipped stops it too.
-
-A checkpoint is never written with non-finite weights or buffers: `NonFiniteGuard.
-on_save_checkpoint` refuses it, so a diverged run can neither keep a NaN checkpoint as the
-best one (Lightning's ``ModelCheckpoint`` ranks by the monitored metric, and accuracy stays
-finite on NaN weights) nor resume from one. A NaN in a metric a ``ModelCheckpoint`` monitors
-stops the run before that callback sees it (Lightning ranks a NaN as the worst value, but keeps
-it as the best when it is the first).
+More in ``docs/faults.md`` ("The non-finite guard").
 """
 from __future__ import annotations
 
@@ -68,7 +39,7 @@ class NonFiniteGuard(Callback):
 
     Args:
         max_consecutive: with a loss scaler (fp16), how many consecutive skipped steps are
-            tolerated; one more raises [`NonFiniteStepsError`][lightning_fastscale.callbacks.NonFiniteStepsError]. A loss scaler that starts
+            tolerated; one more raises [`NonFiniteStepsError`][lightning_fastscale.faults.NonFiniteStepsError]. A loss scaler that starts
             at 2**16 needs a handful of skips to settle; 100 leaves room for that and for a rare
             bad batch. Without a scaler (fp32, bf16) the first non-finite step raises.
 
@@ -202,5 +173,5 @@ class NonFiniteGuard(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what [`state_dict`][lightning_fastscale.callbacks.NonFiniteGuard.state_dict] saved."""
+        """Restore what [`state_dict`][lightning_fastscale.faults.NonFiniteGuard.state_dict] saved."""
         self.consecutive = int(state_dict.get("consecutive", 0))

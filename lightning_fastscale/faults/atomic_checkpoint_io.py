@@ -1,23 +1,6 @@
 """Atomic checkpoint writes on the destination's own filesystem.
 
-A job killed while it writes a checkpoint, or a disk that fills up during the write, must not
-leave a truncated file under a checkpoint's final name: ``resume=auto`` would pick it as the
-newest and the requeued job would fail again and again. Lightning's ``TorchCheckpointIO``
-writes through an fsspec transaction whose temporary file lives in ``TMPDIR``; when the run
-folder is on another filesystem (a local scratch disk, a shared output disk: the usual
-cluster layout) the final move is a copy, which a kill or a full disk cuts short under the
-final name, and the checkpoint-sized temporary file stays behind in ``TMPDIR``.
-
-Here the checkpoint is written to a temporary file beside the target (same folder, so same
-filesystem), flushed and ``fsync``-ed, then renamed over the target with ``os.replace``
-(atomic on POSIX), and the folder is ``fsync``-ed so the rename survives a power loss. A
-failed write removes its temporary file; a process killed mid-write leaves one, named
-``.<target>.<random>.partial`` (not ``*.ckpt``, so never taken for a checkpoint), which
-[`remove_partial_files`][lightning_fastscale.checkpoint_io.remove_partial_files] clears when the run folder is resumed. Remote paths (``s3://``
-and other fsspec URLs) keep Lightning's own upload.
-
-Functional core: [`save_atomically`][lightning_fastscale.checkpoint_io.save_atomically], [`partial_files`][lightning_fastscale.checkpoint_io.partial_files], [`remove_partial_files`][lightning_fastscale.checkpoint_io.remove_partial_files].
-Lightning adapter: [`AtomicCheckpointIO`][lightning_fastscale.checkpoint_io.AtomicCheckpointIO].
+More in ``docs/faults.md`` ("Atomic checkpoint writes").
 """
 from __future__ import annotations
 
@@ -92,7 +75,7 @@ def save_atomically(obj: Any, path: str | os.PathLike) -> None:
 
 
 def partial_files(folders: Iterable[str | os.PathLike]) -> list[Path]:
-    """Temporary files of [`save_atomically`][lightning_fastscale.checkpoint_io.save_atomically] left in ``folders`` by a killed writer."""
+    """Temporary files of [`save_atomically`][lightning_fastscale.faults.atomic_checkpoint_io.save_atomically] left in ``folders`` by a killed writer."""
     found: list[Path] = []
     for folder in folders:
         folder = Path(folder)
@@ -102,9 +85,9 @@ def partial_files(folders: Iterable[str | os.PathLike]) -> list[Path]:
 
 
 def remove_partial_files(folders: Iterable[str | os.PathLike]) -> list[Path]:
-    """Delete the leftovers [`partial_files`][lightning_fastscale.checkpoint_io.partial_files] finds (with a warning naming each); return them.
+    """Delete the leftovers [`partial_files`][lightning_fastscale.faults.atomic_checkpoint_io.partial_files] finds (with a warning naming each); return them.
 
-    Only for a run folder this process owns (see [`lightning_fastscale.run_folder`][lightning_fastscale.run_folder]): a
+    Only for a run folder this process owns (see [`lightning_fastscale.faults.run_folder_lock`][lightning_fastscale.faults.run_folder_lock]): a
     temporary file there is a write that a killed process never finished.
     """
     removed = []
@@ -120,10 +103,10 @@ def remove_partial_files(folders: Iterable[str | os.PathLike]) -> list[Path]:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning's ``TorchCheckpointIO`` with atomic local writes ([`save_atomically`][lightning_fastscale.checkpoint_io.save_atomically]).
+    """Lightning's ``TorchCheckpointIO`` with atomic local writes ([`save_atomically`][lightning_fastscale.faults.atomic_checkpoint_io.save_atomically]).
 
     Every checkpoint the Trainer writes (``ModelCheckpoint``, ``Trainer.save_checkpoint``,
-    [`PreemptionCheckpoint`][lightning_fastscale.callbacks.PreemptionCheckpoint]) goes through the strategy's
+    [`PreemptionCheckpoint`][lightning_fastscale.faults.PreemptionCheckpoint]) goes through the strategy's
     ``CheckpointIO``; ``fastscale-train`` installs this one. Loading is Lightning's.
 
     Examples:

@@ -1,4 +1,4 @@
-"""The batch kernel `fast_decode.train_batch` against the per-image `train_transform`.
+"""The batch kernel `transforms.train_batch` against the per-image `train_transform`.
 
 Same crop boxes and flips (same generator consumption), pixels within a stated tolerance,
 threads and ``out=`` changing nothing, and strictness: a damaged sample in the middle of a
@@ -15,12 +15,14 @@ import threading
 
 import numpy as np
 import pytest
+import simplejpeg
 import torch
 from PIL import Image
 from torchvision.transforms.v2 import functional as F
 
-from lightning_fastscale.data import fast_decode
-from lightning_fastscale.data.verify import CorruptDataError, SampleDecodeError, decoder_messages, strict_decode
+from lightning_fastscale.data import jpeg_decode, transforms
+from lightning_fastscale.data.jpeg_decode import SampleDecodeError, decoder_messages, strict_decode
+from lightning_fastscale.data.stored_format import CorruptDataError
 
 RESOLUTION = 64
 
@@ -47,11 +49,11 @@ def jpegs() -> list[torch.Tensor]:
 
 
 def _generators(count: int, epoch: int = 0) -> list[torch.Generator]:
-    return [fast_decode.sample_generator(7, epoch, i) for i in range(count)]
+    return [transforms.sample_generator(7, epoch, i) for i in range(count)]
 
 
 def _reference(jpegs: list[torch.Tensor], gens: list[torch.Generator], resolution: int = RESOLUTION) -> torch.Tensor:
-    return torch.stack([fast_decode.train_transform(j, resolution, g) for j, g in zip(jpegs, gens)])
+    return torch.stack([transforms.train_transform(j, resolution, g) for j, g in zip(jpegs, gens)])
 
 
 @pytest.mark.parametrize("epoch", range(6))
@@ -61,15 +63,15 @@ def test_train_batch_draws_what_train_transform_draws_and_gives_the_same_pixels(
     rounds its fixed-point weights differently from torchvision's: at most 1 apart."""
     gens_ref, gens = _generators(len(jpegs), epoch), _generators(len(jpegs), epoch)
     expected = _reference(jpegs, gens_ref)
-    batch = fast_decode.train_batch(jpegs, gens, RESOLUTION)
+    batch = transforms.train_batch(jpegs, gens, RESOLUTION)
     assert batch.shape == (len(jpegs), 3, RESOLUTION, RESOLUTION) and batch.dtype == torch.uint8
     # the same random numbers were drawn: the generators end in the same state
     for g_ref, g in zip(gens_ref, gens):
         assert torch.equal(g_ref.get_state(), g.get_state())
     enlarged = 0
     for i, (jpeg, g) in enumerate(zip(jpegs, _generators(len(jpegs), epoch))):
-        height, width = fast_decode.jpeg_size(jpeg)
-        (_, _, h, w), _ = fast_decode.draw_crop(height, width, g)
+        height, width = jpeg_decode.jpeg_size(jpeg)
+        (_, _, h, w), _ = transforms.draw_crop(height, width, g)
         diff = (batch[i].int() - expected[i].int()).abs().max().item()
         if h <= RESOLUTION and w <= RESOLUTION:
             enlarged += 1
@@ -83,19 +85,13 @@ def test_train_batch_same_boxes_over_many_seeds(jpegs):
     """128 generators over two images whose crops are mostly enlarged (75 x 100) or reduced
     (150 x 200): the same draws, and the pixels within the tolerance above."""
     batch = [jpegs[2], jpegs[4]] * 64
-    gens = [fast_decode.sample_generator(seed, 3, i) for i, seed in enumerate(range(100, 228))]
-    gens_ref = [fast_decode.sample_generator(seed, 3, i) for i, seed in enumerate(range(100, 228))]
-    got = fast_decode.train_batch(batch, gens, RESOLUTION, threads=2)
+    gens = [transforms.sample_generator(seed, 3, i) for i, seed in enumerate(range(100, 228))]
+    gens_ref = [transforms.sample_generator(seed, 3, i) for i, seed in enumerate(range(100, 228))]
+    got = transforms.train_batch(batch, gens, RESOLUTION, threads=2)
     expected = _reference(batch, gens_ref)
     diff = (got.int() - expected.int()).abs().amax(dim=(1, 2, 3))
     assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(gens, gens_ref))
     assert diff.max() <= 1 and (diff == 0).sum() >= 32, diff.tolist()
-
-
-def test_train_batch_without_opencv_is_train_transform_bitwise(jpegs, monkeypatch):
-    monkeypatch.setattr(fast_decode, "_cv2", None)
-    expected = _reference(jpegs, _generators(len(jpegs)))
-    assert torch.equal(fast_decode.train_batch(jpegs, _generators(len(jpegs)), RESOLUTION), expected)
 
 
 @pytest.mark.parametrize("size", [32, 64, 160])
@@ -103,24 +99,24 @@ def test_val_transform_is_torchvision_resize_and_centre_crop(jpegs, size):
     """Images the resize enlarges (all at 160) go through OpenCV's bilinear resize: at most 1 apart;
     the others through torchvision's antialiased resize: bitwise equal."""
     for jpeg in jpegs:
-        image = fast_decode.decode_rgb(jpeg)
+        image = jpeg_decode.decode_rgb(jpeg)
         expected = F.center_crop(F.resize(image, [round(size / 0.875)], antialias=True), [size, size])
-        got = fast_decode.val_transform(jpeg, size)
+        got = transforms.val_transform(jpeg, size)
         assert got.shape == expected.shape == (3, size, size)
         enlarged = min(image.shape[1:]) <= round(size / 0.875)
         assert (got.int() - expected.int()).abs().max() <= (1 if enlarged else 0)
 
 
 def test_train_batch_threads_and_out_change_nothing(jpegs):
-    one = fast_decode.train_batch(jpegs, _generators(len(jpegs)), RESOLUTION)
+    one = transforms.train_batch(jpegs, _generators(len(jpegs)), RESOLUTION)
     out = torch.full((len(jpegs), 3, RESOLUTION, RESOLUTION), 7, dtype=torch.uint8)
     out = out.contiguous(memory_format=torch.channels_last)
-    two = fast_decode.train_batch(jpegs, _generators(len(jpegs)), RESOLUTION, threads=2, out=out)
+    two = transforms.train_batch(jpegs, _generators(len(jpegs)), RESOLUTION, threads=2, out=out)
     assert two is out and torch.equal(two, one)
     contiguous = torch.zeros(len(jpegs), 3, RESOLUTION, RESOLUTION, dtype=torch.uint8)  # not pixel-interleaved
-    assert torch.equal(fast_decode.train_batch(jpegs, _generators(len(jpegs)), RESOLUTION, out=contiguous), one)
-    assert torch.equal(fast_decode.train_batch(jpegs, _generators(len(jpegs)), RESOLUTION, threads=3), one)
-    assert fast_decode._thread_pool(2) is fast_decode._thread_pool(2)  # one pool per thread count, kept
+    assert torch.equal(transforms.train_batch(jpegs, _generators(len(jpegs)), RESOLUTION, out=contiguous), one)
+    assert torch.equal(transforms.train_batch(jpegs, _generators(len(jpegs)), RESOLUTION, threads=3), one)
+    assert transforms._thread_pool(2) is transforms._thread_pool(2)  # one pool per thread count, kept
 
 
 def _flipped_byte(jpeg: torch.Tensor) -> torch.Tensor:
@@ -133,12 +129,10 @@ def _flipped_byte(jpeg: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(params=["simplejpeg", "torchcodec"])
 def decoder(request, monkeypatch) -> str:
-    """Each test using it runs with simplejpeg decoding (skipped where it is not installed) and
-    with TorchCodec decoding (as without simplejpeg)."""
-    if request.param == "simplejpeg":
-        pytest.importorskip("simplejpeg")
-    else:
-        monkeypatch.setattr(fast_decode, "_simplejpeg", None)
+    """Each test using it runs with simplejpeg decoding and with TorchCodec decoding (the decoder
+    of the samples simplejpeg refuses, and of the benchmark's TorchCodec rows)."""
+    if request.param == "torchcodec":
+        monkeypatch.setattr(transforms, "_simplejpeg", None)
     return request.param
 
 
@@ -149,12 +143,12 @@ def test_a_damaged_sample_raises_with_its_position(jpegs, threads, damage, capfd
     batch = list(jpegs)
     batch[bad] = jpegs[bad][: len(jpegs[bad]) // 2] if damage == "truncated" else _flipped_byte(jpegs[bad])
     if damage == "flipped byte":  # libjpeg only warns (not every flipped byte makes it warn)
-        assert fast_decode.decode_rgb(batch[bad]).shape == (3, 150, 200)
+        assert jpeg_decode.decode_rgb(batch[bad]).shape == (3, 150, 200)
         with pytest.raises(ValueError, match="Corrupt JPEG data"):
-            strict_decode(fast_decode.decode_rgb, batch[bad])
+            strict_decode(jpeg_decode.decode_rgb, batch[bad])
         capfd.readouterr()
     with pytest.raises(SampleDecodeError) as info:
-        fast_decode.train_batch(batch, _generators(len(batch)), RESOLUTION, threads=threads, dct_scaling=threads == 2)
+        transforms.train_batch(batch, _generators(len(batch)), RESOLUTION, threads=threads, dct_scaling=threads == 2)
     assert info.value.position == bad and isinstance(info.value, CorruptDataError)
     assert f"position {bad}" in str(info.value)
     if damage == "flipped byte":
@@ -166,32 +160,31 @@ def test_a_damaged_sample_raises_with_its_position(jpegs, threads, damage, capfd
 
 def test_train_batch_refuses_mismatched_arguments(jpegs):
     with pytest.raises(ValueError, match="one generator per sample"):
-        fast_decode.train_batch(jpegs[:2], _generators(3), RESOLUTION)
+        transforms.train_batch(jpegs[:2], _generators(3), RESOLUTION)
     with pytest.raises(ValueError, match="out must be a uint8 tensor of shape"):
-        fast_decode.train_batch(jpegs[:2], _generators(2), RESOLUTION, out=torch.empty(2, 3, 8, 8, dtype=torch.uint8))
+        transforms.train_batch(jpegs[:2], _generators(2), RESOLUTION, out=torch.empty(2, 3, 8, 8, dtype=torch.uint8))
 
 
 def test_strict_decodes_nest_and_a_batch_inside_a_capture_does_not_wait_for_itself(jpegs):
     bad = _flipped_byte(jpegs[4])
     with decoder_messages() as outer:
         with pytest.raises(ValueError, match="Corrupt JPEG data"):
-            strict_decode(fast_decode.decode_rgb, bad)  # a block nested in the same thread
+            strict_decode(jpeg_decode.decode_rgb, bad)  # a block nested in the same thread
         with pytest.raises(SampleDecodeError):
-            fast_decode.train_batch([jpegs[0], bad], _generators(2), RESOLUTION, threads=2)
+            transforms.train_batch([jpegs[0], bad], _generators(2), RESOLUTION, threads=2)
     assert "Corrupt JPEG data" in outer[0]  # the outer block saw what the inner ones did
-    assert fast_decode.train_batch(jpegs[:2], _generators(2), RESOLUTION).shape[0] == 2  # capture restored
+    assert transforms.train_batch(jpegs[:2], _generators(2), RESOLUTION).shape[0] == 2  # capture restored
 
 
 def test_a_simplejpeg_batch_does_not_wait_for_another_threads_capture(jpegs):
     """simplejpeg refuses what libjpeg only warns of, so a batch it decodes whole takes no capture
     of file descriptor 2, and batches of other threads (the background loader decodes the next
     batch while this one decodes) run while a strict decode holds it."""
-    pytest.importorskip("simplejpeg")
-    expected = fast_decode.train_batch(jpegs, _generators(len(jpegs)), RESOLUTION)
+    expected = transforms.train_batch(jpegs, _generators(len(jpegs)), RESOLUTION)
     got = []
     with decoder_messages():  # held by this thread while another decodes a batch
         worker = threading.Thread(target=lambda: got.append(
-            fast_decode.train_batch(jpegs, _generators(len(jpegs)), RESOLUTION, threads=2)), daemon=True)
+            transforms.train_batch(jpegs, _generators(len(jpegs)), RESOLUTION, threads=2)), daemon=True)
         worker.start()
         worker.join(20)
         assert not worker.is_alive(), "the batch waited for this thread's capture"
@@ -209,15 +202,14 @@ def test_simplejpeg_and_torchcodec_give_the_same_batch(jpegs, monkeypatch):
     batch, 4:2:0 photos as stored by the converter and other layouts alike; a CMYK JPEG (which
     the converter never writes) goes through each decoder's own CMYK-to-RGB conversion, which
     round differently: at most 1 apart."""
-    pytest.importorskip("simplejpeg")
-    rgb = Image.fromarray(fast_decode.decode_rgb(jpegs[5]).permute(1, 2, 0).numpy())
+    rgb = Image.fromarray(jpeg_decode.decode_rgb(jpegs[5]).permute(1, 2, 0).numpy())
     others = [_encoded(rgb.convert("L")), _encoded(rgb, subsampling=0), _encoded(rgb, progressive=True),
               _encoded(rgb, subsampling=1)]
     cmyk = _encoded(rgb.convert("CMYK"))
     batch = [*jpegs, *others, cmyk]
-    with_simplejpeg = fast_decode.train_batch(batch, _generators(len(batch)), RESOLUTION)
-    monkeypatch.setattr(fast_decode, "_simplejpeg", None)
-    with_torchcodec = fast_decode.train_batch(batch, _generators(len(batch)), RESOLUTION)
+    with_simplejpeg = transforms.train_batch(batch, _generators(len(batch)), RESOLUTION)
+    monkeypatch.setattr(transforms, "_simplejpeg", None)
+    with_torchcodec = transforms.train_batch(batch, _generators(len(batch)), RESOLUTION)
     assert torch.equal(with_simplejpeg[:-1], with_torchcodec[:-1])
     assert (with_simplejpeg[-1].int() - with_torchcodec[-1].int()).abs().max() <= 1
 
@@ -226,14 +218,13 @@ def test_a_warning_simplejpeg_refuses_is_judged_as_torchcodec_judges_it(jpegs, c
     """An unknown JFIF revision is harmless: libjpeg warns and decodes. simplejpeg refuses the
     image (it stops on any warning); TorchCodec decodes it again, and since the warning is not
     "Corrupt JPEG data" the batch is the reference one and the warning reaches stderr."""
-    simplejpeg = pytest.importorskip("simplejpeg")
     data = bytearray(jpegs[3].numpy().tobytes())
     data[data.index(b"JFIF\x00") + 5] = 2  # major version 2
     odd = torch.frombuffer(data, dtype=torch.uint8)
     with pytest.raises(ValueError, match="JFIF revision"):
         simplejpeg.decode_jpeg(odd.numpy(), "RGB")
     batch = [jpegs[0], odd, jpegs[4]]
-    got = fast_decode.train_batch(batch, _generators(3), RESOLUTION, threads=2)
+    got = transforms.train_batch(batch, _generators(3), RESOLUTION, threads=2)
     expected = _reference(batch, _generators(3))
     assert (got.int() - expected.int()).abs().max() <= 1
     assert "unknown JFIF revision" in capfd.readouterr().err
@@ -260,18 +251,17 @@ def test_dct_scaling_keeps_the_draws_and_changes_only_the_reduced_crops_within_t
     full decode resized from the rounded box (the filter alone), smooth images within 4 (mean
     1), textured ones (noise at the pixel scale, the worst case for a change of low-pass filter)
     within 32 (mean 4). Measured: at most 3 (0.5) and 22 (3.1)."""
-    pytest.importorskip("simplejpeg")
     batch = (large_jpegs + jpegs[:4]) * 8
     smooth = {3, 4, 5}  # positions of large_jpegs' smooth images, modulo 10
     gens, gens_ref = _generators(len(batch), 5), _generators(len(batch), 5)
-    got = fast_decode.train_batch(batch, gens, RESOLUTION, dct_scaling=True, threads=2)
+    got = transforms.train_batch(batch, gens, RESOLUTION, dct_scaling=True, threads=2)
     expected = _reference(batch, gens_ref)
     assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(gens, gens_ref))
     seen = set()
     for i, (jpeg, g) in enumerate(zip(batch, _generators(len(batch), 5))):
-        pixels, (t, lf, hh, ww), flip = fast_decode._decode_for_crop(
-            jpeg, g, RESOLUTION, fast_decode.DEFAULT_SCALE, fast_decode.DEFAULT_RATIO, True)
-        full = fast_decode.decode_rgb(jpeg)
+        pixels, (t, lf, hh, ww), flip = transforms._decode_for_crop(
+            jpeg, g, RESOLUTION, transforms.DEFAULT_SCALE, transforms.DEFAULT_RATIO, True)
+        full = jpeg_decode.decode_rgb(jpeg)
         d = full.shape[1] // pixels.shape[0]
         seen.add(d)
         if d == 1:
@@ -280,7 +270,7 @@ def test_dct_scaling_keeps_the_draws_and_changes_only_the_reduced_crops_within_t
         assert abs(got[i].float().mean() - expected[i].float().mean()) <= 0.5, i
         height, width = full.shape[1:]
         rounded = (t * d, lf * d, min(hh * d, height - t * d), min(ww * d, width - lf * d))
-        diff = (got[i].float() - fast_decode.crop_resize_flip(full, rounded, RESOLUTION, flip).float()).abs()
+        diff = (got[i].float() - transforms.crop_resize_flip(full, rounded, RESOLUTION, flip).float()).abs()
         bound, mean_bound = (4, 1) if i % 10 in smooth else (32, 4)
         assert diff.max() <= bound and diff.mean() <= mean_bound, (i, d, diff.max(), diff.mean())
     assert {1, 2, 4} <= seen  # full, 1/2 and 1/4 scale decodes were all checked
@@ -290,16 +280,15 @@ def test_dct_scaling_keeps_the_draws_and_changes_only_the_reduced_crops_within_t
 def test_a_reduced_decode_crops_the_drawn_box_rounded_outwards(d):
     """The box in the 1/d image covers the drawn box scaled by 1/d, and exceeds it by less than
     one reduced pixel per edge; the image is libjpeg's ceil(H / d) x ceil(W / d)."""
-    pytest.importorskip("simplejpeg")
     jpeg = _photo_jpeg(np.random.default_rng(2), 1033, 1290)
     for k in range(40):
-        g, g_ref = fast_decode.sample_generator(1, 0, k), fast_decode.sample_generator(1, 0, k)
-        box, flip = fast_decode.draw_crop(1033, 1290, g_ref)
+        g, g_ref = transforms.sample_generator(1, 0, k), transforms.sample_generator(1, 0, k)
+        box, flip = transforms.draw_crop(1033, 1290, g_ref)
         size = min(box[2], box[3]) // d
-        if fast_decode._dct_reduction(box, size) != d:
+        if transforms._dct_reduction(box, size) != d:
             continue
-        pixels, scaled, got_flip = fast_decode._decode_for_crop(
-            jpeg, g, size, fast_decode.DEFAULT_SCALE, fast_decode.DEFAULT_RATIO, True)
+        pixels, scaled, got_flip = transforms._decode_for_crop(
+            jpeg, g, size, transforms.DEFAULT_SCALE, transforms.DEFAULT_RATIO, True)
         assert pixels.shape == (-(-1033 // d), -(-1290 // d), 3) and got_flip == flip
         (top, left, h, w), (t, lf, hh, ww) = box, scaled
         assert t * d <= top < (t + 1) * d and lf * d <= left < (lf + 1) * d
@@ -309,7 +298,7 @@ def test_a_reduced_decode_crops_the_drawn_box_rounded_outwards(d):
 
 
 def test_dct_scaling_without_simplejpeg_changes_nothing(large_jpegs, monkeypatch):
-    monkeypatch.setattr(fast_decode, "_simplejpeg", None)
+    monkeypatch.setattr(transforms, "_simplejpeg", None)
     expected = _reference(large_jpegs, _generators(len(large_jpegs)))
-    assert torch.equal(fast_decode.train_batch(large_jpegs, _generators(len(large_jpegs)), RESOLUTION,
+    assert torch.equal(transforms.train_batch(large_jpegs, _generators(len(large_jpegs)), RESOLUTION,
                                                dct_scaling=True), expected)

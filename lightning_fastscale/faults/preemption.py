@@ -16,10 +16,10 @@ every rank has finished the same step, one checkpoint is written (rank 0 writes,
 Lightning checkpoint), the SLURM job is requeued when running under SLURM, and the run
 leaves through Lightning's ``SIGTERMException`` (a ``SystemExit``) with ``exit_code``.
 ``fastscale-train resume=auto`` (or ``Trainer.fit(ckpt_path=...)``) continues from it; with
-[`ExactResume`][lightning_fastscale.callbacks.ExactResume] the resumed run sees the same batches.
+[`ExactResume`][lightning_fastscale.faults.ExactResume] the resumed run sees the same batches.
 
 Functional core: `parse_signals`, `slurm_job_id`. Lightning adapter:
-[`PreemptionCheckpoint`][lightning_fastscale.callbacks.PreemptionCheckpoint].
+[`PreemptionCheckpoint`][lightning_fastscale.faults.PreemptionCheckpoint].
 """
 from __future__ import annotations
 
