@@ -119,7 +119,7 @@ def _checkpoint_folders(cfg: DictConfig) -> list[Path]:
     """The folders the configured checkpoint callbacks write into."""
     callbacks = cfg.get("callbacks") or {}
     folders = []
-    for name in ("model_checkpoint", "preemption"):
+    for name in ("model_checkpoint", "last_checkpoint", "preemption"):
         node = callbacks.get(name)
         if node and node.get("dirpath"):
             folders.append(Path(node.dirpath))
