@@ -1,0 +1,1 @@
+"""Fault tolerance: checkpoint writing, the run-folder lock, exact resume, preemption, failed peers."""
