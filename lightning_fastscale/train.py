@@ -305,12 +305,8 @@ def train(cfg: DictConfig) -> float | None:
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     except WorldSizeChangeError as error:  # refused at the restore, before the first step
-        raise ConfigError(
-            f"ckpt_path={ckpt_path} was written by {error.saved} processes, this run has {error.current}: the "
-            "global batch, the samples per rank and the random numbers would change. Resume with "
-            f"trainer.devices x trainer.num_nodes = {error.saved}, or set "
-            "callbacks.exact_resume.allow_world_size_change=true to continue anyway (not exactly)"
-        ) from error
+        raise ConfigError(f"ckpt_path={ckpt_path}: " + error.advice(
+            "trainer.devices x trainer.num_nodes", "callbacks.exact_resume.allow_world_size_change=true")) from error
     finally:
         report_metric_locations(trainer)
         _finish_wandb(trainer)
