@@ -30,6 +30,7 @@ import lightning_fastscale  # noqa: F401  (registers strategies, models and the 
 
 from . import checkpointing
 from ._validation import positive_int, positive_number
+from .callbacks.bn_span import BNSpan, bn_span_plan
 from .callbacks.exact_resume import WorldSizeChangeError
 from .checkpoint_io import AtomicCheckpointIO
 from .config_check import ConfigError, setting_errors, show
@@ -168,9 +169,12 @@ def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.
     with setting_errors("scheduler", cfg.get("scheduler")):
         scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
     # the one link between groups: the classifier's outputs are the datamodule's classes
+    # model.bn_span: BN statistics over that many images, applied by the BNSpan callback
+    bn_span = cfg.model.get("bn_span")
     with setting_errors("model", cfg.model):
-        module = instantiate(cfg.model, num_classes=num_classes, optimizer=optimizer, scheduler=scheduler)
-    callbacks = []
+        module = instantiate(OmegaConf.masked_copy(cfg.model, [k for k in cfg.model if k != "bn_span"]),
+                             num_classes=num_classes, optimizer=optimizer, scheduler=scheduler)
+    callbacks = [] if bn_span is None else [BNSpan(bn_span)]
     for name, node in (cfg.get("callbacks") or {}).items():
         if node:
             with setting_errors(f"callbacks.{name}", node):
@@ -193,6 +197,10 @@ def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.
             plugins=[*plugins, AtomicCheckpointIO()],
         )
     check_parts(cfg, module, trainer)
+    if bn_span is not None:  # refused here, with the nearest spans that work
+        with setting_errors("model", cfg.model):
+            bn_span_plan(bn_span, datamodule.train_batch_size, trainer.num_devices * trainer.num_nodes,
+                         getattr(trainer.strategy, "ranks_per_node", None) or trainer.num_devices)
     return datamodule, module, trainer
 
 

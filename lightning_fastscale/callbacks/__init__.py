@@ -1,5 +1,6 @@
 """Large-batch recipe callbacks, one technique per module (see each module for its paper)."""
 from lightning_fastscale.callbacks.batch_size_ramp import BatchSizeRamp
+from lightning_fastscale.callbacks.bn_span import BNSpan, SpanBatchNormLayer, apply_bn_span, bn_span_plan
 from lightning_fastscale.callbacks.checkpoint_check import CheckpointCheck
 from lightning_fastscale.callbacks.exact_resume import ExactResume
 from lightning_fastscale.callbacks.ghost_batch_norm import (
@@ -17,6 +18,7 @@ from lightning_fastscale.callbacks.zero_init_residual_bn import ZeroInitResidual
 from lightning_fastscale.diagnostics.step_breakdown_callback import StepBreakdown
 
 __all__ = [
+    "BNSpan",
     "BatchSizeRamp",
     "CheckpointCheck",
     "ExactResume",
@@ -27,10 +29,13 @@ __all__ = [
     "NonFiniteGuard",
     "NonFiniteStepsError",
     "ProgressiveResizing",
+    "SpanBatchNormLayer",
     "StepBreakdown",
     "WarmupDecayLR",
     "ZeroInitResidualBN",
+    "apply_bn_span",
     "apply_ghost_batch_norm",
+    "bn_span_plan",
     "ghost_batch_norm",
     "smooth_targets",
     "smoothing_at_epoch",
