@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 import lightning_fastscale  # noqa: F401  (registers strategies, models and the configs' resolver)
 
 from ._validation import positive_int, positive_number
+from .callbacks.bn_span import BNSpan, bn_span_plan
 from .config_check import ConfigError, setting_errors, show
 from .faults import checkpoint_reading
 from .faults.atomic_checkpoint_io import AtomicCheckpointIO
@@ -119,7 +120,7 @@ def _checkpoint_folders(cfg: DictConfig) -> list[Path]:
     """The folders the configured checkpoint callbacks write into."""
     callbacks = cfg.get("callbacks") or {}
     folders = []
-    for name in ("model_checkpoint", "preemption"):
+    for name in ("model_checkpoint", "last_checkpoint", "preemption"):
         node = callbacks.get(name)
         if node and node.get("dirpath"):
             folders.append(Path(node.dirpath))
@@ -168,9 +169,12 @@ def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.
     with setting_errors("scheduler", cfg.get("scheduler")):
         scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
     # the one link between groups: the classifier's outputs are the datamodule's classes
+    # model.bn_span: BN statistics over that many images, applied by the BNSpan callback
+    bn_span = cfg.model.get("bn_span")
     with setting_errors("model", cfg.model):
-        module = instantiate(cfg.model, num_classes=num_classes, optimizer=optimizer, scheduler=scheduler)
-    callbacks = []
+        module = instantiate(OmegaConf.masked_copy(cfg.model, [k for k in cfg.model if k != "bn_span"]),
+                             num_classes=num_classes, optimizer=optimizer, scheduler=scheduler)
+    callbacks = [] if bn_span is None else [BNSpan(bn_span)]
     for name, node in (cfg.get("callbacks") or {}).items():
         if node:
             with setting_errors(f"callbacks.{name}", node):
@@ -193,6 +197,10 @@ def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.
             plugins=[*plugins, AtomicCheckpointIO()],
         )
     check_parts(cfg, module, trainer)
+    if bn_span is not None:  # refused here, with the nearest spans that work
+        with setting_errors("model", cfg.model):
+            bn_span_plan(bn_span, datamodule.train_batch_size, trainer.num_devices * trainer.num_nodes,
+                         getattr(trainer.strategy, "ranks_per_node", None) or trainer.num_devices)
     return datamodule, module, trainer
 
 
@@ -305,12 +313,8 @@ def train(cfg: DictConfig) -> float | None:
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     except WorldSizeChangeError as error:  # refused at the restore, before the first step
-        raise ConfigError(
-            f"ckpt_path={ckpt_path} was written by {error.saved} processes, this run has {error.current}: the "
-            "global batch, the samples per rank and the random numbers would change. Resume with "
-            f"trainer.devices x trainer.num_nodes = {error.saved}, or set "
-            "callbacks.exact_resume.allow_world_size_change=true to continue anyway (not exactly)"
-        ) from error
+        raise ConfigError(f"ckpt_path={ckpt_path}: " + error.advice(
+            "trainer.devices x trainer.num_nodes", "callbacks.exact_resume.allow_world_size_change=true")) from error
     finally:
         report_metric_locations(trainer)
         _finish_wandb(trainer)

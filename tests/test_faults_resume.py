@@ -20,6 +20,7 @@ import torch
 from benchmarks.fault_helpers import finish, finish_all, read_batch_log, start
 from lightning_fastscale.callbacks import ExactResume
 from lightning_fastscale.data.convert import convert
+from lightning_fastscale.faults.checkpoint_reading import read_checkpoint, resume_point
 from lightning_fastscale.faults.exact_resume import WorldSizeChangeError
 
 # 256 samples, global batch 32 (large_batch: data.batch_size is the global batch; default
@@ -157,3 +158,17 @@ def test_a_checkpoint_of_another_world_size_is_refused_unless_allowed(tmp_path):
         ExactResume().on_load_checkpoint(trainer, None, loader_state)
     with pytest.raises(ValueError, match="allow_world_size_change"):
         ExactResume(allow_world_size_change="yes")
+
+
+def test_a_finished_run_leaves_its_final_weights_where_resume_auto_looks(tmp_path):
+    """The default checkpoints, a monitored metric that stops improving after the first epoch
+    (``epoch`` under ``mode=min``): the newest checkpoint is still the last step's, so a SIGKILL
+    after the run and ``resume=auto`` go back to nothing older."""
+    run_dir = tmp_path / "run"
+    code, out = finish(start(run_dir, "monitor=epoch", "callbacks.model_checkpoint.mode=min", run=RUN + PROCEDURAL))
+    assert code == 0, out[-3000:]
+    newest = resume_point([run_dir / "checkpoints"])
+    assert newest is not None
+    assert read_checkpoint(newest)["global_step"] == STEPS["default"], newest
+    best = read_checkpoint(run_dir / "checkpoints" / "epoch000.ckpt")
+    assert best["global_step"] == STEPS["default"] // 2  # the top-k file keeps the best epoch

@@ -15,6 +15,7 @@ a mid-epoch checkpoint was saved at, and not across world sizes.
 """
 from __future__ import annotations
 
+import hashlib
 import shutil
 import subprocess
 from pathlib import Path
@@ -23,6 +24,7 @@ from types import SimpleNamespace
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from benchmarks.fault_helpers import RECIPE_RUN, SignalAtStep, finish_all, read_batch_log, start
@@ -193,3 +195,60 @@ def test_generators_are_restored_only_at_the_saved_mid_epoch_step():
     assert not torch.equal(first_batch({}, global_step=10), expected)  # not the step it was saved at
     with pytest.warns(UserWarning, match="written by 1 processes, this run has 2"):
         assert not torch.equal(first_batch({}, world_size=2), expected)
+
+
+class _BatchRecorder(pl.LightningModule):
+    """Records each step's input pixels (a digest) by global step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
+        self.seen: dict[int, str] = {}
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.seen[self.global_step] = hashlib.sha1(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest()
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit_recorded(root: Path, folder: Path, callbacks, workers: int, ckpt_path=None, limit=None) -> _BatchRecorder:
+    pl.seed_everything(0)
+    model = _BatchRecorder()
+    dm = StreamingDataModule(str(root), resolution=16, batch_size=16, num_workers=workers, device_prefetch=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, callbacks=callbacks,
+                         limit_train_batches=limit, default_root_dir=str(folder))
+    trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+    return model
+
+
+@pytest.mark.parametrize("workers", [1, 0])
+def test_streaming_resume_from_an_epoch_end_checkpoint_draws_the_next_epochs_order(small_stream, tmp_path, workers):
+    """Epoch 1 after a resume from epoch 0's checkpoint reads epoch 1's samples, not epoch 0's again."""
+    full = _fit_recorded(small_stream, tmp_path / "full", [ExactResume(), ModelCheckpoint(save_top_k=-1)], workers)
+    assert sorted(full.seen) == list(range(12))  # 96 samples, 6 batches of 16 per epoch
+    (first_epoch,) = (tmp_path / "full").rglob("epoch=0-step=6.ckpt")
+    resumed = _fit_recorded(small_stream, tmp_path / "resumed", [ExactResume()], workers, ckpt_path=str(first_epoch))
+    assert resumed.seen == {step: full.seen[step] for step in range(6, 12)}
+    for name, value in full.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[name]), name
+
+
+@pytest.mark.parametrize("workers", [1, 0])
+def test_streaming_mid_epoch_resume_under_limit_train_batches_trains_the_same_steps(small_stream, tmp_path, workers):
+    """limit_train_batches=4 of 6: stopped after step 3 of epoch 0 and resumed, the run trains
+    the same 8 steps on the same samples as the uninterrupted one."""
+    full = _fit_recorded(small_stream, tmp_path / "full", [ExactResume()], workers, limit=4)
+    assert sorted(full.seen) == list(range(8))
+    stopper = PreemptionCheckpoint(dirpath=str(tmp_path / "ckpt"))
+    with pytest.raises(SystemExit):
+        _fit_recorded(small_stream, tmp_path / "stopped", [SignalAtStep(2), stopper, ExactResume()],
+                      workers, limit=4)
+    assert stopper.saved_path.name == "preempted-epoch0-step3.ckpt"
+    resumed = _fit_recorded(small_stream, tmp_path / "resumed", [ExactResume()], workers,
+                            ckpt_path=str(stopper.saved_path), limit=4)
+    assert resumed.seen == {step: full.seen[step] for step in range(3, 8)}
+    for name, value in full.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[name]), name

@@ -4,7 +4,8 @@ Four CPU ranks over gloo (2 emulated nodes x 2 for the hierarchical strategies),
 process-group time-out, one rank faulting in the middle of backward at step 2
 (:func:`lightning_fastscale.emulation.faults.run_fault_scenario`). Every other rank must end on
 its own, non-zero, within twice the time-out plus the time a Python process takes to tear down
-on this shared machine; only a hung rank is left for the launcher to stop.
+on this shared machine. A hung rank ends itself with the fault exit code under the package's
+strategies (their peer watchdog); under Lightning's DDP it is left for the launcher to stop.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import re
 import pytest
 
 from lightning_fastscale.emulation.faults import run_fault_scenario
+from lightning_fastscale.faults.peer_watchdog import FAULT_EXIT_CODE
 
 TIMEOUT_S = 3.0
 EXIT_SLACK_S = 12.0  # raising, Lightning's teardown and interpreter exit of 4 ranks on 2 loaded cores
@@ -42,8 +44,10 @@ def test_every_rank_ends_with_the_cause(strategy: str, fault: str) -> None:
     assert all(outcome.exit_codes[r] != 0 for r in survivors), detail
     if fault == "kill":
         assert outcome.exit_codes[1] == -9 and outcome.killed_leftovers == (), detail
+    elif strategy in ALGORITHM:  # the strategy's watchdog ends the hung rank once its peers failed
+        assert outcome.killed_leftovers == () and outcome.exit_codes[1] == FAULT_EXIT_CODE, detail
     else:
-        assert outcome.killed_leftovers == (1,), detail  # only the hung rank waits for its launcher
+        assert outcome.killed_leftovers == (1,), detail  # under Lightning's DDP it waits for its launcher
     assert sorted(outcome.rank_errors) == survivors, detail
     for rank in survivors:
         error = outcome.rank_errors[rank]

@@ -4,6 +4,7 @@ The fault-tolerance callbacks live in `lightning_fastscale.faults` and the step 
 `lightning_fastscale.diagnostics`; both are re-exported here, the import path the README teaches.
 """
 from lightning_fastscale.callbacks.batch_size_ramp import BatchSizeRamp
+from lightning_fastscale.callbacks.bn_span import BNSpan, SpanBatchNormLayer, apply_bn_span, bn_span_plan
 from lightning_fastscale.callbacks.ghost_batch_norm import (
     GhostBatchNorm,
     GhostBatchNormLayer,
@@ -24,6 +25,7 @@ from lightning_fastscale.faults import (
 )
 
 __all__ = [
+    "BNSpan",
     "BatchSizeRamp",
     "CheckpointCheck",
     "ExactResume",
@@ -34,10 +36,13 @@ __all__ = [
     "NonFiniteGuard",
     "NonFiniteStepsError",
     "ProgressiveResizing",
+    "SpanBatchNormLayer",
     "StepBreakdown",
     "WarmupDecayLR",
     "ZeroInitResidualBN",
+    "apply_bn_span",
     "apply_ghost_batch_norm",
+    "bn_span_plan",
     "ghost_batch_norm",
     "smooth_targets",
     "smoothing_at_epoch",

@@ -119,16 +119,22 @@ class GhostBatchNormLayer(_BatchNorm):
         )
 
 
-def _to_ghost(bn: _BatchNorm, ghost_batch_size: int) -> GhostBatchNormLayer:
-    ghost = GhostBatchNormLayer(bn.num_features, ghost_batch_size, bn.eps, bn.momentum, bn.affine,
-                                bn.track_running_stats, device="meta")
-    # Share the very parameter and buffer objects, so an optimizer built before keeps working.
+def share_state(bn: _BatchNorm, layer: _BatchNorm) -> _BatchNorm:
+    """``layer`` (made on the meta device) holding ``bn``'s very parameters and buffers, in its mode.
+
+    Sharing the objects keeps an optimizer built before the swap working.
+    """
     for name, param in bn.named_parameters(recurse=False):
-        setattr(ghost, name, param)
+        setattr(layer, name, param)
     for name, buffer in bn.named_buffers(recurse=False):
-        setattr(ghost, name, buffer)
-    ghost.train(bn.training)
-    return ghost
+        setattr(layer, name, buffer)
+    layer.train(bn.training)
+    return layer
+
+
+def _to_ghost(bn: _BatchNorm, ghost_batch_size: int) -> _BatchNorm:
+    return share_state(bn, GhostBatchNormLayer(bn.num_features, ghost_batch_size, bn.eps, bn.momentum, bn.affine,
+                                               bn.track_running_stats, device="meta"))
 
 
 def apply_ghost_batch_norm(model: nn.Module, ghost_batch_size: int) -> list[str]:

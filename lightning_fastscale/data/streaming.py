@@ -10,6 +10,7 @@ uint8 a batch at a time, normalised on the device. It implements the batch-size/
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -207,17 +208,18 @@ class StreamingDataModule(_ResizableDataModule):
         )
 
     def _streaming_loader(
-        self, dataset: StreamingDataset, batch_size: int, num_workers: int, threads: int
+        self, dataset: StreamingDataset, batch_size: int, num_workers: int, threads: int,
+        epoch: Callable[[], int] | None = None,
     ) -> StreamingDataLoader:
         collate = dataset.batch_decoder(threads, self.pin_memory) if isinstance(dataset, DecodedStreamingDataset) else None
         if num_workers == 0:  # read and decoded on background threads of this process, a queue ahead
             return BackgroundStreamingDataLoader(
                 dataset, batch_size=batch_size, pin_memory=self.pin_memory, collate_fn=collate,
-                batches_ahead=2 if self.prefetch_factor is None else self.prefetch_factor,
+                batches_ahead=2 if self.prefetch_factor is None else self.prefetch_factor, epoch=epoch,
             )
         return EpochAwareStreamingDataLoader(
             dataset, batch_size=batch_size, num_workers=num_workers, pin_memory=self.pin_memory,
-            prefetch_factor=self.prefetch_factor, collate_fn=collate,
+            prefetch_factor=self.prefetch_factor, collate_fn=collate, epoch=epoch,
         )
 
     def resolved_decode_threads(self) -> int:
@@ -233,13 +235,13 @@ class StreamingDataModule(_ResizableDataModule):
 
     @override
     def train_dataloader(self) -> Any:
-        loader = self._streaming_loader(
-            self.train_dataset(), self.train_batch_size, self.num_workers, self.resolved_decode_threads()
-        )
-        # A new loader per reload (batch size or resolution changed) must still see the
-        # trainer's epoch, which seeds litdata's shuffle and the augmentation.
+        # The trainer's epoch, read as each epoch's iteration starts, seeds litdata's shuffle and
+        # the augmentation: also in a loader rebuilt (batch size, resolution) or resumed.
         trainer = getattr(self, "trainer", None)
-        loader.current_epoch = trainer.current_epoch if trainer is not None else 0
+        loader = self._streaming_loader(
+            self.train_dataset(), self.train_batch_size, self.num_workers, self.resolved_decode_threads(),
+            epoch=None if trainer is None else lambda: trainer.current_epoch,
+        )
         return self._wrap(loader)
 
     @override

@@ -2,7 +2,7 @@
 
 * `DecodedStreamingDataset`: the shuffled training split, sharded across ranks by litdata;
 * `ValidationBatches`: one rank's planned validation batches (`validation_plan`), yielded whole;
-* `EpochAwareStreamingDataLoader`: litdata's loader, starting a fresh epoch after a resumed one.
+* `EpochAwareStreamingDataLoader`: litdata's loader, each iteration in the training epoch it serves.
 
 A sample that cannot be read or decoded raises a
 [`CorruptDataError`][lightning_fastscale.data.stored_format.CorruptDataError] naming its chunk file, its litdata
@@ -283,17 +283,30 @@ class ValidationBatches(IterableDataset):
 
 
 class EpochAwareStreamingDataLoader(StreamingDataLoader):
-    """litdata's loader, made to start a fresh epoch after a resumed one is used up.
+    """litdata's loader, each iteration in the training epoch it serves.
 
-    After ``load_state_dict`` litdata keeps replaying the saved position until one iteration
-    runs into ``StopIteration``. Lightning's fetcher stops asking once it has the epoch's
-    ``len(loader)`` batches, so that never happens and the next epoch would replay the
-    (empty) rest of the old one: no batches at all. When every batch of the resumed epoch
-    has been handed out, the next iteration is a new epoch.
+    litdata counts its own epochs (one per iteration) and, after ``load_state_dict``, replays
+    the saved position until an iteration runs into ``StopIteration``. Lightning ends an epoch
+    after ``len(loader)`` or ``limit_train_batches`` batches without that, and builds the loader
+    before a restored epoch count is settled. With ``epoch`` (returns the 0-based training epoch,
+    read when an iteration starts; `StreamingDataModule` passes the trainer's), a saved position
+    is replayed only in the epoch it was saved in, and every other iteration starts epoch
+    ``epoch()`` afresh (its shuffle and augmentation seeds). Without it, an iteration after a
+    resumed epoch has handed out ``len(loader)`` batches starts the next epoch.
     """
+
+    def __init__(self, *args: Any, epoch: Callable[[], int] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.epoch = epoch
 
     @override
     def __iter__(self) -> Any:
-        if self.restore and self._num_samples_yielded_streaming >= len(self) * self.batch_size:
+        if self.epoch is not None:
+            serving = self.epoch() + 1  # litdata counts epochs from 1
+            if self.restore and self.current_epoch != serving:
+                self.restore = False
+            if not self.restore:
+                self.current_epoch = serving - 1  # litdata's fresh iteration adds one
+        elif self.restore and self._num_samples_yielded_streaming >= len(self) * self.batch_size:
             self.restore = False
         yield from super().__iter__()

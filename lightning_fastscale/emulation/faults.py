@@ -87,6 +87,7 @@ def run_fault_scenario(
     fault_step: int = 2,
     bound_s: float | None = None,
     startup_s: float = 600.0,
+    hung_grace_s: float = 15.0,
     workdir: str | os.PathLike | None = None,
 ) -> FaultOutcome:
     """Run one scenario and report it (see the module docstring).
@@ -94,7 +95,8 @@ def run_fault_scenario(
     ``strategy``: ``"ddp"``, ``"hier_ring"`` or ``"hier_torus"`` (``ranks_per_node`` ranks per
     emulated node, all on this machine). ``timeout_s``: the strategy's ``timeout``.
     ``bound_s``: how long after the fault every process may take to end (default ``4 *
-    timeout_s + 30``); ``startup_s``: how long the ranks may take to reach the fault. Needs
+    timeout_s + 30``); ``startup_s``: how long the ranks may take to reach the fault;
+    ``hung_grace_s``: how long a hung rank may take to end after all others have. Needs
     only CPU and loopback TCP.
 
     Examples:
@@ -113,7 +115,7 @@ def run_fault_scenario(
         out = Path(tmp)
         cfg = dict(strategy=strategy, fault=fault, timeout_s=timeout_s, world_size=world_size,
                    ranks_per_node=ranks_per_node, fault_rank=fault_rank, fault_step=fault_step, out=str(out),
-                   startup_s=startup_s)
+                   startup_s=startup_s, hung_grace_s=hung_grace_s)
         port = free_port()
         procs: list[subprocess.Popen] = []
         logs = []
@@ -148,13 +150,17 @@ def _watch(procs: list[subprocess.Popen], out: Path, cfg: dict, bound_s: float, 
     fault_at = float(marker.read_text()) if marker.exists() else None
     # Phase 2: every rank ends on its own, within the bound.
     ended_at: dict[int, float] = {}
+    survivors_ended: float | None = None
     deadline = time.monotonic() + bound_s
     while time.monotonic() < deadline and len(ended_at) < len(procs):
         for rank, proc in enumerate(procs):
             if rank not in ended_at and proc.poll() is not None:
                 ended_at[rank] = time.time()
         if cfg["fault"] == "hang" and set(ended_at) == set(range(len(procs))) - {cfg["fault_rank"]}:
-            break  # only the hung rank is left: what a launcher kills
+            # only the hung rank is left: it gets a grace period to end itself, then the launcher's kill
+            survivors_ended = survivors_ended or time.monotonic()
+            if time.monotonic() - survivors_ended > cfg["hung_grace_s"]:
+                break
         time.sleep(0.05)
     leftovers = tuple(rank for rank, proc in enumerate(procs) if proc.poll() is None)
     survivors = [r for r in range(len(procs)) if r != cfg["fault_rank"] or cfg["fault"] == "none"]

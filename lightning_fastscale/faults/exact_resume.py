@@ -191,11 +191,30 @@ def _resumable_class(base: type, owner: ExactResume) -> type:
 
 
 class WorldSizeChangeError(RuntimeError):
-    """A resume from a checkpoint written by ``saved`` processes into ``current``, not allowed."""
+    """A resume from a checkpoint written by ``saved`` processes into ``current``, not allowed.
 
-    def __init__(self, message: str, saved: int, current: int) -> None:
-        super().__init__(message)
-        self.saved, self.current = saved, current
+    The message names the settings that fix it; `advice` says the same with other names for
+    them (``fastscale-train`` gives its Hydra keys).
+    """
+
+    def __init__(self, saved: int, current: int, checkpoint: str = "") -> None:
+        self.saved, self.current, self.checkpoint = saved, current, checkpoint
+        super().__init__("ExactResume: " + self.advice(
+            "the Trainer's devices x num_nodes", "ExactResume(allow_world_size_change=True)"))
+
+    def advice(self, world_size_setting: str, allow_setting: str) -> str:
+        """What changes, then: resume with ``world_size_setting`` = saved, or set ``allow_setting``."""
+        return (f"{world_size_change(self.saved, self.current, self.checkpoint)}. Resume with "
+                f"{world_size_setting} = {self.saved}, or set {allow_setting} to continue anyway (not exactly)")
+
+
+def world_size_change(saved: int, current: int, checkpoint: str = "") -> str:
+    """The one statement of what a resume across world sizes changes (errors and warnings)."""
+    return (
+        f"the checkpoint {checkpoint + ' ' if checkpoint else ''}was written by {saved} processes, this run has "
+        f"{current}: the global batch (per-device batch x processes), the steps per epoch, the samples "
+        "each rank reads and the per-rank random numbers change, so the run does not continue as it would have"
+    )
 
 
 def saved_loader_state(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
@@ -365,11 +384,8 @@ class ExactResume(Callback):
         if state["epoch"] != trainer.current_epoch or consumed >= length or consumed <= 0:
             return None  # saved at an epoch boundary: the new epoch starts from its beginning
         if state["world_size"] != trainer.world_size or len(state["rng"]) != trainer.world_size:
-            rank_zero_warn(
-                f"ExactResume: the checkpoint was written by {state['world_size']} processes, this run "
-                f"has {trainer.world_size}; epoch {state['epoch']} resumes after its first {consumed} "
-                "batches, but the samples and random numbers differ from an uninterrupted run"
-            )
+            rank_zero_warn(f"ExactResume: {world_size_change(state['world_size'], trainer.world_size)}; epoch "
+                           f"{state['epoch']} resumes after its first {consumed} batches")
             return None, None, consumed
         mine = state["rng"][_rank()]
         return mine["epoch_start"], mine["at_save"], consumed
@@ -405,19 +421,10 @@ class ExactResume(Callback):
         saved = saved_world_size(checkpoint)
         if saved is None or saved == trainer.world_size:
             return
-        what_changes = (
-            f"the checkpoint {trainer.ckpt_path or ''} was written by {saved} processes, this run has "
-            f"{trainer.world_size}: the global batch (per-device batch x processes), the steps per epoch, "
-            "the samples each rank reads and the per-rank random numbers change, so the run does not "
-            "continue as it would have"
-        )
         if not self.allow_world_size_change:
-            raise WorldSizeChangeError(
-                f"ExactResume: {what_changes}. Resume with {saved} processes (the Trainer's devices x "
-                "num_nodes), or set ExactResume(allow_world_size_change=True) to continue anyway",
-                saved, trainer.world_size,
-            )
-        rank_zero_warn(f"ExactResume: {what_changes} (allow_world_size_change=True)")
+            raise WorldSizeChangeError(saved, trainer.world_size, str(trainer.ckpt_path or ""))
+        rank_zero_warn(f"ExactResume: {world_size_change(saved, trainer.world_size, str(trainer.ckpt_path or ''))} "
+                       "(allow_world_size_change=True)")
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -441,11 +448,7 @@ class ExactResume(Callback):
         if state is None or not state.get("mid_epoch") or state["global_step"] != trainer.global_step:
             return  # an epoch boundary: the new epoch draws as Lightning's would
         if state["world_size"] != trainer.world_size or len(state["rng"]) != trainer.world_size:
-            rank_zero_warn(
-                f"ExactResume: the checkpoint was written by {state['world_size']} processes, this run "
-                f"has {trainer.world_size}; the random numbers after the resume differ from an "
-                "uninterrupted run"
-            )
+            rank_zero_warn(f"ExactResume: {world_size_change(state['world_size'], trainer.world_size)}")
             return
         # after the loader made its iterator (which draws worker seeds), before the step draws
         set_rng_states(state["rng"][_rank()])

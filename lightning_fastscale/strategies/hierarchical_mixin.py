@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_fastscale.faults.peer_watchdog import PeerWatchdog
 from lightning_fastscale.strategies.allreduce import TopKErrorFeedback
 from lightning_fastscale.strategies.comm_hooks import HierarchicalHookState
 from lightning_fastscale.strategies.node_checks import (
@@ -88,6 +89,7 @@ class HierarchicalAllReduceMixin:
         self.user_hook = user_hook
         self.topology: Topology | None = None
         self.hook_state: HierarchicalHookState | None = None
+        self._watchdog: PeerWatchdog | None = None
         self.resolved_algorithm: str | None = None
         self.plain_ddp_reason: str | None = None
         self._gradient_bytes = 0
@@ -118,6 +120,21 @@ class HierarchicalAllReduceMixin:
         self.topology = self._resolve_topology()
         super().setup_environment()  # type: ignore[misc]
         self._check_nodes_uniform()
+        if self.world_size > 1:  # a rank hung outside any collective ends once a peer has failed
+            env = self.cluster_environment
+            timeout_s = self._timeout.total_seconds() if self._timeout is not None else 0.0
+            self._watchdog = PeerWatchdog(env.main_address, env.main_port, self.global_rank,
+                                          grace_s=max(timeout_s, 60.0))
+            self._watchdog.start()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Tell the other ranks this one failed (not on a preemption stop or Ctrl-C: every rank ends then)."""
+        if self._watchdog is not None:
+            if isinstance(exception, Exception):
+                self._watchdog.report_failure(f"{type(exception).__name__}: {str(exception).strip()[:300]}")
+            self._watchdog.stop()
+        super().on_exception(exception)  # type: ignore[misc]
 
     def check_topology(self) -> Topology:
         """The topology the Trainer's devices and nodes give with ``ranks_per_node``; no launcher needed.
@@ -282,6 +299,8 @@ class HierarchicalAllReduceMixin:
     @override
     def teardown(self) -> None:
         """Stop the communication thread and release the node groups, then the DDP strategy's teardown."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
         if self.hook_state is not None:
             failed = self.hook_state.error is not None
             self.hook_state.close()
