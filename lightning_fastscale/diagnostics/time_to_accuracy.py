@@ -5,7 +5,7 @@ The measure every large-batch record reports (Goyal et al. 2017; Jia et al. 2018
 clock runs from the start of fit, validations included, and stops at the end of the first
 validation whose metric is at or above the target. Pure core: [`AccuracyClock`][lightning_fastscale.diagnostics.time_to_accuracy.AccuracyClock] (an injected
 ``clock``), [`summary_line`][lightning_fastscale.diagnostics.time_to_accuracy.summary_line], [`write_summary`][lightning_fastscale.diagnostics.time_to_accuracy.write_summary] and [`plot_curve`][lightning_fastscale.diagnostics.time_to_accuracy.plot_curve]. Adapters:
-[`TimeToAccuracy`][lightning_fastscale.diagnostics.time_to_accuracy.TimeToAccuracy] (Lightning callback) and [`FabricTimeToAccuracy`][lightning_fastscale.diagnostics.time_to_accuracy.FabricTimeToAccuracy]. What is counted,
+[`TimeToAccuracy`][lightning_fastscale.diagnostics.TimeToAccuracy] (Lightning callback) and [`FabricTimeToAccuracy`][lightning_fastscale.diagnostics.FabricTimeToAccuracy]. What is counted,
 and what is reported beside it, is described in ``docs/time_to_accuracy.md``.
 """
 from __future__ import annotations
@@ -365,7 +365,7 @@ class TimeToAccuracy(pl.Callback):
     The clock starts in the ``setup`` hook of fit, which Lightning calls after the processes and
     the process group are up and before the strategy sets up (model to device, DDP wrapping, a
     planner's calibration), so sanity validation and every validation count; call
-    [`start`][lightning_fastscale.diagnostics.time_to_accuracy.TimeToAccuracy.start] just before ``trainer.fit`` to count the launch too (``fastscale-train`` does).
+    [`start`][lightning_fastscale.diagnostics.TimeToAccuracy.start] just before ``trainer.fit`` to count the launch too (``fastscale-train`` does).
     At the end of each validation (not the sanity check) the metric as Lightning logged it
     (``trainer.callback_metrics``) is taken from rank zero, with rank zero's clock and the
     samples summed over ranks, so every rank records the same curve and decides the same.
