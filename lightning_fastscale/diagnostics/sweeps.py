@@ -120,7 +120,7 @@ def sweep_markdown(rows: Sequence[Mapping[str, Any]], common: Sequence[str] = ()
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = [_cell(c, r.get(c)) for c in cols]
-        if r.get("seconds") is not None:
+        if r.get("seconds") is not None and r["seconds"] >= 60:
             cells[cols.index("seconds")] += f" ({format_duration(r['seconds'])})"
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
