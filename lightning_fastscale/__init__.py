@@ -27,6 +27,7 @@ from .callbacks import (
     BatchSizeRamp,
     LabelSmoothing,
     ProgressiveResizing,
+    TimeToAccuracy,
     WarmupDecayLR,
     ZeroInitResidualBN,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "ProceduralDataModule",
     "ProceduralShapes",
     "ProgressiveResizing",
+    "TimeToAccuracy",
     "WarmupDecayLR",
     "ZeroInitResidualBN",
     "create_model",

@@ -16,6 +16,7 @@ from lightning_fastscale.callbacks.lr_schedule import WarmupDecayLR
 from lightning_fastscale.callbacks.progressive_resizing import ProgressiveResizing
 from lightning_fastscale.callbacks.zero_init_residual_bn import ZeroInitResidualBN, zero_init_residual_bn
 from lightning_fastscale.diagnostics.step_breakdown_callback import StepBreakdown
+from lightning_fastscale.diagnostics.time_to_accuracy import TimeToAccuracy
 from lightning_fastscale.faults import (
     CheckpointCheck,
     ExactResume,
@@ -38,6 +39,7 @@ __all__ = [
     "ProgressiveResizing",
     "SpanBatchNormLayer",
     "StepBreakdown",
+    "TimeToAccuracy",
     "WarmupDecayLR",
     "ZeroInitResidualBN",
     "apply_bn_span",
