@@ -237,33 +237,49 @@ def _recipe_parts(spec: dict[str, Any], lr: float, world: int) -> tuple[Any, lis
 
 
 def _curve_callbacks(spec: dict[str, Any]) -> tuple[Any, list[Any]]:
-    """``(recorder, callbacks)``: the ``TimeToAccuracy`` callback where the package has it, and
-    a recorder of each validation's epoch, step and samples."""
+    """``(recorder, callbacks)``: this package's ``TimeToAccuracy`` (the curve users get) where
+    the package has it, else a minimal recorder of the same points (wall clock from fit's setup)."""
     import lightning.pytorch as pl
 
-    points: list[dict[str, float]] = []
-
-    class Points(pl.Callback):
-        def __init__(self) -> None:
-            self.points = points
-            self.samples = 0
-
-        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-            batch = args[2]
-            self.samples += int(batch[0].shape[0]) * trainer.world_size
-
-        def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-            if not trainer.sanity_checking:
-                self.points.append({"t": time.time(), "epoch": trainer.current_epoch + 1,
-                                    "step": trainer.global_step, "samples": self.samples,
-                                    "value": float(trainer.callback_metrics["val/top1"])})
-
-    recorder = Points()
     try:
         from lightning_fastscale.diagnostics import TimeToAccuracy  # type: ignore[attr-defined]
     except ImportError:
-        return recorder, [recorder]
-    return recorder, [recorder, TimeToAccuracy(monitor="val/top1", dirpath=spec["run_dir"])]
+        TimeToAccuracy = None  # noqa: N806
+
+    if TimeToAccuracy is not None:
+        tta = TimeToAccuracy(metric="val/top1", dirpath=spec["run_dir"], plot=False)
+        return tta, [tta]
+
+    class Recorder(pl.Callback):
+        def __init__(self) -> None:
+            self.points: list[dict[str, float]] = []
+            self.samples, self.start = 0, 0.0
+
+        def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+            self.start = time.time()
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            self.samples += int(args[2][0].shape[0]) * trainer.world_size
+
+        def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            if not trainer.sanity_checking:
+                self.points.append({"seconds": time.time() - self.start, "epoch": trainer.current_epoch + 1,
+                                    "step": trainer.global_step, "samples": self.samples,
+                                    "value": float(trainer.callback_metrics["val/top1"])})
+
+    recorder = Recorder()
+    return recorder, [recorder]
+
+
+def _curve(recorder: Any) -> tuple[list[list[float]], list[dict[str, float]], dict[str, Any]]:
+    """``(curve, points, summary)``: ``[seconds, val/top1]`` per validation, each point's epoch,
+    step and samples, and the callback's summary (empty for the fallback recorder)."""
+    if hasattr(recorder, "points"):
+        return ([[p["seconds"], p["value"]] for p in recorder.points], recorder.points, {})
+    summary = recorder.summary() if callable(recorder.summary) else recorder.summary
+    points = [{"epoch": p.epochs, "step": p.steps, "samples": p.samples, "validation_s": p.validation_seconds}
+              for p in recorder.clock.points]
+    return [[float(s), float(v)] for s, v in summary["curve"]], points, summary
 
 
 def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
@@ -328,25 +344,18 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
         error = f"{type(exc).__name__}: {exc}"
     if not trainer.is_global_zero:
         return None
-    tta = next((c for c in trainer.callbacks if type(c).__name__ == "TimeToAccuracy"), None)
+    curve, points, tta_summary = _curve(recorder)
     result = {
         "arm": arm, "machine": spec["machine"], "data": data, "seed": spec["seed"], "lr": spec["lr"],
         "b0": b0, "k": k, "world_size": trainer.world_size, "per_device_batch": batch, "epochs_budget": spec["epochs"],
-        "startup_s": fit_start - process_start, "error": error, "curve_source": "TimeToAccuracy" if tta else "benchmark",
-        "points": recorder.points, "curve": _curve(tta, recorder, fit_start),
+        "startup_s": fit_start - process_start, "error": error,
+        "curve_source": "TimeToAccuracy" if tta_summary else "benchmark", "points": points, "curve": curve,
+        "time_to_accuracy": {key: v for key, v in tta_summary.items() if key != "curve"},
         "breakdown": breakdown.summary.to_dict() if breakdown.summary else None,
         "conversion_s": spec["data_paths"].get("conversion_s", 0.0) if arm == "recipe" and data == "tree" else 0.0,
     }
     Path(spec["result"]).write_text(json.dumps(result))
     return result
-
-
-def _curve(tta: Any, recorder: Any, fit_start: float) -> list[list[float]]:
-    """``[seconds since fit start, val/top1]`` per validation: the callback's where present."""
-    if tta is not None:
-        curve = getattr(tta, "curve", None) or json.loads(Path(tta.json_path).read_text())["curve"]
-        return [[float(s), float(v)] for s, v in curve]
-    return [[p["t"] - fit_start, p["value"]] for p in recorder.points]
 
 
 # ---------------------------------------------------------------------------------------------
