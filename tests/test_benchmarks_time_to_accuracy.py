@@ -59,6 +59,11 @@ def test_regime_rates_interpolate_the_measured_ratios():
     assert tta.pick_rates({400.0: 1.0, 100.0: 4.0})["cloud"] == pytest.approx(800.0, rel=1e-3)
 
 
+def test_recipe_ramp_quarters_halves_then_full_batch():
+    assert tta.ramp_schedule(12, 32, 16, 2) == {0: 256, 5: 512, 8: 1024}
+    assert tta.ramp_schedule(1, 4, 16, 1) == {0: 32, 1: 64}  # 1 epoch: the half batch replaces the quarter
+
+
 def test_comm_ratio_is_exposed_communication_over_compute_and_optimizer():
     phases = {"input": 0.01, "compute": 0.03, "communication": 0.06, "optimizer": 0.01, "rest": 0.0}
     assert tta.comm_ratio({"phases": phases}) == pytest.approx(1.5)
@@ -95,10 +100,10 @@ def test_each_arm_trains_one_epoch_and_records_its_curve(data, arm, kind):
     assert json.loads((run_dir / "result.json").read_text()) == result
     assert len(result["curve"]) == 1 and 0.0 <= result["curve"][0][1] <= 1.0 and result["curve"][0][0] > 0
     samples = tta.QUICK_SIZES["train_size"]
-    batch = 4 if arm == "plain" else tta.K * 4
-    assert result["per_device_batch"] == batch
-    # one epoch of full batches (drop_last) on one rank
-    assert result["points"][0]["step"] == samples // batch
+    assert result["per_device_batch"] == (4 if arm == "plain" else tta.K * 4)
+    # one epoch of full batches (drop_last) on one rank; the recipe's ramp sets its first batch
+    first_batch = tta.ramp_schedule(1, 4, tta.K, 1)[0] if arm == "recipe" else result["per_device_batch"]
+    assert result["points"][0]["step"] == samples // first_batch
     assert result["breakdown"]["phases"]["compute"] > 0
     assert result["conversion_s"] > 0 if (arm, kind) == ("recipe", "tree") else result["conversion_s"] == 0
     assert (Path(paths["tree"]) / "train").is_dir() and len(list((Path(paths["tree"]) / "val").iterdir())) == 4
