@@ -779,8 +779,13 @@ def calibrate(results: dict[str, Any], args: argparse.Namespace, sizes: dict[str
 def report(results: dict[str, Any], output: Path) -> dict[str, Any]:
     """Target, table (printed, ``.md``), summary JSON and figure beside ``output``."""
     rows = summarize_runs(results)
-    table = format_table(rows, results) + "\n\nSupplementary: median seconds to fixed levels below the target\n\n" + format_levels(rows)
+    tuning = results.get("tuning", {})
+    tuned = "\n".join(f"- {arm}: " + ", ".join(f"LR {lr}: {100 * v['best_top1']:.2f}" for lr, v in tuning[arm].items())
+                      for arm in ARMS if arm in tuning)
+    table = format_table(rows, results) + f"\n\nLR tuning (best top-1, seed {TUNE_SEED}, machine one):\n\n{tuned}" \
+        + "\n\nSupplementary: median seconds to fixed levels below the target\n\n" + format_levels(rows)
     print(table)
+    output.parent.mkdir(parents=True, exist_ok=True)
     output.with_name(output.stem + "_summary.json").write_text(json.dumps(rows, indent=1))
     output.with_suffix(".md").write_text(table + "\n")
     if rows:
