@@ -26,6 +26,7 @@ from .callbacks import (
     BatchSizeRamp,
     LabelSmoothing,
     ProgressiveResizing,
+    TimeToAccuracy,
     WarmupDecayLR,
     ZeroInitResidualBN,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "ProceduralDataModule",
     "ProceduralShapes",
     "ProgressiveResizing",
+    "TimeToAccuracy",
     "WarmupDecayLR",
     "ZeroInitResidualBN",
     "create_model",

@@ -15,6 +15,7 @@ from lightning_fastscale.callbacks.preemption import PreemptionCheckpoint
 from lightning_fastscale.callbacks.progressive_resizing import ProgressiveResizing
 from lightning_fastscale.callbacks.zero_init_residual_bn import ZeroInitResidualBN, zero_init_residual_bn
 from lightning_fastscale.diagnostics.step_breakdown_callback import StepBreakdown
+from lightning_fastscale.diagnostics.time_to_accuracy import TimeToAccuracy
 
 __all__ = [
     "BatchSizeRamp",
@@ -28,6 +29,7 @@ __all__ = [
     "NonFiniteStepsError",
     "ProgressiveResizing",
     "StepBreakdown",
+    "TimeToAccuracy",
     "WarmupDecayLR",
     "ZeroInitResidualBN",
     "apply_ghost_batch_norm",

@@ -1,4 +1,4 @@
-"""Diagnostics of a training run: where the time of a step goes and what bounds it."""
+"""Diagnostics of a training run: where the time of a step goes, what bounds it, and the time to accuracy."""
 from lightning_fastscale.diagnostics.step_breakdown import (
     PHASES,
     VERDICTS,
@@ -13,21 +13,33 @@ from lightning_fastscale.diagnostics.step_breakdown import (
 )
 from lightning_fastscale.diagnostics.step_breakdown_callback import FabricStepBreakdown, StepBreakdown
 from lightning_fastscale.diagnostics.step_timer import MARKS, StepTimer, StepTimes
+from lightning_fastscale.diagnostics.time_to_accuracy import (
+    AccuracyClock,
+    FabricTimeToAccuracy,
+    TimeToAccuracy,
+    summary_line,
+    write_summary,
+)
 
 __all__ = [
     "MARKS",
     "PHASES",
     "VERDICTS",
+    "AccuracyClock",
     "BreakdownSummary",
     "FabricStepBreakdown",
+    "FabricTimeToAccuracy",
     "RankTotals",
     "StepBreakdown",
     "StepTimer",
     "StepTimes",
+    "TimeToAccuracy",
     "breakdown_report",
     "breakdown_table",
     "plot_breakdown",
     "summarize",
     "summarize_steps",
+    "summary_line",
     "write_report",
+    "write_summary",
 ]
