@@ -269,8 +269,8 @@ def _curve_callbacks(spec: dict[str, Any]) -> list[Any]:
                                     "value": float(trainer.callback_metrics["val/top1"])})
 
     try:
-        from lightning_fastscale.diagnostics import TimeToAccuracy  # type: ignore[attr-defined]
-    except ImportError:
+        from lightning_fastscale.diagnostics import TimeToAccuracy
+    except ImportError:  # a package from before the callback
         return [Recorder()]
     return [Recorder(), TimeToAccuracy(metric="val/top1", dirpath=spec["run_dir"], plot=False)]
 
@@ -283,11 +283,10 @@ def _curves(callbacks: list[Any]) -> dict[str, Any]:
     own = [[p["seconds"], p["value"]] for p in recorder.points]
     out = {"curve": own, "points": recorder.points, "curve_benchmark": own, "curve_source": "benchmark",
            "time_to_accuracy": {}}
-    if len(callbacks) > 1:
-        tta = callbacks[1]
-        summary = tta.summary() if callable(tta.summary) else tta.summary
-        out.update(curve=[[float(s), float(v)] for s, v in summary["curve"]], curve_source="TimeToAccuracy",
-                   time_to_accuracy={key: v for key, v in summary.items() if key != "curve"})
+    summary = callbacks[1].summary if len(callbacks) > 1 else None
+    if summary:  # None where the fit raised before its end
+        out.update(curve=[[float(s), math.nan if v is None else float(v)] for s, v in summary["curve"]],
+                   curve_source="TimeToAccuracy", time_to_accuracy={k: v for k, v in summary.items() if k != "curve"})
     return out
 
 
