@@ -351,6 +351,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
     except Exception as exc:  # a diverged arm is a result (NaN loss stops the fit), not a crash
         error = f"{type(exc).__name__}: {exc}"
     if not trainer.is_global_zero:
+        _leave_group()
         return None
     result = {
         "arm": arm, "machine": spec["machine"], "data": data, "seed": spec["seed"], "lr": spec["lr"],
@@ -360,7 +361,16 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
         "conversion_s": spec["data_paths"].get("conversion_s", 0.0) if arm == "recipe" and data == "tree" else 0.0,
     }
     Path(spec["result"]).write_text(json.dumps(result))
+    _leave_group()
     return result
+
+
+def _leave_group() -> None:
+    # without it a gloo rank can abort at interpreter exit ("terminate called without an active
+    # exception") after a finished fit, and torchrun then reports the run as failed
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -429,7 +439,10 @@ class Machine:
             outputs = [(r.stdout or "") + (r.stderr or "") for r in results]
             failed = any(r.returncode != 0 for r in results)
         (run_dir / "log.txt").write_text("\n".join(outputs))
-        if failed or not Path(spec["result"]).is_file():
+        if failed and Path(spec["result"]).is_file():
+            print(f"{spec['arm']} on {self.name}: a rank exited non-zero after the result was written "
+                  f"(log: {run_dir / 'log.txt'})", flush=True)
+        elif failed or not Path(spec["result"]).is_file():
             raise RuntimeError(f"{spec['arm']} on {self.name} failed:\n" + "\n".join(o[-3000:] for o in outputs))
         return json.loads(Path(spec["result"]).read_text())
 

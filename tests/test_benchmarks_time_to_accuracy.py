@@ -99,6 +99,10 @@ def test_each_arm_trains_one_epoch_and_records_its_curve(data, arm, kind):
     assert result is not None and result["error"] is None
     assert json.loads((run_dir / "result.json").read_text()) == result
     assert len(result["curve"]) == 1 and 0.0 <= result["curve"][0][1] <= 1.0 and result["curve"][0][0] > 0
+    # the package's callback gives the curve; the script's own recorder agrees with it
+    assert result["curve_source"] == "TimeToAccuracy" and result["time_to_accuracy"]["validations"] == 1
+    (seconds, value), (own_seconds, own_value) = result["curve"][0], result["curve_benchmark"][0]
+    assert value == pytest.approx(own_value) and abs(seconds - own_seconds) < 0.5
     samples = tta.QUICK_SIZES["train_size"]
     assert result["per_device_batch"] == (4 if arm == "plain" else tta.K * 4)
     # one epoch of full batches (drop_last) on one rank; the recipe's ramp sets its first batch
