@@ -554,8 +554,9 @@ def summarize_runs(results: dict[str, Any]) -> list[dict[str, Any]]:
                 continue
             hits = [time_to_target(r, target) for r in runs]
             reached = [h for h in hits if h is not None]
-            secs = [h["seconds"] for h in reached]
-            med = statistics.median(secs) if len(reached) == len(runs) else None
+            # a seed that never reaches the target counts as infinitely slow (the median can still be finite)
+            every = [math.inf if h is None else h["seconds"] for h in hits]
+            med = None if math.isinf(statistics.median(every)) else statistics.median(every)
             if arm == "plain":
                 plain_median = med
             bds = [r["breakdown"] for r in runs if r.get("breakdown")]
@@ -563,12 +564,14 @@ def summarize_runs(results: dict[str, Any]) -> list[dict[str, Any]]:
             rows.append({
                 "data": data, "machine": machine, "arm": arm, "seeds": [r["seed"] for r in runs], "target": target,
                 "reached": f"{len(reached)}/{len(runs)}", "median_s": med,
-                "min_s": min(secs) if secs else None, "max_s": max(secs) if secs else None,
+                "min_s": None if math.isinf(min(every)) else min(every),
+                "max_s": None if math.isinf(max(every)) else max(every),
                 "seconds": [h["seconds"] if h else None for h in hits],
                 "epochs": statistics.median(h["epoch"] for h in reached) if reached else None,
                 "steps": statistics.median(h["steps"] for h in reached) if reached else None,
                 "best_top1": [max(v for _, v in r["curve"]) for r in runs],
                 "full_budget_s": statistics.median(r["curve"][-1][0] for r in runs),
+                "seconds_per_epoch": statistics.median(r["curve"][-1][0] / len(r["curve"]) for r in runs),
                 "step_phases_s": phases, "comm_ratio": statistics.median(comm_ratio(b) for b in bds) if bds else None,
                 "startup_s": statistics.median(r["startup_s"] for r in runs),
                 "conversion_s": runs[0]["conversion_s"], "lr": runs[0]["lr"], "per_device_batch": runs[0]["per_device_batch"],
@@ -581,9 +584,9 @@ def summarize_runs(results: dict[str, Any]) -> list[dict[str, Any]]:
                 row["speedup_vs_plain"] = (plain_median / row["median_s"]
                                            if plain_median and row["median_s"] else None)
                 # the seeds' spread of the speed-up: worst and best pairing of the extremes
-                row["speedup_range"] = ([min(plain_seconds(rows, data, machine)) / row["max_s"],
-                                         max(plain_seconds(rows, data, machine)) / row["min_s"]]
-                                        if row["median_s"] and plain_median else None)
+                plain_all = plain_seconds(rows, data, machine)
+                row["speedup_range"] = ([min(plain_all) / row["max_s"], max(plain_all) / row["min_s"]]
+                                        if row["max_s"] and None not in plain_all else None)
     return rows
 
 
@@ -605,7 +608,7 @@ def format_levels(rows: list[dict[str, Any]]) -> str:
 def plain_seconds(rows: list[dict[str, Any]], data: str, machine: str) -> list[float]:
     """The plain arm's times to target on (data, machine)."""
     row = next(r for r in rows if (r["data"], r["machine"], r["arm"]) == (data, machine, "plain"))
-    return [s for s in row["seconds"] if s is not None]
+    return row["seconds"]
 
 
 def _fmt_s(s: float | None) -> str:
@@ -616,8 +619,8 @@ def format_table(rows: list[dict[str, Any]], results: dict[str, Any]) -> str:
     """Markdown table of the summary rows."""
     cal = results.get("calibration", {})
     lines = ["| data | machine | arm | per-device batch | LR | target top-1 | reached | median s to target | min-max s "
-             "| x plain | epochs | steps | best top-1 (seeds) | ms/step: input / compute / exposed comm / optimizer | comm/compute |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|"]
+             "| x plain | epochs | steps | s/epoch | best top-1 (seeds) | ms/step: input / compute / exposed comm / optimizer | comm/compute |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|"]
     for r in rows:
         rate = cal.get("rates_mbit", {}).get(r["machine"])
         machine = f"{r['machine']} ({rate:g} Mbit/s)" if rate else r["machine"]
@@ -630,7 +633,7 @@ def format_table(rows: list[dict[str, Any]], results: dict[str, Any]) -> str:
         lines.append(
             f"| {r['data']} | {machine} | {r['arm']} | {r['per_device_batch']} | {r['lr']:g} | {100 * r['target']:.2f} "
             f"| {r['reached']} | {_fmt_s(r['median_s'])} | {rng} | {sp} | {r['epochs'] if r['epochs'] is not None else '-'} "
-            f"| {r['steps'] if r['steps'] is not None else '-'} | {' / '.join(f'{100 * b:.1f}' for b in r['best_top1'])} "
+            f"| {r['steps'] if r['steps'] is not None else '-'} | {r['seconds_per_epoch']:.1f} | {' / '.join(f'{100 * b:.1f}' for b in r['best_top1'])} "
             f"| {parts} | {'-' if r['comm_ratio'] is None else format(r['comm_ratio'], '.2f')} |")
     return "\n".join(lines)
 

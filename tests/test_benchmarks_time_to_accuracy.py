@@ -51,6 +51,14 @@ def test_target_time_to_target_and_speedup_from_curves():
     assert "record (35 Mbit/s)" in table and "not reached" in table
 
 
+def test_a_seed_that_misses_the_target_counts_as_infinitely_slow():
+    runs = {f"d/one/plain/seed{i}": _run("plain", i, [[10.0 * (i + 1), 0.5], [40.0, best]])
+            for i, best in enumerate((0.80, 0.82, 0.75))}  # target 0.79: seed 2 never gets there
+    plain = tta.summarize_runs({"runs": runs})[0]
+    assert plain["reached"] == "2/3" and plain["seconds"] == [40.0, 40.0, None]
+    assert plain["median_s"] == 40.0 and plain["min_s"] == 40.0 and plain["max_s"] is None
+
+
 def test_regime_rates_interpolate_the_measured_ratios():
     # exposed communication ~ 1 / rate: ratio = 100 / rate -> 0.5 at 200, 2.5 at 40 Mbit/s
     rates = tta.pick_rates({400.0: 0.25, 100.0: 1.0, 25.0: 4.0})
