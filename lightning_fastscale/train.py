@@ -33,6 +33,8 @@ from ._validation import positive_int, positive_number
 from .callbacks.exact_resume import WorldSizeChangeError
 from .checkpoint_io import AtomicCheckpointIO
 from .config_check import ConfigError, setting_errors, show
+from .diagnostics.sweeps import check_objective, objective_value
+from .diagnostics.time_to_accuracy import TimeToAccuracy
 from .module import ImageClassifier
 from .run_folder import LOCK_NAME
 
@@ -291,17 +293,22 @@ def report_metric_locations(trainer: pl.Trainer) -> None:
 
 
 def train(cfg: DictConfig) -> float | None:
-    """Fit the configured model; return the final value of ``cfg.monitor`` (or None).
+    """Fit the configured model; return the final value of ``cfg.monitor`` (or None), or with
+    ``objective.name=time_to_target`` (``hparams_search=time_to_target``) the time to the target.
 
     Raises:
         ConfigError: a setting is wrong; raised before the logger, the process group or any
             file of the run is started.
     """
+    check_objective(cfg)
     pl.seed_everything(cfg.seed, workers=True)
     ckpt_path = resolve_resume(cfg)
     datamodule, module, trainer = build(cfg)
     if trainer.logger:
         trainer.logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+    for callback in trainer.callbacks:  # time to accuracy counts the ranks' launch and process group too
+        if isinstance(callback, TimeToAccuracy):
+            callback.start()
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     except WorldSizeChangeError as error:  # refused at the restore, before the first step
@@ -320,7 +327,7 @@ def train(cfg: DictConfig) -> float | None:
         return None
     if trainer.is_global_zero:
         _report(f"final {cfg.monitor}: {float(value):.4f}")
-    return float(value)
+    return objective_value(cfg, trainer, float(value))
 
 
 def _finish_wandb(trainer: pl.Trainer) -> None:

@@ -1,5 +1,6 @@
 """Time to accuracy: the clock and crossing rule on a controlled clock, real fits (one process and two
-gloo ranks), stop at the target, resume, and the summary in the JSON, CSV and W&B logs.
+gloo ranks, a plain Trainer and Fabric), stop at the target, resume, and the summary in the JSON,
+CSV and W&B logs.
 
 The fits use a scripted validation metric (a value per epoch) and a clock that the module itself
 advances: 10 s per training batch, 1 s per validation batch, so every expected time is a sum of
@@ -16,12 +17,13 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.fabric import Fabric
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_fastscale import TimeToAccuracy
-from lightning_fastscale.diagnostics import AccuracyClock, summary_line
+from lightning_fastscale.diagnostics import AccuracyClock, FabricTimeToAccuracy, summary_line
 from lightning_fastscale.diagnostics.time_to_accuracy import format_duration, process_age
 from tests.distributed import run_distributed
 
@@ -270,6 +272,21 @@ def _two_ranks(rank: int, world: int, tmp: str) -> dict:
     per_rank = {0: CURVE, 1: [0.95] * 5}
     trainer.fit(Scripted(clock, per_rank=per_rank), *loaders(world))
     out["stop"] = (tta.summary, trainer.global_step, trainer.state.status)
+    # Fabric: each rank its own clock, metric and batch size; rank zero's clock and metric decide
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
+    fabric.launch()
+    clock = Clock()
+    clock.now = 1000.0 * rank
+    ftta = FabricTimeToAccuracy(fabric, target=TARGET, clock=clock)
+    crossed = []
+    for epoch, value in enumerate([0.5, TARGET] if rank == 0 else [0.9, 0.9]):
+        clock.now += 30
+        ftta.count(BATCH * (rank + 1))
+        with ftta.validating():
+            clock.now += 2
+        crossed.append(ftta.record(value, epochs=epoch + 1, steps=epoch + 1))
+    summary = ftta.finish(epochs=2, steps=2, verbose=False)
+    out["fabric"] = (crossed, summary, ftta.save(Path(tmp) / "fabric"))
     return out
 
 
@@ -285,3 +302,7 @@ def test_two_ranks_plain_trainer_defaults_agree_and_stop_together(tmp_path):
     assert t0 == t1 and t0["reached"] and t0["epochs"] == 3  # rank 0's curve, on rank 1 too
     assert step0 == step1 == 3 * TRAIN_BATCHES and status0 == status1 == "finished"
     assert not math.isnan(t0["seconds"])
+    (c0, f0, p0), (c1, f1, p1) = r0["fabric"], r1["fabric"]
+    assert c0 == c1 == [False, True] and f0 == f1
+    assert f0["seconds"] == 64 and f0["validation_seconds"] == 4 and f0["samples"] == 2 * (BATCH + 2 * BATCH)
+    assert p1 == {} and json.loads(p0["json"].read_text()) == f0

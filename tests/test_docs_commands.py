@@ -91,7 +91,7 @@ RULES: list[Rule] = [
          append=f"{TRAIN_LIMITS}", expect=(), files=("multirun",), slow=True),
     # sweeps
     Rule(r"^fastscale-train -m ", "run", append=TRAIN_LIMITS, files=("multirun",), slow=True),
-    Rule(r"^fastscale-train hparams_search=lr_optuna", "run",
+    Rule(r"^fastscale-train hparams_search=(lr_optuna|time_to_target)", "run",
          append=f"{TRAIN_LIMITS} hydra.sweeper.n_trials=2", files=("multirun",), slow=True),
     # the 64K experiment configs: ResNet-50 / AlexNet-BN on GPU nodes
     Rule(r"^fastscale-train experiment=imagenet_\w+_64k ", "run",

@@ -5,7 +5,7 @@ The measure every large-batch record reports (Goyal et al. 2017; Jia et al. 2018
 clock runs from the start of fit, validations included, and stops at the end of the first
 validation whose metric is at or above the target. Pure core: [`AccuracyClock`][lightning_fastscale.diagnostics.time_to_accuracy.AccuracyClock] (an injected
 ``clock``), [`summary_line`][lightning_fastscale.diagnostics.time_to_accuracy.summary_line], [`write_summary`][lightning_fastscale.diagnostics.time_to_accuracy.write_summary] and [`plot_curve`][lightning_fastscale.diagnostics.time_to_accuracy.plot_curve]. Adapters:
-[`TimeToAccuracy`][lightning_fastscale.diagnostics.time_to_accuracy.TimeToAccuracy] (Lightning callback) and [`FabricTimeToAccuracy`][lightning_fastscale.diagnostics.time_to_accuracy.FabricTimeToAccuracy]. What is counted,
+[`TimeToAccuracy`][lightning_fastscale.diagnostics.TimeToAccuracy] (Lightning callback) and [`FabricTimeToAccuracy`][lightning_fastscale.diagnostics.FabricTimeToAccuracy]. What is counted,
 and what is reported beside it, is described in ``docs/time_to_accuracy.md``.
 """
 from __future__ import annotations
@@ -97,28 +97,27 @@ class AccuracyClock:
         self.clock = clock
         age = process_age()
         self.process_started_at = None if age is None else clock() - age
+        self.world_size = 1
         self.started_at: float | None = None
+        self._reset()
+
+    def _reset(self) -> None:
         self.carried = 0.0  # seconds counted in earlier runs of a resumed run
         self.downtime = 0.0
         self.validation_seconds = 0.0
-        self.world_size = 1
         self.points: list[CurvePoint] = []
         self.crossing: CurvePoint | None = None
         self.end: CurvePoint | None = None
         self._validating_since: float | None = None
         self._samples = 0.0  # the sum over ranks at the last gather
         self._local_samples = 0.0  # this rank's since then
-        self._saved_at: float | None = None
         self._startup: float | None = None
 
     # -- the clock ------------------------------------------------------------------------------
     def start(self, at: float | None = None) -> None:
-        """Start (or restart, for a new fit) the clock at ``at`` (default: now)."""
+        """Start a new measurement at ``at`` (default: now); `load_state_dict` may continue an earlier one."""
         self.started_at = self.clock() if at is None else at
-        self.end = None
-        self._startup = None
-        if self._saved_at is not None:
-            self._resumed()
+        self._reset()
 
     def elapsed(self) -> float:
         """Seconds counted so far: this run's since `start` plus earlier runs' (resume)."""
@@ -235,23 +234,16 @@ class AccuracyClock:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue a run from `state_dict`: the time from its save to this run's start is downtime."""
+        """Continue a run from `state_dict`, after `start`: the time from its save to this start is downtime."""
         self.carried = float(state["elapsed"])
         self.downtime = float(state["downtime"])
+        if self.started_at is not None:
+            self.downtime += max(0.0, self.started_at - float(state["saved_at"]))
         self.validation_seconds = float(state["validation_seconds"])
         self._samples, self._local_samples = float(state["samples"]), float(state["local_samples"])
         self.world_size = int(state["world_size"])
         self.points = [CurvePoint(**p) for p in state["points"]]
         self.crossing = None if state["crossing"] is None else self.points[state["crossing"]]
-        self._saved_at = float(state["saved_at"])
-        if self.started_at is not None:
-            self._resumed()
-
-    def _resumed(self) -> None:
-        assert self.started_at is not None and self._saved_at is not None
-        self.downtime += max(0.0, self.started_at - self._saved_at)
-        # this run's clock counts from its start, on top of the carried time
-        self._saved_at = None
 
 
 # -- rendering ----------------------------------------------------------------------------------
@@ -365,7 +357,7 @@ class TimeToAccuracy(pl.Callback):
     The clock starts in the ``setup`` hook of fit, which Lightning calls after the processes and
     the process group are up and before the strategy sets up (model to device, DDP wrapping, a
     planner's calibration), so sanity validation and every validation count; call
-    [`start`][lightning_fastscale.diagnostics.time_to_accuracy.TimeToAccuracy.start] just before ``trainer.fit`` to count the launch too (``fastscale-train`` does).
+    [`start`][lightning_fastscale.diagnostics.TimeToAccuracy.start] just before ``trainer.fit`` to count the launch too (``fastscale-train`` does).
     At the end of each validation (not the sanity check) the metric as Lightning logged it
     (``trainer.callback_metrics``) is taken from rank zero, with rank zero's clock and the
     samples summed over ranks, so every rank records the same curve and decides the same.
