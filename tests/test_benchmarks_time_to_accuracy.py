@@ -1,0 +1,143 @@
+"""Smoke test of benchmarks/time_to_accuracy.py, so the script cannot rot.
+
+Each arm (plain Lightning, the recipe, large batch without it) trains one tiny epoch in this
+process on one rank, on the built-in data and on a JPEG image tree made by the script (the
+recipe's streaming conversion included); the curve, step breakdown and result fields are
+checked. The pure parts are checked against hand-computed values: the target and time to it
+from recorded curves, the speed-up and its spread, the regimes' link-rate interpolation, B0.
+The 2-rank run through torchrun and the report (table, figure) is marked slow.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import time_to_accuracy as tta
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(arm: str, seed: int, curve: list[list[float]], steps_per_epoch: int = 10) -> dict:
+    points = [{"epoch": i + 1, "step": (i + 1) * steps_per_epoch, "samples": (i + 1) * 640} for i in range(len(curve))]
+    return {"arm": arm, "seed": seed, "curve": curve, "points": points, "breakdown": None, "startup_s": 5.0,
+            "conversion_s": 0.0, "lr": 0.1, "per_device_batch": 32, "error": None}
+
+
+def test_target_time_to_target_and_speedup_from_curves():
+    runs = {}
+    # plain: best 0.81, 0.82, 0.84 -> median 0.82 -> target 0.81, first reached at the second validation
+    for seed, best in enumerate((0.80, 0.82, 0.84)):
+        runs[f"procedural/record/plain/seed{seed}"] = _run("plain", seed, [[10.0, 0.5], [20.0 + seed, 0.81], [30.0, best]])
+    for seed in range(3):
+        runs[f"procedural/record/recipe/seed{seed}"] = _run("recipe", seed, [[4.0, 0.6], [8.0 + seed, 0.812]], 2)
+    runs["procedural/record/large/seed0"] = _run("large", 0, [[4.0, 0.3], [8.0, 0.5]])
+    rows = tta.summarize_runs({"runs": runs, "calibration": {}})
+    by_arm = {r["arm"]: r for r in rows}
+    assert by_arm["plain"]["target"] == pytest.approx(0.81)
+    assert by_arm["plain"]["seconds"] == [20.0, 21.0, 22.0]
+    assert by_arm["plain"]["median_s"] == 21.0 and by_arm["plain"]["epochs"] == 2 and by_arm["plain"]["steps"] == 20
+    assert by_arm["recipe"]["seconds"] == [8.0, 9.0, 10.0] and by_arm["recipe"]["steps"] == 4
+    assert by_arm["recipe"]["speedup_vs_plain"] == pytest.approx(21.0 / 9.0)
+    assert by_arm["recipe"]["speedup_range"] == pytest.approx([20.0 / 10.0, 22.0 / 8.0])
+    assert by_arm["large"]["reached"] == "0/1" and by_arm["large"]["median_s"] is None
+    assert by_arm["large"]["speedup_vs_plain"] is None
+    table = tta.format_table(rows, {"calibration": {"rates_mbit": {"record": 35.0}}})
+    assert "record (35 Mbit/s)" in table and "not reached" in table
+
+
+def test_a_seed_that_misses_the_target_counts_as_infinitely_slow():
+    runs = {f"d/one/plain/seed{i}": _run("plain", i, [[10.0 * (i + 1), 0.5], [40.0, best]])
+            for i, best in enumerate((0.80, 0.82, 0.75))}  # target 0.79: seed 2 never gets there
+    plain = tta.summarize_runs({"runs": runs})[0]
+    assert plain["reached"] == "2/3" and plain["seconds"] == [40.0, 40.0, None]
+    assert plain["median_s"] == 40.0 and plain["min_s"] == 40.0 and plain["max_s"] is None
+
+
+def test_regime_rates_interpolate_the_measured_ratios():
+    # exposed communication ~ 1 / rate: ratio = 100 / rate -> 0.5 at 200, 2.5 at 40 Mbit/s
+    rates = tta.pick_rates({400.0: 0.25, 100.0: 1.0, 25.0: 4.0})
+    assert rates == {"cloud": pytest.approx(200.0, rel=1e-3), "record": pytest.approx(40.0, rel=1e-3)}
+    # outside the measured range: extrapolated from the nearest pair
+    assert tta.pick_rates({400.0: 1.0, 100.0: 4.0})["cloud"] == pytest.approx(800.0, rel=1e-3)
+
+
+def test_recipe_ramp_quarters_halves_then_full_batch():
+    assert tta.ramp_schedule(12, 32, 16, 2) == {0: 256, 5: 512, 8: 1024}
+    assert tta.ramp_schedule(1, 4, 16, 1) == {0: 32, 1: 64}  # 1 epoch: the half batch replaces the quarter
+
+
+def test_comm_ratio_is_exposed_communication_over_compute_and_optimizer():
+    phases = {"input": 0.01, "compute": 0.03, "communication": 0.06, "optimizer": 0.01, "rest": 0.0}
+    assert tta.comm_ratio({"phases": phases}) == pytest.approx(1.5)
+
+
+def test_b0_is_the_smallest_batch_at_90_percent_of_the_best():
+    sizes = dict(tta.QUICK_SIZES)
+    result = tta.measure_b0(sizes, [2, 4, 8], rounds=1, min_s=0.01)
+    rates = {int(b): r for b, r in result["samples_per_s"].items()}
+    best = max(rates.values())
+    assert result["b0"] == min(b for b, r in rates.items() if r >= 0.9 * best)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    work = tmp_path_factory.mktemp("tta")
+    return work, tta.prepare_data(work / "data", tta.QUICK_SIZES, image_tree=True)
+
+
+@pytest.mark.parametrize("kind", ["procedural", "tree"])
+@pytest.mark.parametrize("arm", tta.ARMS)
+def test_each_arm_trains_one_epoch_and_records_its_curve(data, arm, kind):
+    work, paths = data
+    run_dir = work / f"{kind}-{arm}"
+    spec = {"arm": arm, "seed": 0, "lr": tta.LR_GRID[arm][1], "b0": 4, "k": tta.K, "sizes": tta.QUICK_SIZES,
+            "epochs": 1, "data": kind, "data_paths": paths, "machine": "one", "nodes": 1, "ranks_per_node": 1,
+            "run_dir": str(run_dir), "result": str(run_dir / "result.json")}
+    try:
+        result = tta.run_rank(spec)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert result is not None and result["error"] is None
+    assert json.loads((run_dir / "result.json").read_text()) == result
+    assert len(result["curve"]) == 1 and 0.0 <= result["curve"][0][1] <= 1.0 and result["curve"][0][0] > 0
+    # the package's callback gives the curve; the script's own recorder agrees with it
+    assert result["curve_source"] == "TimeToAccuracy" and result["time_to_accuracy"]["validations"] == 1
+    (seconds, value), (own_seconds, own_value) = result["curve"][0], result["curve_benchmark"][0]
+    assert value == pytest.approx(own_value) and abs(seconds - own_seconds) < 0.5
+    samples = tta.QUICK_SIZES["train_size"]
+    assert result["per_device_batch"] == (4 if arm == "plain" else tta.K * 4)
+    # one epoch of full batches (drop_last) on one rank; the recipe's ramp sets its first batch
+    first_batch = tta.ramp_schedule(1, 4, tta.K, 1)[0] if arm == "recipe" else result["per_device_batch"]
+    assert result["points"][0]["step"] == samples // first_batch
+    assert result["breakdown"]["phases"]["compute"] > 0
+    assert result["conversion_s"] > 0 if (arm, kind) == ("recipe", "tree") else result["conversion_s"] == 0
+    assert (Path(paths["tree"]) / "train").is_dir() and len(list((Path(paths["tree"]) / "val").iterdir())) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_quick_run_on_two_ranks_and_report(tmp_path):
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "time_to_accuracy.py"), "--quick", "--machines", "one",
+           "--seeds", "0", "--output", str(out), "--work-dir", str(tmp_path / "work")]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert sorted(results["runs"]) == [f"procedural/one/{a}/seed0" for a in sorted(tta.ARMS)]
+    for r in results["runs"].values():
+        assert r["world_size"] == 2 and r["error"] is None and len(r["curve"]) == 1
+    done = subprocess.run(cmd + ["--report"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(out.with_name("r_summary.json").read_text())
+    assert [r["arm"] for r in summary] == list(tta.ARMS)
+    plain = summary[0]
+    assert plain["target"] == pytest.approx(max(v for _, v in results["runs"]["procedural/one/plain/seed0"]["curve"]) - 0.01)
+    assert plain["reached"] == "1/1" and not math.isnan(plain["median_s"])
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
