@@ -172,10 +172,10 @@ def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.
         scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
     # the one link between groups: the classifier's outputs are the datamodule's classes
     # model.bn_span: BN statistics over that many images, applied by the BNSpan callback
-    bn_span = cfg.model.get("bn_span")
     with setting_errors("model", cfg.model):
-        module = instantiate(OmegaConf.masked_copy(cfg.model, [k for k in cfg.model if k != "bn_span"]),
-                             num_classes=num_classes, optimizer=optimizer, scheduler=scheduler)
+        node = OmegaConf.to_container(cfg.model, resolve=True)  # resolved against the whole config
+        bn_span = node.pop("bn_span", None)
+        module = instantiate(node, num_classes=num_classes, optimizer=optimizer, scheduler=scheduler)
     callbacks = [] if bn_span is None else [BNSpan(bn_span)]
     for name, node in (cfg.get("callbacks") or {}).items():
         if node:

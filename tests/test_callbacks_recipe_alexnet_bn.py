@@ -98,6 +98,7 @@ def test_default_callbacks_run_alexnet_bn_at_its_smallest_maps(tmp_path) -> None
         cfg = compose("train", overrides=["model=alexnet_bn"])
     cfg.callbacks.model_checkpoint.dirpath = str(tmp_path / "checkpoints")  # hydra's run folder otherwise
     cfg.callbacks.step_breakdown.dirpath = str(tmp_path)
+    cfg.callbacks.time_to_accuracy.dirpath = str(tmp_path)
     callbacks = [instantiate(c) for c in cfg.callbacks.values() if c]
     assert any(type(c).__name__ == "ThroughputMonitor" for c in callbacks)
     trainer = pl.Trainer(

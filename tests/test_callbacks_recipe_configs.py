@@ -82,6 +82,7 @@ def test_default_job_trains_with_the_whole_recipe(tmp_path) -> None:
         f"trainer.default_root_dir={tmp_path}",
         f"callbacks.model_checkpoint.dirpath={tmp_path}/ckpt",
         f"callbacks.step_breakdown.dirpath={tmp_path}",
+        f"callbacks.time_to_accuracy.dirpath={tmp_path}",
         "model.model_kwargs.widths=[4,8,8]",
         "data.train_size=64",
         "data.val_size=32",

@@ -139,6 +139,13 @@ def run_fault_scenario(
                 log.close()
 
 
+def _mark(path: Path) -> None:
+    """Write the time into ``path`` whole: the watcher polls for the file and must never read it half-written."""
+    part = path.with_suffix(".part")
+    part.write_text(repr(time.time()))
+    os.replace(part, path)
+
+
 def _watch(procs: list[subprocess.Popen], out: Path, cfg: dict, bound_s: float, startup_s: float) -> FaultOutcome:
     start = time.monotonic()
     marker = out / ("fault.time" if cfg["fault"] != "none" else "started.time")
@@ -220,7 +227,7 @@ def _worker(cfg: dict) -> None:
 
         def _maybe_fault(self, grad: torch.Tensor) -> torch.Tensor:
             if self.global_rank == cfg["fault_rank"] and self.trainer.global_step == cfg["fault_step"]:
-                (out / "fault.time").write_text(repr(time.time()))
+                _mark(out / "fault.time")
                 if cfg["fault"] == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
                 elif cfg["fault"] == "hang":
@@ -229,7 +236,7 @@ def _worker(cfg: dict) -> None:
 
         def on_train_start(self) -> None:
             if self.global_rank == 0:
-                (out / "started.time").write_text(repr(time.time()))
+                _mark(out / "started.time")
 
         def training_step(self, batch, batch_idx):
             x, y = batch
