@@ -228,6 +228,7 @@ class StepBreakdown(pl.Callback):
         self._stepped = False
         self._samples = 0.0
         self._images: float | None = None
+        self._report_dir = Path(".")
 
     # -- input timing through the profiler's actions --------------------------------------------
     def _is_input(self, action: str) -> bool:
@@ -264,6 +265,8 @@ class StepBreakdown(pl.Callback):
         self.timer.attach(pl_module.parameters())
         self._agg = _Windows(self.warmup_steps)
         self._wrap_profiler(trainer.profiler)
+        # on every rank: ``trainer.log_dir`` broadcasts, so rank zero alone at the end would hang
+        self._report_dir = Path(self.dirpath if self.dirpath is not None else trainer.log_dir or trainer.default_root_dir)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -340,8 +343,7 @@ class StepBreakdown(pl.Callback):
         if self.print_table:
             rank_zero_info("Step breakdown (median over ranks, after the warm-up steps):\n"
                            + breakdown_table(self.summary))
-        dirpath = Path(self.dirpath) if self.dirpath is not None else Path(trainer.log_dir or trainer.default_root_dir)
-        self.paths = write_report(dirpath, self.summary, self.windows, plot=self.plot,
+        self.paths = write_report(self._report_dir, self.summary, self.windows, plot=self.plot,
                                   warmup_steps=self.warmup_steps, every_n_steps=self._every(trainer))
 
     @override
