@@ -30,6 +30,7 @@ from .callbacks import (
     ZeroInitResidualBN,
 )
 from .data import ImageFolderDataModule, ProceduralDataModule, ProceduralShapes
+from .diagnostics.doctor_probe import diagnose
 from .models import create_model, register_model
 from .module import ImageClassifier
 from .param_groups import is_excluded, param_groups_without_decay, split_parameters
@@ -52,6 +53,7 @@ __all__ = [
     "WarmupDecayLR",
     "ZeroInitResidualBN",
     "create_model",
+    "diagnose",
     "is_excluded",
     "param_groups_without_decay",
     "register_model",

@@ -15,6 +15,7 @@ import inspect
 import logging
 import re
 from collections.abc import Iterator, Sequence
+from importlib.resources import files as package_files
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ConfigError", "check_composed", "check_group_names", "check_parts", "setting_errors", "show", "translate"]
+__all__ = ["ConfigError", "check_composed", "check_group_names", "check_parts", "config_names", "setting_errors", "show", "translate"]
 
 # torch.optim words its refusals without the argument's name ("Invalid learning rate: -1").
 _TORCH_PHRASES: tuple[tuple[str, str, str], ...] = (
@@ -224,6 +225,14 @@ def setting_errors(prefix: str, node: Any = None, also: dict[str, Any] | None = 
 # -- the command line and the composed config, before anything is built -----------------------
 
 
+def config_names(config: str = "train") -> list[str]:
+    """The top-level names a ``fastscale-train`` override may set: the config groups and the keys of ``<config>.yaml``."""
+    conf = package_files("lightning_fastscale.conf")
+    groups = [p.name for p in conf.iterdir() if p.is_dir() and not p.name.startswith("_")]
+    keys = [str(k) for k in OmegaConf.create((conf / f"{config}.yaml").read_text()) if k != "defaults"]
+    return sorted({*groups, *keys})
+
+
 def check_group_names(overrides: Sequence[str], known: Sequence[str]) -> None:
     """Refuse an override whose top-level name is no group or key (``precison=...``), naming the nearest.
 
@@ -244,23 +253,26 @@ def check_group_names(overrides: Sequence[str], known: Sequence[str]) -> None:
 
 def check_composed(cfg: DictConfig) -> None:
     """What the composed config alone shows: values left missing (``???``) and numbers given as text."""
-    missing: list[str] = []
-    for group in map(str, cfg):
-        if group == "hydra":
-            continue
-        if OmegaConf.is_missing(cfg, group):
-            missing.append(group)
-        elif isinstance(cfg[group], DictConfig):
-            missing += sorted(OmegaConf.missing_keys(cfg[group]))  # full keys: data.root
+    groups = [g for g in map(str, cfg) if g != "hydra" and not OmegaConf.is_interpolation(cfg, g)]
+    # unresolved: an interpolation may need Hydra's runtime (``${hydra:job.name}``)
+    missing = _missing({g: OmegaConf.to_container(cfg, resolve=False)[g] for g in groups}, "")
     if missing:
         raise ConfigError(
             f"{missing[0]} has no value (??? in its config): give it on the command line, e.g. "
             f"{missing[0]}=<value>" + (f" (also missing: {', '.join(missing[1:])})" if missing[1:] else ""),
             key=missing[0],
         )
-    for group, node in cfg.items():
-        if isinstance(node, DictConfig) and group != "hydra":
-            _check_number_types(str(group), node)
+    for group in groups:
+        if not OmegaConf.is_missing(cfg, group) and isinstance(cfg[group], DictConfig):
+            _check_number_types(group, cfg[group])
+
+
+def _missing(node: Any, prefix: str) -> list[str]:
+    if node == "???":
+        return [prefix]
+    if isinstance(node, dict):
+        return [k for key, child in node.items() for k in _missing(child, f"{prefix}.{key}" if prefix else str(key))]
+    return []
 
 
 def _check_number_types(prefix: str, node: DictConfig) -> None:
@@ -275,7 +287,8 @@ def _check_number_types(prefix: str, node: DictConfig) -> None:
             params = {}
         for name, param in params.items():
             default = param.default
-            if name not in node or isinstance(default, bool) or not isinstance(default, (int, float)):
+            if (name not in node or isinstance(default, bool) or not isinstance(default, (int, float))
+                    or OmegaConf.is_interpolation(node, name)):
                 continue
             value = node[name]
             if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -302,7 +315,7 @@ def check_parts(cfg: DictConfig, module: Any, trainer: pl.Trainer, datamodule: A
 
     from lightning_fastscale._validation import positive_int
 
-    if cfg.get("optimizer"):
+    if cfg.get("optimizer") and hasattr(module, "optimizer_factory"):  # a module of the user's own makes its own
         with setting_errors("optimizer", cfg.optimizer):
             module.optimizer_factory([torch.nn.Parameter(torch.zeros(1))])
     # Lightning's Trainer takes 0 without a check, and divides by it at fit.

@@ -14,14 +14,18 @@ import shutil
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 from lightning_fastscale.exit_codes import ExitCode, exit_code_for
 from lightning_fastscale.run_folder import LOCK_NAME
 
 log = logging.getLogger("lightning_fastscale.train")
 
-__all__ = ["HYDRA_FILES", "end_run", "log_to_run_folder", "remove_run_folder_if_unused", "report"]
+__all__ = ["HYDRA_FILES", "end_run", "finish_wandb", "log_to_run_folder", "remove_run_folder_if_unused", "report",
+           "report_metric_locations"]
 
 _LIBRARY_LOGGERS = ("lightning.pytorch", "lightning.fabric")
 """Lightning's loggers keep their own console handler and do not propagate to the root logger."""
@@ -36,6 +40,34 @@ def report(line: str) -> None:
         log.info(line)
     else:
         print(line)
+
+
+def report_metric_locations(trainer: pl.Trainer) -> None:
+    """Name where each logger wrote the run's metrics (rank 0)."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
+
+    if not trainer.is_global_zero:
+        return
+    for logger in trainer.loggers:
+        if isinstance(logger, CSVLogger):
+            report(f"metrics written to {Path(logger.log_dir) / 'metrics.csv'}")
+        elif isinstance(logger, TensorBoardLogger):
+            report(f"metrics written to {logger.log_dir} (TensorBoard)")
+        elif not isinstance(logger, WandbLogger):  # W&B says where when its run finishes
+            report(f"metrics written by {type(logger).__name__} to {logger.save_dir}")
+
+
+def finish_wandb(trainer: pl.Trainer) -> None:
+    """Close the W&B run on rank zero, naming where it was written."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    if isinstance(trainer.logger, WandbLogger) and trainer.is_global_zero:
+        import wandb
+
+        run = wandb.run
+        if run is not None:
+            report(f"W&B run written to {Path(run.dir).parent}" + (" (offline)" if run.offline else ""))
+        wandb.finish()
 
 
 def log_to_run_folder() -> list[logging.FileHandler]:

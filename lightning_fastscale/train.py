@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from importlib.resources import files as package_files
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +28,9 @@ import lightning_fastscale  # noqa: F401  (registers strategies, models and the 
 from . import checkpointing
 from .callbacks.exact_resume import WorldSizeChangeError
 from .checkpoint_io import AtomicCheckpointIO
-from .config_check import ConfigError, check_composed, check_group_names, check_parts, setting_errors
+from .config_check import ConfigError, check_composed, check_group_names, check_parts, config_names, setting_errors
 from .module import ImageClassifier
-from .run_log import end_run, log_is_empty, log_to_run_folder, report
+from .run_log import end_run, finish_wandb, log_is_empty, log_to_run_folder, report, report_metric_locations
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +147,23 @@ def resolve_resume(cfg: DictConfig) -> str | None:
     return checkpointing.resume_point(_checkpoint_folders(cfg))
 
 
+def taken_by(node: DictConfig, links: dict[str, Any]) -> dict[str, Any]:
+    """The ``links`` the class of ``node`` accepts (all of them if it takes ``**kwargs``); refuses a missing ``num_classes``."""
+    import inspect
+
+    from hydra.utils import get_method
+
+    params = inspect.signature(get_method(node._target_)).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        accepted = dict(links)
+    else:
+        accepted = {k: v for k, v in links.items() if k in params and k not in node}
+    if "num_classes" in accepted and accepted["num_classes"] is None:
+        raise ConfigError(f"model={node._target_} takes num_classes, but the datamodule has no num_classes "
+                          "attribute: give model.num_classes=<classes> or add the attribute", key="model.num_classes")
+    return {k: v for k, v in accepted.items() if v is not None or k != "num_classes"}
+
+
 def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.Trainer]:
     """Instantiate the datamodule, module and Trainer that ``cfg`` describes (no fitting).
 
@@ -158,16 +174,16 @@ def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.
     check_composed(cfg)
     with setting_errors("data", cfg.data):
         datamodule = instantiate(cfg.data)
-    num_classes = getattr(datamodule, "num_classes", None)
-    if num_classes is None:
-        raise ValueError(f"{type(datamodule).__name__} has no num_classes attribute; the classifier needs it")
+    # the links between groups, passed to the model where its class takes them (a user's own
+    # module given by _target_ may take none): the classifier's outputs are the data's classes
+    links = {"num_classes": getattr(datamodule, "num_classes", None)}
     with setting_errors("optimizer", cfg.get("optimizer")):
         optimizer = instantiate(cfg.optimizer) if cfg.get("optimizer") else None
     with setting_errors("scheduler", cfg.get("scheduler")):
         scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
-    # the one link between groups: the classifier's outputs are the datamodule's classes
+    links.update(optimizer=optimizer, scheduler=scheduler)
     with setting_errors("model", cfg.model):
-        module = instantiate(cfg.model, num_classes=num_classes, optimizer=optimizer, scheduler=scheduler)
+        module = instantiate(cfg.model, **taken_by(cfg.model, links))
     callbacks = []
     for name, node in (cfg.get("callbacks") or {}).items():
         if node:
@@ -194,24 +210,6 @@ def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.
     return datamodule, module, trainer
 
 
-# -- the run's summary: samples/s, where the metrics went -----------------------------------------
-
-
-def report_metric_locations(trainer: pl.Trainer) -> None:
-    """Name where each logger wrote the run's metrics (rank 0)."""
-    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
-
-    if not trainer.is_global_zero:
-        return
-    for logger in trainer.loggers:
-        if isinstance(logger, CSVLogger):
-            report(f"metrics written to {Path(logger.log_dir) / 'metrics.csv'}")
-        elif isinstance(logger, TensorBoardLogger):
-            report(f"metrics written to {logger.log_dir} (TensorBoard)")
-        elif not isinstance(logger, WandbLogger):  # W&B says where when its run finishes
-            report(f"metrics written by {type(logger).__name__} to {logger.save_dir}")
-
-
 def train(cfg: DictConfig) -> float | None:
     """Fit the configured model; return the final value of ``cfg.monitor`` (or None).
 
@@ -235,7 +233,7 @@ def train(cfg: DictConfig) -> float | None:
         ) from error
     finally:
         report_metric_locations(trainer)
-        _finish_wandb(trainer)
+        finish_wandb(trainer)
     value = trainer.callback_metrics.get(cfg.monitor)
     if value is None:
         log.warning("metric %s was not logged; nothing to return", cfg.monitor)
@@ -245,27 +243,7 @@ def train(cfg: DictConfig) -> float | None:
     return float(value)
 
 
-def _finish_wandb(trainer: pl.Trainer) -> None:
-    from lightning.pytorch.loggers import WandbLogger
-
-    if isinstance(trainer.logger, WandbLogger) and trainer.is_global_zero:
-        import wandb
-
-        run = wandb.run
-        if run is not None:
-            report(f"W&B run written to {Path(run.dir).parent}" + (" (offline)" if run.offline else ""))
-        wandb.finish()
-
-
 # -- the console entry point: the run folder's log, each failure one line and its exit status ---
-
-
-def config_names(config: str = "train") -> list[str]:
-    """The top-level names a ``fastscale-train`` override may set: the config groups and the keys of ``<config>.yaml``."""
-    conf = package_files("lightning_fastscale.conf")
-    groups = [p.name for p in conf.iterdir() if p.is_dir() and not p.name.startswith("_")]
-    keys = [str(k) for k in OmegaConf.create((conf / f"{config}.yaml").read_text()) if k != "defaults"]
-    return sorted({*groups, *keys})
 
 
 @hydra.main(version_base="1.3", config_path="pkg://lightning_fastscale.conf", config_name="train")

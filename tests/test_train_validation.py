@@ -20,7 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
 from lightning_fastscale import train
-from lightning_fastscale.config_check import ConfigError, check_group_names
+from lightning_fastscale.config_check import ConfigError, check_group_names, config_names
 
 TINY = ["data.batch_size=16", "trainer.accelerator=cpu"]
 PROCEDURAL = ["data.train_size=64", "data.val_size=32"]
@@ -28,7 +28,7 @@ PROCEDURAL = ["data.train_size=64", "data.val_size=32"]
 
 def default_data(overrides: list[str]) -> list[str]:
     """The small procedural data set, unless the overrides choose another data group."""
-    return [] if any(o.startswith("data=") for o in overrides) else PROCEDURAL
+    return [] if any(o.startswith(("data=", "~data")) for o in overrides) else PROCEDURAL
 
 
 def _build(overrides: list[str], run_dir: Path):
@@ -111,9 +111,9 @@ def test_bad_setting_is_refused_by_its_hydra_key_before_side_effects(tmp_path, m
 
 def test_misspelt_group_names_the_nearest_before_hydra_starts():
     with pytest.raises(ConfigError, match=r"^precison: no config group or key .*did you mean precision=lars_bf16\?$"):
-        check_group_names(["trainer.max_epochs=1", "precison=lars_bf16"], train.config_names())
+        check_group_names(["trainer.max_epochs=1", "precison=lars_bf16"], config_names())
     check_group_names(["precision=lars_bf16", "+trainer.limit_train_batches=2", "hydra/launcher=slurm", "-m", "seed=1"],
-                      train.config_names())  # real names, additions and flags pass
+                      config_names())  # real names, additions and flags pass
 
 
 def test_fp16_on_a_cpu_builds_with_a_warning_naming_bf16(tmp_path, monkeypatch, caplog):

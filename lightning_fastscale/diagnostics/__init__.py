@@ -11,7 +11,11 @@ from lightning_fastscale.diagnostics.step_breakdown import (
     summarize_steps,
     write_report,
 )
-from lightning_fastscale.diagnostics.step_breakdown_callback import FabricStepBreakdown, StepBreakdown
+from lightning_fastscale.diagnostics.step_breakdown_callback import (
+    FabricStepBreakdown,
+    InputTimingProfiler,
+    StepBreakdown,
+)
 from lightning_fastscale.diagnostics.step_timer import MARKS, StepTimer, StepTimes
 
 __all__ = [
@@ -20,6 +24,7 @@ __all__ = [
     "VERDICTS",
     "BreakdownSummary",
     "FabricStepBreakdown",
+    "InputTimingProfiler",
     "RankTotals",
     "StepBreakdown",
     "StepTimer",
