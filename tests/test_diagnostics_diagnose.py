@@ -64,6 +64,6 @@ def test_the_hydra_target_route_builds_the_users_own_classes(tmp_path, monkeypat
     from tests.test_train_validation import _build
 
     monkeypatch.setenv("WANDB_MODE", "offline")
-    datamodule, module, trainer = _build(TARGET_ROUTE, tmp_path / "run")
+    datamodule, module, trainer = _build(TARGET_ROUTE, tmp_path / "run", base=["trainer.accelerator=cpu"])
     assert isinstance(module, OutsideModule) and isinstance(datamodule, OutsideData)
     assert module.net[1].out_features == 32 and trainer.max_epochs is not None

@@ -112,6 +112,35 @@ def test_the_plain_ddp_line_agrees_with_the_table_it_sits_under(times, planner_p
     assert line in [x.strip() for x in render_report(diagnosis_of(m)).splitlines()]
 
 
+def _scores(input: float, compute: float) -> dict[str, float]:
+    return {"input": input, "compute": compute, "communication": 0.0, "straggler": 0.0}
+
+
+def test_a_margin_inside_the_windows_spread_is_too_close_to_call():
+    parts = [_parts(input=0.052, compute=0.050)]
+    flips = diagnosis_of(Measurements(parts=parts, batch_size=8,
+                                      window_scores=[_scores(0.06, 0.05), _scores(0.04, 0.05), _scores(0.055, 0.05)]))
+    assert flips.verdict.too_close_to_call and flips.verdict.reason.startswith(
+        "input or compute: too close to call on this machine")
+    assert "INPUT OR COMPUTE: TOO CLOSE TO CALL" in render_report(flips)
+    assert json.loads(dumps(flips))["too_close_to_call"] is True
+    steady = diagnosis_of(Measurements(parts=parts, batch_size=8,
+                                       window_scores=[_scores(0.06, 0.05), _scores(0.052, 0.05), _scores(0.055, 0.05)]))
+    assert steady.verdict.bottleneck == "input" and not steady.verdict.too_close_to_call
+
+
+def test_probes_more_than_2x_from_the_run_are_named_as_outside_load():
+    # the case: compute alone 64 ms against 522 ms inside the run; loader 922 images/s against ~6,000 implied
+    m = Measurements(parts=[_parts(input=0.0053, compute=0.522)], batch_size=32, compute_alone_s=0.064,
+                     loader_images_per_s={0: 922.0}, num_workers=0)
+    notes = diagnosis_of(m).notes
+    assert len(notes) == 2 and all("other processes were loading this machine" in n for n in notes)
+    assert "64.0 ms per step against 522.0 ms" in notes[0] and "922 images/s" in notes[1]
+    agree = Measurements(parts=[_parts(input=0.0053, compute=0.10)], batch_size=32, compute_alone_s=0.09,
+                         loader_images_per_s={0: 5000.0}, num_workers=0)
+    assert diagnosis_of(agree).notes == []
+
+
 def test_compute_bound_step_takes_only_variants_measured_faster():
     m = Measurements(parts=[_parts(input=0.01, compute=0.5, optimizer=0.05)], batch_size=64, compute_alone_s=0.55,
                      compute_variants={"precision=bf16_mixed model.channels_last=true": 0.25})

@@ -28,13 +28,13 @@ PROCEDURAL = ["data.train_size=64", "data.val_size=32"]
 
 def default_data(overrides: list[str]) -> list[str]:
     """The small procedural data set, unless the overrides choose another data group."""
-    return [] if any(o.startswith(("data=", "~data")) for o in overrides) else PROCEDURAL
+    return [] if any(o.startswith("data=") for o in overrides) else PROCEDURAL
 
 
-def _build(overrides: list[str], run_dir: Path):
+def _build(overrides: list[str], run_dir: Path, base: list[str] | None = None):
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="lightning_fastscale.conf", version_base="1.3"):
-        cfg = compose("train", return_hydra_config=True, overrides=[*TINY, *default_data(overrides), *overrides])
+        cfg = compose("train", return_hydra_config=True, overrides=[*(base if base is not None else [*TINY, *default_data(overrides)]), *overrides])
     with open_dict(cfg):
         cfg.hydra.runtime.output_dir = str(run_dir)
     HydraConfig.instance().set_config(cfg)

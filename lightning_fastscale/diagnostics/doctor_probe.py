@@ -369,7 +369,7 @@ def diagnose(trainer: pl.Trainer, model: pl.LightningModule, datamodule: pl.Ligh
         StepBreakdown(every_n_steps=max(1, steps // WINDOWS), warmup_steps=warmup_steps, plot=False, print_table=False),
         probe,
     ])
-    trainer.fit_loop.max_steps = warmup_steps + steps  # a measured run, however long the Trainer's own
+    trainer.fit_loop.epoch_loop.max_steps = warmup_steps + steps  # a measured run, however long the Trainer's own
     trainer.fit_loop.max_epochs = -1
     trainer.limit_val_batches = 0
     trainer.num_sanity_val_steps = 0
