@@ -20,6 +20,8 @@ MODULES = [
     "lightning_fastscale.callbacks.ghost_batch_norm",
     "lightning_fastscale.diagnostics.step_breakdown",
     "lightning_fastscale.diagnostics.step_timer",
+    "lightning_fastscale.diagnostics.step_breakdown_callback",
+    "lightning_fastscale.exit_codes",
     "lightning_fastscale.checkpoint_io",
     "lightning_fastscale.run_folder",
     "lightning_fastscale.strategies.planning",
