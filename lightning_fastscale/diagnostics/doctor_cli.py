@@ -27,6 +27,7 @@ from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from lightning_fastscale.config_check import ConfigError, check_group_names, config_names
 from lightning_fastscale.diagnostics.doctor import WINDOWS, Diagnosis, diagnosis_of
 from lightning_fastscale.diagnostics.doctor_probe import DoctorProbe
 from lightning_fastscale.diagnostics.doctor_report import dumps, plot_report, render_report
@@ -202,6 +203,11 @@ def _is_global_zero() -> bool:
 def main() -> None:
     """Console entry point: ``fastscale-doctor [--verify] [--json] [group=option ...] [key=value ...]``."""
     sys.argv = [FLAGS.get(arg, arg) for arg in sys.argv]
+    try:
+        check_group_names(sys.argv[1:], sorted({*config_names("train"), *config_names("doctor")}))
+    except ConfigError as error:
+        print(f"fastscale-doctor: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
     _hydra_main()
 
 
