@@ -10,12 +10,18 @@ callback's own work directly (its step hooks, including the all-gather windows, 
 gradient hook call) and reports it as a share of the step: an overhead bound that does not
 depend on comparing two noisy runs.
 
-    python benchmarks/step_breakdown_overhead.py --repeats 5 --steps 40
+Each fit runs in a fresh process (``--same-process`` to run them all in this one: the arms then
+share a heap that grows fit after fit, which in one measurement made the later repeats drift).
+
+    python benchmarks/step_breakdown_overhead.py --repeats 8 --steps 40 --batch 32 --resolution 24
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
 import time
 
 import lightning.pytorch as pl
@@ -91,6 +97,16 @@ def fit_once(with_breakdown: bool, steps: int, every: int, model_name: str, batc
     return steps, ((self_time.seconds, self_time.cpu_seconds) if self_time is not None else None)
 
 
+def fit_in_fresh_process(arm: bool, args: argparse.Namespace) -> tuple[list[tuple[float, float]], tuple[float, float] | None]:
+    """`fit_once` in a new Python process: no arm inherits the other's heap, caches or leftover objects."""
+    cmd = [sys.executable, __file__, "--one-fit", "with" if arm else "without", "--steps", str(args.steps),
+           "--every", str(args.every), "--model", args.model, "--batch", str(args.batch),
+           "--resolution", str(args.resolution), "--threads", str(args.threads)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    steps, own = json.loads(out.strip().splitlines()[-1])
+    return [tuple(s) for s in steps], (tuple(own) if own is not None else None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -101,15 +117,24 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--resolution", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--same-process", action="store_true",
+                        help="run every fit in this process (the arms then share one heap; the default is a fresh "
+                             "process per fit)")
+    parser.add_argument("--one-fit", choices=("with", "without"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.one_fit:
+        print(json.dumps(fit_once(args.one_fit == "with", args.steps, args.every, args.model, args.batch,
+                                  args.resolution)))
+        return
     times: dict[tuple[bool, int], list[float]] = {(arm, k): [] for arm in (False, True) for k in (0, 1)}
     ratios: dict[int, list[float]] = {0: [], 1: []}
     self_shares: dict[int, list[float]] = {0: [], 1: []}
     for r in range(args.repeats):
         medians = {}
         for arm in ((False, True) if r % 2 == 0 else (True, False)):
-            all_steps, own = fit_once(arm, args.steps, args.every, args.model, args.batch, args.resolution)
+            all_steps, own = (fit_once(arm, args.steps, args.every, args.model, args.batch, args.resolution)
+                              if args.same_process else fit_in_fresh_process(arm, args))
             if own is not None:  # the callback's own time over the whole fit, against the fit's steps
                 for k in (0, 1):
                     self_shares[k].append(own[k] / sum(s[k] for s in all_steps))

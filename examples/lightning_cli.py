@@ -11,9 +11,13 @@ the callbacks is a command-line flag or a YAML key, built by jsonargparse from t
 
 The YAML selects the hierarchical all-reduce strategy (2 CPU processes as 2 emulated nodes),
 the LARS precision plugin and recipe callbacks. The dataset's class count is linked to the
-model's, so it is given once.
+model's, so it is given once. Each run writes (``config.yaml``, ``checkpoints/``) into a fresh
+folder ``runs/lightning_cli/<date>_<time>`` unless ``--trainer.default_root_dir`` is given.
 """
 from __future__ import annotations
+
+import os
+import time
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
@@ -28,9 +32,16 @@ class FastscaleCLI(LightningCLI):
         parser.link_arguments("data.num_classes", "model.num_classes")
 
 
+def run_folder() -> str:
+    """This run's folder; the ranks Lightning's launcher starts inherit the stamp through the environment."""
+    stamp = os.environ.setdefault("LIGHTNING_CLI_RUN_STAMP", time.strftime("%Y-%m-%d_%H-%M-%S"))
+    return os.path.join("runs", "lightning_cli", stamp)
+
+
 def main(args: list[str] | None = None, run: bool = True) -> FastscaleCLI:
     """Run the CLI on ``args`` (``sys.argv`` when None); ``run=False`` only builds the objects."""
-    return FastscaleCLI(ImageClassifier, ProceduralDataModule, args=args, run=run)
+    return FastscaleCLI(ImageClassifier, ProceduralDataModule, args=args, run=run,
+                        trainer_defaults={"default_root_dir": run_folder()})
 
 
 if __name__ == "__main__":

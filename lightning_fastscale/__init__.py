@@ -32,6 +32,7 @@ from .callbacks import (
     ZeroInitResidualBN,
 )
 from .data import ImageFolderDataModule, ProceduralDataModule, ProceduralShapes
+from .diagnostics.doctor_probe import diagnose
 from .models import create_model, register_model
 from .module import ImageClassifier
 from .param_groups import is_excluded, param_groups_without_decay, split_parameters
@@ -55,6 +56,7 @@ __all__ = [
     "WarmupDecayLR",
     "ZeroInitResidualBN",
     "create_model",
+    "diagnose",
     "is_excluded",
     "param_groups_without_decay",
     "register_model",

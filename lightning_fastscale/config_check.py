@@ -10,13 +10,22 @@ any other exception is a bug and keeps its traceback.
 from __future__ import annotations
 
 import contextlib
+import difflib
+import inspect
+import logging
 import re
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from importlib.resources import files as package_files
+from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
-__all__ = ["ConfigError", "setting_errors", "show", "translate"]
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ConfigError", "check_composed", "check_group_names", "check_parts", "config_names", "setting_errors", "show", "translate"]
 
 # torch.optim words its refusals without the argument's name ("Invalid learning rate: -1").
 _TORCH_PHRASES: tuple[tuple[str, str, str], ...] = (
@@ -122,7 +131,7 @@ def _hydra_literal(written: str) -> str:
     return written
 
 
-def translate(error: BaseException, prefix: str, node: Any = None) -> ConfigError:
+def translate(error: BaseException, prefix: str, node: Any = None, also: dict[str, Any] | None = None) -> ConfigError:
     """``error`` (a library's refusal of one of its arguments) re-worded with Hydra keys.
 
     Args:
@@ -134,6 +143,8 @@ def translate(error: BaseException, prefix: str, node: Any = None) -> ConfigErro
             ``HierarchicalAllReduceStrategy.bucket_cap_mb``) by ``strategy.bucket_cap_mb=-5``.
             Other arguments the message names as ``name=value`` get their keys too, their Python
             values written as on the command line (``compile=True`` as ``model.compile=true``).
+        also: more groups whose keys the message may name after the first (``{"trainer": cfg.trainer}``
+            turns ``max_epochs=1`` into ``trainer.max_epochs=1``).
 
     Returns:
         A [`ConfigError`][lightning_fastscale.config_check.ConfigError] whose one-line message starts with ``<key>=<value>`` when the
@@ -142,12 +153,20 @@ def translate(error: BaseException, prefix: str, node: Any = None) -> ConfigErro
     error = _root_error(error)
     message = " ".join(str(error).split())  # one line
     leaves = _leaves(node, prefix) if node is not None else {}
+    others = dict(leaves)
+    for group, extra in (also or {}).items():
+        for leaf, item in _leaves(extra, group).items():
+            others.setdefault(leaf, item)
     best: tuple[int, str, bool] | None = None
-    for assigned in (True, False):
-        for leaf in leaves:
-            match = re.search(_mention(leaf, assigned), message)
-            if match and (best is None or match.start() < best[0]):
-                best = (match.start(), leaf, assigned)
+    for assigned in (True, False):  # name=value first, and the group's own keys before `also`'s
+        for names in (leaves, others):
+            for leaf in names:
+                match = re.search(_mention(leaf, assigned), message)
+                if match and (best is None or match.start() < best[0]):
+                    best = (match.start(), leaf, assigned)
+            if best is not None:
+                leaves = names
+                break
         if best is not None:
             break
     fix = ""
@@ -165,7 +184,7 @@ def translate(error: BaseException, prefix: str, node: Any = None) -> ConfigErro
         message = re.sub(_mention(leaf, True), lambda _: f"{key}={show(value)}", message, count=1)
     elif re.search(rf"(?<![\w.]){re.escape(key)}(?!\w)", message) is None:
         message = re.sub(rf"(?<![\w.])(?:\w+\.)?{re.escape(leaf)}(?!\w)", key, message, count=1)
-    for other, (other_key, _) in leaves.items():
+    for other, (other_key, _) in others.items():
         if other != leaf:
             message = re.sub(
                 rf"(?<![\w.])(?:\w+\.)?{re.escape(other)}=({_VALUE})",
@@ -179,7 +198,7 @@ def translate(error: BaseException, prefix: str, node: Any = None) -> ConfigErro
 
 
 @contextlib.contextmanager
-def setting_errors(prefix: str, node: Any = None) -> Iterator[None]:
+def setting_errors(prefix: str, node: Any = None, also: dict[str, Any] | None = None) -> Iterator[None]:
     """Turn a library's refusal of an argument, raised inside the block, into a [`ConfigError`][lightning_fastscale.config_check.ConfigError].
 
     ``ValueError`` (and Lightning's ``MisconfigurationException``) is the refusal of a value,
@@ -200,4 +219,216 @@ def setting_errors(prefix: str, node: Any = None) -> Iterator[None]:
         )
         if not is_refusal:
             raise
-        raise translate(root, prefix, node) from root
+        raise translate(root, prefix, node, also) from root
+
+
+# -- the command line and the composed config, before anything is built -----------------------
+
+
+def config_names(config: str = "train") -> list[str]:
+    """The top-level names a ``fastscale-train`` override may set: the config groups and the keys of ``<config>.yaml``."""
+    conf = package_files("lightning_fastscale.conf")
+    groups = [p.name for p in conf.iterdir() if p.is_dir() and not p.name.startswith("_")]
+    keys = [str(k) for k in OmegaConf.create((conf / f"{config}.yaml").read_text()) if k != "defaults"]
+    return sorted({*groups, *keys})
+
+
+def check_group_names(overrides: Sequence[str], known: Sequence[str]) -> None:
+    """Refuse an override whose top-level name is no group or key (``precison=...``), naming the nearest.
+
+    Hydra's own message for it advises appending the unknown key with ``+``, which would only
+    add an unused setting. Overrides that add (``+``) or delete (``~``) keys, flags and
+    ``hydra.*`` are left to Hydra.
+    """
+    for override in overrides:
+        if override.startswith(("-", "+", "~")) or "=" not in override:
+            continue
+        name = re.split(r"[.@/]", override.split("=", 1)[0], maxsplit=1)[0]
+        if name in known or name == "hydra":
+            continue
+        near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        fix = f"did you mean {override.replace(name, near[0], 1)}?" if near else f"the names are: {', '.join(sorted(known))}"
+        raise ConfigError(f"{name}: no config group or key of that name ({override}); {fix}", key=name)
+
+
+def check_composed(cfg: DictConfig) -> None:
+    """What the composed config alone shows: values left missing (``???``) and numbers given as text."""
+    groups = [g for g in map(str, cfg) if g != "hydra" and not OmegaConf.is_interpolation(cfg, g)]
+    # unresolved: an interpolation may need Hydra's runtime (``${hydra:job.name}``)
+    missing = _missing({g: OmegaConf.to_container(cfg, resolve=False)[g] for g in groups}, "")
+    if missing:
+        raise ConfigError(
+            f"{missing[0]} has no value (??? in its config): give it on the command line, e.g. "
+            f"{missing[0]}=<value>" + (f" (also missing: {', '.join(missing[1:])})" if missing[1:] else ""),
+            key=missing[0],
+        )
+    for group in groups:
+        if not OmegaConf.is_missing(cfg, group) and isinstance(cfg[group], DictConfig):
+            _check_number_types(group, cfg[group])
+
+
+def _missing(node: Any, prefix: str) -> list[str]:
+    if node == "???":
+        return [prefix]
+    if isinstance(node, dict):
+        return [k for key, child in node.items() for k in _missing(child, f"{prefix}.{key}" if prefix else str(key))]
+    return []
+
+
+def _check_number_types(prefix: str, node: DictConfig) -> None:
+    """An argument whose default is a number (not a bool) given a value that is not one (``optimizer.lr=abc``)."""
+    from hydra.utils import get_method
+
+    target = node.get("_target_") if "_target_" in node else None
+    if isinstance(target, str):
+        try:
+            params = inspect.signature(get_method(target)).parameters
+        except (ImportError, ValueError, TypeError):  # not found here: instantiate names it
+            params = {}
+        for name, param in params.items():
+            default = param.default
+            if (name not in node or isinstance(default, bool) or not isinstance(default, (int, float))
+                    or OmegaConf.is_interpolation(node, name)):
+                continue
+            value = node[name]
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{prefix}.{name}={show(value)} is not a number; give a number, e.g. "
+                                  f"{prefix}.{name}={default}", key=f"{prefix}.{name}")
+    for key, child in node.items():
+        if isinstance(child, DictConfig) and not str(key).startswith("_"):
+            _check_number_types(f"{prefix}.{key}", child)
+
+
+# -- the built parts against each other, before any side effect --------------------------------
+
+
+def check_parts(cfg: DictConfig, module: Any, trainer: pl.Trainer, datamodule: Any = None) -> None:
+    """What only the built parts together can refuse: raises [`ConfigError`][lightning_fastscale.config_check.ConfigError] by Hydra key.
+
+    The optimizer is built once on a stand-in parameter (torch checks its arguments there), the
+    Trainer's clipping and accumulation, the training length against what needs one (an LR
+    schedule), each recipe callback's ``check_trainer`` (all of their refusals at once), the
+    data against one batch, and the strategy's settings against the Trainer's devices and nodes.
+    Warns (does not refuse) about fp16 on a CPU.
+    """
+    import torch
+
+    from lightning_fastscale._validation import positive_int
+
+    if cfg.get("optimizer") and hasattr(module, "optimizer_factory"):  # a module of the user's own makes its own
+        with setting_errors("optimizer", cfg.optimizer):
+            module.optimizer_factory([torch.nn.Parameter(torch.zeros(1))])
+    # Lightning's Trainer takes 0 without a check, and divides by it at fit.
+    with setting_errors("trainer", cfg.trainer):
+        positive_int("accumulate_grad_batches", trainer.accumulate_grad_batches,
+                     hint="batches per optimizer step; 1 steps every batch")
+    clip = trainer.gradient_clip_val
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
+        raise ConfigError(f"trainer.gradient_clip_val={show(clip)} must be a number >= 0 (the largest gradient "
+                          "norm); 0 or null: no clipping", key="trainer.gradient_clip_val")
+    _check_training_length(cfg, trainer)
+    _check_recipe(cfg, trainer)
+    if datamodule is not None:
+        _check_one_batch(cfg, datamodule, trainer)
+    _check_strategy(cfg, trainer)
+    _warn_fp16_on_cpu(cfg, trainer)
+
+
+def _check_training_length(cfg: DictConfig, trainer: pl.Trainer) -> None:
+    if trainer.max_epochs not in (-1, None) or trainer.max_steps != -1:
+        return
+    needs = [f"scheduler={_choice('scheduler', cfg)}"] if cfg.get("scheduler") else []
+    needs += [f"callbacks.{name}" for name, node in (cfg.get("callbacks") or {}).items()
+              if node and str(node.get("_target_", "")).endswith(".WarmupDecayLR") and node.get("total_epochs") is None]
+    if needs:
+        raise ConfigError(
+            f"trainer.max_epochs={trainer.max_epochs} with trainer.max_steps=-1 trains without end, but "
+            f"{' and '.join(needs)} spread the learning rate over the run's length: set trainer.max_epochs to "
+            "a positive number of epochs (or trainer.max_steps), or use scheduler=none",
+            key="trainer.max_epochs",
+        )
+
+
+def _check_recipe(cfg: DictConfig, trainer: pl.Trainer) -> None:
+    """Each configured callback's ``check_trainer`` (the recipe's schedules against the Trainer), all refusals at once."""
+    by_class = {str(node.get("_target_", "")).rsplit(".", 1)[-1]: (name, node)
+                for name, node in (cfg.get("callbacks") or {}).items() if node}
+    errors: list[ConfigError] = []
+    for callback in trainer.callbacks:
+        check = getattr(callback, "check_trainer", None)
+        if not callable(check) or type(callback).__name__ not in by_class:
+            continue
+        name, node = by_class[type(callback).__name__]
+        try:
+            with setting_errors(f"callbacks.{name}", node, also={"trainer": cfg.trainer}):
+                check(trainer)
+        except ConfigError as error:
+            errors.append(error)
+    if errors:
+        raise ConfigError("; ".join(map(str, errors)), key=errors[0].key)
+
+
+def _check_one_batch(cfg: DictConfig, datamodule: Any, trainer: pl.Trainer) -> None:
+    """Refuse a training set smaller than one batch per rank (a run that trains nothing and exits 0)."""
+    train_set = getattr(datamodule, "train_set", None)
+    batch = getattr(datamodule, "train_batch_size", None)
+    if train_set is None or not isinstance(batch, int) or not hasattr(train_set, "__len__"):
+        return  # the datamodule knows its size only at setup (a folder, a stream)
+    if any(type(c).__name__ == "BatchSizeRamp" for c in trainer.callbacks):
+        batch = -(-batch // trainer.world_size)  # the ramp's data.batch_size is the global batch
+    per_rank = len(train_set) // trainer.world_size
+    if per_rank < batch:
+        key = "data.train_size" if "train_size" in cfg.data else "data.batch_size"
+        raise ConfigError(
+            f"{key}={show(cfg.data.get(key.split('.')[1]))}: {len(train_set)} training samples give "
+            f"{per_rank} per rank on {trainer.world_size} rank(s), less than one batch of "
+            f"data.batch_size={batch} (the last incomplete batch is dropped, so nothing would train); "
+            "raise data.train_size or lower data.batch_size", key=key)
+
+
+def _check_strategy(cfg: DictConfig, trainer: pl.Trainer) -> None:
+    from lightning_fastscale._validation import positive_number
+
+    strategy = trainer.strategy
+    node = cfg.get("strategy") if isinstance(cfg.get("strategy"), DictConfig) else None
+    ddp_kwargs = getattr(strategy, "_ddp_kwargs", None) or {}
+    if ddp_kwargs.get("bucket_cap_mb") is not None:
+        with setting_errors("strategy", node):
+            positive_number("bucket_cap_mb", ddp_kwargs["bucket_cap_mb"], hint="DDP's bucket size in MB (25 by default)")
+    check_topology = getattr(strategy, "check_topology", None)
+    if callable(check_topology):
+        try:
+            check_topology()
+        except ValueError as error:
+            ranks_per_node = getattr(strategy, "ranks_per_node", None)
+            world = trainer.num_devices * trainer.num_nodes
+            raise ConfigError(
+                f"strategy.ranks_per_node={show(ranks_per_node)} does not divide the {world} ranks of "
+                f"trainer.devices={trainer.num_devices} x trainer.num_nodes={trainer.num_nodes}: every node "
+                f"must hold the same number of ranks; set strategy.ranks_per_node to a divisor of {world} or "
+                "null (the devices of one machine), or change trainer.devices",
+                key="strategy.ranks_per_node",
+            ) from error
+
+
+def _warn_fp16_on_cpu(cfg: DictConfig, trainer: pl.Trainer) -> None:
+    """fp16 on a CPU is emulated (tens of times slower than bf16); allowed, since the loss scaler's CPU path is tested with it."""
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    if isinstance(trainer.accelerator, CPUAccelerator) and str(trainer.precision).startswith("16"):
+        choice = _choice("precision", cfg) if cfg.get("precision") else f"trainer.precision={trainer.precision}"
+        bf16 = choice.replace("fp16", "bf16") if "fp16" in choice else "precision=bf16_mixed"
+        log.warning("%s on a CPU: fp16 runs emulated there, many times slower than bf16; use %s",
+                    f"precision={choice}" if cfg.get("precision") else choice,
+                    f"precision={bf16}" if "=" not in bf16 else bf16)
+
+
+def _choice(group: str, cfg: DictConfig) -> str:
+    """The option chosen for ``group`` (``cosine`` for ``scheduler=cosine``), as the user wrote it."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        chosen = HydraConfig.get().runtime.choices.get(group)
+        if chosen:
+            return str(chosen)
+    return str(cfg[group].get("_target_", "?")).rsplit(".", 1)[-1]

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
 import hydra
 import lightning.pytorch as pl
-import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
@@ -28,16 +25,15 @@ from omegaconf import DictConfig, OmegaConf
 
 import lightning_fastscale  # noqa: F401  (registers strategies, models and the configs' resolver)
 
-from ._validation import positive_int, positive_number
 from .callbacks.bn_span import BNSpan, bn_span_plan
-from .config_check import ConfigError, setting_errors, show
+from .config_check import ConfigError, check_composed, check_group_names, check_parts, config_names, setting_errors
 from .diagnostics.sweeps import check_objective, objective_value
 from .diagnostics.time_to_accuracy import TimeToAccuracy
 from .faults import checkpoint_reading
 from .faults.atomic_checkpoint_io import AtomicCheckpointIO
 from .faults.exact_resume import WorldSizeChangeError
-from .faults.run_folder_lock import LOCK_NAME
 from .module import ImageClassifier
+from .run_log import end_run, finish_wandb, log_is_empty, log_to_run_folder, report, report_metric_locations
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +150,23 @@ def resolve_resume(cfg: DictConfig) -> str | None:
     return checkpoint_reading.resume_point(_checkpoint_folders(cfg))
 
 
+def taken_by(node: DictConfig, links: dict[str, Any]) -> dict[str, Any]:
+    """The ``links`` the class of ``node`` accepts (all of them if it takes ``**kwargs``); refuses a missing ``num_classes``."""
+    import inspect
+
+    from hydra.utils import get_method
+
+    params = inspect.signature(get_method(node._target_)).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        accepted = dict(links)
+    else:
+        accepted = {k: v for k, v in links.items() if k in params and k not in node}
+    if "num_classes" in accepted and accepted["num_classes"] is None:
+        raise ConfigError(f"model={node._target_} takes num_classes, but the datamodule has no num_classes "
+                          "attribute: give model.num_classes=<classes> or add the attribute", key="model.num_classes")
+    return {k: v for k, v in accepted.items() if v is not None or k != "num_classes"}
+
+
 def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.Trainer]:
     """Instantiate the datamodule, module and Trainer that ``cfg`` describes (no fitting).
 
@@ -161,21 +174,24 @@ def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.
     anything is written or started: a bad setting raises [`ConfigError`][lightning_fastscale.config_check.ConfigError] naming its Hydra
     key, its value and the fix.
     """
+    check_composed(cfg)
     with setting_errors("data", cfg.data):
         datamodule = instantiate(cfg.data)
-    num_classes = getattr(datamodule, "num_classes", None)
-    if num_classes is None:
-        raise ValueError(f"{type(datamodule).__name__} has no num_classes attribute; the classifier needs it")
+    # the links between groups, passed to the model where its class takes them (a user's own
+    # module given by _target_ may take none): the classifier's outputs are the data's classes
+    links = {"num_classes": getattr(datamodule, "num_classes", None)}
     with setting_errors("optimizer", cfg.get("optimizer")):
         optimizer = instantiate(cfg.optimizer) if cfg.get("optimizer") else None
     with setting_errors("scheduler", cfg.get("scheduler")):
         scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
-    # the one link between groups: the classifier's outputs are the datamodule's classes
-    # model.bn_span: BN statistics over that many images, applied by the BNSpan callback
+    links.update(optimizer=optimizer, scheduler=scheduler)
+    # model.bn_span: BN statistics over that many images, applied by the BNSpan callback (not a
+    # model argument); the node is resolved against the whole config before it leaves
+    bn_span = cfg.model.get("bn_span")
     with setting_errors("model", cfg.model):
-        node = OmegaConf.to_container(cfg.model, resolve=True)  # resolved against the whole config
-        bn_span = node.pop("bn_span", None)
-        module = instantiate(node, num_classes=num_classes, optimizer=optimizer, scheduler=scheduler)
+        node = OmegaConf.create(OmegaConf.to_container(cfg.model, resolve=True))
+        node.pop("bn_span", None)
+        module = instantiate(node, **taken_by(node, links))
     callbacks = [] if bn_span is None else [BNSpan(bn_span)]
     for name, node in (cfg.get("callbacks") or {}).items():
         if node:
@@ -198,106 +214,12 @@ def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.
             # every checkpoint written atomically beside its target (no partial file under a final name)
             plugins=[*plugins, AtomicCheckpointIO()],
         )
-    check_parts(cfg, module, trainer)
+    check_parts(cfg, module, trainer, datamodule)
     if bn_span is not None:  # refused here, with the nearest spans that work
         with setting_errors("model", cfg.model):
             bn_span_plan(bn_span, datamodule.train_batch_size, trainer.num_devices * trainer.num_nodes,
                          getattr(trainer.strategy, "ranks_per_node", None) or trainer.num_devices)
     return datamodule, module, trainer
-
-
-# -- checks of the built parts against each other, before any side effect ---------------------
-
-
-def check_parts(cfg: DictConfig, module: ImageClassifier, trainer: pl.Trainer) -> None:
-    """What only the built parts together can refuse: raises [`ConfigError`][lightning_fastscale.config_check.ConfigError] by Hydra key.
-
-    The optimizer is built once on a stand-in parameter (torch checks its arguments there), the
-    training length is checked against what needs one (an LR schedule), and the strategy's
-    settings against the Trainer's devices and nodes.
-    """
-    if cfg.get("optimizer"):
-        with setting_errors("optimizer", cfg.optimizer):
-            module.optimizer_factory([torch.nn.Parameter(torch.zeros(1))])
-    # Lightning's Trainer takes 0 without a check, and divides by it at fit.
-    with setting_errors("trainer", cfg.trainer):
-        positive_int("accumulate_grad_batches", trainer.accumulate_grad_batches,
-                     hint="batches per optimizer step; 1 steps every batch")
-    _check_training_length(cfg, trainer)
-    _check_strategy(cfg, trainer)
-
-
-def _check_training_length(cfg: DictConfig, trainer: pl.Trainer) -> None:
-    if trainer.max_epochs not in (-1, None) or trainer.max_steps != -1:
-        return
-    needs = [f"scheduler={_choice('scheduler', cfg)}"] if cfg.get("scheduler") else []
-    needs += [f"callbacks.{name}" for name, node in (cfg.get("callbacks") or {}).items()
-              if node and str(node.get("_target_", "")).endswith(".WarmupDecayLR") and node.get("total_epochs") is None]
-    if needs:
-        raise ConfigError(
-            f"trainer.max_epochs={trainer.max_epochs} with trainer.max_steps=-1 trains without end, but "
-            f"{' and '.join(needs)} spread the learning rate over the run's length: set trainer.max_epochs to "
-            "a positive number of epochs (or trainer.max_steps), or use scheduler=none",
-            key="trainer.max_epochs",
-        )
-
-
-def _check_strategy(cfg: DictConfig, trainer: pl.Trainer) -> None:
-    strategy = trainer.strategy
-    node = cfg.get("strategy") if isinstance(cfg.get("strategy"), DictConfig) else None
-    ddp_kwargs = getattr(strategy, "_ddp_kwargs", None) or {}
-    if ddp_kwargs.get("bucket_cap_mb") is not None:
-        with setting_errors("strategy", node):
-            positive_number("bucket_cap_mb", ddp_kwargs["bucket_cap_mb"], hint="DDP's bucket size in MB (25 by default)")
-    check_topology = getattr(strategy, "check_topology", None)
-    if callable(check_topology):
-        try:
-            check_topology()
-        except ValueError as error:
-            ranks_per_node = getattr(strategy, "ranks_per_node", None)
-            world = trainer.num_devices * trainer.num_nodes
-            raise ConfigError(
-                f"strategy.ranks_per_node={show(ranks_per_node)} does not divide the {world} ranks of "
-                f"trainer.devices={trainer.num_devices} x trainer.num_nodes={trainer.num_nodes}: every node "
-                f"must hold the same number of ranks; set strategy.ranks_per_node to a divisor of {world} or "
-                "null (the devices of one machine), or change trainer.devices",
-                key="strategy.ranks_per_node",
-            ) from error
-
-
-def _choice(group: str, cfg: DictConfig) -> str:
-    """The option chosen for ``group`` (``cosine`` for ``scheduler=cosine``), as the user wrote it."""
-    if HydraConfig.initialized():
-        chosen = HydraConfig.get().runtime.choices.get(group)
-        if chosen:
-            return str(chosen)
-    return str(cfg[group].get("_target_", "?")).rsplit(".", 1)[-1]
-
-
-# -- the run's summary: samples/s, where the metrics went -----------------------------------------
-
-
-def _report(line: str) -> None:
-    """A summary line, to the console and the run folder's log (Hydra's handlers), else printed."""
-    if logging.getLogger().handlers:
-        log.info(line)
-    else:
-        print(line)
-
-
-def report_metric_locations(trainer: pl.Trainer) -> None:
-    """Name where each logger wrote the run's metrics (rank 0)."""
-    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
-
-    if not trainer.is_global_zero:
-        return
-    for logger in trainer.loggers:
-        if isinstance(logger, CSVLogger):
-            _report(f"metrics written to {Path(logger.log_dir) / 'metrics.csv'}")
-        elif isinstance(logger, TensorBoardLogger):
-            _report(f"metrics written to {logger.log_dir} (TensorBoard)")
-        elif not isinstance(logger, WandbLogger):  # W&B says where when its run finishes
-            _report(f"metrics written by {type(logger).__name__} to {logger.save_dir}")
 
 
 def train(cfg: DictConfig) -> float | None:
@@ -324,121 +246,45 @@ def train(cfg: DictConfig) -> float | None:
             "trainer.devices x trainer.num_nodes", "callbacks.exact_resume.allow_world_size_change=true")) from error
     finally:
         report_metric_locations(trainer)
-        _finish_wandb(trainer)
+        finish_wandb(trainer)
     value = trainer.callback_metrics.get(cfg.monitor)
     if value is None:
         log.warning("metric %s was not logged; nothing to return", cfg.monitor)
         return None
     if trainer.is_global_zero:
-        _report(f"final {cfg.monitor}: {float(value):.4f}")
+        report(f"final {cfg.monitor}: {float(value):.4f}")
     return objective_value(cfg, trainer, float(value))
 
 
-def _finish_wandb(trainer: pl.Trainer) -> None:
-    from lightning.pytorch.loggers import WandbLogger
-
-    if isinstance(trainer.logger, WandbLogger) and trainer.is_global_zero:
-        import wandb
-
-        run = wandb.run
-        if run is not None:
-            _report(f"W&B run written to {Path(run.dir).parent}" + (" (offline)" if run.offline else ""))
-        wandb.finish()
-
-
-# -- the console entry point: the run folder's log, user errors in one line -----------------------
-
-_LIBRARY_LOGGERS = ("lightning.pytorch", "lightning.fabric")
-"""Lightning's loggers keep their own console handler and do not propagate to the root logger."""
-
-HYDRA_FILES = frozenset({".hydra", LOCK_NAME})
-"""What a run writes into its folder before training starts: Hydra's config and the run's claim."""
-
-
-def log_to_run_folder() -> list[logging.FileHandler]:
-    """Send Lightning's log records to the run folder's log file too (Hydra's ``<job>.log``).
-
-    Hydra writes the root logger to the console and to the run folder's ``<job name>.log``; the
-    package's loggers propagate there, Lightning's do not (they print through their own handler),
-    so without this their lines (the strategy's plan, devices, checkpoint notes) never reach the
-    file. Python warnings still print as before and are written to the file too. Returns the file handlers found (none when Hydra's job logging is off).
-    """
-    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
-    for name in _LIBRARY_LOGGERS:
-        logger = logging.getLogger(name)
-        if logger.propagate:
-            continue
-        for handler in files:
-            if handler not in logger.handlers:
-                logger.addHandler(handler)
-    if files and not getattr(warnings.showwarning, "_to_run_folder", False):
-        shown = warnings.showwarning
-
-        def show_and_keep(message: Any, category: type[Warning], filename: str, lineno: int, *args: Any, **kwargs: Any) -> None:
-            shown(message, category, filename, lineno, *args, **kwargs)  # the console, as before
-            _log_to_file_only(files, logging.WARNING, f"{category.__name__}: {message} ({filename}:{lineno})")
-
-        show_and_keep._to_run_folder = True  # type: ignore[attr-defined]
-        warnings.showwarning = show_and_keep
-    return files
-
-
-def _log_to_file_only(files: list[logging.FileHandler], level: int, message: str, exc_info: Any = None) -> None:
-    record = log.makeRecord(log.name, level, __file__, 0, message, (), exc_info)
-    for handler in files:
-        if handler in logging.getLogger().handlers:  # not one closed with a removed run folder
-            handler.handle(record)
-
-
-def remove_run_folder_if_unused(run_dir: Path, log_files: list[logging.FileHandler], log_was_empty: bool) -> bool:
-    """Delete ``run_dir`` when it holds only what Hydra wrote for this very run; True if deleted.
-
-    A run refused for a bad setting has written nothing; its timestamped folder (Hydra's
-    ``.hydra/`` and an empty-at-start log) would only clutter ``outputs/``. A folder holding
-    anything else, or a log with lines from an earlier run, is left as it is.
-    """
-    if not run_dir.is_dir() or not log_was_empty:
-        return False
-    log_names = {Path(h.baseFilename).name for h in log_files if Path(h.baseFilename).parent == run_dir}
-    if any(entry.name not in HYDRA_FILES | log_names for entry in run_dir.iterdir()):
-        return False
-    for handler in log_files:  # nothing may log into the removed folder afterwards
-        for logger in (logging.getLogger(), *map(logging.getLogger, _LIBRARY_LOGGERS)):
-            logger.removeHandler(handler)
-        handler.close()
-    shutil.rmtree(run_dir, ignore_errors=True)
-    return not run_dir.exists()
+# -- the console entry point: the run folder's log, each failure one line and its exit status ---
 
 
 @hydra.main(version_base="1.3", config_path="pkg://lightning_fastscale.conf", config_name="train")
-def main(cfg: DictConfig) -> float | None:
-    """Console entry point: ``fastscale-train [group=option ...] [key=value ...] [-m]``.
-
-    A [`ConfigError`][lightning_fastscale.config_check.ConfigError] (a wrong setting) ends the run with its one-line message on stderr
-    and exit status 2, the run folder removed if nothing was written to it; set
-    ``HYDRA_FULL_ERROR=1`` to see its traceback. Any other error keeps its traceback, which also
-    goes to the run folder's log.
-    """
+def _hydra_main(cfg: DictConfig) -> float | None:
     files = log_to_run_folder()
-    log_was_empty = all(os.path.getsize(h.baseFilename) == 0 for h in files if os.path.exists(h.baseFilename))
+    log_was_empty = log_is_empty(files)
     try:
         return train(cfg)
-    except ConfigError as error:
+    except Exception as error:
         if _is_multirun() or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        _log_to_file_only(files, logging.ERROR, f"fastscale-train: {error}")
-        where = ""
-        if HydraConfig.initialized():
-            run_dir = Path(HydraConfig.get().runtime.output_dir)
-            if remove_run_folder_if_unused(run_dir, files, log_was_empty):
-                where = f" (nothing was written: run folder {run_dir} removed)"
-            else:
-                where = f" (run folder: {run_dir})"
-        print(f"fastscale-train: error: {error}{where}", file=sys.stderr)
+        end_run(error, files, log_was_empty, Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else None)
+
+
+def main() -> float | None:
+    """Console entry point: ``fastscale-train [group=option ...] [key=value ...] [-m]``.
+
+    A misspelt group is refused before Hydra starts. A failure ends the process with one line
+    on stderr (the run folder's log keeps the traceback) and the exit status of its kind
+    (`lightning_fastscale.exit_codes`): 2 for a wrong setting, the run folder removed if nothing
+    was written to it. ``HYDRA_FULL_ERROR=1`` shows the traceback instead.
+    """
+    try:
+        check_group_names(sys.argv[1:], config_names())
+    except ConfigError as error:
+        print(f"fastscale-train: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
-    except Exception:
-        _log_to_file_only(files, logging.ERROR, "fastscale-train failed", exc_info=sys.exc_info())
-        raise
+    return _hydra_main()
 
 
 if __name__ == "__main__":

@@ -15,17 +15,15 @@ import pytest
 import torch
 
 from lightning_fastscale.diagnostics.doctor import (
-    BOTTLENECKS,
     Diagnosis,
     Measurements,
     algorithm_overrides,
-    diagnose,
-    dumps,
-    plot_report,
-    render_report,
+    diagnosis_of,
 )
 from lightning_fastscale.diagnostics.doctor_cli import check_settings, merge_overrides
 from lightning_fastscale.diagnostics.doctor_probe import DoctorProbe, measure_allreduce, measure_compute
+from lightning_fastscale.diagnostics.doctor_report import dumps, plot_report, render_report
+from lightning_fastscale.diagnostics.step_breakdown import VERDICTS
 from lightning_fastscale.diagnostics.step_breakdown_callback import StepBreakdown
 from lightning_fastscale.module import ImageClassifier
 from tests.distributed import run_distributed
@@ -39,25 +37,25 @@ def _parts(input=0.0, compute=0.0, communication=0.0, optimizer=0.0, rest=0.0) -
 def test_input_bound_step_gets_more_workers_with_the_overlap_formula():
     m = Measurements(parts=[_parts(input=0.3, compute=0.1, optimizer=0.02)], batch_size=32,
                      loader_images_per_s={0: 100.0, 2: 190.0, 4: 400.0}, num_workers=0)
-    d = diagnose(m)
+    d = diagnosis_of(m)
     assert d.verdict.bottleneck == "input"
     fix = d.fixes[0]
     assert fix.overrides == ["data.num_workers=4"]
     # workers prefetch during the step: max(step without input wait, batch / loader rate)
     assert fix.predicted_speedup == pytest.approx(0.42 / max(0.12, 32 / 400.0))
     slower = Measurements(parts=m.parts, batch_size=32, loader_images_per_s={0: 100.0, 4: 160.0}, num_workers=0)
-    assert diagnose(slower).fixes[0].predicted_speedup == pytest.approx(0.42 / (32 / 160.0))
+    assert diagnosis_of(slower).fixes[0].predicted_speedup == pytest.approx(0.42 / (32 / 160.0))
 
 
 def test_streaming_max_side_fix_is_an_estimate_with_its_command():
     m = Measurements(parts=[_parts(input=0.3, compute=0.05)], batch_size=32, loader_images_per_s={4: 100.0},
                      num_workers=4, stored_max_side=512, resolution=224, crop_ratio=0.875)
-    fix = next(f for f in diagnose(m).fixes if f.command)
+    fix = next(f for f in diagnosis_of(m).fixes if f.command)
     assert "--max-side 256" in fix.command and "estimate" in fix.basis
     assert fix.predicted_speedup == pytest.approx(0.35 / max(0.05, 32 / (100.0 * (512 / 256) ** 2)))
     # at 0 workers the streaming loader decodes on its background thread: it overlaps the step too
     m.loader_images_per_s, m.num_workers = {0: 100.0}, 0
-    fix = next(f for f in diagnose(m).fixes if f.command)
+    fix = next(f for f in diagnosis_of(m).fixes if f.command)
     assert fix.overrides == [] and fix.predicted_speedup == pytest.approx(0.35 / max(0.05, 32 / 400.0))
 
 
@@ -66,7 +64,7 @@ def test_exposed_communication_gets_the_fastest_measured_allreduce():
     m = Measurements(parts=parts, batch_size=32, grad_bytes=100 << 20, num_nodes=2, ranks_per_node=2,
                      allreduce_s={"flat/fp32": 0.5, "flat/bf16": 0.3, "hier/fp32": 0.35, "hier/bf16": 0.15,
                                   "torus2d/fp32": 0.6})
-    d = diagnose(m)
+    d = diagnosis_of(m)
     assert d.verdict.bottleneck == "communication"
     best = d.fixes[0]
     assert best.overrides == ["strategy=hier_ring", "strategy.wire_dtype=bf16"]
@@ -82,32 +80,86 @@ def test_one_slow_rank_is_the_straggler_named_with_its_host():
     fast = _parts(compute=0.1, communication=0.2, optimizer=0.01)
     slow = _parts(input=0.2, compute=0.1, communication=0.0, optimizer=0.01)
     m = Measurements(parts=[fast, fast, slow, fast], batch_size=32, hosts=["a", "a", "b", "b"])
-    d = diagnose(m)
+    d = diagnosis_of(m)
     assert (d.verdict.bottleneck, d.verdict.straggler_rank, d.verdict.straggler_host) == ("straggler", 2, "b")
     assert "rank 2 on b" in d.verdict.reason
     assert d.fixes[0].overrides == [] and "rank 2 on b" in d.fixes[0].reason
     assert d.fixes[0].predicted_speedup == pytest.approx(m.step_s / (m.step_s - d.verdict.seconds["straggler"]))
 
 
+def test_a_straggler_on_the_one_shared_host_is_not_told_to_leave_the_machine_out():
+    fast, slow = _parts(compute=0.1, communication=0.2), _parts(input=0.2, compute=0.1)
+    one_host = diagnosis_of(Measurements(parts=[fast, slow], batch_size=32, hosts=["a", "a"]))
+    assert one_host.verdict.bottleneck == "straggler"
+    assert "leave that machine out" not in one_host.fixes[0].reason and "this one machine" in one_host.fixes[0].reason
+    two_hosts = diagnosis_of(Measurements(parts=[fast, slow], batch_size=32, hosts=["a", "b"]))
+    assert "leave that machine out" in two_hosts.fixes[0].reason
+
+
+@pytest.mark.parametrize(("times", "planner_plain", "line"), [
+    # plain DDP measured fastest, the planner's fit predicted otherwise
+    ({"flat/fp32": 0.0020, "flat/bf16": 0.0053}, False,
+     "plain DDP (flat/fp32) is within 5% of the best measured (but the planner predicts otherwise: "
+     "strategy=hier_auto installs one)"),
+    ({"flat/fp32": 0.0020, "flat/bf16": 0.0053}, True,
+     "plain DDP (flat/fp32) is within 5% of the best measured (and the planner agrees: strategy=hier_auto installs no hook)"),
+    ({"flat/fp32": 0.9294, "hier/bf16": 0.4163}, False,
+     "plain DDP (flat/fp32) is not within 5% of the best measured (and the planner agrees: strategy=hier_auto installs one)"),
+])
+def test_the_plain_ddp_line_agrees_with_the_table_it_sits_under(times, planner_plain, line):
+    m = Measurements(parts=[_parts(compute=0.1, communication=0.01)] * 2, batch_size=8, allreduce_s=times,
+                     planner={"predicted_s": {}, "plain_ddp": planner_plain, "tolerance": 0.05})
+    assert line in [x.strip() for x in render_report(diagnosis_of(m)).splitlines()]
+
+
+def _scores(input: float, compute: float) -> dict[str, float]:
+    return {"input": input, "compute": compute, "communication": 0.0, "straggler": 0.0}
+
+
+def test_a_margin_inside_the_windows_spread_is_too_close_to_call():
+    parts = [_parts(input=0.052, compute=0.050)]
+    flips = diagnosis_of(Measurements(parts=parts, batch_size=8,
+                                      window_scores=[_scores(0.06, 0.05), _scores(0.04, 0.05), _scores(0.055, 0.05)]))
+    assert flips.verdict.too_close_to_call and flips.verdict.reason.startswith(
+        "input or compute: too close to call on this machine")
+    assert "INPUT OR COMPUTE: TOO CLOSE TO CALL" in render_report(flips)
+    assert json.loads(dumps(flips))["too_close_to_call"] is True
+    steady = diagnosis_of(Measurements(parts=parts, batch_size=8,
+                                       window_scores=[_scores(0.06, 0.05), _scores(0.052, 0.05), _scores(0.055, 0.05)]))
+    assert steady.verdict.bottleneck == "input" and not steady.verdict.too_close_to_call
+
+
+def test_probes_more_than_2x_from_the_run_are_named_as_outside_load():
+    # the case: compute alone 64 ms against 522 ms inside the run; loader 922 images/s against ~6,000 implied
+    m = Measurements(parts=[_parts(input=0.0053, compute=0.522)], batch_size=32, compute_alone_s=0.064,
+                     loader_images_per_s={0: 922.0}, num_workers=0)
+    notes = diagnosis_of(m).notes
+    assert len(notes) == 2 and all("other processes were loading this machine" in n for n in notes)
+    assert "64.0 ms per step against 522.0 ms" in notes[0] and "922 images/s" in notes[1]
+    agree = Measurements(parts=[_parts(input=0.0053, compute=0.10)], batch_size=32, compute_alone_s=0.09,
+                         loader_images_per_s={0: 5000.0}, num_workers=0)
+    assert diagnosis_of(agree).notes == []
+
+
 def test_compute_bound_step_takes_only_variants_measured_faster():
     m = Measurements(parts=[_parts(input=0.01, compute=0.5, optimizer=0.05)], batch_size=64, compute_alone_s=0.55,
                      compute_variants={"precision=bf16_mixed model.channels_last=true": 0.25})
-    d = diagnose(m)
+    d = diagnosis_of(m)
     assert d.verdict.bottleneck == "compute"
     assert d.fixes[0].overrides == ["precision=bf16_mixed", "model.channels_last=true"]
     assert d.fixes[0].predicted_speedup == pytest.approx(0.56 / (0.56 - 0.30))
     m.compute_variants = {"precision=bf16_mixed model.channels_last=true": 0.7}  # slower on this device
-    assert diagnose(m).fixes == []
+    assert diagnosis_of(m).fixes == []
 
 
 def test_every_bottleneck_is_reachable_and_report_json_and_png_carry_it(tmp_path):
     m = Measurements(parts=[_parts(compute=0.1, communication=0.4)] * 2, batch_size=8, hosts=["h0", "h1"],
                      allreduce_s={"flat/fp32": 0.5, "flat/bf16": 0.25}, grad_bytes=1 << 20,
                      loader_images_per_s={0: 1000.0}, compute_alone_s=0.1)
-    d = diagnose(m)
+    d = diagnosis_of(m)
     d.fixes[0].measured_speedup, d.fixes[0].verified_step_s = 1.4, 0.36
     doc = json.loads(dumps(d))
-    assert doc["bottleneck"] in BOTTLENECKS and doc["bottleneck"] == "communication"
+    assert doc["bottleneck"] in VERDICTS and doc["bottleneck"] == "communication"
     assert set(doc["breakdown"]) == {"input", "compute", "communication", "optimizer", "rest"}
     assert doc["fixes"][0]["overrides"] == ["strategy=hier_ring", "strategy.algorithm=flat", "strategy.wire_dtype=bf16"]
     assert doc["fixes"][0]["measured_speedup"] == 1.4 and doc["fixes"][0]["predicted_speedup"] > 1
@@ -117,7 +169,7 @@ def test_every_bottleneck_is_reachable_and_report_json_and_png_carry_it(tmp_path
     png = plot_report(d, tmp_path / "doctor.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="no step was measured"):
-        diagnose(Measurements(parts=[], batch_size=1))
+        diagnosis_of(Measurements(parts=[], batch_size=1))
     assert isinstance(d, Diagnosis)
 
 
@@ -132,7 +184,7 @@ def test_fix_overrides_replace_the_command_line_ones():
     assert merged == ["data.num_workers=0", "+trainer.limit_train_batches=9", "strategy=ddp"]
     assert merge_overrides(base, ["data.num_workers=2"])[-2:] == ["+trainer.limit_train_batches=9", "data.num_workers=2"]
     # an all-reduce fix was measured with its own algorithm and wire: the command line's go
-    fix = diagnose(Measurements(parts=[_parts(compute=0.1, communication=0.4)] * 2, batch_size=8,
+    fix = diagnosis_of(Measurements(parts=[_parts(compute=0.1, communication=0.4)] * 2, batch_size=8,
                                 allreduce_s={"flat/fp32": 0.5, "hier/fp32": 0.2})).fixes[0]
     assert fix.overrides == ["strategy=hier_ring"]
     assert merge_overrides(["strategy=hier_ring", "strategy.algorithm=flat", "strategy.wire_dtype=bf16",
@@ -165,7 +217,7 @@ def test_probe_in_a_fit_measures_a_slow_loader_and_names_input(tmp_path):
     assert m.loader_images_per_s[0] < 16 / (16 * 0.003) * 1.05
     assert m.compute_alone_s is not None and m.compute_alone_s > 0
     assert m.grad_bytes == 4 * sum(p.numel() for p in module.parameters())
-    d = diagnose(m)
+    d = diagnosis_of(m)
     assert d.verdict.bottleneck == "input", render_report(d)
     assert dm.num_workers == 0  # the probe restores the configured worker count
     # the GPU variant's code path (bf16 autocast, channels-last copy) on this CPU; the real weights stay

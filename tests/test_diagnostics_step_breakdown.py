@@ -377,3 +377,25 @@ def test_hier_ring_late_inter_node_stage_is_communication(tmp_path):
     c, _ = run_distributed(_hier_worker, 2, str(tmp_path), timeout=240)
     assert c["bottleneck"] == "communication", c
     assert c["phases"]["communication"] >= 0.8 * COMM_DELAY and c["phases"]["compute"] < COMM_DELAY
+
+
+def _plain_trainer_worker(rank: int, world_size: int, tmp: str) -> dict:
+    """A plain ``pl.Trainer`` with Lightning's defaults and ``StepBreakdown()`` without arguments."""
+    os.environ["LOCAL_RANK"] = str(rank)  # the Trainer joins this process group instead of launching
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(4 * 8, 3, 8, 8), torch.randint(0, 4, (4 * 8,)))
+    breakdown = StepBreakdown()
+    trainer = pl.Trainer(accelerator="cpu", devices=2, max_epochs=1, default_root_dir=tmp, callbacks=[breakdown])
+    trainer.fit(_Net(), DataLoader(data, batch_size=8))
+    return {"paths": {k: str(v) for k, v in breakdown.paths.items()}, "log_dir": trainer.log_dir,
+            "steps": breakdown.summary.steps if breakdown.summary else None}
+
+
+def test_no_argument_step_breakdown_on_a_plain_two_rank_trainer(tmp_path):
+    """The report folder is resolved on every rank (``trainer.log_dir`` is a collective)."""
+    r0, r1 = run_distributed(_plain_trainer_worker, 2, str(tmp_path), timeout=180)
+    assert r0["steps"] == r1["steps"] == 1  # 2 steps per rank, the first is warm-up
+    report = Path(r0["paths"]["json"])
+    assert report.parent == Path(r0["log_dir"]) and report.is_relative_to(tmp_path)
+    assert json.loads(report.read_text())["summary"]["steps"] == 1
+    assert r1["paths"] == {}  # only rank zero writes

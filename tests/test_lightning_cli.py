@@ -3,6 +3,7 @@ and the callbacks from ``examples/lightning_cli.yaml`` and trains with them."""
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,19 @@ def test_fit_two_steps_from_the_yaml(tmp_path):
     assert state["global_step"] == 2  # 128 samples / (2 ranks x 64) = 1 step per epoch, 2 epochs
     assert state["lr_schedulers"][0]["T_max"] == 100  # the YAML's CosineAnnealingLR stepped with the run
     assert state["lr_schedulers"][0]["last_epoch"] == 2
+
+
+@pytest.mark.slow  # two short 2-process fits
+def test_the_documented_command_runs_twice_in_the_same_folder(tmp_path):
+    """Each run writes under its own ``runs/lightning_cli/<stamp>`` (config.yaml is never overwritten)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    for _ in range(2):
+        env.pop("LIGHTNING_CLI_RUN_STAMP", None)
+        proc = subprocess.run([sys.executable, str(SCRIPT), "fit", "--config", str(CONFIG), "--trainer.max_steps=1",
+                               "--data.train_size=128", "--data.val_size=64"],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        time.sleep(1.1)  # the stamp has one-second resolution
+    runs = sorted((tmp_path / "runs" / "lightning_cli").iterdir())
+    assert len(runs) == 2 and all((r / "config.yaml").is_file() and list((r / "checkpoints").glob("*.ckpt")) for r in runs)
+    assert not (tmp_path / "config.yaml").exists() and not (tmp_path / "checkpoints").exists()

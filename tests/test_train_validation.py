@@ -20,15 +20,21 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
 from lightning_fastscale import train
-from lightning_fastscale.config_check import ConfigError
+from lightning_fastscale.config_check import ConfigError, check_group_names, config_names
 
-TINY = ["data.train_size=64", "data.val_size=32", "data.batch_size=16", "trainer.accelerator=cpu"]
+TINY = ["data.batch_size=16", "trainer.accelerator=cpu"]
+PROCEDURAL = ["data.train_size=64", "data.val_size=32"]
 
 
-def _build(overrides: list[str], run_dir: Path):
+def default_data(overrides: list[str]) -> list[str]:
+    """The small procedural data set, unless the overrides choose another data group."""
+    return [] if any(o.startswith("data=") for o in overrides) else PROCEDURAL
+
+
+def _build(overrides: list[str], run_dir: Path, base: list[str] | None = None):
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="lightning_fastscale.conf", version_base="1.3"):
-        cfg = compose("train", return_hydra_config=True, overrides=[*TINY, *overrides])
+        cfg = compose("train", return_hydra_config=True, overrides=[*(base if base is not None else [*TINY, *default_data(overrides)]), *overrides])
     with open_dict(cfg):
         cfg.hydra.runtime.output_dir = str(run_dir)
     HydraConfig.instance().set_config(cfg)
@@ -72,6 +78,25 @@ def _build(overrides: list[str], run_dir: Path):
          r"callbacks.label_smoothing.smoothing=2 is outside \[0, 1\]"),
         (["experiment=large_batch", "callbacks.warmup_decay_lr.reference_batch=0"],
          "callbacks.warmup_decay_lr.reference_batch", r"^callbacks.warmup_decay_lr.reference_batch=0 must be a positive"),
+        # the rows of docs/hydra.md's table of checks before launch
+        (["experiment=large_batch", "trainer.max_epochs=1"], "callbacks.warmup_decay_lr.warmup_epochs",
+         r"^callbacks.warmup_decay_lr.warmup_epochs=1 leaves no room for decay before trainer.max_epochs=1; lower"),
+        (["experiment=large_batch", "trainer.devices=3"], None,
+         r"^callbacks.batch_size_ramp: global batch 16 is not divisible by the world size 3 .*use a multiple of 3"),
+        (["experiment=large_batch", "trainer.accumulate_grad_batches=2", "callbacks.warmup_decay_lr.warmup_epochs=0.5"],
+         "trainer.accumulate_grad_batches", r"^trainer.accumulate_grad_batches=2: .*BatchSizeRamp both set gradient accumulation"),
+        (["experiment=large_batch", "trainer.max_epochs=-1", "trainer.max_steps=10", "callbacks.warmup_decay_lr.total_epochs=2"],
+         "trainer.max_epochs", r"^trainer.max_epochs=-1: ProgressiveResizing spreads its resolutions over trainer.max_epochs=-1"),
+        # all the recipe's refusals at once: the warmup and the ramp
+        (["experiment=large_batch", "trainer.max_epochs=1", "trainer.devices=3"], None,
+         r"global batch 16 is not divisible.*; callbacks.warmup_decay_lr.warmup_epochs=1 leaves no room"),
+        (["optimizer.lr=abc"], "optimizer.lr", r"^optimizer.lr=abc is not a number; give a number, e.g. optimizer.lr="),
+        (["optimizer.momentum=-1"], "optimizer.momentum", r"^optimizer.momentum=-1: .*use a momentum in \[0, 1\)"),
+        (["data=imagefolder"], "data.root", r"^data.root has no value .*give it on the command line, e.g. data.root="),
+        (["data.train_size=8"], "data.train_size", r"^data.train_size=8: .*less than one batch of data.batch_size=16"),
+        (["model.model_kwargs.widths=[0,32,64]"], "model.model_kwargs.widths",
+         r"^model.model_kwargs.widths=\[0, 32, 64\] must be channel counts >= 1"),
+        (["trainer.gradient_clip_val=-1"], "trainer.gradient_clip_val", r"^trainer.gradient_clip_val=-1 must be a number >= 0"),
     ],
 )
 def test_bad_setting_is_refused_by_its_hydra_key_before_side_effects(tmp_path, monkeypatch, overrides, key, message):
@@ -84,6 +109,21 @@ def test_bad_setting_is_refused_by_its_hydra_key_before_side_effects(tmp_path, m
     assert not run_dir.exists() and not dist.is_initialized()  # nothing written, no process group
 
 
+def test_misspelt_group_names_the_nearest_before_hydra_starts():
+    with pytest.raises(ConfigError, match=r"^precison: no config group or key .*did you mean precision=lars_bf16\?$"):
+        check_group_names(["trainer.max_epochs=1", "precison=lars_bf16"], config_names())
+    check_group_names(["precision=lars_bf16", "+trainer.limit_train_batches=2", "hydra/launcher=slurm", "-m", "seed=1"],
+                      config_names())  # real names, additions and flags pass
+
+
+def test_fp16_on_a_cpu_builds_with_a_warning_naming_bf16(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    _build(["precision=lars_fp16"], tmp_path / "run")
+    warned = [r.getMessage() for r in caplog.records if "fp16" in r.getMessage()]
+    assert warned == ["precision=lars_fp16 on a CPU: fp16 runs emulated there, many times slower than bf16; "
+                      "use precision=lars_bf16"]
+
+
 def test_good_settings_build(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     _, _, trainer = _build(["strategy=hier_ring", "strategy.bucket_cap_mb=5", "trainer.devices=2",
@@ -91,17 +131,31 @@ def test_good_settings_build(tmp_path, monkeypatch):
     assert trainer.strategy.check_topology().num_nodes == 2
 
 
-def test_console_prints_one_line_exits_2_and_leaves_no_run_folder(tmp_path):
+def _console(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     env.pop("HYDRA_FULL_ERROR", None)
-    proc = subprocess.run(
-        [str(Path(sys.executable).with_name("fastscale-train")), "optimizer.lr=-1"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )
+    return subprocess.run([str(Path(sys.executable).with_name("fastscale-train")), *overrides],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize(("overrides", "line"), [
+    (["optimizer.lr=-1"], "fastscale-train: error: optimizer.lr=-1: Invalid learning rate"),
+    (["data=imagefolder"], "fastscale-train: error: data.root has no value"),  # Hydra's MissingMandatoryValue before
+])
+def test_console_prints_one_line_exits_2_and_leaves_no_run_folder(tmp_path, overrides, line):
+    proc = _console(tmp_path, *overrides)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
-    assert len(errors) == 1 and errors[0].startswith("fastscale-train: error: optimizer.lr=-1: Invalid learning rate")
+    assert len(errors) == 1 and errors[0].startswith(line)
     assert "Traceback" not in proc.stderr + proc.stdout
     assert "run folder" in errors[0] and "removed" in errors[0]
     assert not [p for p in (tmp_path / "outputs").glob("*/*")]  # the timestamped folder is gone
     assert not (tmp_path / "wandb").exists()
+
+
+def test_console_misspelt_group_exits_2_before_any_folder(tmp_path):
+    proc = _console(tmp_path, "precison=lars_bf16")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "fastscale-train: error: precison: no config group or key of that name (precison=lars_bf16); "
+        "did you mean precision=lars_bf16?"], proc.stderr[-2000:]
+    assert not (tmp_path / "outputs").exists()

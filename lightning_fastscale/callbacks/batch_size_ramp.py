@@ -179,6 +179,22 @@ class BatchSizeRamp(Callback):
             self.max_per_device_batch,
         )
 
+    def check_trainer(self, trainer: pl.Trainer) -> list[BatchPlan]:
+        """Every scheduled global batch split over ``trainer``'s processes; raises ``ValueError`` if one cannot be.
+
+        Needs only the Trainer (no datamodule, no fit), so ``fastscale-train`` runs it before launch.
+        """
+        self._world_size = trainer.world_size
+        plans = [self.plan(epoch) for epoch in self.schedule]
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) and "
+                "BatchSizeRamp both set gradient accumulation; remove accumulate_grad_batches "
+                "(BatchSizeRamp accumulates when the per-device share of the global batch exceeds "
+                "max_per_device_batch)"
+            )
+        return plans
+
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Validate the datamodule and every scheduled size before any training step."""
@@ -187,20 +203,12 @@ class BatchSizeRamp(Callback):
         require_protocol(trainer.datamodule, BatchSizeControllable, "BatchSizeRamp")
         self._prepared.reset()
         self._base_lrs = None
-        self._world_size = trainer.world_size
-        plans = [self.plan(epoch) for epoch in self.schedule]
+        plans = self.check_trainer(trainer)
         if any(p.accumulation > 1 for p in plans) and not pl_module.automatic_optimization:
             raise ValueError(
                 "BatchSizeRamp needs gradient accumulation for this schedule (max_per_device_batch="
                 f"{self.max_per_device_batch}), which Lightning only does under automatic "
                 "optimization; raise max_per_device_batch or use automatic optimization"
-            )
-        if trainer.accumulate_grad_batches != 1:
-            raise ValueError(
-                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) and "
-                "BatchSizeRamp both set gradient accumulation; remove accumulate_grad_batches "
-                "(BatchSizeRamp accumulates when the per-device share of the global batch exceeds "
-                "max_per_device_batch)"
             )
         # WarmupDecayLR.setup refuses scale_lr=True beside it, so the check lives there only.
         trainer.reload_dataloaders_every_n_epochs = 1

@@ -158,12 +158,13 @@ class WarmupDecayLR(Callback):
         """Epochs of applied optimizer steps so far (fractional)."""
         return self._progress_before_epoch + self._applied_in_epoch / self._steps_in_epoch
 
-    @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Resolve the schedule length and refuse a second owner of the LR."""
-        if stage != "fit":
-            return
+    def check_trainer(self, trainer: pl.Trainer) -> float:
+        """The schedule's length in epochs on ``trainer``; raises ``ValueError`` if it leaves no room or the LR has two owners.
+
+        Needs only the Trainer (no datamodule, no fit), so ``fastscale-train`` runs it before launch.
+        """
         total = self.total_epochs if self.total_epochs is not None else trainer.max_epochs
+        length = "total_epochs" if self.total_epochs is not None else "max_epochs"
         if total is None or total <= 0:
             raise ValueError(
                 "WarmupDecayLR needs the length of training: set WarmupDecayLR.total_epochs or "
@@ -171,23 +172,29 @@ class WarmupDecayLR(Callback):
             )
         if self.decay != "none" and total <= self.warmup_epochs:
             raise ValueError(
-                f"WarmupDecayLR: warmup_epochs={self.warmup_epochs} leaves no room for decay in "
-                f"{total} epochs; lower warmup_epochs, raise total_epochs/max_epochs, or use "
-                "decay='none'"
+                f"WarmupDecayLR.warmup_epochs={self.warmup_epochs} leaves no room for decay before "
+                f"{length}={total}; lower warmup_epochs, raise {length}, or use decay='none'"
             )
-        self._total = float(total)
-        # A new fit starts the schedule afresh unless a checkpoint is restored after this hook.
-        self._base_lrs = None
-        self._progress_before_epoch = 0.0
-        self._applied_in_epoch = 0
-        self._steps_in_epoch = 1
-        self._skipped_steps = 0
         if any(isinstance(cb, BatchSizeRamp) and cb.scale_lr for cb in trainer.callbacks):
             raise ValueError(
                 "BatchSizeRamp(scale_lr=True) and WarmupDecayLR both set the learning rate; "
                 "set BatchSizeRamp.scale_lr=false and WarmupDecayLR.reference_batch=<batch the "
                 "base LR was tuned for>: WarmupDecayLR then scales by the current global batch"
             )
+        return float(total)
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Resolve the schedule length and refuse a second owner of the LR."""
+        if stage != "fit":
+            return
+        self._total = self.check_trainer(trainer)
+        # A new fit starts the schedule afresh unless a checkpoint is restored after this hook.
+        self._base_lrs = None
+        self._progress_before_epoch = 0.0
+        self._applied_in_epoch = 0
+        self._steps_in_epoch = 1
+        self._skipped_steps = 0
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

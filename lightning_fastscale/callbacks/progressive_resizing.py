@@ -172,6 +172,27 @@ class ProgressiveResizing(Callback):
             self.max_per_device_batch,
         )
 
+    def check_trainer(self, trainer: pl.Trainer) -> dict[int, int]:
+        """The resolution schedule over ``trainer``'s epochs; raises ``ValueError`` if it cannot be made.
+
+        Needs only the Trainer (no datamodule, no fit), so ``fastscale-train`` runs it before launch.
+        """
+        if self.scale_batch and any(isinstance(cb, BatchSizeRamp) for cb in trainer.callbacks):
+            raise ValueError(
+                "ProgressiveResizing(scale_batch=True) and BatchSizeRamp would both set the "
+                "per-device batch size; set ProgressiveResizing.scale_batch=false to keep "
+                "the ramp, or remove BatchSizeRamp"
+            )
+        if self._fixed_schedule is not None:
+            return self._fixed_schedule
+        if not trainer.max_epochs or trainer.max_epochs < 1:
+            raise ValueError(
+                f"ProgressiveResizing spreads its resolutions over max_epochs={trainer.max_epochs}; set "
+                "max_epochs to a number of epochs or give schedule={epoch: resolution}"
+            )
+        return composer_schedule(trainer.max_epochs, self.full_resolution, self.initial_scale,
+                                 self.finish_fraction, self.size_increment)
+
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Resolve the schedule and the mode; validate the datamodule before training."""
@@ -179,17 +200,7 @@ class ProgressiveResizing(Callback):
             return
         self._prepared.reset()
         self._base_batch = self._base_resolution = None
-        self.schedule = self._fixed_schedule
-        if self.schedule is None:
-            if not trainer.max_epochs or trainer.max_epochs < 1:
-                raise ValueError(
-                    "ProgressiveResizing(full_resolution=...) spreads its schedule over "
-                    "Trainer(max_epochs); set max_epochs or give schedule={epoch: resolution}"
-                )
-            self.schedule = composer_schedule(
-                trainer.max_epochs, self.full_resolution, self.initial_scale,
-                self.finish_fraction, self.size_increment,
-            )
+        self.schedule = self.check_trainer(trainer)
         dm = trainer.datamodule
         if self.mode == "auto":
             self._resolved_mode = "datamodule" if isinstance(dm, ResolutionControllable) else "batch"
@@ -206,12 +217,6 @@ class ProgressiveResizing(Callback):
                     "mode='batch' is possible; set scale_batch=false"
                 )
             require_protocol(dm, BatchSizeControllable, "ProgressiveResizing(scale_batch=True)")
-            if any(isinstance(cb, BatchSizeRamp) for cb in trainer.callbacks):
-                raise ValueError(
-                    "ProgressiveResizing(scale_batch=True) and BatchSizeRamp would both set the "
-                    "per-device batch size; set ProgressiveResizing.scale_batch=false to keep "
-                    "the ramp, or remove BatchSizeRamp"
-                )
             self._base_batch = dm.train_batch_size
             self._base_resolution = dm.train_resolution
 

@@ -11,7 +11,11 @@ from lightning_fastscale.diagnostics.step_breakdown import (
     summarize_steps,
     write_report,
 )
-from lightning_fastscale.diagnostics.step_breakdown_callback import FabricStepBreakdown, StepBreakdown
+from lightning_fastscale.diagnostics.step_breakdown_callback import (
+    FabricStepBreakdown,
+    InputTimingProfiler,
+    StepBreakdown,
+)
 from lightning_fastscale.diagnostics.step_timer import MARKS, StepTimer, StepTimes
 from lightning_fastscale.diagnostics.time_to_accuracy import (
     AccuracyClock,
@@ -29,6 +33,7 @@ __all__ = [
     "BreakdownSummary",
     "FabricStepBreakdown",
     "FabricTimeToAccuracy",
+    "InputTimingProfiler",
     "RankTotals",
     "StepBreakdown",
     "StepTimer",

@@ -21,35 +21,29 @@ and everything else; a faster all-reduce saves at most the communication that wa
 """
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-from lightning_fastscale.diagnostics.step_breakdown import PHASES, VERDICTS, BreakdownSummary, RankTotals, summarize
+from lightning_fastscale.diagnostics.step_breakdown import (
+    PHASES,
+    VERDICTS,
+    BreakdownSummary,
+    RankTotals,
+    summarize,
+)
 
 __all__ = [
-    "BOTTLENECKS",
-    "PARTS",
     "Diagnosis",
     "Fix",
     "Measurements",
     "Verdict",
     "algorithm_overrides",
-    "diagnose",
-    "plot_report",
+    "diagnosis_of",
     "propose_fixes",
-    "render_report",
     "verdict_of",
 ]
-
-PARTS: tuple[str, ...] = PHASES
-"""The parts of one optimizer step, seconds each (the step breakdown's split)."""
-
-BOTTLENECKS: tuple[str, ...] = VERDICTS
-"""What the doctor can name as the cause of a slow step (the step breakdown's verdicts)."""
 
 FLAT = "flat/fp32"
 """Label of the baseline all-reduce: one all-reduce over every rank in fp32, what DDP runs."""
@@ -60,7 +54,7 @@ class Measurements:
     """Everything the doctor measured, as plain numbers (seconds, images/s, bytes).
 
     Args:
-        parts: per rank, seconds per step of each of [`PARTS`][lightning_fastscale.diagnostics.doctor.PARTS] (median over the timed steps).
+        parts: per rank, seconds per step of each of [`PHASES`][lightning_fastscale.diagnostics.step_breakdown.PHASES] (median over the timed steps).
         batch_size: samples per rank per step.
         hosts: host name of each rank (to name a straggler's machine).
         grad_bytes: bytes of the model's gradient (fp32).
@@ -79,6 +73,10 @@ class Measurements:
         compute_variants: seconds of compute alone with other settings, keyed by their overrides.
         num_nodes, ranks_per_node: the job's shape.
         backend: ``nccl`` or ``gloo``.
+        compute_alone_runs_s: each repeat of compute alone (``compute_alone_s`` is their median).
+        window_scores: the verdict's scores (seconds per step per cause) of each window of the run
+            after the warm-up: their spread decides whether input and compute are too close to call.
+        threads: torch threads per rank in the run (the probes run with the same).
 
     Examples:
         >>> m = Measurements(parts=[dict(input=0.01, compute=0.1, communication=0.0, optimizer=0.01, rest=0.0)],
@@ -104,6 +102,9 @@ class Measurements:
     num_nodes: int = 1
     ranks_per_node: int = 1
     backend: str = "gloo"
+    compute_alone_runs_s: list[float] = field(default_factory=list)
+    window_scores: list[dict[str, float]] = field(default_factory=list)
+    threads: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -116,7 +117,7 @@ class Measurements:
 
     def rank_step_s(self, rank: int) -> float:
         """Seconds per step of ``rank``: the sum of its parts."""
-        return sum(self.parts[rank].get(p, 0.0) for p in PARTS)
+        return sum(self.parts[rank].get(p, 0.0) for p in PHASES)
 
     @property
     def step_s(self) -> float:
@@ -145,6 +146,7 @@ class Verdict:
     reason: str
     straggler_rank: int | None = None
     straggler_host: str | None = None
+    too_close_to_call: bool = False
 
 
 @dataclass
@@ -176,6 +178,7 @@ class Diagnosis:
     fixes: list[Fix]
     baseline_step_s: float | None = None
     verify_rounds: int = 0
+    notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """The JSON document: ``bottleneck``, ``breakdown`` (seconds per step per part), ``fixes``, and the rest."""
@@ -183,7 +186,9 @@ class Diagnosis:
         summary = m.breakdown()
         return {
             "bottleneck": self.verdict.bottleneck,
+            "too_close_to_call": self.verdict.too_close_to_call,
             "reason": self.verdict.reason,
+            "notes": self.notes,
             "seconds_per_cause": self.verdict.seconds,
             "straggler_rank": self.verdict.straggler_rank,
             "straggler_host": self.verdict.straggler_host,
@@ -214,6 +219,11 @@ def verdict_of(m: Measurements) -> Verdict:
                   f"{seconds['straggler']:.4f} s more than the other ranks' median "
                   f"(in {summary.straggler_phase}); they wait for it in every all-reduce")
         return Verdict(bottleneck, seconds, reason, slow, host)
+    if bottleneck in ("input", "compute") and _input_or_compute_flips(m):
+        reason = (f"input or compute: too close to call on this machine (input {seconds['input']:.4f} s, compute "
+                  f"{seconds['compute']:.4f} s per step; which is larger changes between the {len(m.window_scores)} "
+                  "measured windows)")
+        return Verdict(bottleneck, seconds, reason, too_close_to_call=True)
     reasons = {
         "input": f"waiting for the next batch takes {seconds['input']:.4f} s of the {step:.4f} s step ({share:.0%})",
         "compute": f"forward, backward and optimizer take {seconds['compute']:.4f} s of the {step:.4f} s step ({share:.0%})",
@@ -221,6 +231,48 @@ def verdict_of(m: Measurements) -> Verdict:
                           f"{step:.4f} s step ({share:.0%}), not counting waits for a slower rank"),
     }
     return Verdict(bottleneck, seconds, reasons[bottleneck])
+
+
+def _input_or_compute_flips(m: Measurements) -> bool:
+    """Whether the margin between input and compute is inside their spread: the larger one differs between windows."""
+    margins = [w["input"] - w["compute"] for w in m.window_scores]
+    return len(margins) >= 2 and min(margins) < 0 < max(margins)
+
+
+WINDOWS = 4
+"""Windows the measured steps are split into (each summarised on its own, for the verdict's spread)."""
+
+DISAGREEMENT = 2.0
+"""A probe and the run disagreeing by more than this factor points at load from other processes."""
+
+
+def cross_checks(m: Measurements) -> list[str]:
+    """The probes against the run's own breakdown; a disagreement beyond `DISAGREEMENT` is named as outside load.
+
+    Compute alone against compute (and optimizer) inside the run; without loader workers, the
+    loader's rate against the rate the run's input wait implies.
+
+    Examples:
+        >>> m = Measurements(parts=[dict(input=0.0, compute=0.5, communication=0.0, optimizer=0.0, rest=0.0)],
+        ...                  batch_size=8, compute_alone_s=0.06)
+        >>> cross_checks(m)[0][:60]
+        'compute alone measured 60.0 ms per step against 500.0 ms ins'
+    """
+    notes = []
+    in_run = m.median_part("compute") + m.median_part("optimizer")
+    if m.compute_alone_s and in_run > 0 and max(in_run / m.compute_alone_s, m.compute_alone_s / in_run) > DISAGREEMENT:
+        notes.append(f"compute alone measured {1e3 * m.compute_alone_s:.1f} ms per step against {1e3 * in_run:.1f} ms "
+                     f"inside the run: more than {DISAGREEMENT:.0f}x apart, so other processes were loading this "
+                     "machine during the measurements; rerun on a quiet machine before acting on the verdict")
+    wait = m.median_part("input")
+    rate = m.loader_images_per_s.get(m.num_workers)
+    if m.num_workers == 0 and rate and wait > 0:
+        implied = m.batch_size / wait
+        if max(implied / rate, rate / implied) > DISAGREEMENT:
+            notes.append(f"the loader probe read {rate:.0f} images/s per rank, the run's input wait implies "
+                         f"{implied:.0f}: more than {DISAGREEMENT:.0f}x apart, so other processes were loading this "
+                         "machine during the measurements")
+    return notes
 
 
 _STRATEGY_OF = {"flat": "hier_ring", "hier": "hier_ring", "torus2d": "hier_torus"}
@@ -353,10 +405,14 @@ def _straggler_fixes(m: Measurements, verdict: Verdict) -> list[Fix]:
     step = m.step_s
     saved = min(verdict.seconds["straggler"], step)
     where = f"rank {rank}" + (f" on {verdict.straggler_host}" if verdict.straggler_host else "")
+    if len(set(m.hosts)) > 1:
+        advice = "check its load (other jobs, thermal throttling, a slower device or loader) or leave that machine out of the job"
+    else:  # every rank shares one machine: leaving it out leaves nothing
+        advice = ("every rank runs on this one machine, so check what else loads it (other jobs, a slower "
+                  "device, the threads per rank against its cores)")
     return [Fix(
         [],
-        f"{where} is the straggler: check its load (other jobs, thermal throttling, a slower device or "
-        "loader) or leave that machine out of the job",
+        f"{where} is the straggler: {advice}",
         step / max(step - saved, 1e-12),
         "busy time of the slowest rank against the others' median",
     )]
@@ -374,110 +430,30 @@ def propose_fixes(m: Measurements, verdict: Verdict) -> list[Fix]:
         "compute": _compute_fixes(m),
         "straggler": _straggler_fixes(m, verdict),
     }
-    ordered = found[verdict.bottleneck] + [f for b in BOTTLENECKS if b != verdict.bottleneck for f in found[b]]
+    ordered = found[verdict.bottleneck] + [f for b in VERDICTS if b != verdict.bottleneck for f in found[b]]
     kept = [f for f in ordered if f.predicted_speedup >= MIN_SPEEDUP or (not f.overrides and f.command is None)]
     head = [f for f in kept if f in found[verdict.bottleneck]]
     tail = sorted((f for f in kept if f not in head), key=lambda f: -f.predicted_speedup)
     return sorted(head, key=lambda f: -f.predicted_speedup) + tail
 
 
-def diagnose(m: Measurements) -> Diagnosis:
+def diagnosis_of(m: Measurements) -> Diagnosis:
     """Verdict and fixes of one set of measurements."""
     verdict = verdict_of(m)
-    return Diagnosis(m, verdict, propose_fixes(m, verdict))
+    return Diagnosis(m, verdict, propose_fixes(m, verdict), notes=cross_checks(m))
 
 
-def _fmt_s(seconds: float) -> str:
-    return f"{seconds * 1000:8.1f} ms"
+PLAIN_DDP_TOLERANCE = 0.05
+"""Plain DDP is kept where its all-reduce is within this fraction of the best (the planner's default)."""
 
 
-def render_report(d: Diagnosis) -> str:
-    """The console report: verdict, breakdown (median and slowest rank), measurements, fixes."""
-    m, v = d.measurements, d.verdict
-    slowest = m.breakdown().slowest_rank
-    where = f"{m.num_nodes} node(s) x {m.ranks_per_node}, {m.backend}" if m.world_size > 1 else "one process"
-    lines = [f"fastscale-doctor: {m.world_size} rank(s) on {where}",
-             "", f"bottleneck: {v.bottleneck.upper()}", f"  {v.reason}", ""]
-    lines.append(f"step breakdown (per step)        median rank   slowest rank ({slowest})")
-    for part in PARTS:
-        lines.append(f"  {part:<30}{_fmt_s(m.median_part(part))}    {_fmt_s(m.parts[slowest].get(part, 0.0))}")
-    lines.append(f"  {'step':<30}{_fmt_s(m.step_s)}    {_fmt_s(m.rank_step_s(slowest))}")
-    lines.append(f"  samples/s (all ranks)         {m.batch_size * m.world_size / m.step_s:10.1f}")
-    lines += ["", "seconds per step each cause accounts for:"]
-    lines += [f"  {b:<30}{_fmt_s(v.seconds[b])}" for b in BOTTLENECKS]
-    lines += ["", "measured:"]
-    if m.compute_alone_s is not None:
-        lines.append(f"  compute alone (device-resident batch of {m.batch_size}): {_fmt_s(m.compute_alone_s)}")
-        for overrides, t in m.compute_variants.items():
-            lines.append(f"    with {overrides}: {_fmt_s(t)}")
-    if m.allreduce_s:
-        predicted = (m.planner or {}).get("predicted_s", {})
-        lines.append(f"  all-reduce of the {m.grad_bytes / 2**20:.1f} MiB gradient (configured: {m.configured_allreduce})"
-                     + (", measured | planner on the calibrated link:" if predicted else ":"))
-        for label, t in sorted(m.allreduce_s.items(), key=lambda kv: kv[1]):
-            model = f" | {_fmt_s(predicted[label])}" if label in predicted else ""
-            lines.append(f"    {label:<28}{_fmt_s(t)}{model}")
-        if m.planner is not None:
-            verdict = "within" if m.planner["plain_ddp"] else "not within"
-            lines.append(f"    plain DDP is {verdict} {m.planner['tolerance']:.0%} of the best "
-                         f"(strategy=hier_auto {'installs no hook' if m.planner['plain_ddp'] else 'installs one'})")
-    if m.loader_images_per_s:
-        need = m.batch_size / max(m.step_s - m.median_part("input"), 1e-12)
-        lines.append(f"  loader images/s per rank (the rest of the step consumes {need:.0f}):")
-        for w, rate in sorted(m.loader_images_per_s.items()):
-            mark = "  (configured)" if w == m.num_workers else ""
-            lines.append(f"    {w:>2} workers: {rate:10.1f}{mark}")
-    lines += ["", "fixes:" if d.fixes else "fixes: none of the measured alternatives is predicted to be faster"]
-    for i, f in enumerate(d.fixes, 1):
-        what = " ".join(f.overrides) or ("(no override; the command below)" if f.command else "(no override)")
-        lines.append(f"  {i}. {what}")
-        if f.command:
-            lines.append(f"     run: {f.command}")
-        measured = "" if f.measured_speedup is None else f", measured {f.measured_speedup:.2f}x"
-        lines.append(f"     predicted {f.predicted_speedup:.2f}x{measured}: {f.reason}")
-        lines.append(f"     (from: {f.basis})")
-    if d.verify_rounds:
-        lines.append(f"  measured: {d.verify_rounds} round(s) of baseline and fix runs, interleaved, in this job")
-    return "\n".join(lines)
+def plain_ddp_within(m: Measurements) -> bool:
+    """Whether plain DDP's measured all-reduce is within the tolerance of the fastest measured one.
 
-
-def plot_report(d: Diagnosis, path: str | Path) -> Path:
-    """Stacked bars of the step parts: median rank, slowest rank, and each fix (predicted and measured)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    m = d.measurements
-    slowest = m.breakdown().slowest_rank
-    bars = [("median rank", {p: m.median_part(p) for p in PARTS}), (f"slowest (rank {slowest})", m.parts[slowest])]
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * (len(bars) + len(d.fixes))), 4.0))
-    colors = dict(zip(PARTS, ("#4c72b0", "#55a868", "#c44e52", "#8172b2", "#cccccc")))
-    for i, (_, parts) in enumerate(bars):
-        bottom = 0.0
-        for p in PARTS:
-            ax.bar(i, parts.get(p, 0.0), bottom=bottom, color=colors[p], label=p if i == 0 else None)
-            bottom += parts.get(p, 0.0)
-    labels = [name for name, _ in bars]
-    for j, f in enumerate(d.fixes):
-        x = len(bars) + j
-        ax.bar(x, m.step_s / f.predicted_speedup, color="none", edgecolor="black", hatch="//",
-               label="predicted" if j == 0 else None)
-        if f.verified_step_s is not None:
-            ax.plot([x - 0.4, x + 0.4], [f.verified_step_s] * 2, color="black", lw=2,
-                    label="measured" if j == 0 else None)
-        labels.append("\n".join((" ".join(f.overrides) or "straggler").split(" ")))
-    ax.set_xticks(range(len(labels)), labels, fontsize=7)
-    ax.set_ylabel("seconds per step")
-    ax.set_title(f"bottleneck: {d.verdict.bottleneck}")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def dumps(d: Diagnosis) -> str:
-    """``doctor.json``'s text."""
-    return json.dumps(d.to_json(), indent=2)
+    Examples:
+        >>> m = Measurements(parts=[], batch_size=1, allreduce_s={"flat/fp32": 0.002, "flat/bf16": 0.0053})
+        >>> plain_ddp_within(m)
+        True
+    """
+    tolerance = (m.planner or {}).get("tolerance", PLAIN_DDP_TOLERANCE)
+    return m.allreduce_s[FLAT] <= (1 + tolerance) * min(m.allreduce_s.values())

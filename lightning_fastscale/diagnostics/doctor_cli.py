@@ -27,8 +27,10 @@ from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from lightning_fastscale.diagnostics.doctor import Diagnosis, diagnose, dumps, plot_report, render_report
+from lightning_fastscale.config_check import ConfigError, check_group_names, config_names
+from lightning_fastscale.diagnostics.doctor import WINDOWS, Diagnosis, diagnosis_of
 from lightning_fastscale.diagnostics.doctor_probe import DoctorProbe
+from lightning_fastscale.diagnostics.doctor_report import dumps, plot_report, render_report
 from lightning_fastscale.diagnostics.step_breakdown_callback import StepBreakdown
 from lightning_fastscale.train import build
 
@@ -93,8 +95,9 @@ def _fit(cfg: DictConfig, probe: DoctorProbe, warmup: int, steps: int, report_di
     """Build the job of ``cfg`` with `build` and fit it with the probe."""
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule, module, trainer = build(cfg)
-    breakdown = StepBreakdown(every_n_steps=warmup + steps, dirpath=report_dir, warmup_steps=warmup, plot=plot,
-                              print_table=False)
+    # several windows after the warm-up: their spread tells a clear verdict from a close call
+    breakdown = StepBreakdown(every_n_steps=max(1, steps // WINDOWS), dirpath=report_dir, warmup_steps=warmup,
+                              plot=plot, print_table=False)
     trainer.callbacks.extend([breakdown, probe])
     trainer.fit(module, datamodule=datamodule)
     return probe
@@ -136,7 +139,7 @@ def run_doctor(cfg: DictConfig) -> Diagnosis:
     probe = DoctorProbe(True, opts.compute_steps, opts.loader_batches, opts.allreduce_reps, opts.get("max_workers"))
     _fit(_for_measuring(cfg, opts.warmup_steps, opts.steps), probe, opts.warmup_steps, opts.steps, _run_dir(), True)
     assert probe.measurements is not None
-    diagnosis = diagnose(probe.measurements)
+    diagnosis = diagnosis_of(probe.measurements)
     if opts.verify:
         _verify(cfg, diagnosis)
     return diagnosis
@@ -200,6 +203,11 @@ def _is_global_zero() -> bool:
 def main() -> None:
     """Console entry point: ``fastscale-doctor [--verify] [--json] [group=option ...] [key=value ...]``."""
     sys.argv = [FLAGS.get(arg, arg) for arg in sys.argv]
+    try:
+        check_group_names(sys.argv[1:], sorted({*config_names("train"), *config_names("doctor")}))
+    except ConfigError as error:
+        print(f"fastscale-doctor: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
     _hydra_main()
 
 

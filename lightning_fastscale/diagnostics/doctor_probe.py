@@ -39,12 +39,12 @@ from lightning.pytorch.plugins.precision import Precision
 from typing_extensions import override
 
 from lightning_fastscale.data.worker_autotune import images_per_second
-from lightning_fastscale.diagnostics.doctor import FLAT, Measurements
+from lightning_fastscale.diagnostics.doctor import FLAT, WINDOWS, Diagnosis, Measurements, diagnosis_of
 from lightning_fastscale.diagnostics.step_breakdown_callback import StepBreakdown
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DoctorProbe", "measure_allreduce", "measure_compute", "measure_loader"]
+__all__ = ["DoctorProbe", "diagnose", "measure_allreduce", "measure_compute", "measure_loader"]
 
 
 def _sync(device: torch.device) -> None:
@@ -112,9 +112,9 @@ def measure_allreduce(
 
 
 def measure_loader(
-    datamodule: Any, worker_counts: list[int], batches: int, batch_size: int,
+    datamodule: Any, worker_counts: list[int], batches: int, batch_size: int, repeats: int = 1,
 ) -> dict[int, float]:
-    """Images/s of ``datamodule.train_dataloader()`` at each worker count (its ``num_workers`` restored)."""
+    """Images/s of ``datamodule.train_dataloader()`` at each worker count, median of ``repeats`` (its ``num_workers`` restored)."""
     rates = {}
     saved = {k: getattr(datamodule, k) for k in ("num_workers", "persistent_workers", "prefetch_factor")
              if hasattr(datamodule, k)}
@@ -125,7 +125,9 @@ def measure_loader(
                 datamodule.persistent_workers = False  # the probe's loader must stop its workers
             if "prefetch_factor" in saved:  # DataLoader refuses a prefetch factor without workers
                 datamodule.prefetch_factor = (saved["prefetch_factor"] or 2) if workers > 0 else None
-            rates[workers] = images_per_second(datamodule.train_dataloader(), batches, max(2, workers), batch_size)
+            rates[workers] = statistics.median(
+                images_per_second(datamodule.train_dataloader(), batches, max(2, workers), batch_size)
+                for _ in range(repeats))
     finally:
         for k, v in saved.items():
             setattr(datamodule, k, v)
@@ -197,6 +199,7 @@ class DoctorProbe(Callback):
         compute_steps: timed steps of compute alone.
         loader_batches: timed batches per worker count.
         allreduce_reps: timed repetitions of each all-reduce.
+        repeats: repeats of compute alone and of the loader (medians are used; compute's spread is reported).
         max_workers: the most loader workers per rank to measure; None: the cores per rank
             (usable cores of the machine / ranks on it).
 
@@ -210,8 +213,9 @@ class DoctorProbe(Callback):
     """
 
     def __init__(self, measure: bool = True, compute_steps: int = 5, loader_batches: int = 8,
-                 allreduce_reps: int = 2, max_workers: int | None = None) -> None:
+                 allreduce_reps: int = 2, max_workers: int | None = None, repeats: int = 3) -> None:
         self.measure = measure
+        self.repeats = repeats
         self.max_workers = max_workers
         self.compute_steps = compute_steps
         self.loader_batches = loader_batches
@@ -246,7 +250,7 @@ class DoctorProbe(Callback):
             configured = dm.num_workers
             cores = self.max_workers if self.max_workers is not None else _cores_per_rank(trainer)
             counts = sorted({configured} | {w for w in (max(2 * configured, configured + 1), cores) if configured < w <= cores})
-            local["loader_images_per_s"] = measure_loader(dm, counts, self.loader_batches, batch_size)
+            local["loader_images_per_s"] = measure_loader(dm, counts, self.loader_batches, batch_size, self.repeats)
             local["num_workers"] = configured
             batch = next(iter(dm.train_dataloader()))
         else:
@@ -257,7 +261,11 @@ class DoctorProbe(Callback):
         local["resolution"] = getattr(dm, "train_resolution", None)
         local["crop_ratio"] = float(getattr(dm, "crop_ratio", 0.875))
         batch = pl_module._apply_batch_transfer_handler(batch)
-        local["compute_alone_s"] = measure_compute(trainer, pl_module, batch, self.compute_steps)
+        # in this process, so with the run's own torch threads
+        local["threads"] = torch.get_num_threads()
+        local["compute_alone_runs_s"] = [measure_compute(trainer, pl_module, batch, self.compute_steps)
+                                         for _ in range(self.repeats)]
+        local["compute_alone_s"] = statistics.median(local["compute_alone_runs_s"])
         if device.type == "cuda":
             # what the GPU recipe adds where the job lacks it: bf16 autocast instead of plain fp32
             # (never in place of a precision plugin such as LARS), channels-last memory format
@@ -278,6 +286,9 @@ class DoctorProbe(Callback):
         if summary is None:
             raise RuntimeError("the step breakdown timed no step: raise doctor.steps (or +trainer.limit_train_batches)")
         parts = [dict(rank["phases"]) for rank in sorted(summary.per_rank, key=lambda r: r["rank"])]
+        breakdown = _breakdown_of(trainer)
+        self._local["window_scores"] = [dict(w.scores) for w in breakdown.windows
+                                        if w.first_step is not None and w.first_step >= breakdown.warmup_steps]
         gathered = [self._local]
         if dist.is_initialized() and dist.get_world_size() > 1:
             gathered = [None] * dist.get_world_size()
@@ -297,6 +308,8 @@ def _combine(per_rank: list[dict[str, Any]], parts: list[dict[str, float]]) -> M
         for w, rate in rank.get("loader_images_per_s", {}).items():
             loader[w] = min(loader.get(w, rate), rate)
     computes = [r["compute_alone_s"] for r in per_rank if r.get("compute_alone_s") is not None]
+    slowest = max((r for r in per_rank if r.get("compute_alone_s") is not None), key=lambda r: r["compute_alone_s"],
+                  default={})
     variants: dict[str, float] = {}
     for key in first.get("compute_variants", {}):
         variants[key] = statistics.median(r["compute_variants"][key] for r in per_rank)
@@ -318,4 +331,48 @@ def _combine(per_rank: list[dict[str, Any]], parts: list[dict[str, float]]) -> M
         num_nodes=first.get("num_nodes", 1),
         ranks_per_node=first.get("ranks_per_node", 1),
         backend=first.get("backend", "none"),
+        compute_alone_runs_s=slowest.get("compute_alone_runs_s", []),
+        window_scores=first.get("window_scores", []),
+        threads=first.get("threads"),
     )
+
+
+def diagnose(trainer: pl.Trainer, model: pl.LightningModule, datamodule: pl.LightningDataModule | None = None,
+             verify: bool = False, warmup_steps: int = 5, steps: int = 20, **probe_args: Any) -> Diagnosis:
+    """``fastscale-doctor`` on your own module and Trainer, without Hydra: measure, name the bottleneck, propose fixes.
+
+    Fits ``model`` for ``warmup_steps + steps`` optimizer steps on ``trainer`` (no validation)
+    with a [`StepBreakdown`][lightning_fastscale.diagnostics.StepBreakdown] and a
+    [`DoctorProbe`][lightning_fastscale.diagnostics.doctor_probe.DoctorProbe] added to its callbacks,
+    under whatever launched it (the Trainer's own launcher re-runs the script on every rank, so
+    call it where you would call ``trainer.fit``). Returns, on every rank, the same
+    [`Diagnosis`][lightning_fastscale.diagnostics.doctor.Diagnosis] that ``fastscale-doctor`` writes as
+    ``doctor.json`` (``dumps(diagnosis)``). The Trainer has then been fitted: use a fresh one to train.
+
+    ``verify=True`` is refused: the fixes are ``fastscale-train`` overrides, which only the
+    Hydra route (``fastscale-doctor --verify`` with a ``_target_`` for your classes) can apply.
+    ``probe_args`` go to `DoctorProbe` (``compute_steps``, ``loader_batches``, ``repeats``, ...).
+
+    Example:
+        >>> from lightning_fastscale import diagnose
+        >>> d = diagnose(pl.Trainer(devices=2), MyModule(), MyDataModule())  # doctest: +SKIP
+        >>> d.verdict.bottleneck, d.fixes[0].overrides  # doctest: +SKIP
+        ('input', ['data.num_workers=4'])
+    """
+    if verify:
+        raise ValueError("diagnose(verify=True): the fixes are fastscale-train overrides; verify them with "
+                         "fastscale-doctor --verify and model/data given by _target_ (docs/doctor.md)")
+    if warmup_steps < 0 or steps < 1:
+        raise ValueError(f"diagnose(warmup_steps={warmup_steps}, steps={steps}): need warmup_steps >= 0 and steps >= 1")
+    probe = DoctorProbe(**probe_args)
+    trainer.callbacks.extend([
+        StepBreakdown(every_n_steps=max(1, steps // WINDOWS), warmup_steps=warmup_steps, plot=False, print_table=False),
+        probe,
+    ])
+    trainer.fit_loop.epoch_loop.max_steps = warmup_steps + steps  # a measured run, however long the Trainer's own
+    trainer.fit_loop.max_epochs = -1
+    trainer.limit_val_batches = 0
+    trainer.num_sanity_val_steps = 0
+    trainer.fit(model, datamodule=datamodule)
+    assert probe.measurements is not None
+    return diagnosis_of(probe.measurements)

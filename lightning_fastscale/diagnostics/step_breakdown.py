@@ -42,6 +42,10 @@ from typing import Any
 PHASES: tuple[str, ...] = ("input", "compute", "communication", "optimizer", "rest")
 VERDICTS: tuple[str, ...] = ("input", "compute", "communication", "straggler")
 
+PHASE_COLORS: dict[str, str] = {"input": "#d62728", "compute": "#1f77b4", "communication": "#ff7f0e",
+                                "optimizer": "#2ca02c", "rest": "#7f7f7f"}
+"""One colour per part in every plot (the step breakdown's and the doctor's)."""
+
 
 @dataclass
 class RankTotals:
@@ -56,6 +60,50 @@ class RankTotals:
     seconds: dict[str, float]
     samples: float = 0.0
     images: float | None = None
+    first_step: int | None = None
+    last_step: int | None = None
+
+    @classmethod
+    def empty(cls, rank: int = 0) -> RankTotals:
+        """No step yet: every part at 0 s."""
+        return cls(rank, 0, dict.fromkeys(PHASES, 0.0))
+
+    def add(self, seconds: dict[str, float], samples: float, images: float | None, step: int) -> None:
+        """Fold one optimizer step in (``images=None``: its batches held no images, so neither do the totals)."""
+        for p in PHASES:
+            self.seconds[p] += seconds.get(p, 0.0)
+        self.images = None if images is None or (self.steps and self.images is None) else (self.images or 0.0) + images
+        self.steps += 1
+        self.samples += samples
+        self.first_step = step if self.first_step is None else min(self.first_step, step)
+        self.last_step = step if self.last_step is None else max(self.last_step, step)
+
+    def merge(self, other: RankTotals) -> None:
+        """Fold ``other`` (the same rank, later steps) in."""
+        for p in PHASES:
+            self.seconds[p] += other.seconds[p]
+        if other.steps:
+            self.images = None if other.images is None or (self.steps and self.images is None) else \
+                (self.images or 0.0) + other.images
+            self.first_step = other.first_step if self.first_step is None else min(self.first_step, other.first_step)
+            self.last_step = other.last_step if self.last_step is None else max(self.last_step, other.last_step)
+        self.steps += other.steps
+        self.samples += other.samples
+
+    def to_row(self) -> list[float]:
+        """The fields as floats, to gather across ranks in one tensor (`from_row` reads them back)."""
+        return [float(self.steps), *(self.seconds[p] for p in PHASES), self.samples,
+                -1.0 if self.images is None else self.images,
+                -1.0 if self.first_step is None else float(self.first_step),
+                -1.0 if self.last_step is None else float(self.last_step)]
+
+    @classmethod
+    def from_row(cls, rank: int, row: Sequence[float]) -> RankTotals:
+        """Inverse of `to_row`."""
+        n = len(PHASES)
+        steps, samples, images, first, last = int(row[0]), row[1 + n], row[2 + n], row[3 + n], row[4 + n]
+        return cls(rank, steps, dict(zip(PHASES, row[1:1 + n])), samples, None if images < 0 else images,
+                   None if first < 0 else int(first), None if last < 0 else int(last))
 
     def per_step(self) -> dict[str, float]:
         """Mean seconds per step of every part in `PHASES` (missing parts are 0)."""
@@ -271,11 +319,9 @@ def plot_breakdown(windows: Sequence[BreakdownSummary], path: str | Path, max_ba
     try:
         x = range(len(bars))
         bottom = [0.0] * len(bars)
-        colors = {"input": "#d62728", "compute": "#1f77b4", "communication": "#ff7f0e",
-                  "optimizer": "#2ca02c", "rest": "#7f7f7f"}
         for p in PHASES:
             heights = [1e3 * phases[p] for _, phases in bars]
-            ax.bar(x, heights, bottom=bottom, label=p, color=colors[p])
+            ax.bar(x, heights, bottom=bottom, label=p, color=PHASE_COLORS[p])
             bottom = [b + h for b, h in zip(bottom, heights)]
         ax.set_xticks(list(x))
         ax.set_xticklabels([label for label, _ in bars], rotation=60, ha="right", fontsize=7)

@@ -16,6 +16,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.profilers import PassThroughProfiler, Profiler
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
@@ -29,9 +30,6 @@ from lightning_fastscale.diagnostics.step_breakdown import (
     write_report,
 )
 from lightning_fastscale.diagnostics.step_timer import StepTimer, StepTimes
-
-# per rank, per row: steps, parts..., samples, images, steps with images, first step, last step
-_WIDTH = len(PHASES) + 6
 
 
 def images_in_batch(batch: Any) -> int | None:
@@ -56,67 +54,45 @@ def samples_in_batch(batch: Any) -> int | None:
 
 
 class _Windows:
-    """Window and whole-run sums of one rank's steps, gathered across ranks on `flush`."""
+    """One rank's sums over the current window and over the run after the warm-up, gathered across ranks on `flush`."""
 
     def __init__(self, warmup_steps: int) -> None:
         self.warmup_steps = warmup_steps
         self.seen = 0
-        self.rows = torch.zeros(2, _WIDTH, dtype=torch.float64)  # 0: window, 1: run minus warm-up
-        self.rows[:, -2] = float("inf")
-        self.rows[:, -1] = -1.0
+        self.window, self.run = RankTotals.empty(), RankTotals.empty()
         self.windows: list[BreakdownSummary] = []
-        self.totals: torch.Tensor | None = None  # (world, _WIDTH), summed over flushes
+        self.totals: list[RankTotals] | None = None  # per rank, summed over flushes
 
     def add(self, steps: list[StepTimes]) -> None:
         for s in steps:
-            row = [1.0, *(s.seconds[p] for p in PHASES), s.samples, s.images or 0.0, float(s.images is not None)]
             self.seen += 1
-            for i in (0, 1) if self.seen > self.warmup_steps else (0,):
-                self.rows[i, :-2] += torch.tensor(row, dtype=torch.float64)
-                self.rows[i, -2] = min(self.rows[i, -2].item(), s.step)
-                self.rows[i, -1] = max(self.rows[i, -1].item(), s.step)
-
-    @staticmethod
-    def _ranks(table: torch.Tensor) -> list[RankTotals]:
-        ranks = []
-        for rank, row in enumerate(table.tolist()):
-            steps = int(row[0])
-            seconds = dict(zip(PHASES, row[1:1 + len(PHASES)]))
-            samples, images, with_images = row[1 + len(PHASES):4 + len(PHASES)]
-            ranks.append(RankTotals(rank, steps, seconds, samples, images if steps and with_images == steps else None))
-        return ranks
-
-    @staticmethod
-    def _span(table: torch.Tensor) -> tuple[int | None, int | None]:
-        first, last = table[:, -2].min().item(), table[:, -1].max().item()
-        return (int(first), int(last)) if last >= 0 else (None, None)
+            for totals in (self.window, self.run) if self.seen > self.warmup_steps else (self.window,):
+                totals.add(s.seconds, s.samples, s.images, s.step)
 
     def flush(self, gather: Callable[[torch.Tensor], torch.Tensor]) -> BreakdownSummary | None:
         """Collective: gather the window, append its summary, fold it into the run totals."""
-        gathered = gather(self.rows.clone())
+        gathered = gather(torch.tensor([self.window.to_row(), self.run.to_row()], dtype=torch.float64))
         if gathered.dim() == 2:  # one process: the strategy returns the tensor unchanged
             gathered = gathered.unsqueeze(0)
-        gathered = gathered.to("cpu", torch.float64)
-        self.rows.zero_()
-        self.rows[:, -2] = float("inf")
-        self.rows[:, -1] = -1.0
-        window, run = gathered[:, 0], gathered[:, 1]
+        rows = gathered.to("cpu", torch.float64).tolist()
+        self.window, self.run = RankTotals.empty(), RankTotals.empty()
+        window = [RankTotals.from_row(rank, r[0]) for rank, r in enumerate(rows)]
+        run = [RankTotals.from_row(rank, r[1]) for rank, r in enumerate(rows)]
         if self.totals is None:
-            self.totals = run.clone()
+            self.totals = run
         else:
-            self.totals[:, :-2] += run[:, :-2]
-            self.totals[:, -2] = torch.minimum(self.totals[:, -2], run[:, -2])
-            self.totals[:, -1] = torch.maximum(self.totals[:, -1], run[:, -1])
-        if window[:, 0].min().item() < 1:
+            for totals, more in zip(self.totals, run):
+                totals.merge(more)
+        if min(r.steps for r in window) < 1:
             return None
-        summary = summarize(self._ranks(window), *self._span(window))
+        summary = summarize(window, *_span(window))
         self.windows.append(summary)
         return summary
 
     def total(self) -> BreakdownSummary | None:
         """The whole run after the warm-up steps (all steps if the run had no more)."""
-        if self.totals is not None and self.totals[:, 0].min().item() >= 1:
-            return summarize(self._ranks(self.totals), *self._span(self.totals))
+        if self.totals is not None and min(r.steps for r in self.totals) >= 1:
+            return summarize(self.totals, *_span(self.totals))
         if not self.windows:
             return None
         # a run no longer than its warm-up: sum the windows instead
@@ -127,6 +103,12 @@ class _Windows:
                 for p in PHASES:
                     r.seconds[p] += pr["phases"][p] * pr["steps"]
         return summarize(ranks, self.windows[0].first_step, self.windows[-1].last_step)
+
+
+def _span(ranks: list[RankTotals]) -> tuple[int | None, int | None]:
+    firsts = [r.first_step for r in ranks if r.first_step is not None]
+    lasts = [r.last_step for r in ranks if r.last_step is not None]
+    return (min(firsts), max(lasts)) if firsts and lasts else (None, None)
 
 
 def _all_gather(t: torch.Tensor, device: torch.device, fallback: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -156,6 +138,64 @@ def _metrics(summary: BreakdownSummary, prefix: str) -> dict[str, float]:
     return metrics
 
 
+class InputTimingProfiler(Profiler):
+    """A Lightning profiler that times the training loop's batch fetch and transfer, around another profiler.
+
+    Every action is passed on to ``inner`` (Lightning's ``PassThroughProfiler`` by default), so
+    a configured profiler keeps working; the seconds of each fetch (``train_dataloader_next``)
+    and transfer (``batch_to_device`` and the batch-transfer hooks) go to ``on_input``.
+    `StepBreakdown` sets ``on_input``; pass one as ``pl.Trainer(profiler=InputTimingProfiler(...))``
+    to choose the inner profiler yourself.
+
+    Example:
+        >>> seen = []
+        >>> profiler = InputTimingProfiler()
+        >>> profiler.on_input = seen.append
+        >>> with profiler.profile("[_TrainingEpochLoop].train_dataloader_next"):
+        ...     pass
+        >>> len(seen)
+        1
+    """
+
+    INPUT_ACTIONS = ("train_dataloader_next", ".batch_to_device", ".on_before_batch_transfer",
+                     ".on_after_batch_transfer")
+
+    def __init__(self, inner: Profiler | None = None) -> None:
+        super().__init__()
+        self.inner = inner if inner is not None else PassThroughProfiler()
+        self.on_input: Callable[[float], None] | None = None
+        self._started: dict[str, float] = {}
+
+    @override
+    def start(self, action_name: str) -> None:
+        if self.on_input is not None and action_name.endswith(self.INPUT_ACTIONS):
+            self._started[action_name] = time.perf_counter()
+        self.inner.start(action_name)
+
+    @override
+    def stop(self, action_name: str) -> None:
+        self.inner.stop(action_name)
+        started = self._started.pop(action_name, None)
+        if started is not None and self.on_input is not None:
+            self.on_input(time.perf_counter() - started)
+
+    @override
+    def setup(self, stage: str, local_rank: int | None = None, log_dir: str | None = None) -> None:
+        self.inner.setup(stage, local_rank, log_dir)
+
+    @override
+    def summary(self) -> str:
+        return self.inner.summary()
+
+    @override
+    def describe(self) -> None:
+        self.inner.describe()
+
+    @override
+    def teardown(self, stage: str | None) -> None:
+        self.inner.teardown(stage)
+
+
 class StepBreakdown(pl.Callback):
     """Per optimizer step and rank: input, compute, exposed communication, optimizer and the rest.
 
@@ -170,7 +210,8 @@ class StepBreakdown(pl.Callback):
     bucket rebuild, loader start-up) appear in the windows but not in the final summary.
 
     What is timed: the loader fetch and ``batch_to_device`` (with the batch-transfer hooks)
-    through the Trainer's profiler actions, the step's boundaries through the callback hooks,
+    through the Trainer's profiler actions (an [`InputTimingProfiler`][lightning_fastscale.diagnostics.step_breakdown_callback.InputTimingProfiler]:
+    the Trainer's own if it is one, else one around the Trainer's profiler for the fit), the step's boundaries through the callback hooks,
     and the last gradient through a post-accumulate-grad hook on every parameter (see
     [`step_timer`][lightning_fastscale.diagnostics.step_timer]). On CUDA the parts come from CUDA events
     read at each window, so no step is synchronised.
@@ -190,9 +231,6 @@ class StepBreakdown(pl.Callback):
         >>> trainer.callbacks[0].summary.bottleneck  # doctest: +SKIP
         'input'
     """
-
-    FETCH_ACTION = "train_dataloader_next"
-    TRANSFER_ACTIONS = (".batch_to_device", ".on_before_batch_transfer", ".on_after_batch_transfer")
 
     def __init__(
         self,
@@ -223,37 +261,30 @@ class StepBreakdown(pl.Callback):
         self.windows: list[BreakdownSummary] = []
         self.paths: dict[str, Path] = {}
         self._agg: _Windows | None = None
-        self._profiler: Any = None
-        self._started: dict[str, float] = {}
+        self._profiler: InputTimingProfiler | None = None
+        self._replaced_profiler: Profiler | None = None
         self._stepped = False
         self._samples = 0.0
         self._images: float | None = None
+        self._report_dir = Path(".")
 
-    # -- input timing through the profiler's actions --------------------------------------------
-    def _is_input(self, action: str) -> bool:
-        return action.endswith(self.FETCH_ACTION) or action.endswith(self.TRANSFER_ACTIONS)
-
-    def _wrap_profiler(self, profiler: Any) -> None:
-        start, stop = profiler.start, profiler.stop
-
-        def timed_start(action: str) -> None:
-            if self._is_input(action):
-                self._started[action] = time.perf_counter()
-            start(action)
-
-        def timed_stop(action: str) -> None:
-            stop(action)
-            if (t := self._started.pop(action, None)) is not None and self.timer is not None:
-                self.timer.add_input(time.perf_counter() - t)
-
-        profiler.start, profiler.stop = timed_start, timed_stop
+    # -- input timing through a profiler around the Trainer's own ---------------------------------
+    def _time_input(self, trainer: pl.Trainer) -> None:
+        profiler = trainer.profiler
+        if not isinstance(profiler, InputTimingProfiler):
+            profiler = InputTimingProfiler(trainer.profiler)
+            self._replaced_profiler = trainer.profiler
+            trainer.profiler = profiler  # the loop reads trainer.profiler at every action
+        profiler.on_input = self.timer.add_input if self.timer is not None else None
         self._profiler = profiler
 
-    def _unwrap_profiler(self) -> None:
+    def _untime_input(self, trainer: pl.Trainer) -> None:
         if self._profiler is not None:
-            for name in ("start", "stop"):
-                self._profiler.__dict__.pop(name, None)
+            self._profiler.on_input = None
             self._profiler = None
+        if self._replaced_profiler is not None:
+            trainer.profiler = self._replaced_profiler
+            self._replaced_profiler = None
 
     # -- Lightning hooks ----------------------------------------------------------------------
     @override
@@ -263,7 +294,9 @@ class StepBreakdown(pl.Callback):
         self.timer = StepTimer(pl_module.device)
         self.timer.attach(pl_module.parameters())
         self._agg = _Windows(self.warmup_steps)
-        self._wrap_profiler(trainer.profiler)
+        self._time_input(trainer)
+        # on every rank: ``trainer.log_dir`` broadcasts, so rank zero alone at the end would hang
+        self._report_dir = Path(self.dirpath if self.dirpath is not None else trainer.log_dir or trainer.default_root_dir)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -334,24 +367,23 @@ class StepBreakdown(pl.Callback):
             return
         self._flush(trainer, pl_module)  # collective: every rank reaches the end of fit
         self.summary = self._agg.total()
-        self._close()
+        self._close(trainer)
         if self.summary is None or not trainer.is_global_zero:
             return
         if self.print_table:
             rank_zero_info("Step breakdown (median over ranks, after the warm-up steps):\n"
                            + breakdown_table(self.summary))
-        dirpath = Path(self.dirpath) if self.dirpath is not None else Path(trainer.log_dir or trainer.default_root_dir)
-        self.paths = write_report(dirpath, self.summary, self.windows, plot=self.plot,
+        self.paths = write_report(self._report_dir, self.summary, self.windows, plot=self.plot,
                                   warmup_steps=self.warmup_steps, every_n_steps=self._every(trainer))
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._close()
+        self._close(trainer)
 
-    def _close(self) -> None:
+    def _close(self, trainer: pl.Trainer) -> None:
         if self.timer is not None:
             self.timer.detach()
-        self._unwrap_profiler()
+        self._untime_input(trainer)
 
 
 class FabricStepBreakdown:

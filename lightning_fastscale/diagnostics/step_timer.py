@@ -143,6 +143,15 @@ class StepTimer:
             self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(index)))
         self._params = params
 
+    def _keep_one_hook(self, index: int) -> None:
+        """Keep only the hook of the parameter whose gradient came last (the order repeats every step).
+
+        A Python hook on every parameter costs each backward one call per parameter from
+        autograd; the mark needs only the last one.
+        """
+        self.detach()
+        self._handles.append(self._params[index].register_post_accumulate_grad_hook(self._grad_hook(index)))
+
     def detach(self) -> None:
         """Remove the gradient hooks."""
         for h in self._handles:
@@ -215,6 +224,8 @@ class StepTimer:
         end_t, end_event = self._times["end"], self._events.get("end")
         if self._grad_index >= 0 and self._params:
             self._last_param = self._params[self._grad_index]  # the last gradient of this step
+            if optimizer_stepped and len(self._handles) > 1:
+                self._keep_one_hook(self._grad_index)
         self._start(end_t, end_event)  # the next batch starts where this one ended
         if optimizer_stepped:
             if step is not None:

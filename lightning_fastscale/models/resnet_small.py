@@ -54,6 +54,8 @@ class ResNetSmall(nn.Module):
         in_channels: int = 3,
     ) -> None:
         super().__init__()
+        if not widths or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths):
+            raise ValueError(f"widths={list(widths)} must be channel counts >= 1, one per stage, e.g. [16, 32, 64]")
         if isinstance(blocks_per_stage, int):
             blocks_per_stage = [blocks_per_stage] * len(widths)
         if len(blocks_per_stage) != len(widths) or min(blocks_per_stage) < 1:

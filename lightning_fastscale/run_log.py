@@ -1,0 +1,156 @@
+"""The run folder's log: Lightning's records and Python warnings written there, the run's summary lines, the last line of a failure.
+
+Hydra writes the root logger to the console and to ``<run folder>/<job name>.log``. Lightning's
+loggers keep their own console handler and do not propagate, and warnings go to stderr only;
+`log_to_run_folder` sends both to the file too. `end_run` turns an exception into the exit
+status of its kind (see `lightning_fastscale.exit_codes`) and one line on stderr naming the
+log; a refused run's folder, holding only what Hydra wrote, is removed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+from lightning_fastscale.exit_codes import ExitCode, exit_code_for
+from lightning_fastscale.faults.run_folder_lock import LOCK_NAME
+
+log = logging.getLogger("lightning_fastscale.train")
+
+__all__ = ["HYDRA_FILES", "end_run", "finish_wandb", "log_to_run_folder", "remove_run_folder_if_unused", "report",
+           "report_metric_locations"]
+
+_LIBRARY_LOGGERS = ("lightning.pytorch", "lightning.fabric")
+"""Lightning's loggers keep their own console handler and do not propagate to the root logger."""
+
+HYDRA_FILES = frozenset({".hydra", LOCK_NAME})
+"""What a run writes into its folder before training starts: Hydra's config and the run's claim."""
+
+
+def report(line: str) -> None:
+    """A summary line, to the console and the run folder's log (Hydra's handlers), else printed."""
+    if logging.getLogger().handlers:
+        log.info(line)
+    else:
+        print(line)
+
+
+def report_metric_locations(trainer: pl.Trainer) -> None:
+    """Name where each logger wrote the run's metrics (rank 0)."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
+
+    if not trainer.is_global_zero:
+        return
+    for logger in trainer.loggers:
+        if isinstance(logger, CSVLogger):
+            report(f"metrics written to {Path(logger.log_dir) / 'metrics.csv'}")
+        elif isinstance(logger, TensorBoardLogger):
+            report(f"metrics written to {logger.log_dir} (TensorBoard)")
+        elif not isinstance(logger, WandbLogger):  # W&B says where when its run finishes
+            report(f"metrics written by {type(logger).__name__} to {logger.save_dir}")
+
+
+def finish_wandb(trainer: pl.Trainer) -> None:
+    """Close the W&B run on rank zero, naming where it was written."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    if isinstance(trainer.logger, WandbLogger) and trainer.is_global_zero:
+        import wandb
+
+        run = wandb.run
+        if run is not None:
+            report(f"W&B run written to {Path(run.dir).parent}" + (" (offline)" if run.offline else ""))
+        wandb.finish()
+
+
+def log_to_run_folder() -> list[logging.FileHandler]:
+    """Send Lightning's log records and Python warnings to the run folder's log file too (Hydra's ``<job>.log``).
+
+    Warnings still print to the console as before. Returns the file handlers found (none when
+    Hydra's job logging is off).
+    """
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    for name in _LIBRARY_LOGGERS:
+        logger = logging.getLogger(name)
+        if logger.propagate:
+            continue
+        for handler in files:
+            if handler not in logger.handlers:
+                logger.addHandler(handler)
+    if files and not getattr(warnings.showwarning, "_to_run_folder", False):
+        shown = warnings.showwarning
+
+        def show_and_keep(message: Any, category: type[Warning], filename: str, lineno: int, *args: Any, **kwargs: Any) -> None:
+            shown(message, category, filename, lineno, *args, **kwargs)  # the console, as before
+            _log_to_file_only(files, logging.WARNING, f"{category.__name__}: {message} ({filename}:{lineno})")
+
+        show_and_keep._to_run_folder = True  # type: ignore[attr-defined]
+        warnings.showwarning = show_and_keep
+    return files
+
+
+def _log_to_file_only(files: list[logging.FileHandler], level: int, message: str, exc_info: Any = None) -> None:
+    record = log.makeRecord(log.name, level, __file__, 0, message, (), exc_info)
+    for handler in files:
+        if handler in logging.getLogger().handlers:  # not one closed with a removed run folder
+            handler.handle(record)
+
+
+def remove_run_folder_if_unused(run_dir: Path, log_files: list[logging.FileHandler], log_was_empty: bool) -> bool:
+    """Delete ``run_dir`` when it holds only what Hydra wrote for this very run; True if deleted.
+
+    A run refused for a bad setting has written nothing; its timestamped folder (Hydra's
+    ``.hydra/`` and an empty-at-start log) would only clutter ``outputs/``. A folder holding
+    anything else, or a log with lines from an earlier run, is left as it is.
+    """
+    if not run_dir.is_dir() or not log_was_empty:
+        return False
+    log_names = {Path(h.baseFilename).name for h in log_files if Path(h.baseFilename).parent == run_dir}
+    if any(entry.name not in HYDRA_FILES | log_names for entry in run_dir.iterdir()):
+        return False
+    for handler in log_files:  # nothing may log into the removed folder afterwards
+        for logger in (logging.getLogger(), *map(logging.getLogger, _LIBRARY_LOGGERS)):
+            logger.removeHandler(handler)
+        handler.close()
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return not run_dir.exists()
+
+
+def log_is_empty(files: list[logging.FileHandler]) -> bool:
+    """Whether the run folder's log files hold nothing yet (this run has written no line)."""
+    return all(os.path.getsize(h.baseFilename) == 0 for h in files if os.path.exists(h.baseFilename))
+
+
+def end_run(error: BaseException, files: list[logging.FileHandler], log_was_empty: bool, run_dir: Path | None,
+            program: str = "fastscale-train") -> None:
+    """End the process for ``error``: its kind's exit status and one line on stderr naming the log.
+
+    A bad setting (exit 2) removes a run folder holding only Hydra's files; a bug (no kind) keeps
+    its traceback in the log and exits 1. Raises ``SystemExit``.
+    """
+    code = exit_code_for(error)
+    message = " ".join(str(error).split()) or type(error).__name__
+    _log_to_file_only(files, logging.ERROR, f"{program} failed", exc_info=(type(error), error, error.__traceback__))
+    where = ""
+    if run_dir is not None and code is ExitCode.BAD_SETTING and remove_run_folder_if_unused(run_dir, files, log_was_empty):
+        where = f" (nothing was written: run folder {run_dir} removed)"
+    elif files:
+        where = f" (log: {files[0].baseFilename})"
+    elif run_dir is not None:
+        where = f" (run folder: {run_dir})"
+    if code is None:
+        kind, status = f"a bug ({type(error).__name__}), not retryable", 1
+    else:
+        kind, status = f"{code.name.lower().replace('_', ' ')}, {'retryable' if code.retryable else 'not retryable'}", int(code)
+    if code is ExitCode.BAD_SETTING:
+        print(f"{program}: error: {message}{where}", file=sys.stderr)
+    else:
+        print(f"{program}: error [exit {status}: {kind}]: {type(error).__name__}: {message}{where}", file=sys.stderr)
+    raise SystemExit(status) from None

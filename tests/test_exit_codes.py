@@ -1,0 +1,56 @@
+"""Each kind of ending: its exit status, retryable or not, and one line on stderr naming the run's log."""
+from __future__ import annotations
+
+import errno
+import logging
+
+import pytest
+
+from lightning_fastscale.config_check import ConfigError
+from lightning_fastscale.data.verify import CorruptDataError
+from lightning_fastscale.exit_codes import ExitCode, exit_code_for
+from lightning_fastscale.faults.checkpoint_reading import CheckpointError
+from lightning_fastscale.faults.non_finite_guard import NonFiniteStepsError
+from lightning_fastscale.run_log import end_run
+
+
+def test_the_documented_table():
+    assert {c.name: (int(c), c.retryable) for c in ExitCode} == {
+        "FINISHED": (0, False), "BAD_SETTING": (2, False), "BAD_DATA": (3, False), "DIVERGED": (4, False),
+        "PREEMPTED": (75, True), "FAULT": (76, True),
+    }
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "line"),
+    [
+        (ConfigError("optimizer.lr=-1: use a learning rate > 0", key="optimizer.lr"), 2,
+         "fastscale-train: error: optimizer.lr=-1: use a learning rate > 0 (log: "),
+        (CorruptDataError("chunk-3.bin sample 7: not a JPEG"), 3, "[exit 3: bad data, not retryable]: CorruptDataError"),
+        (CheckpointError("last.ckpt", "is truncated"), 3, "[exit 3: bad data, not retryable]: CheckpointError"),
+        (NonFiniteStepsError("loss is nan at step 12"), 4, "[exit 4: diverged, not retryable]: NonFiniteStepsError"),
+        (RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:29500"), 76, "[exit 76: fault, retryable]"),
+        (RuntimeError("Timed out waiting 1800000ms for send operation to complete"), 76, "[exit 76: fault, retryable]"),
+        (OSError(errno.ENOSPC, "No space left on device"), 76, "[exit 76: fault, retryable]: OSError"),
+        (KeyError("state"), 1, "[exit 1: a bug (KeyError), not retryable]"),
+    ],
+)
+def test_each_kind_ends_in_one_line_with_its_status_and_the_log(tmp_path, capsys, error, status, line):
+    log_file = tmp_path / "train.log"
+    handler = logging.FileHandler(log_file)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        try:
+            raise error
+        except Exception as raised:  # noqa: BLE001 - as the entry point catches it, with a traceback
+            with pytest.raises(SystemExit) as ended:
+                end_run(raised, [handler], log_was_empty=False, run_dir=tmp_path)
+    finally:
+        root.removeHandler(handler)
+        handler.close()
+    assert ended.value.code == status
+    assert exit_code_for(error) == (None if status == 1 else ExitCode(status))
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and line in err[0] and err[0].endswith(f"(log: {log_file})"), err
+    assert "Traceback" in log_file.read_text()  # the log keeps what the console leaves out
