@@ -49,7 +49,7 @@ def exit_code_for(error: BaseException) -> ExitCode | None:
         True
     """
     from lightning_fastscale.config_check import ConfigError
-    from lightning_fastscale.data.verify import CorruptDataError
+    from lightning_fastscale.data.stored_format import CorruptDataError
     from lightning_fastscale.faults.checkpoint_reading import CheckpointError
     from lightning_fastscale.faults.non_finite_guard import NonFiniteStepsError
 

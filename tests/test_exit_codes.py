@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from lightning_fastscale.config_check import ConfigError
-from lightning_fastscale.data.verify import CorruptDataError
+from lightning_fastscale.data.stored_format import CorruptDataError
 from lightning_fastscale.exit_codes import ExitCode, exit_code_for
 from lightning_fastscale.faults.checkpoint_reading import CheckpointError
 from lightning_fastscale.faults.non_finite_guard import NonFiniteStepsError
