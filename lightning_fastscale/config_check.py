@@ -226,10 +226,13 @@ def setting_errors(prefix: str, node: Any = None, also: dict[str, Any] | None = 
 
 
 def config_names(config: str = "train") -> list[str]:
-    """The top-level names a ``fastscale-train`` override may set: the config groups and the keys of ``<config>.yaml``."""
+    """The top-level names a ``fastscale-train`` override may set: the config groups, the keys of
+    ``<config>.yaml`` and those a global preset adds (``objective`` of ``hparams_search=time_to_target``)."""
     conf = package_files("lightning_fastscale.conf")
     groups = [p.name for p in conf.iterdir() if p.is_dir() and not p.name.startswith("_")]
-    keys = [str(k) for k in OmegaConf.create((conf / f"{config}.yaml").read_text()) if k != "defaults"]
+    files = [conf / f"{config}.yaml"] + [f for g in groups for f in (conf / g).glob("*.yaml")
+                                         if f.read_text().startswith("# @package _global_")]
+    keys = [str(k) for f in files for k in (OmegaConf.create(f.read_text()) or {}) if k != "defaults"]
     return sorted({*groups, *keys})
 
 

@@ -86,7 +86,8 @@ def test_fastscale_train_wires_the_options(tmp_path, monkeypatch):
     with initialize_config_module(config_module="lightning_fastscale.conf", version_base="1.3"):
         cfg = compose("train", return_hydra_config=True, overrides=[
             "model.channels_last=true", "model.compile=true", "model.compile_mode=reduce-overhead",
-            "trainer.benchmark=true", "trainer.accelerator=cpu", "data.train_size=16", "data.val_size=16"])
+            "trainer.benchmark=true", "trainer.accelerator=cpu", "data.train_size=16", "data.val_size=16",
+            "data.batch_size=8"])
     with open_dict(cfg):  # the default callbacks and logger write into the run folder
         cfg.hydra.runtime.output_dir = str(tmp_path)
     HydraConfig.instance().set_config(cfg)

@@ -54,7 +54,7 @@ class Measurements:
     """Everything the doctor measured, as plain numbers (seconds, images/s, bytes).
 
     Args:
-        parts: per rank, seconds per step of each of [`PHASES`][lightning_fastscale.diagnostics.step_breakdown.PHASES] (median over the timed steps).
+        parts: per rank, seconds per step of each of `step_breakdown.PHASES` (median over the timed steps).
         batch_size: samples per rank per step.
         hosts: host name of each rank (to name a straggler's machine).
         grad_bytes: bytes of the model's gradient (fp32).
