@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 BIN = Path(sys.executable).parent
 # appended to every fastscale-train command: Lightning's own small-run switches and a few images
-TRAIN_LIMITS = ("+trainer.limit_train_batches=2 +trainer.limit_val_batches=1 trainer.max_epochs=1 "
+TRAIN_LIMITS = ("++trainer.limit_train_batches=2 ++trainer.limit_val_batches=1 trainer.max_epochs=1 "
                 "trainer.enable_progress_bar=false")
 # the ImageNet-sized data settings of the folder / streaming datamodules and 64K experiments
 DOCTOR_LIMITS = ("doctor.warmup_steps=1 doctor.steps=3 doctor.compute_steps=1 doctor.loader_batches=2 "
