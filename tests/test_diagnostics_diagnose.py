@@ -36,10 +36,38 @@ def test_compute_bound_outside_module_is_named_compute(tmp_path):
     assert d.verdict.bottleneck == "compute", d.verdict.reason
 
 
-def test_verify_is_refused_with_the_hydra_route(tmp_path):
-    with pytest.raises(ValueError, match="fastscale-doctor --verify"):
-        diagnose(pl.Trainer(accelerator="cpu", devices=1, default_root_dir=tmp_path), OutsideModule(), OutsideData(),
-                 verify=True)
+class RecordingData(OutsideData):
+    """OutsideData that records the worker count of every loader it makes."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.workers_seen: list[int] = []
+
+    def train_dataloader(self):
+        self.workers_seen.append(self.num_workers)
+        return super().train_dataloader()
+
+
+def test_verify_applies_the_fix_to_the_datamodule_and_measures_it(tmp_path):
+    trainer = pl.Trainer(accelerator="cpu", devices=1, default_root_dir=tmp_path)
+    data = RecordingData(delay=0.004)
+    d = diagnose(trainer, OutsideModule(), data, verify=True, verify_rounds=2, **dict(QUICK, max_workers=2))
+    fix = d.fixes[0]
+    assert d.verdict.bottleneck == "input" and fix.overrides == ["data.num_workers=2"], d.fixes
+    # measured: 2 rounds of the baseline (0 workers) then the fix (2 workers), each 1 + 8 more steps
+    assert data.workers_seen[-4:] == [0, 2, 0, 2] and data.num_workers == 0  # restored after its runs
+    assert trainer.global_step == 5 * 9 and d.verify_rounds == 2
+    assert fix.measured_speedup == pytest.approx(d.baseline_step_s / fix.verified_step_s)
+    assert json.loads(dumps(d))["fixes"][0]["measured_speedup"] == fix.measured_speedup
+
+
+def test_verify_leaves_a_fix_that_sets_no_attribute_of_the_users_objects_to_the_cli():
+    from lightning_fastscale.diagnostics.doctor_probe import _attributes
+
+    targets = {"model": OutsideModule(), "data": OutsideData()}
+    assert _attributes(["data.num_workers=4"], targets) == {("data", "num_workers"): 4}
+    assert _attributes(["strategy=hier_ring", "strategy.wire_dtype=bf16"], targets) is None
+    assert _attributes(["model.channels_last=true"], targets) is None  # OutsideModule has no such attribute
 
 
 def _two_ranks(rank: int, world_size: int, tmp: str) -> dict:

@@ -22,7 +22,8 @@ and everything else; a faster all-reduce saves at most the communication that wa
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import statistics
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -43,6 +44,7 @@ __all__ = [
     "diagnosis_of",
     "propose_fixes",
     "verdict_of",
+    "verify_fixes",
 ]
 
 FLAT = "flat/fp32"
@@ -441,6 +443,29 @@ def diagnosis_of(m: Measurements) -> Diagnosis:
     """Verdict and fixes of one set of measurements."""
     verdict = verdict_of(m)
     return Diagnosis(m, verdict, propose_fixes(m, verdict), notes=cross_checks(m))
+
+
+def verify_fixes(diagnosis: Diagnosis, fixes: Sequence[Fix], runs: Sequence[Callable[[], float]], rounds: int) -> None:
+    """``--verify``: time the baseline (``runs[0]``) and each fix (``runs[i + 1]``), interleaved ``rounds`` times.
+
+    Each run returns its seconds per step; interleaving spreads the machine's slow spells over
+    all of them. Fills ``diagnosis.baseline_step_s`` and each fix's ``verified_step_s`` (medians)
+    and ``measured_speedup`` (median baseline step / median fix step).
+
+    Examples:
+        >>> d = Diagnosis(Measurements(parts=[], batch_size=1), Verdict("input", {}, ""), [Fix(["a=1"], "", 2.0, "")])
+        >>> verify_fixes(d, d.fixes, [lambda: 0.2, lambda: 0.1], rounds=2)
+        >>> d.fixes[0].measured_speedup, d.verify_rounds
+        (2.0, 2)
+    """
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(rounds):
+        for run, measured in zip(runs, times):
+            measured.append(run())
+    diagnosis.baseline_step_s, diagnosis.verify_rounds = statistics.median(times[0]), rounds
+    for fix, measured in zip(fixes, times[1:]):
+        fix.verified_step_s = statistics.median(measured)
+        fix.measured_speedup = diagnosis.baseline_step_s / fix.verified_step_s
 
 
 PLAIN_DDP_TOLERANCE = 0.05
