@@ -112,7 +112,7 @@ def _spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def stability(job: str, runs: int, neighbour: bool, tmp: Path, timeout: float) -> dict:
+def stability(job: str, runs: int, neighbour: bool, tmp: Path, timeout: float, doctor: str) -> dict:
     """The doctor ``runs`` times on the job ``STABLE[job]``, with a core-spinning neighbour or not."""
     overrides, right = STABLE[job]
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if neighbour else None
@@ -130,6 +130,7 @@ def stability(job: str, runs: int, neighbour: bool, tmp: Path, timeout: float) -
                 "step_s": doc["step_s"], "input_s": doc["breakdown"]["input"],
                 "compute_in_run_s": doc["breakdown"]["compute"] + doc["breakdown"]["optimizer"],
                 "compute_alone_s": m["compute_alone_s"], "threads": m["threads"],
+                "compute_alone_one_thread_s": m.get("compute_alone_one_thread_s"),
                 "outside_load_noted": bool(doc["notes"]), "wall_s": time.perf_counter() - start,
             })
     finally:
@@ -138,7 +139,7 @@ def stability(job: str, runs: int, neighbour: bool, tmp: Path, timeout: float) -
             spinner.wait()
     verdicts = [r["verdict"] for r in records]
     return {
-        "job": job, "overrides": overrides, "neighbour": neighbour, "right_verdict": right, "runs": records,
+        "job": job, "doctor": doctor, "overrides": overrides, "neighbour": neighbour, "right_verdict": right, "runs": records,
         "right": verdicts.count(right), "too_close": verdicts.count("too close to call"),
         "wrong": sum(v not in (right, "too close to call") for v in verdicts),
         **{f"{k}_spread": _spread([r[k] for r in records]) for k in ("step_s", "input_s", "compute_in_run_s",
@@ -151,11 +152,11 @@ def stability_table(results: dict) -> str:
     """Markdown rows of ``--out``'s results: verdict counts and the spread (median, min-max) of the times."""
     def ms(s: dict) -> str:
         return f"{1e3 * s['median']:.0f} ({1e3 * s['min']:.0f}-{1e3 * s['max']:.0f})"
-    rows = ["| job | neighbour | right | too close | wrong | step ms | input ms | compute in run ms | "
-            "compute alone ms | outside load noted |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| doctor | job | neighbour | right | too close | wrong | step ms | input ms | compute in run ms | "
+            "compute alone ms | outside load noted |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results.values():
         noted = sum(x["outside_load_noted"] for x in r["runs"])
-        rows.append(f"| {r['job']} ({r['right_verdict']}) | {'1 core spinning' if r['neighbour'] else 'none'} | "
+        rows.append(f"| {r['doctor']} | {r['job']} ({r['right_verdict']}) | {'1 core spinning' if r['neighbour'] else 'none'} | "
                     f"{r['right']}/{len(r['runs'])} | {r['too_close']} | {r['wrong']} | {ms(r['step_s_spread'])} | "
                     f"{ms(r['input_s_spread'])} | {ms(r['compute_in_run_s_spread'])} | "
                     f"{ms(r['compute_alone_s_spread'])} | {noted} |")
@@ -170,7 +171,7 @@ def main() -> None:
     parser.add_argument("--jobs", nargs="+", default=list(STABLE), choices=list(STABLE))
     parser.add_argument("--neighbour", action="store_true", help="a process spinning on one core during the runs")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/doctor_stability.json")
-    parser.add_argument("--label", default="", help="suffix of the stored keys (e.g. the doctor's version)")
+    parser.add_argument("--label", default="", help="which doctor was measured (suffix of the stored keys)")
     parser.add_argument("--table", action="store_true", help="print the stability table of --out and exit")
     parser.add_argument("--cap", type=float, default=10.0, help="emulated inter-node link, Mbit/s")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per scenario")
@@ -180,8 +181,8 @@ def main() -> None:
         results = json.loads(args.out.read_text()) if args.out.exists() else {}
         with tempfile.TemporaryDirectory(prefix="fastscale-doctor-") as tmp:
             for job in args.jobs if args.stability else []:
-                key = f"{job}/{'neighbour' if args.neighbour else 'quiet'}{args.label}"
-                results[key] = stability(job, args.stability, args.neighbour, Path(tmp), args.timeout)
+                key = f"{job}/{'neighbour' if args.neighbour else 'quiet'}" + (f" ({args.label})" if args.label else "")
+                results[key] = stability(job, args.stability, args.neighbour, Path(tmp), args.timeout, args.label)
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps(results, indent=2) + "\n")
         print(stability_table(results))
