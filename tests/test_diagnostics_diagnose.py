@@ -27,6 +27,8 @@ def test_input_bound_outside_module_is_named_input(tmp_path):
     doc = json.loads(dumps(d))  # what fastscale-doctor writes as doctor.json
     assert doc["bottleneck"] == "input" and doc["measurements"]["batch_size"] == 8
     assert len(doc["measurements"]["compute_alone_runs_s"]) == 3 and doc["measurements"]["threads"] >= 1
+    # compute alone on one thread too, where the run has several (the oversubscribed-cores check)
+    assert (doc["measurements"]["compute_alone_one_thread_s"] is not None) == (doc["measurements"]["threads"] > 1)
     assert len(doc["measurements"]["window_scores"]) == 4  # 8 steps after the warm-up, 4 windows
 
 

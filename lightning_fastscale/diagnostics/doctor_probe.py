@@ -264,9 +264,17 @@ class DoctorProbe(Callback):
         batch = pl_module._apply_batch_transfer_handler(batch)
         # in this process, so with the run's own torch threads
         local["threads"] = torch.get_num_threads()
-        local["compute_alone_runs_s"] = [measure_compute(trainer, pl_module, batch, self.compute_steps)
-                                         for _ in range(self.repeats)]
-        local["compute_alone_s"] = statistics.median(local["compute_alone_runs_s"])
+        runs, one_thread = [], []
+        for _ in range(self.repeats):  # interleaved, so load that comes and goes meets both alike
+            runs.append(measure_compute(trainer, pl_module, batch, self.compute_steps))
+            if device.type == "cpu" and local["threads"] > 1:
+                torch.set_num_threads(1)
+                try:
+                    one_thread.append(measure_compute(trainer, pl_module, batch, self.compute_steps))
+                finally:
+                    torch.set_num_threads(local["threads"])
+        local["compute_alone_runs_s"], local["compute_alone_s"] = runs, statistics.median(runs)
+        local["compute_alone_one_thread_s"] = statistics.median(one_thread) if one_thread else None
         if device.type == "cuda":
             # what the GPU recipe adds where the job lacks it: bf16 autocast instead of plain fp32
             # (never in place of a precision plugin such as LARS), channels-last memory format
@@ -335,7 +343,13 @@ def _combine(per_rank: list[dict[str, Any]], parts: list[dict[str, float]]) -> M
         compute_alone_runs_s=slowest.get("compute_alone_runs_s", []),
         window_scores=first.get("window_scores", []),
         threads=first.get("threads"),
+        compute_alone_one_thread_s=_median([r.get("compute_alone_one_thread_s") for r in per_rank]),
     )
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def diagnose(trainer: pl.Trainer, model: pl.LightningModule, datamodule: pl.LightningDataModule | None = None,
