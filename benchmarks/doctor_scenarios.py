@@ -150,16 +150,18 @@ def stability(job: str, runs: int, neighbour: bool, tmp: Path, timeout: float, d
 
 def stability_table(results: dict) -> str:
     """Markdown rows of ``--out``'s results: verdict counts and the spread (median, min-max) of the times."""
-    def ms(s: dict) -> str:
-        return f"{1e3 * s['median']:.0f} ({1e3 * s['min']:.0f}-{1e3 * s['max']:.0f})"
+    def ms(runs: list[dict], key: str) -> str:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        return f"{1e3 * statistics.median(values):.0f} ({1e3 * min(values):.0f}-{1e3 * max(values):.0f})" if values else "-"
     rows = ["| doctor | job | neighbour | right | too close | wrong | step ms | input ms | compute in run ms | "
-            "compute alone ms | outside load noted |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "compute alone ms | on 1 thread ms | outside load noted |", "|---|---|---|" + "---:|" * 9]
     for r in results.values():
         noted = sum(x["outside_load_noted"] for x in r["runs"])
-        rows.append(f"| {r['doctor']} | {r['job']} ({r['right_verdict']}) | {'1 core spinning' if r['neighbour'] else 'none'} | "
-                    f"{r['right']}/{len(r['runs'])} | {r['too_close']} | {r['wrong']} | {ms(r['step_s_spread'])} | "
-                    f"{ms(r['input_s_spread'])} | {ms(r['compute_in_run_s_spread'])} | "
-                    f"{ms(r['compute_alone_s_spread'])} | {noted} |")
+        times = " | ".join(ms(r["runs"], k) for k in ("step_s", "input_s", "compute_in_run_s", "compute_alone_s",
+                                                      "compute_alone_one_thread_s"))
+        rows.append(f"| {r['doctor']} | {r['job']} ({r['right_verdict']}) | "
+                    f"{'1 core spinning' if r['neighbour'] else 'none'} | {r['right']}/{len(r['runs'])} | "
+                    f"{r['too_close']} | {r['wrong']} | {times} | {noted} |")
     return "\n".join(rows)
 
 
