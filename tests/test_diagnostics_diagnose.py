@@ -79,6 +79,21 @@ def _two_ranks(rank: int, world_size: int, tmp: str) -> dict:
     return d.to_json()
 
 
+def _two_ranks_verified(rank: int, world_size: int, tmp: str) -> tuple[dict, list[int]]:
+    os.environ["LOCAL_RANK"] = str(rank)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, default_root_dir=tmp)
+    data = RecordingData(delay=0.004)
+    d = diagnose(trainer, OutsideModule(), data, verify=True, **dict(QUICK, max_workers=2))
+    return d.to_json(), data.workers_seen[-2:]
+
+
+@pytest.mark.slow
+def test_verify_on_two_ranks_refits_the_same_ddp_trainer(tmp_path):
+    (r0, seen0), (r1, seen1) = run_distributed(_two_ranks_verified, 2, str(tmp_path), timeout=300)
+    assert r0 == r1 and r0["fixes"][0]["overrides"] == ["data.num_workers=2"], r0["fixes"]
+    assert seen0 == seen1 == [0, 2] and r0["fixes"][0]["measured_speedup"] > 0 and r0["verify_rounds"] == 1
+
+
 def test_two_ranks_return_the_same_diagnosis_on_every_rank(tmp_path):
     r0, r1 = run_distributed(_two_ranks, 2, str(tmp_path), timeout=240)
     assert r0 == r1 and r0["bottleneck"] == "input" and len(r0["breakdown_per_rank"]) == 2

@@ -389,10 +389,10 @@ def diagnose(trainer: pl.Trainer, model: pl.LightningModule, datamodule: pl.Ligh
     diagnosis = diagnosis_of(_measured_fit(trainer, model, datamodule, DoctorProbe(**probe_args), warmup_steps, steps))
     if verify:
         targets = {"model": model, "data": datamodule}
-        settings = {i: _attributes(f.overrides, targets) for i, f in enumerate(diagnosis.fixes) if f.overrides}
-        fixes = [diagnosis.fixes[i] for i, s in settings.items() if s is not None]
-        diagnosis.notes += [f"not verified: {' '.join(diagnosis.fixes[i].overrides)} changes the Trainer; measure it "
-                            "with fastscale-doctor --verify (docs/doctor.md)" for i, s in settings.items() if s is None]
+        candidates = [(f, _attributes(f.overrides, targets)) for f in diagnosis.fixes if f.overrides]
+        applied = [(f, setting) for f, setting in candidates if setting is not None]
+        diagnosis.notes += [f"not verified: {' '.join(f.overrides)} changes the Trainer; measure it with "
+                            "fastscale-doctor --verify (docs/doctor.md)" for f, setting in candidates if setting is None]
 
         def step_s(setting: dict[tuple[str, str], Any]) -> float:
             saved = _set(setting, targets)
@@ -401,8 +401,8 @@ def diagnose(trainer: pl.Trainer, model: pl.LightningModule, datamodule: pl.Ligh
             finally:
                 _set(saved, targets)
 
-        runs = [functools.partial(step_s, s) for s in [{}, *(s for s in settings.values() if s is not None)]]
-        verify_fixes(diagnosis, fixes, runs, verify_rounds)
+        runs = [functools.partial(step_s, setting) for setting in [{}, *(s for _, s in applied)]]
+        verify_fixes(diagnosis, [f for f, _ in applied], runs, verify_rounds)
     return diagnosis
 
 
