@@ -144,7 +144,7 @@ def stability(job: str, runs: int, neighbour: bool, tmp: Path, timeout: float, d
         "wrong": sum(v not in (right, "too close to call") for v in verdicts),
         **{f"{k}_spread": _spread([r[k] for r in records]) for k in ("step_s", "input_s", "compute_in_run_s",
                                                                     "compute_alone_s", "wall_s")},
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "load_avg_before": os.getloadavg(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "load_avg_after": os.getloadavg(),
     }
 
 
