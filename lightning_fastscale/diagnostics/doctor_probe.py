@@ -11,7 +11,8 @@ every rank at once:
    workers (all ranks of a machine load at the same time, as in training);
 3. compute alone: forward, backward and optimizer step on a device-resident batch of the
    configured shape, on a copy of the model (no gradient synchronisation, the real weights
-   untouched); on CUDA also with bf16 autocast and channels-last where the job has neither;
+   untouched); on the CPU also on one thread where the job has more (oversubscribed cores run
+   it much faster); on CUDA also with bf16 autocast and channels-last where the job has neither;
 
 and then lets the fit run its short real run, whose steps the
 [`StepBreakdown`][lightning_fastscale.diagnostics.StepBreakdown] callback splits into parts per rank. At
