@@ -27,6 +27,8 @@ def test_input_bound_outside_module_is_named_input(tmp_path):
     doc = json.loads(dumps(d))  # what fastscale-doctor writes as doctor.json
     assert doc["bottleneck"] == "input" and doc["measurements"]["batch_size"] == 8
     assert len(doc["measurements"]["compute_alone_runs_s"]) == 3 and doc["measurements"]["threads"] >= 1
+    # compute alone on one thread too, where the run has several (the oversubscribed-cores check)
+    assert (doc["measurements"]["compute_alone_one_thread_s"] is not None) == (doc["measurements"]["threads"] > 1)
     assert len(doc["measurements"]["window_scores"]) == 4  # 8 steps after the warm-up, 4 windows
 
 
@@ -36,10 +38,38 @@ def test_compute_bound_outside_module_is_named_compute(tmp_path):
     assert d.verdict.bottleneck == "compute", d.verdict.reason
 
 
-def test_verify_is_refused_with_the_hydra_route(tmp_path):
-    with pytest.raises(ValueError, match="fastscale-doctor --verify"):
-        diagnose(pl.Trainer(accelerator="cpu", devices=1, default_root_dir=tmp_path), OutsideModule(), OutsideData(),
-                 verify=True)
+class RecordingData(OutsideData):
+    """OutsideData that records the worker count of every loader it makes."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.workers_seen: list[int] = []
+
+    def train_dataloader(self):
+        self.workers_seen.append(self.num_workers)
+        return super().train_dataloader()
+
+
+def test_verify_applies_the_fix_to_the_datamodule_and_measures_it(tmp_path):
+    trainer = pl.Trainer(accelerator="cpu", devices=1, default_root_dir=tmp_path)
+    data = RecordingData(delay=0.004)
+    d = diagnose(trainer, OutsideModule(), data, verify=True, verify_rounds=2, **dict(QUICK, max_workers=2))
+    fix = d.fixes[0]
+    assert d.verdict.bottleneck == "input" and fix.overrides == ["data.num_workers=2"], d.fixes
+    # measured: 2 rounds of the baseline (0 workers) then the fix (2 workers), each 1 + 8 more steps
+    assert data.workers_seen[-4:] == [0, 2, 0, 2] and data.num_workers == 0  # restored after its runs
+    assert trainer.global_step == 5 * 9 and d.verify_rounds == 2
+    assert fix.measured_speedup == pytest.approx(d.baseline_step_s / fix.verified_step_s)
+    assert json.loads(dumps(d))["fixes"][0]["measured_speedup"] == fix.measured_speedup
+
+
+def test_verify_leaves_a_fix_that_sets_no_attribute_of_the_users_objects_to_the_cli():
+    from lightning_fastscale.diagnostics.doctor_probe import _attributes
+
+    targets = {"model": OutsideModule(), "data": OutsideData()}
+    assert _attributes(["data.num_workers=4"], targets) == {("data", "num_workers"): 4}
+    assert _attributes(["strategy=hier_ring", "strategy.wire_dtype=bf16"], targets) is None
+    assert _attributes(["model.channels_last=true"], targets) is None  # OutsideModule has no such attribute
 
 
 def _two_ranks(rank: int, world_size: int, tmp: str) -> dict:
@@ -47,6 +77,21 @@ def _two_ranks(rank: int, world_size: int, tmp: str) -> dict:
     trainer = pl.Trainer(accelerator="cpu", devices=2, default_root_dir=tmp)
     d = diagnose(trainer, OutsideModule(), OutsideData(delay=0.004), **QUICK)
     return d.to_json()
+
+
+def _two_ranks_verified(rank: int, world_size: int, tmp: str) -> tuple[dict, list[int]]:
+    os.environ["LOCAL_RANK"] = str(rank)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, default_root_dir=tmp)
+    data = RecordingData(delay=0.004)
+    d = diagnose(trainer, OutsideModule(), data, verify=True, **dict(QUICK, max_workers=2))
+    return d.to_json(), data.workers_seen[-2:]
+
+
+@pytest.mark.slow
+def test_verify_on_two_ranks_refits_the_same_ddp_trainer(tmp_path):
+    (r0, seen0), (r1, seen1) = run_distributed(_two_ranks_verified, 2, str(tmp_path), timeout=300)
+    assert r0 == r1 and r0["fixes"][0]["overrides"] == ["data.num_workers=2"], r0["fixes"]
+    assert seen0 == seen1 == [0, 2] and r0["fixes"][0]["measured_speedup"] > 0 and r0["verify_rounds"] == 1
 
 
 def test_two_ranks_return_the_same_diagnosis_on_every_rank(tmp_path):

@@ -141,6 +141,23 @@ def test_probes_more_than_2x_from_the_run_are_named_as_outside_load():
     assert diagnosis_of(agree).notes == []
 
 
+def test_compute_much_faster_on_one_thread_is_named_oversubscribed_cores():
+    # the stability benchmark's input-bound job beside a process spinning on one of 2 cores (2 torch
+    # threads): 447 ms of compute in the run against 102 ms of input; compute alone 450 ms, 60 ms on 1 thread
+    loaded = dict(batch_size=32, compute_alone_s=0.45, compute_alone_one_thread_s=0.06, threads=2)
+    d = diagnosis_of(Measurements(parts=[_parts(input=0.102, compute=0.447)], **loaded))
+    assert d.verdict.too_close_to_call and "the cores are oversubscribed" in d.verdict.reason
+    assert "at that rate compute would take 0.0596 s" in d.verdict.reason
+    assert any(n.startswith("compute alone ran 7.5x faster on 1 thread (60.0 ms) than on the run's 2") for n in d.notes)
+    # compute-bound even at the one-thread rate (59.6 ms against 20 ms of input): named compute, with the note
+    busy = diagnosis_of(Measurements(parts=[_parts(input=0.02, compute=0.447)], **loaded))
+    assert busy.verdict.bottleneck == "compute" and not busy.verdict.too_close_to_call and len(busy.notes) == 1
+    # on free cores one thread is slower than two: no contention
+    quiet = diagnosis_of(Measurements(parts=[_parts(input=0.102, compute=0.039)], batch_size=32, compute_alone_s=0.031,
+                                      compute_alone_one_thread_s=0.05, threads=2))
+    assert quiet.verdict.bottleneck == "input" and not quiet.verdict.too_close_to_call and quiet.notes == []
+
+
 def test_compute_bound_step_takes_only_variants_measured_faster():
     m = Measurements(parts=[_parts(input=0.01, compute=0.5, optimizer=0.05)], batch_size=64, compute_alone_s=0.55,
                      compute_variants={"precision=bf16_mixed model.channels_last=true": 0.25})

@@ -22,7 +22,8 @@ and everything else; a faster all-reduce saves at most the communication that wa
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import statistics
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -43,6 +44,7 @@ __all__ = [
     "diagnosis_of",
     "propose_fixes",
     "verdict_of",
+    "verify_fixes",
 ]
 
 FLAT = "flat/fp32"
@@ -77,6 +79,9 @@ class Measurements:
         window_scores: the verdict's scores (seconds per step per cause) of each window of the run
             after the warm-up: their spread decides whether input and compute are too close to call.
         threads: torch threads per rank in the run (the probes run with the same).
+        compute_alone_one_thread_s: compute alone on one torch thread (CPU, where the run uses
+            more), interleaved with the repeats of ``compute_alone_s``: much faster there means
+            the cores are oversubscribed.
 
     Examples:
         >>> m = Measurements(parts=[dict(input=0.01, compute=0.1, communication=0.0, optimizer=0.01, rest=0.0)],
@@ -105,6 +110,7 @@ class Measurements:
     compute_alone_runs_s: list[float] = field(default_factory=list)
     window_scores: list[dict[str, float]] = field(default_factory=list)
     threads: int | None = None
+    compute_alone_one_thread_s: float | None = None
 
     @property
     def world_size(self) -> int:
@@ -224,6 +230,15 @@ def verdict_of(m: Measurements) -> Verdict:
                   f"{seconds['compute']:.4f} s per step; which is larger changes between the {len(m.window_scores)} "
                   "measured windows)")
         return Verdict(bottleneck, seconds, reason, too_close_to_call=True)
+    contention = _contention(m)
+    if bottleneck in ("input", "compute") and contention:
+        compute_one = seconds["compute"] / contention
+        if (seconds["input"] > compute_one) != (bottleneck == "input"):
+            reason = (f"input or compute: too close to call on this machine (input {seconds['input']:.4f} s, compute "
+                      f"{seconds['compute']:.4f} s per step; compute alone ran {contention:.1f}x faster on 1 thread "
+                      f"than on the run's {m.threads}, so the cores are oversubscribed, and at that rate compute would "
+                      f"take {compute_one:.4f} s)")
+            return Verdict(bottleneck, seconds, reason, too_close_to_call=True)
     reasons = {
         "input": f"waiting for the next batch takes {seconds['input']:.4f} s of the {step:.4f} s step ({share:.0%})",
         "compute": f"forward, backward and optimizer take {seconds['compute']:.4f} s of the {step:.4f} s step ({share:.0%})",
@@ -239,6 +254,18 @@ def _input_or_compute_flips(m: Measurements) -> bool:
     return len(margins) >= 2 and min(margins) < 0 < max(margins)
 
 
+def _contention(m: Measurements) -> float | None:
+    """How many times faster compute alone ran on one thread than on the run's threads, where beyond `CONTENTION`."""
+    one, many = m.compute_alone_one_thread_s, m.compute_alone_s
+    if not one or not many or (m.threads or 1) <= 1 or many / one <= CONTENTION:
+        return None
+    return many / one
+
+
+CONTENTION = 1.5
+"""Compute alone this many times faster on one thread than on several: the cores are oversubscribed
+(on free cores more threads are never slower than one by this much)."""
+
 WINDOWS = 4
 """Windows the measured steps are split into (each summarised on its own, for the verdict's spread)."""
 
@@ -250,7 +277,8 @@ def cross_checks(m: Measurements) -> list[str]:
     """The probes against the run's own breakdown; a disagreement beyond `DISAGREEMENT` is named as outside load.
 
     Compute alone against compute (and optimizer) inside the run; without loader workers, the
-    loader's rate against the rate the run's input wait implies.
+    loader's rate against the rate the run's input wait implies; compute alone on one thread
+    against the run's threads (beyond `CONTENTION`: the cores are oversubscribed).
 
     Examples:
         >>> m = Measurements(parts=[dict(input=0.0, compute=0.5, communication=0.0, optimizer=0.0, rest=0.0)],
@@ -272,6 +300,12 @@ def cross_checks(m: Measurements) -> list[str]:
             notes.append(f"the loader probe read {rate:.0f} images/s per rank, the run's input wait implies "
                          f"{implied:.0f}: more than {DISAGREEMENT:.0f}x apart, so other processes were loading this "
                          "machine during the measurements")
+    contention = _contention(m)
+    if contention:
+        notes.append(f"compute alone ran {contention:.1f}x faster on 1 thread ({1e3 * m.compute_alone_one_thread_s:.1f} ms) "
+                     f"than on the run's {m.threads} ({1e3 * m.compute_alone_s:.1f} ms): the cores are oversubscribed, by "
+                     "other processes or by more threads than free cores; measure on a quiet machine, or give the job "
+                     "fewer threads (torch.set_num_threads, OMP_NUM_THREADS)")
     return notes
 
 
@@ -441,6 +475,29 @@ def diagnosis_of(m: Measurements) -> Diagnosis:
     """Verdict and fixes of one set of measurements."""
     verdict = verdict_of(m)
     return Diagnosis(m, verdict, propose_fixes(m, verdict), notes=cross_checks(m))
+
+
+def verify_fixes(diagnosis: Diagnosis, fixes: Sequence[Fix], runs: Sequence[Callable[[], float]], rounds: int) -> None:
+    """``--verify``: time the baseline (``runs[0]``) and each fix (``runs[i + 1]``), interleaved ``rounds`` times.
+
+    Each run returns its seconds per step; interleaving spreads the machine's slow spells over
+    all of them. Fills ``diagnosis.baseline_step_s`` and each fix's ``verified_step_s`` (medians)
+    and ``measured_speedup`` (median baseline step / median fix step).
+
+    Examples:
+        >>> d = Diagnosis(Measurements(parts=[], batch_size=1), Verdict("input", {}, ""), [Fix(["a=1"], "", 2.0, "")])
+        >>> verify_fixes(d, d.fixes, [lambda: 0.2, lambda: 0.1], rounds=2)
+        >>> d.fixes[0].measured_speedup, d.verify_rounds
+        (2.0, 2)
+    """
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(rounds):
+        for run, measured in zip(runs, times):
+            measured.append(run())
+    diagnosis.baseline_step_s, diagnosis.verify_rounds = statistics.median(times[0]), rounds
+    for fix, measured in zip(fixes, times[1:]):
+        fix.verified_step_s = statistics.median(measured)
+        fix.measured_speedup = diagnosis.baseline_step_s / fix.verified_step_s
 
 
 PLAIN_DDP_TOLERANCE = 0.05

@@ -14,8 +14,8 @@ launcher, which re-runs the command line once per extra rank, hands them on.
 """
 from __future__ import annotations
 
+import functools
 import logging
-import statistics
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -28,7 +28,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_fastscale.config_check import ConfigError, check_group_names, config_names
-from lightning_fastscale.diagnostics.doctor import WINDOWS, Diagnosis, diagnosis_of
+from lightning_fastscale.diagnostics.doctor import WINDOWS, Diagnosis, diagnosis_of, verify_fixes
 from lightning_fastscale.diagnostics.doctor_probe import DoctorProbe
 from lightning_fastscale.diagnostics.doctor_report import dumps, plot_report, render_report
 from lightning_fastscale.diagnostics.step_breakdown_callback import StepBreakdown
@@ -150,23 +150,15 @@ def _verify(cfg: DictConfig, diagnosis: Diagnosis) -> None:
     opts = cfg.doctor
     base_overrides = list(HydraConfig.get().overrides.task)
     fixes = [f for f in diagnosis.fixes if f.overrides]
-    configs = [_for_measuring(cfg, opts.verify_warmup_steps, opts.verify_steps)]
-    for fix in fixes:
-        composed = _compose(merge_overrides(base_overrides, fix.overrides, fix.decides))
-        configs.append(_for_measuring(composed, opts.verify_warmup_steps, opts.verify_steps))
-    times: list[list[float]] = [[] for _ in configs]
-    for _ in range(opts.verify_rounds):
-        for i, run_cfg in enumerate(configs):
-            probe = _fit(run_cfg, DoctorProbe(measure=False), opts.verify_warmup_steps, opts.verify_steps,
-                         _run_dir() / "verify", False)
-            assert probe.measurements is not None
-            times[i].append(probe.measurements.step_s)
-    base = statistics.median(times[0])
-    diagnosis.baseline_step_s = base
-    diagnosis.verify_rounds = opts.verify_rounds
-    for fix, fix_times in zip(fixes, times[1:]):
-        fix.verified_step_s = statistics.median(fix_times)
-        fix.measured_speedup = base / fix.verified_step_s
+    configs = [cfg] + [_compose(merge_overrides(base_overrides, f.overrides, f.decides)) for f in fixes]
+
+    def step_s(run_cfg: DictConfig) -> float:
+        probe = _fit(_for_measuring(run_cfg, opts.verify_warmup_steps, opts.verify_steps), DoctorProbe(measure=False),
+                     opts.verify_warmup_steps, opts.verify_steps, _run_dir() / "verify", False)
+        assert probe.measurements is not None
+        return probe.measurements.step_s
+
+    verify_fixes(diagnosis, fixes, [functools.partial(step_s, c) for c in configs], opts.verify_rounds)
 
 
 def _run_dir() -> Path:

@@ -11,7 +11,8 @@ every rank at once:
    workers (all ranks of a machine load at the same time, as in training);
 3. compute alone: forward, backward and optimizer step on a device-resident batch of the
    configured shape, on a copy of the model (no gradient synchronisation, the real weights
-   untouched); on CUDA also with bf16 autocast and channels-last where the job has neither;
+   untouched); on the CPU also on one thread where the job has more (oversubscribed cores run
+   it much faster); on CUDA also with bf16 autocast and channels-last where the job has neither;
 
 and then lets the fit run its short real run, whose steps the
 [`StepBreakdown`][lightning_fastscale.diagnostics.StepBreakdown] callback splits into parts per rank. At
@@ -34,12 +35,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+import yaml
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import Precision
 from typing_extensions import override
 
 from lightning_fastscale.data.worker_autotune import images_per_second
-from lightning_fastscale.diagnostics.doctor import FLAT, WINDOWS, Diagnosis, Measurements, diagnosis_of
+from lightning_fastscale.diagnostics.doctor import FLAT, WINDOWS, Diagnosis, Measurements, diagnosis_of, verify_fixes
 from lightning_fastscale.diagnostics.step_breakdown_callback import StepBreakdown
 
 log = logging.getLogger(__name__)
@@ -263,9 +265,17 @@ class DoctorProbe(Callback):
         batch = pl_module._apply_batch_transfer_handler(batch)
         # in this process, so with the run's own torch threads
         local["threads"] = torch.get_num_threads()
-        local["compute_alone_runs_s"] = [measure_compute(trainer, pl_module, batch, self.compute_steps)
-                                         for _ in range(self.repeats)]
-        local["compute_alone_s"] = statistics.median(local["compute_alone_runs_s"])
+        runs, one_thread = [], []
+        for _ in range(self.repeats):  # interleaved, so load that comes and goes meets both alike
+            runs.append(measure_compute(trainer, pl_module, batch, self.compute_steps))
+            if device.type == "cpu" and local["threads"] > 1:
+                torch.set_num_threads(1)
+                try:
+                    one_thread.append(measure_compute(trainer, pl_module, batch, self.compute_steps))
+                finally:
+                    torch.set_num_threads(local["threads"])
+        local["compute_alone_runs_s"], local["compute_alone_s"] = runs, statistics.median(runs)
+        local["compute_alone_one_thread_s"] = statistics.median(one_thread) if one_thread else None
         if device.type == "cuda":
             # what the GPU recipe adds where the job lacks it: bf16 autocast instead of plain fp32
             # (never in place of a precision plugin such as LARS), channels-last memory format
@@ -334,11 +344,18 @@ def _combine(per_rank: list[dict[str, Any]], parts: list[dict[str, float]]) -> M
         compute_alone_runs_s=slowest.get("compute_alone_runs_s", []),
         window_scores=first.get("window_scores", []),
         threads=first.get("threads"),
+        compute_alone_one_thread_s=_median([r.get("compute_alone_one_thread_s") for r in per_rank]),
     )
 
 
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
 def diagnose(trainer: pl.Trainer, model: pl.LightningModule, datamodule: pl.LightningDataModule | None = None,
-             verify: bool = False, warmup_steps: int = 5, steps: int = 20, **probe_args: Any) -> Diagnosis:
+             verify: bool = False, warmup_steps: int = 5, steps: int = 20, verify_rounds: int = 1,
+             **probe_args: Any) -> Diagnosis:
     """``fastscale-doctor`` on your own module and Trainer, without Hydra: measure, name the bottleneck, propose fixes.
 
     Fits ``model`` for ``warmup_steps + steps`` optimizer steps on ``trainer`` (no validation)
@@ -349,30 +366,80 @@ def diagnose(trainer: pl.Trainer, model: pl.LightningModule, datamodule: pl.Ligh
     [`Diagnosis`][lightning_fastscale.diagnostics.doctor.Diagnosis] that ``fastscale-doctor`` writes as
     ``doctor.json`` (``dumps(diagnosis)``). The Trainer has then been fitted: use a fresh one to train.
 
-    ``verify=True`` is refused: the fixes are ``fastscale-train`` overrides, which only the
-    Hydra route (``fastscale-doctor --verify`` with a ``_target_`` for your classes) can apply.
+    ``verify=True`` does what ``fastscale-doctor --verify`` does
+    ([`verify_fixes`][lightning_fastscale.diagnostics.doctor.verify_fixes]): the baseline and each fix
+    fitted for ``warmup_steps + steps`` more steps on the same Trainer, interleaved
+    ``verify_rounds`` times, filling each fix's ``measured_speedup``. A fix is applied to your
+    objects where its overrides set attributes they have (``data.num_workers=4`` sets
+    ``datamodule.num_workers``, ``model.X`` sets ``model.X``), restored after its runs; a fix that
+    changes the Trainer (``strategy=...``, ``precision=...``) is left unmeasured, with a note.
     ``probe_args`` go to `DoctorProbe` (``compute_steps``, ``loader_batches``, ``repeats``, ...).
 
     Example:
         >>> from lightning_fastscale import diagnose
-        >>> d = diagnose(pl.Trainer(devices=2), MyModule(), MyDataModule())  # doctest: +SKIP
-        >>> d.verdict.bottleneck, d.fixes[0].overrides  # doctest: +SKIP
-        ('input', ['data.num_workers=4'])
+        >>> d = diagnose(pl.Trainer(devices=2), MyModule(), MyDataModule(), verify=True)  # doctest: +SKIP
+        >>> d.verdict.bottleneck, d.fixes[0].overrides, d.fixes[0].measured_speedup  # doctest: +SKIP
+        ('input', ['data.num_workers=4'], 2.1)
     """
-    if verify:
-        raise ValueError("diagnose(verify=True): the fixes are fastscale-train overrides; verify them with "
-                         "fastscale-doctor --verify and model/data given by _target_ (docs/doctor.md)")
-    if warmup_steps < 0 or steps < 1:
-        raise ValueError(f"diagnose(warmup_steps={warmup_steps}, steps={steps}): need warmup_steps >= 0 and steps >= 1")
-    probe = DoctorProbe(**probe_args)
-    trainer.callbacks.extend([
-        StepBreakdown(every_n_steps=max(1, steps // WINDOWS), warmup_steps=warmup_steps, plot=False, print_table=False),
-        probe,
-    ])
-    trainer.fit_loop.epoch_loop.max_steps = warmup_steps + steps  # a measured run, however long the Trainer's own
-    trainer.fit_loop.max_epochs = -1
+    if warmup_steps < 0 or steps < 1 or verify_rounds < 1:
+        raise ValueError(f"diagnose(warmup_steps={warmup_steps}, steps={steps}, verify_rounds={verify_rounds}): "
+                         "need warmup_steps >= 0, steps >= 1 and verify_rounds >= 1")
     trainer.limit_val_batches = 0
     trainer.num_sanity_val_steps = 0
-    trainer.fit(model, datamodule=datamodule)
+    trainer.fit_loop.max_epochs = -1
+    diagnosis = diagnosis_of(_measured_fit(trainer, model, datamodule, DoctorProbe(**probe_args), warmup_steps, steps))
+    if verify:
+        targets = {"model": model, "data": datamodule}
+        candidates = [(f, _attributes(f.overrides, targets)) for f in diagnosis.fixes if f.overrides]
+        applied = [(f, setting) for f, setting in candidates if setting is not None]
+        diagnosis.notes += [f"not verified: {' '.join(f.overrides)} changes the Trainer; measure it with "
+                            "fastscale-doctor --verify (docs/doctor.md)" for f, setting in candidates if setting is None]
+
+        def step_s(setting: dict[tuple[str, str], Any]) -> float:
+            saved = _set(setting, targets)
+            try:
+                return _measured_fit(trainer, model, datamodule, DoctorProbe(measure=False), warmup_steps, steps).step_s
+            finally:
+                _set(saved, targets)
+
+        runs = [functools.partial(step_s, setting) for setting in [{}, *(s for _, s in applied)]]
+        verify_fixes(diagnosis, [f for f, _ in applied], runs, verify_rounds)
+    return diagnosis
+
+
+def _measured_fit(trainer: pl.Trainer, model: pl.LightningModule, datamodule: pl.LightningDataModule | None,
+                  probe: DoctorProbe, warmup_steps: int, steps: int) -> Measurements:
+    """Fit ``warmup_steps + steps`` more steps with a step breakdown and ``probe`` among the callbacks (only then)."""
+    added = [StepBreakdown(every_n_steps=max(1, steps // WINDOWS), warmup_steps=warmup_steps, plot=False,
+                           print_table=False), probe]
+    trainer.callbacks.extend(added)
+    trainer.fit_loop.epoch_loop.max_steps = trainer.global_step + warmup_steps + steps
+    try:
+        trainer.fit(model, datamodule=datamodule)
+    finally:
+        for callback in added:
+            trainer.callbacks.remove(callback)
     assert probe.measurements is not None
-    return diagnosis_of(probe.measurements)
+    return probe.measurements
+
+
+def _attributes(overrides: list[str], targets: dict[str, Any]) -> dict[tuple[str, str], Any] | None:
+    """The attributes of the user's objects that ``overrides`` set (``data.num_workers=4``); None if one is not such."""
+    setting = {}
+    for item in overrides:
+        key, _, value = item.partition("=")
+        group, _, name = key.partition(".")
+        target = targets.get(group)
+        if target is None or not name or "." in name or not hasattr(target, name):
+            return None
+        setting[group, name] = yaml.safe_load(value)
+    return setting
+
+
+def _set(setting: dict[tuple[str, str], Any], targets: dict[str, Any]) -> dict[tuple[str, str], Any]:
+    """Set each attribute of ``setting``; returns their values before."""
+    saved = {}
+    for (group, name), value in setting.items():
+        saved[group, name] = getattr(targets[group], name)
+        setattr(targets[group], name, value)
+    return saved

@@ -35,6 +35,8 @@ def render_report(d: Diagnosis) -> str:
         spread = f" (median of {len(runs)}, {_fmt_s(min(runs)).strip()} to {_fmt_s(max(runs)).strip()})" if len(runs) > 1 else ""
         threads = f", {m.threads} thread(s)" if m.threads else ""
         lines.append(f"  compute alone (device-resident batch of {m.batch_size}{threads}): {_fmt_s(m.compute_alone_s)}{spread}")
+        if m.compute_alone_one_thread_s is not None:
+            lines.append(f"    on 1 thread: {_fmt_s(m.compute_alone_one_thread_s)}")
         for overrides, t in m.compute_variants.items():
             lines.append(f"    with {overrides}: {_fmt_s(t)}")
     if m.allreduce_s:
