@@ -19,6 +19,7 @@ from lightning_fastscale.diagnostics.doctor import (
     Measurements,
     algorithm_overrides,
     diagnosis_of,
+    large_batch_bound,
 )
 from lightning_fastscale.diagnostics.doctor_cli import check_settings, merge_overrides
 from lightning_fastscale.diagnostics.doctor_probe import DoctorProbe, measure_allreduce, measure_compute
@@ -139,6 +140,21 @@ def test_probes_more_than_2x_from_the_run_are_named_as_outside_load():
     agree = Measurements(parts=[_parts(input=0.0053, compute=0.10)], batch_size=32, compute_alone_s=0.09,
                          loader_images_per_s={0: 5000.0}, num_workers=0)
     assert diagnosis_of(agree).notes == []
+
+
+def test_larger_batches_are_bounded_by_step_over_input_and_compute_and_said_not_to_pay_without_comm():
+    # the time-to-accuracy benchmark's plain arm, record regime (ms/step): 2 ranks over a slow link
+    slow_link = Measurements(parts=[_parts(input=0.7e-3, compute=32.3e-3, communication=76.5e-3, optimizer=1.0e-3)],
+                             batch_size=32)
+    assert large_batch_bound(slow_link) == pytest.approx(110.5 / 33.0)
+    # ... and on one machine, where plain DDP's all-reduce is 0.11x its compute
+    one_machine = Measurements(parts=[_parts(input=0.5e-3, compute=25.0e-3, communication=2.8e-3, optimizer=0.7e-3)],
+                               batch_size=32)
+    assert large_batch_bound(one_machine) == pytest.approx(29.0 / 25.5)
+    assert "do not pay here" in render_report(diagnosis_of(one_machine))
+    report = render_report(diagnosis_of(slow_link))
+    assert "at most 3.35x faster per sample" in report and "do not pay" not in report
+    assert diagnosis_of(slow_link).to_json()["large_batch_bound"] == pytest.approx(110.5 / 33.0)
 
 
 def test_compute_bound_step_takes_only_variants_measured_faster():
