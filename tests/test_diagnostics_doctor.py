@@ -19,6 +19,7 @@ from lightning_fastscale.diagnostics.doctor import (
     Measurements,
     algorithm_overrides,
     diagnosis_of,
+    large_batch_bound,
 )
 from lightning_fastscale.diagnostics.doctor_cli import check_settings, merge_overrides
 from lightning_fastscale.diagnostics.doctor_probe import DoctorProbe, measure_allreduce, measure_compute
@@ -156,6 +157,21 @@ def test_compute_much_faster_on_one_thread_is_named_oversubscribed_cores():
     quiet = diagnosis_of(Measurements(parts=[_parts(input=0.102, compute=0.039)], batch_size=32, compute_alone_s=0.031,
                                       compute_alone_one_thread_s=0.05, threads=2))
     assert quiet.verdict.bottleneck == "input" and not quiet.verdict.too_close_to_call and quiet.notes == []
+
+
+def test_larger_batches_are_bounded_by_step_over_input_and_compute_and_said_not_to_pay_without_comm():
+    # the time-to-accuracy benchmark's plain arm, record regime (ms/step): 2 ranks over a slow link
+    slow_link = Measurements(parts=[_parts(input=0.7e-3, compute=32.3e-3, communication=76.5e-3, optimizer=1.0e-3)],
+                             batch_size=32)
+    assert large_batch_bound(slow_link) == pytest.approx(110.5 / 33.0)
+    # ... and on one machine, where plain DDP's all-reduce is 0.11x its compute
+    one_machine = Measurements(parts=[_parts(input=0.5e-3, compute=25.0e-3, communication=2.8e-3, optimizer=0.7e-3)],
+                               batch_size=32)
+    assert large_batch_bound(one_machine) == pytest.approx(29.0 / 25.5)
+    assert "do not pay here" in render_report(diagnosis_of(one_machine))
+    report = render_report(diagnosis_of(slow_link))
+    assert "at most 3.35x faster per sample" in report and "do not pay" not in report
+    assert diagnosis_of(slow_link).to_json()["large_batch_bound"] == pytest.approx(110.5 / 33.0)
 
 
 def test_compute_bound_step_takes_only_variants_measured_faster():

@@ -42,6 +42,7 @@ __all__ = [
     "Verdict",
     "algorithm_overrides",
     "diagnosis_of",
+    "large_batch_bound",
     "propose_fixes",
     "verdict_of",
     "verify_fixes",
@@ -206,6 +207,7 @@ class Diagnosis:
             "fixes": [asdict(f) for f in self.fixes],
             "baseline_step_s": self.baseline_step_s,
             "verify_rounds": self.verify_rounds,
+            "large_batch_bound": large_batch_bound(m),
             "measurements": asdict(m),
         }
 
@@ -498,6 +500,39 @@ def verify_fixes(diagnosis: Diagnosis, fixes: Sequence[Fix], runs: Sequence[Call
     for fix, measured in zip(fixes, times[1:]):
         fix.verified_step_s = statistics.median(measured)
         fix.measured_speedup = diagnosis.baseline_step_s / fix.verified_step_s
+
+
+LARGE_BATCH_PAYS = 1.2
+"""Below this per-sample bound a larger batch does not pay for the epochs it costs (MLPerf's ResNet-50
+reference points: 1.19x the epochs from a global batch of 3,264 to 8,192, 1.6x to 32,768)."""
+
+
+def large_batch_bound(m: Measurements) -> float:
+    """The most a larger per-device batch can speed up each sample: ``step / (input + compute)``.
+
+    A K-times larger batch takes K times a step's input and compute but still one all-reduce and
+    one optimizer step, so as K grows the time per sample falls at most to (input + compute) / B.
+    The extra epochs a larger batch needs to reach the same accuracy are not counted: the bound
+    has to exceed them for the larger batch to pay (Goyal et al. 2017; MLPerf Training).
+
+    Examples:
+        >>> m = Measurements(parts=[dict(input=0.01, compute=0.09, communication=0.1, optimizer=0.0, rest=0.0)],
+        ...                  batch_size=32)
+        >>> round(large_batch_bound(m), 2)
+        2.0
+    """
+    per_sample_floor = m.median_part("input") + m.median_part("compute")
+    return m.step_s / per_sample_floor if per_sample_floor > 0 else float("inf")
+
+
+def large_batch_note(m: Measurements) -> str:
+    """The report's line on larger batches: the bound, and whether they can pay here."""
+    bound = large_batch_bound(m)
+    verdict = ("they do not pay here: too little of the step is communication and optimizer (no slow link, or few ranks)"
+               if bound < LARGE_BATCH_PAYS else
+               "they pay only if the run needs fewer than that many times the epochs at the larger batch")
+    return (f"a larger per-device batch (experiment=large_batch) is at most {bound:.2f}x faster per sample here "
+            f"(step over input + compute); {verdict}")
 
 
 PLAIN_DDP_TOLERANCE = 0.05

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lightning_fastscale.diagnostics.doctor import FLAT, PLAIN_DDP_TOLERANCE, Diagnosis, plain_ddp_within
+from lightning_fastscale.diagnostics.doctor import FLAT, PLAIN_DDP_TOLERANCE, Diagnosis, large_batch_note, plain_ddp_within
 from lightning_fastscale.diagnostics.step_breakdown import PHASE_COLORS, PHASES, VERDICTS
 
 __all__ = ["dumps", "plot_report", "render_report"]
@@ -61,6 +61,7 @@ def render_report(d: Diagnosis) -> str:
         for w, rate in sorted(m.loader_images_per_s.items()):
             mark = "  (configured)" if w == m.num_workers else ""
             lines.append(f"    {w:>2} workers: {rate:10.1f}{mark}")
+    lines += ["", f"larger batches: {large_batch_note(m)}"]
     lines += ["", "fixes:" if d.fixes else "fixes: none of the measured alternatives is predicted to be faster"]
     for i, f in enumerate(d.fixes, 1):
         what = " ".join(f.overrides) or ("(no override; the command below)" if f.command else "(no override)")
