@@ -4,7 +4,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lightning_fastscale.diagnostics.doctor import FLAT, PLAIN_DDP_TOLERANCE, Diagnosis, large_batch_note, plain_ddp_within
+from lightning_fastscale.diagnostics.doctor import (
+    FLAT,
+    PLAIN_DDP_TOLERANCE,
+    Diagnosis,
+    large_batch_note,
+    plain_ddp_within,
+)
 from lightning_fastscale.diagnostics.step_breakdown import PHASE_COLORS, PHASES, VERDICTS
 
 __all__ = ["dumps", "plot_report", "render_report"]
