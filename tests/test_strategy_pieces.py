@@ -13,7 +13,7 @@ from lightning_fastscale.strategies.comm_hooks import (
     run_bucket_job,
 )
 from lightning_fastscale.strategies.node_checks import check_nodes_uniform
-from lightning_fastscale.strategies.plan_report import algorithm_label, hook_name, plan_message
+from lightning_fastscale.strategies.plan_report import algorithm_label, algorithm_note, hook_name, plan_message
 from lightning_fastscale.strategies.plan_resolution import runs_ddp_allreduce
 from lightning_fastscale.strategies.topk_residuals import comm_layout, residual_state, restore_residuals
 from lightning_fastscale.strategies.topology import ProcessGroups, Topology
@@ -130,3 +130,12 @@ def test_registered_hook_is_the_strategys_or_the_users_among_leaders() -> None:
     leader_state, hook = ddp.registered
     assert hook is leader_hook and leader_state.hierarchy is state
     assert leader_state.hook is default_hooks.fp16_compress_hook and leader_state.hook_state is state.groups.inter
+
+
+def test_algorithm_note_says_when_another_algorithm_runs() -> None:
+    assert algorithm_note("hier", "flat", Topology(1, 4), ddp_allreduce=True).endswith("DDP's own flat all-reduce: one node, fp32, no compression")
+    assert algorithm_note("torus2d", "torus2d", Topology(1, 4), ddp_allreduce=False).endswith("inside the node: one node")
+    assert algorithm_note("hier", "hier", Topology(3, 1), ddp_allreduce=False).endswith("across nodes: one rank per node")
+    assert algorithm_note("torus2d", "torus2d", Topology(2, 4), ddp_allreduce=False) is None
+    assert algorithm_note("auto", "flat", Topology(1, 4), ddp_allreduce=True) is None  # plain_ddp_reason's job
+    assert algorithm_note("flat", "flat", Topology(1, 4), ddp_allreduce=True) is None

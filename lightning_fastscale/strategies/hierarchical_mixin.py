@@ -280,7 +280,7 @@ class HierarchicalAllReduceMixin:
         """Topology, algorithm, wire dtype and bucket plan of this run (what rank 0 logs)."""
         assert self.topology is not None
         return plan_summary(
-            topology=self.topology, algorithm=self.resolved_algorithm, user_hook=self.user_hook, hook=self.comm_hook,
+            topology=self.topology, requested_algorithm=self.algorithm, algorithm=self.resolved_algorithm, user_hook=self.user_hook, hook=self.comm_hook,
             backend=self.hook_state.groups.backend if self.hook_state else None, wire_dtype=self.wire_dtype,
             compression=self.compression, topk_ratio=self.topk_ratio, gradient_bytes=self._gradient_bytes,
             bucket_caps_mb=self._ddp_kwargs.get("bucket_cap_mb_list") or [self._ddp_kwargs.get("bucket_cap_mb", 25)],
