@@ -24,20 +24,20 @@ from lightning_fastscale.planner.baseline import PLAIN_DDP_TOLERANCE, crossover_
 from lightning_fastscale.planner.cluster import Cluster, ClusterConfigError, available_clusters, load_cluster
 from lightning_fastscale.planner.cost_model import (
     ALGORITHMS,
-    Topology,
     bandwidth_bound,
     flat_allreduce_detail,
     predict_allreduce,
     wire_bytes_per_element,
 )
-from lightning_fastscale.planner.fusion import MB, best_uniform_cap, plan_two_segment
+from lightning_fastscale.planner.fusion import MB, best_uniform_cap, plan_fusion
 from lightning_fastscale.planner.profile import profile_model
-from lightning_fastscale.planner.scaling import allreduce_cost, default_gpu_counts, scaling_curve
+from lightning_fastscale.planner.scaling import allreduce_cost, default_gpu_counts, scaling_curve, topology_for
 from lightning_fastscale.strategies.options import (
     AUTO_CHUNK_MB_PER_NODE,
     DEFAULT_PIPELINE_CHUNK_MB,
+    PLAIN_DDP,
     WIRE_DTYPES,
-    chunk_numel_for,
+    CommSetting,
     resolve_chunk_mb,
 )
 
@@ -95,26 +95,23 @@ def build_report(
     size = input_size or work.input_size
     wire = wire_dtype or work.wire_dtype
     topk = topk_ratio if topk_ratio is not None else work.topk_ratio
-    rpn = cluster.ranks_per_node
-    gpus = gpus or cluster.nodes * rpn
-    topology = Topology.from_world(gpus, rpn) if gpus > rpn else Topology(num_nodes=1, ranks_per_node=gpus)
+    ranks_per_node = cluster.ranks_per_node
+    gpus = gpus or cluster.nodes * ranks_per_node
+    topology = topology_for(gpus, ranks_per_node)
     params = cluster.comm_params()
     profile = profile_model(model, batch, size, cluster.device.sustained_tflops)
     numel = profile.numel
-    allreduce = predict_allreduce(numel, topology, params, wire, topk, chunk_numel=chunk_numel_for(pipeline_chunk_mb, topology.num_nodes))
-    auto = auto_plan(profile, topology, params, wire, topk, pipeline_chunk_mb=pipeline_chunk_mb,
-                     plain_ddp_tolerance=PLAIN_DDP_TOLERANCE)
-    if auto.plain_ddp:  # DDP's own all-reduce: flat, fp32, unchunked
-        cost = allreduce_cost("flat", topology, params, "fp32", None, pipeline_chunk_mb=None)
-    else:
-        cost = allreduce_cost(auto.algorithm, topology, params, wire, topk, pipeline_chunk_mb=pipeline_chunk_mb)
-    two = plan_two_segment(profile.grad_bytes, profile.backward_s, cost)
+    setting = CommSetting(None, wire, topk, pipeline_chunk_mb)
+    allreduce = predict_allreduce(numel, topology, params, setting)
+    auto = auto_plan(profile, topology, params, setting, plain_ddp_tolerance=PLAIN_DDP_TOLERANCE)
+    cost = allreduce_cost(auto.algorithm, topology, params, PLAIN_DDP if auto.plain_ddp else setting)
+    two = plan_fusion(profile.grad_bytes, profile.backward_s, cost, max_buckets=2)
     cap_mb, cap_plan = best_uniform_cap(profile.grad_bytes, profile.backward_s, cost)
     compute = profile.forward_s + profile.backward_total_s
-    counts = sorted(set(default_gpu_counts(rpn, max_gpus)) | {gpus})
-    curve = scaling_curve(profile, counts, rpn, params, ALGORITHMS, wire, topk, fusion, pipeline_chunk_mb)
+    counts = sorted(set(default_gpu_counts(ranks_per_node, max_gpus)) | {gpus})
+    curve = scaling_curve(profile, counts, ranks_per_node, params, setting, fusion)
     split = two.ends[0] if two.num_buckets == 2 else None
-    best_chunk, _, chunk_finish = best_chunk_plan(profile, topology, params, wire, topk)
+    best_chunk, _, chunk_finish = best_chunk_plan(profile, topology, params, setting)
     return {
         "cluster": {
             "name": cluster.name, "nodes": topology.num_nodes, "ranks_per_node": topology.ranks_per_node,

@@ -15,8 +15,8 @@ import numpy as np
 
 from lightning_fastscale.strategies.options import (
     ALGORITHMS,
+    CommSetting,
     check_algorithm,
-    check_algorithms,
     wire_bytes_per_element,
 )
 from lightning_fastscale.strategies.topology import Topology
@@ -25,6 +25,7 @@ __all__ = [
     "ALGORITHMS",
     "BACKENDS",
     "CommParams",
+    "CommSetting",
     "FlatMeasurement",
     "Topology",
     "allgather_time",
@@ -443,36 +444,26 @@ def _scalar(value):
 
 
 def predict_allreduce(
-    numel: float,
-    topology: Topology,
-    params: CommParams,
-    wire_dtype: str = "fp32",
-    topk_ratio: float | None = None,
-    algorithms: tuple[str, ...] = ALGORITHMS,
-    chunk_numel: float | None = None,
+    numel: float, topology: Topology, params: CommParams, setting: CommSetting = CommSetting(),
 ) -> dict[str, float]:
-    """Predicted all-reduce seconds of ``numel`` elements for each algorithm."""
-    algorithms = check_algorithms(algorithms)
-    return {a: allreduce_time(a, numel, topology, params, wire_dtype, topk_ratio, chunk_numel) for a in algorithms}
+    """Predicted seconds to all-reduce ``numel`` elements with each of ``setting.candidates``."""
+    chunk = setting.chunk_numel(topology.num_nodes)
+    return {a: allreduce_time(a, numel, topology, params, setting.wire_dtype, setting.topk_ratio, chunk)
+            for a in setting.candidates}
 
 
 def choose_algorithm(
-    params: "CommParams | object",
-    message_bytes: float,
-    topology: Topology | None = None,
-    wire_dtype: str = "fp32",
-    topk_ratio: float | None = None,
-    algorithms: tuple[str, ...] = ALGORITHMS,
-    chunk_numel: float | None = None,
+    params: "CommParams | object", message_bytes: float, topology: Topology | None = None,
+    setting: CommSetting = CommSetting(),
 ) -> str:
-    """The algorithm with the smallest predicted all-reduce time for ``message_bytes``.
+    """The algorithm with the smallest predicted all-reduce time for ``message_bytes`` under ``setting``.
 
     ``params`` is a [`CommParams`][lightning_fastscale.planner.CommParams] (then ``topology`` is required) or a
     [`Cluster`][lightning_fastscale.planner.Cluster] (its own topology and parameters
     are used unless ``topology`` is given). ``message_bytes`` counts fp32 gradient bytes as
     held by the model (4 per element); the wire dtype is applied on top. Ties go to the
     simpler algorithm in the order flat, hier, torus2d. On a single node all three are the
-    same in-node all-reduce and ``flat`` is returned. ``chunk_numel``: as in [`allreduce_time`][lightning_fastscale.planner.allreduce_time].
+    same in-node all-reduce and ``flat`` is returned.
     """
     if not isinstance(params, CommParams):
         cluster = params
@@ -480,8 +471,8 @@ def choose_algorithm(
         topology = topology or cluster.topology()  # type: ignore[attr-defined]
     if topology is None:
         raise ValueError("choose_algorithm needs `topology` when given bare CommParams")
-    algorithms = check_algorithms(algorithms)
     if topology.num_nodes == 1:
         return "flat"
-    times = predict_allreduce(message_bytes / 4, topology, params, wire_dtype, topk_ratio, algorithms, chunk_numel)
+    times = predict_allreduce(message_bytes / 4, topology, params, setting)
+    algorithms = setting.candidates
     return min(algorithms, key=lambda a: (times[a], algorithms.index(a)))

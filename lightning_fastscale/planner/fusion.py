@@ -25,7 +25,6 @@ __all__ = [
     "ddp_buckets",
     "ddp_supports_bucket_list",
     "plan_fusion",
-    "plan_two_segment",
     "simulate",
 ]
 
@@ -186,11 +185,6 @@ def plan_fusion(
         ends.append(i)
         i, k = int(args[k - 1][i]), k - 1
     return simulate(sorted(ends), sizes, backward_s, cost)
-
-
-def plan_two_segment(grad_bytes: Sequence[int], backward_s: Sequence[float], cost: CostFn) -> FusionPlan:
-    """The best plan with at most two buckets (Jia et al. 2018's two-segment fusion)."""
-    return plan_fusion(grad_bytes, backward_s, cost, max_buckets=2)
 
 
 def ddp_buckets(grad_bytes: Sequence[int], caps_bytes: Sequence[int]) -> tuple[int, ...]:

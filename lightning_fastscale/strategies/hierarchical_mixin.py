@@ -25,7 +25,7 @@ from lightning_fastscale.strategies.node_checks import (
     gather_node_reports,
 )
 from lightning_fastscale.strategies.option_checks import check_strategy_options
-from lightning_fastscale.strategies.options import DEFAULT_PIPELINE_CHUNK_MB, chunk_numel_for
+from lightning_fastscale.strategies.options import DEFAULT_PIPELINE_CHUNK_MB, CommSetting, chunk_numel_for
 from lightning_fastscale.strategies.plan_report import hook_name, plan_message, plan_summary
 from lightning_fastscale.strategies.plan_resolution import (
     explicit_caps_mb,
@@ -157,15 +157,9 @@ class HierarchicalAllReduceMixin:
 
     def plan_request(self, model: nn.Module, topology: Topology) -> PlanRequest:
         """What this strategy asks its planner: ``model`` on ``topology`` under its wire dtype, top-k and chunking."""
-        return PlanRequest(
-            module=model,
-            topology=topology,
-            wire_dtype=self.wire_dtype,
-            topk_ratio=self.topk_ratio if self.compression == "topk" else None,
-            pipeline_chunk_mb=self.pipeline_chunk_mb,
-            algorithms=None if self.algorithm == "auto" else (self.algorithm,),
-            timeout=self._timeout,
-        )
+        setting = CommSetting(None if self.algorithm == "auto" else (self.algorithm,), self.wire_dtype,
+                              self.topk_ratio if self.compression == "topk" else None, self.pipeline_chunk_mb)
+        return PlanRequest(model, topology, setting, self._timeout)
 
     def resolve_comm_plan(self, model: nn.Module, topology: Topology) -> tuple[str, list[float] | None]:
         """The algorithm and the DDP bucket caps (MB, ``None``: DDP's uniform cap) for ``model`` on ``topology``.

@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 from torch import nn
 
-from lightning_fastscale.strategies.options import DEFAULT_PIPELINE_CHUNK_MB, check_algorithm, check_algorithms
+from lightning_fastscale.strategies.options import CommSetting, check_algorithm
 from lightning_fastscale.strategies.topology import Topology
 
 __all__ = ["CommPlan", "CommPlanner", "NodeCountPlanner", "PlanRequest"]
@@ -24,25 +24,17 @@ __all__ = ["CommPlan", "CommPlanner", "NodeCountPlanner", "PlanRequest"]
 
 @dataclass(frozen=True)
 class PlanRequest:
-    """What the strategy will send, for the planner to price.
+    """What the strategy will send, for the planner to price: ``module`` on ``topology`` under ``setting``.
 
-    ``algorithms``: the candidates; ``None`` lets the planner choose among all of them (and
-    answer plain DDP where a hook is not worth it), a fixed algorithm asks only for buckets.
-    ``topk_ratio``: ``None`` without compression. ``timeout``: of any process group the
-    planner creates (e.g. to calibrate).
+    ``setting.algorithms``: ``None`` lets the planner choose among all of them (and answer plain
+    DDP where a hook is not worth it), a fixed algorithm asks only for buckets. ``timeout``: of
+    any process group the planner creates (e.g. to calibrate).
     """
 
     module: nn.Module
     topology: Topology
-    wire_dtype: str = "fp32"
-    topk_ratio: float | None = None
-    pipeline_chunk_mb: float | str | None = DEFAULT_PIPELINE_CHUNK_MB
-    algorithms: tuple[str, ...] | None = None
+    setting: CommSetting = CommSetting()
     timeout: timedelta | None = None
-
-    def __post_init__(self) -> None:
-        if self.algorithms is not None:
-            check_algorithms(self.algorithms)
 
 
 @dataclass(frozen=True)
@@ -87,8 +79,9 @@ class NodeCountPlanner:
     """
 
     def plan_comm(self, request: PlanRequest) -> CommPlan:
-        """``hier`` on several nodes, ``flat`` on one (restricted to ``request.algorithms`` when given)."""
+        """``hier`` on several nodes, ``flat`` on one (restricted to ``request.setting.algorithms`` when given)."""
         preferred = "hier" if request.topology.num_nodes > 1 else "flat"
-        if request.algorithms is not None and preferred not in request.algorithms:
-            preferred = request.algorithms[0]
+        candidates = request.setting.candidates
+        if preferred not in candidates:
+            preferred = candidates[0]
         return CommPlan(preferred)
