@@ -76,7 +76,7 @@ def test_cost_model_planner_plans_what_it_is_told_to_send():
                         plain_ddp_tolerance=planner.plain_ddp_tolerance)
     answer = planner.plan_comm(PlanRequest(model, topo))
     assert answer.algorithm == default.algorithm
-    assert answer.bucket_caps_mb == tuple(default.plan.ddp_bucket_cap_mb_list())
+    assert answer.fusion_plan == tuple(default.plan.ddp_bucket_cap_mb_list())
     assert answer.plain_ddp_reason == (default.reason if default.plain_ddp else None)
     with pytest.raises(ValueError, match="pipeline_chunk_mb"):
         planner.plan(model, topo, CommSetting(pipeline_chunk_mb=0))

@@ -98,8 +98,8 @@ def test_resolution_alone_overlays_the_explicit_settings_on_the_plan() -> None:
     planner = _Recorder(CommPlan("torus2d", (2.0, 30.0), plain_ddp_reason="cheap"))
     assert resolve_comm_plan(request, planner, algorithm="auto") == CommPlan("torus2d", (2.0, 30.0), "cheap")
     assert resolve_comm_plan(request, planner, algorithm="hier") == CommPlan("hier", (2.0, 30.0))
-    assert resolve_comm_plan(request, planner, algorithm="auto", caps_mb=[1.0]) == CommPlan("torus2d", (1.0,), "cheap")
-    assert resolve_comm_plan(request, planner, algorithm="auto", uniform_cap=True).bucket_caps_mb is None
+    assert resolve_comm_plan(request, planner, algorithm="auto", fusion_plan=[1.0]) == CommPlan("torus2d", (1.0,), "cheap")
+    assert resolve_comm_plan(request, planner, algorithm="auto", uniform_cap=True).fusion_plan is None
     # A user hook takes the place of the plain path, so plain DDP is never chosen for it.
     assert resolve_comm_plan(request, planner, algorithm="auto", user_hook=True).plain_ddp_reason is None
     assert len(planner.requests) == 5  # asked once per resolution

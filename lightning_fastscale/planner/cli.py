@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
                         f"of this many MiB ('auto', the default: {AUTO_CHUNK_MB_PER_NODE:g} MiB per node; "
                         "0 = unchunked)")
     parser.add_argument("--fusion", choices=["auto", "two", "single", "ddp25"], default="auto",
-                        help="bucket plan used for the scaling curve (default: auto)")
+                        help="fusion plan used for the scaling curve (default: auto)")
     parser.add_argument("--max-gpus", type=int, default=4096, help="largest GPU count of the scaling curve")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     parser.add_argument("--plot", metavar="PNG", help="write scaling efficiency vs GPU count per algorithm")
@@ -178,7 +178,7 @@ def _text(report: dict) -> str:
         f"chosen algorithm: {report['chosen_algorithm']}  (predicted end of communication after backward start: "
         + ", ".join(f"{a} {t * 1e3:.2f} ms" for a, t in f["per_algorithm_finish_s"].items()) + ")",
         f"  {report['plan_reason']}" if report["plan_reason"] else "",
-        f"bucket plan: {auto['num_buckets']} buckets, MiB in backward order: {auto['bucket_mb']}",
+        f"fusion plan: {auto['num_buckets']} buckets, MiB in backward order: {auto['bucket_mb']}",
         f"  exposed communication {auto['exposed_s'] * 1e3:.2f} ms; DDP arguments for exactly this plan: {f['ddp_kwargs']}",
         f"  best single bucket_cap_mb={cap['bucket_cap_mb']:.2f} ({cap['num_buckets']} buckets, exposed "
         f"{cap['exposed_s'] * 1e3:.2f} ms)",

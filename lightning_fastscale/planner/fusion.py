@@ -34,7 +34,7 @@ CostFn = Callable[[np.ndarray], np.ndarray]
 
 @dataclass(frozen=True)
 class FusionPlan:
-    """A bucket plan in gradient-ready (backward) order and its predicted timeline.
+    """A fusion plan in gradient-ready (backward) order and its predicted timeline.
 
     ``ends[k]`` is one past the index of bucket ``k``'s last gradient; ``bucket_bytes[k]`` its
     size. ``finish_s`` is when the last all-reduce ends and ``backward_end_s`` when the last

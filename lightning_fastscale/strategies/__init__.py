@@ -33,7 +33,7 @@ from lightning_fastscale.strategies.options import (
     resolve_chunk_mb,
     wire_bytes_per_element,
 )
-from lightning_fastscale.strategies.plan_resolution import two_segment_caps_mb
+from lightning_fastscale.strategies.plan_resolution import two_segment_fusion_plan
 from lightning_fastscale.strategies.planning import CommPlan, CommPlanner, NodeCountPlanner, PlanRequest
 from lightning_fastscale.strategies.topology import (
     ProcessGroups,
@@ -79,6 +79,6 @@ __all__ = [
     "resolve_chunk_mb",
     "torus2d_allreduce_",
     "torus2d_hook",
-    "two_segment_caps_mb",
+    "two_segment_fusion_plan",
     "wire_bytes_per_element",
 ]

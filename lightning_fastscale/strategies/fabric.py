@@ -1,7 +1,7 @@
 """``FabricHierarchicalAllReduceStrategy``: the hierarchical / 2D-torus all-reduce for Lightning Fabric.
 
 The Fabric counterpart of [`HierarchicalAllReduceStrategy`][lightning_fastscale.strategies.HierarchicalAllReduceStrategy]:
-the same options, validation, topology checks, bucket plan and communication hooks (all in
+the same options, validation, topology checks, fusion plan and communication hooks (all in
 `HierarchicalAllReduceMixin`), called from Fabric's
 ``DDPStrategy`` hooks instead of the Trainer's. Hierarchical all-reduce after Jia et al. 2018
 (arXiv:1807.11205), 2D torus after Mikami et al. 2018 (arXiv:1811.05233). Registered in Fabric's

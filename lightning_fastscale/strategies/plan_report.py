@@ -70,11 +70,11 @@ def plan_summary(
     compression: str | None,
     topk_ratio: float,
     gradient_bytes: int,
-    bucket_caps_mb: Sequence[float],
+    fusion_plan: Sequence[float],
     pipeline_chunk_mb: float | str | None,
     plain_ddp_reason: str | None = None,
 ) -> dict[str, Any]:
-    """Topology, algorithm, wire dtype and bucket plan of a run, as ``strategy/...`` hyper-parameters.
+    """Topology, algorithm, wire dtype and fusion plan of a run, as ``strategy/...`` hyper-parameters.
 
     ``hook``: [`hook_name`][lightning_fastscale.strategies.plan_report.hook_name]; ``backend``: of the
     hook's process groups (``None`` without a hook).
@@ -82,9 +82,9 @@ def plan_summary(
     Examples:
         >>> summary = plan_summary(topology=Topology(2, 4), requested_algorithm="hier", algorithm="hier", user_hook=UserHook(),
         ...                        hook="hierarchical_hook", backend="gloo", wire_dtype="fp16", compression=None,
-        ...                        topk_ratio=0.01, gradient_bytes=3 * MB, bucket_caps_mb=[0.0001234, 25],
+        ...                        topk_ratio=0.01, gradient_bytes=3 * MB, fusion_plan=[0.0001234, 25],
         ...                        pipeline_chunk_mb="auto")
-        >>> summary["strategy/bucket_caps_mb"], summary["strategy/pipeline_chunk_mb"]
+        >>> summary["strategy/fusion_plan"], summary["strategy/pipeline_chunk_mb"]
         ([0.000123, 25.0], 4.0)
     """
     why = {} if plain_ddp_reason is None else {"strategy/plain_ddp_reason": plain_ddp_reason}
@@ -101,7 +101,7 @@ def plan_summary(
         "strategy/compression": f"topk:{topk_ratio}" if compression else "none",
         "strategy/gradient_mb": round(gradient_bytes / MB, 3),
         # three significant digits: a cap of a few hundred bytes must not read as 0.0
-        "strategy/bucket_caps_mb": [float(f"{float(c):.3g}") for c in bucket_caps_mb],
+        "strategy/fusion_plan": [float(f"{float(c):.3g}") for c in fusion_plan],
         "strategy/pipeline_chunk_mb": resolve_chunk_mb(pipeline_chunk_mb, topology.num_nodes),
         "strategy/comm_hook": hook or "none (DDP's own all-reduce)",
         **why,

@@ -21,8 +21,8 @@ def gradient_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
 
 
-def two_segment_caps_mb(module: nn.Module, split: int) -> list[float]:
-    """DDP bucket caps (MB, in gradient-ready order) giving two buckets split before parameter ``split``.
+def two_segment_fusion_plan(module: nn.Module, split: int) -> list[float]:
+    """The fusion plan (DDP bucket caps in MB, gradient-ready order) of two buckets split before parameter ``split``.
 
     Jia et al. 2018 fuse all gradients into two segments (ResNet-50 split between tensors 76 and
     77): the late layers, whose gradients are ready first, go out while backward continues, the
@@ -31,7 +31,7 @@ def two_segment_caps_mb(module: nn.Module, split: int) -> list[float]:
     Examples:
         Two layers of 1 MiB of fp32 weights each, split between them:
 
-        >>> two_segment_caps_mb(nn.Sequential(nn.Linear(512, 512, bias=False), nn.Linear(512, 512, bias=False)), 1)
+        >>> two_segment_fusion_plan(nn.Sequential(nn.Linear(512, 512, bias=False), nn.Linear(512, 512, bias=False)), 1)
         [1.0, 3.0]
     """
     params = [p for p in module.parameters() if p.requires_grad]
@@ -47,12 +47,12 @@ def two_segment_caps_mb(module: nn.Module, split: int) -> list[float]:
     return [tail / MB, (head + tail) / MB + 1.0]
 
 
-def explicit_caps_mb(
+def explicit_fusion_plan(
     module: nn.Module, fusion_plan: Sequence[float] | None, two_segment_split: int | None
 ) -> list[float] | None:
-    """The bucket caps the user fixed (``two_segment_split`` or ``fusion_plan``); ``None`` if neither."""
+    """The fusion plan the user fixed (``two_segment_split`` or ``fusion_plan``); ``None`` if neither."""
     if two_segment_split is not None:
-        return two_segment_caps_mb(module, two_segment_split)
+        return two_segment_fusion_plan(module, two_segment_split)
     return None if fusion_plan is None else list(fusion_plan)
 
 
@@ -61,33 +61,33 @@ def resolve_comm_plan(
     planner: CommPlanner | None,
     *,
     algorithm: str,
-    caps_mb: Sequence[float] | None = None,
+    fusion_plan: Sequence[float] | None = None,
     uniform_cap: bool = False,
     user_hook: bool = False,
 ) -> CommPlan:
-    """The plan a run uses: ``algorithm`` unless ``"auto"``, ``caps_mb`` unless ``None``; the planner fills the rest.
+    """The plan a run uses: ``algorithm`` unless ``"auto"``, ``fusion_plan`` unless ``None``; the planner fills the rest.
 
     The planner is asked once, with ``request`` (``algorithm="auto"`` without a planner:
-    [`NodeCountPlanner`][lightning_fastscale.strategies.planning.NodeCountPlanner]). Its bucket caps are
-    used unless the user fixed them (``caps_mb``) or set DDP's uniform cap (``uniform_cap``). Its
+    [`NodeCountPlanner`][lightning_fastscale.strategies.planning.NodeCountPlanner]). Its fusion plan is
+    used unless the user fixed one or set DDP's uniform cap (``uniform_cap``). Its
     ``plain_ddp_reason`` is kept only where it chose the algorithm and no ``user_hook`` is given.
 
     Examples:
         >>> request = PlanRequest(nn.Linear(2, 2), Topology(num_nodes=2, ranks_per_node=4))
         >>> resolve_comm_plan(request, None, algorithm="auto")
-        CommPlan(algorithm='hier', bucket_caps_mb=None, plain_ddp_reason=None)
-        >>> resolve_comm_plan(request, None, algorithm="torus2d", caps_mb=[1.0, 8.0])
-        CommPlan(algorithm='torus2d', bucket_caps_mb=(1.0, 8.0), plain_ddp_reason=None)
+        CommPlan(algorithm='hier', fusion_plan=None, plain_ddp_reason=None)
+        >>> resolve_comm_plan(request, None, algorithm="torus2d", fusion_plan=[1.0, 8.0])
+        CommPlan(algorithm='torus2d', fusion_plan=(1.0, 8.0), plain_ddp_reason=None)
     """
     if planner is None and algorithm == "auto":
         planner = NodeCountPlanner()
     plan = None if planner is None else planner.plan_comm(request)
-    if caps_mb is None and plan is not None and not uniform_cap:
-        caps_mb = plan.bucket_caps_mb
-    caps = None if caps_mb is None else tuple(caps_mb)
+    if fusion_plan is None and plan is not None and not uniform_cap:
+        fusion_plan = plan.fusion_plan
+    fusion = None if fusion_plan is None else tuple(fusion_plan)
     if plan is None or algorithm != "auto":
-        return CommPlan(algorithm, caps)
-    return CommPlan(plan.algorithm, caps, None if user_hook else plan.plain_ddp_reason)
+        return CommPlan(algorithm, fusion)
+    return CommPlan(plan.algorithm, fusion, None if user_hook else plan.plain_ddp_reason)
 
 
 def runs_ddp_allreduce(

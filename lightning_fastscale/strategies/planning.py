@@ -42,21 +42,21 @@ class CommPlan:
     """A planner's answer.
 
     ``algorithm``: one of [`ALGORITHMS`][lightning_fastscale.planner.ALGORITHMS].
-    ``bucket_caps_mb``: DDP bucket caps in MB in gradient-ready order (``bucket_cap_mb_list``);
+    ``fusion_plan``: DDP bucket caps in MB in gradient-ready order (``bucket_cap_mb_list``);
     ``None`` keeps DDP's uniform cap. ``plain_ddp_reason``: set when plain DDP (its own flat
     all-reduce, no hook) is as good as the best plan, and says why; the strategy then installs
     no hook where the user left the algorithm to the planner.
     """
 
     algorithm: str
-    bucket_caps_mb: tuple[float, ...] | None = None
+    fusion_plan: tuple[float, ...] | None = None
     plain_ddp_reason: str | None = None
 
     def __post_init__(self) -> None:
         check_algorithm(self.algorithm, "CommPlan.algorithm")
-        caps = self.bucket_caps_mb
+        caps = self.fusion_plan
         if caps is not None and (not caps or min(caps) <= 0):
-            raise ValueError(f"bucket_caps_mb={list(caps)}: bucket caps must be a non-empty list of positive MB.")
+            raise ValueError(f"fusion_plan={list(caps)}: bucket caps must be a non-empty list of positive MB.")
 
 
 @runtime_checkable
@@ -75,7 +75,7 @@ class NodeCountPlanner:
         >>> from torch import nn
         >>> request = PlanRequest(nn.Linear(2, 2), Topology(num_nodes=2, ranks_per_node=4))
         >>> NodeCountPlanner().plan_comm(request)
-        CommPlan(algorithm='hier', bucket_caps_mb=None, plain_ddp_reason=None)
+        CommPlan(algorithm='hier', fusion_plan=None, plain_ddp_reason=None)
     """
 
     def plan_comm(self, request: PlanRequest) -> CommPlan:
