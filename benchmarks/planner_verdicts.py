@@ -113,8 +113,8 @@ def format_across(runs: list[list[dict]]) -> str:
             picked.setdefault(key, Counter())[r["picked"]] += 1
             planner += r["picked_is_fastest"]
             pairs += 1
-    lines = [f"{n}x{rpn} {cap:g} Mbit/s {wire} {numel / 1e6:g}M chunks {chunks}: fastest {dict(fastest[key])}, "
-             f"picked {dict(picked[key])}" for key in fastest for n, rpn, cap, numel, chunks, wire in [key]]
+    lines = [f"{n}x{ranks_per_node} {cap:g} Mbit/s {wire} {numel / 1e6:g}M chunks {chunks}: fastest {dict(fastest[key])}, "
+             f"picked {dict(picked[key])}" for key in fastest for n, ranks_per_node, cap, numel, chunks, wire in [key]]
     changed = sum(len(c) > 1 for c in fastest.values())
     best_fixed = sum(c.most_common(1)[0][1] for c in fastest.values())
     lines.append(f"{len(runs)} runs, {len(fastest)} cases: the measured fastest changed between runs in {changed}; "

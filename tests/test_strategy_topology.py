@@ -20,12 +20,12 @@ def test_topology_layout() -> None:
         topo.node_rank(8)
 
 
-@pytest.mark.parametrize("world,per_node,match", [(6, 4, "not a multiple of ranks_per_node=4"),
+@pytest.mark.parametrize("world,ranks_per_node,match", [(6, 4, "not a multiple of ranks_per_node=4"),
                                                   (4, 0, "ranks_per_node must be an integer >= 1"),
                                                   (0, 1, "world_size must be an integer >= 1")])
-def test_topology_errors(world: int, per_node: int, match: str) -> None:
+def test_topology_errors(world: int, ranks_per_node: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        Topology.from_world(world, per_node)
+        Topology.from_world(world, ranks_per_node)
     with pytest.raises(ValueError, match="num_nodes must be an integer >= 1"):
         Topology(0, 2)
 

@@ -363,7 +363,7 @@ def stage_times(
     if topk_ratio is not None and not 0 < topk_ratio <= 1:
         raise ValueError(f"topk_ratio={topk_ratio!r} must be in (0, 1]")
     wire = wire_bytes_per_element(wire_dtype)
-    p1, nodes, world = topology.ranks_per_node, topology.num_nodes, topology.world_size
+    ranks_per_node, nodes, world = topology.ranks_per_node, topology.num_nodes, topology.world_size
     elements = np.asarray(numel, dtype=float) if np.ndim(numel) else float(numel)
     if world <= 1:
         return [0.0 * elements]
@@ -373,7 +373,7 @@ def stage_times(
     if algorithm == "flat" and measured is not None and measured.applies_to(topology, wire_dtype):
         return [measured.time(on_wire)]
     if nodes == 1:  # one all-reduce inside the node, all of it in the wire dtype
-        return [ring_allreduce_time(p1, on_wire, ai, bi, g)]
+        return [ring_allreduce_time(ranks_per_node, on_wire, ai, bi, g)]
     if algorithm == "flat" and params.backend == "nccl":
         return [np.minimum(nccl_ring_time(topology, on_wire, params), nccl_tree_time(topology, on_wire, params))]
     if algorithm == "flat":
@@ -381,21 +381,21 @@ def stage_times(
         # plus its own transfer, sets the step's length.
         step_bytes = on_wire / world
         step = params.alpha_inter + step_bytes * params.flow_beta(1)
-        if p1 > 1:
+        if ranks_per_node > 1:
             step = np.maximum(step, ai + step_bytes * bi)
         return [2 * (world - 1) * step + (world - 1) / world * on_wire * params.inter_gamma]
-    if p1 == 1:  # one rank per node: only the inter-node all-reduce
+    if ranks_per_node == 1:  # one rank per node: only the inter-node all-reduce
         return [_inter_stage(nodes, on_wire, 1, params, wire, topk_ratio)]
     if algorithm == "hier":
         return [
-            reduce_time(p1, in_node, ai, bi, g),
+            reduce_time(ranks_per_node, in_node, ai, bi, g),
             _inter_stage(nodes, on_wire, 1, params, wire, topk_ratio),
-            broadcast_time(p1, in_node, ai, bi),
+            broadcast_time(ranks_per_node, in_node, ai, bi),
         ]
     return [  # torus2d
-        reduce_scatter_time(p1, in_node, ai, bi, g),
-        _inter_stage(nodes, on_wire / p1, p1, params, wire, topk_ratio),
-        allgather_time(p1, in_node, ai, bi),
+        reduce_scatter_time(ranks_per_node, in_node, ai, bi, g),
+        _inter_stage(nodes, on_wire / ranks_per_node, ranks_per_node, params, wire, topk_ratio),
+        allgather_time(ranks_per_node, in_node, ai, bi),
     ]
 
 
