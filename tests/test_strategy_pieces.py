@@ -9,7 +9,7 @@ from lightning_fastscale.strategies.allreduce import TopKErrorFeedback
 from lightning_fastscale.strategies.comm_hooks import (
     CommHookError,
     HierarchicalHookState,
-    hierarchical_hook,
+    hier_hook,
     run_bucket_job,
 )
 from lightning_fastscale.strategies.node_checks import check_nodes_uniform
@@ -123,9 +123,9 @@ def test_user_hook_registers_inside_its_wrapper() -> None:
 def test_registered_hook_is_the_strategys_or_the_users_among_leaders() -> None:
     state, ddp = _hook_state(inline=True), _DDP()
     UserHook().register(ddp, state)  # type: ignore[arg-type]
-    assert ddp.registered == (state, hierarchical_hook)
+    assert ddp.registered == (state, hier_hook)
     UserHook(wrapper=_wrapper).register(ddp, state)  # type: ignore[arg-type]
-    assert ddp.registered == (state, ("wrapped", hierarchical_hook))
+    assert ddp.registered == (state, ("wrapped", hier_hook))
     UserHook(default_hooks.fp16_compress_hook).register(ddp, state)  # type: ignore[arg-type]
     leader_state, hook = ddp.registered
     assert hook is leader_hook and leader_state.hierarchy is state

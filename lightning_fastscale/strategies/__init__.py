@@ -9,7 +9,7 @@ from lightning_fastscale.strategies.allreduce import (
     CollectiveStageError,
     TopKErrorFeedback,
     flat_allreduce_,
-    hierarchical_allreduce_,
+    hier_allreduce_,
     torus2d_allreduce_,
 )
 from lightning_fastscale.strategies.comm_hooks import (
@@ -17,7 +17,7 @@ from lightning_fastscale.strategies.comm_hooks import (
     CommHookError,
     HierarchicalHookState,
     flat_hook,
-    hierarchical_hook,
+    hier_hook,
     torus2d_hook,
 )
 from lightning_fastscale.strategies.fabric import FabricHierarchicalAllReduceStrategy, register_fabric_strategies
@@ -72,8 +72,8 @@ __all__ = [
     "detect_ranks_per_node",
     "flat_allreduce_",
     "flat_hook",
-    "hierarchical_allreduce_",
-    "hierarchical_hook",
+    "hier_allreduce_",
+    "hier_hook",
     "register_fabric_strategies",
     "register_strategies",
     "resolve_chunk_mb",

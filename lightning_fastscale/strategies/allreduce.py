@@ -3,7 +3,7 @@
 Each function sums ``tensor`` in place across all ranks given only a
 [`ProcessGroups`][lightning_fastscale.strategies.topology.ProcessGroups], so they run outside
 DDP too; the DDP communication hooks (`comm_hooks`) run them on each gradient bucket.
-``hierarchical_allreduce_`` is Jia et al. 2018's, ``torus2d_allreduce_`` Mikami et al. 2018's;
+``hier_allreduce_`` is Jia et al. 2018's, ``torus2d_allreduce_`` Mikami et al. 2018's;
 their options (wire dtype, chunk pipelining, top-k) are described in
 ``docs/methods/hierarchical_allreduce.md`` ("The algorithms in code"). A failed collective
 raises [`CollectiveStageError`][lightning_fastscale.strategies.allreduce.CollectiveStageError].
@@ -228,7 +228,7 @@ def flat_allreduce_(
     return _finish(tensor, wire)
 
 
-def hierarchical_allreduce_(
+def hier_allreduce_(
     tensor: Tensor, groups: ProcessGroups, wire_dtype: str = "fp32",
     topk: TopKErrorFeedback | None = None, key: Hashable = 0, chunk_numel: int | None = None,
 ) -> Tensor:
@@ -286,7 +286,7 @@ def torus2d_allreduce_(
     """
     topo = groups.topology
     if topo.num_nodes == 1 or topo.ranks_per_node == 1:
-        return hierarchical_allreduce_(tensor, groups, wire_dtype, topk, key, chunk_numel)
+        return hier_allreduce_(tensor, groups, wire_dtype, topk, key, chunk_numel)
     pieces = _chunks(tensor, chunk_numel)
     if native_scatter_gather is None:
         native_scatter_gather = groups.backend in _NATIVE_SCATTER_GATHER_BACKENDS
@@ -348,7 +348,7 @@ def _torus_native(
 
 ALLREDUCE_FUNCTIONS: dict[str, Callable[..., Tensor]] = {
     "flat": flat_allreduce_,
-    "hier": hierarchical_allreduce_,
+    "hier": hier_allreduce_,
     "torus2d": torus2d_allreduce_,
 }
 """Algorithm name ([`ALGORITHMS`][lightning_fastscale.planner.ALGORITHMS]) -> in-place all-reduce."""

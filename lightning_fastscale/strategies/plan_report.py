@@ -81,7 +81,7 @@ def plan_summary(
 
     Examples:
         >>> summary = plan_summary(topology=Topology(2, 4), requested_algorithm="hier", algorithm="hier", user_hook=UserHook(),
-        ...                        hook="hierarchical_hook", backend="gloo", wire_dtype="fp16", compression=None,
+        ...                        hook="hier_hook", backend="gloo", wire_dtype="fp16", compression=None,
         ...                        topk_ratio=0.01, gradient_bytes=3 * MB, fusion_plan=[0.0001234, 25],
         ...                        pipeline_chunk_mb="auto")
         >>> summary["strategy/fusion_plan"], summary["strategy/pipeline_chunk_mb"]
