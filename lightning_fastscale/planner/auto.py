@@ -1,14 +1,10 @@
-"""One call for a strategy's ``algorithm="auto"`` and fusion ``"auto"``: algorithm + buckets.
+"""The algorithm and fusion plan of a run: one call for a strategy's ``algorithm="auto"``.
 
-For each candidate algorithm the fusion plan is optimised ([`plan_fusion`][lightning_fastscale.planner.plan_fusion]) under that
-algorithm's cost, and the algorithm whose plan ends communication earliest wins (Jia et al.
-2018 choose segments from such a model; the choice of algorithm follows the same rule).
-
-Plain DDP is the baseline every plan is held against: its flat fp32 all-reduce as the
-backend runs it (NCCL's ring or tree; measured where the calibration timed it), with buckets
-planned the same way. Where that plan ends within ``plain_ddp_tolerance`` (5 %) of the best,
-[`AutoPlan`][lightning_fastscale.planner.AutoPlan] says so (``plain_ddp``) and the strategy installs no hook: a hook's own
-overhead and a cast wire dtype are not worth a gain that small.
+For each candidate algorithm the fusion plan is optimised ([`plan_fusion`][lightning_fastscale.planner.plan_fusion])
+under that algorithm's cost, and the plan that ends communication earliest wins (Jia et al.
+2018). Plain DDP's flat fp32 all-reduce, planned the same way, is the baseline: where it ends
+within ``plain_ddp_tolerance`` (5 %) of the best, [`AutoPlan`][lightning_fastscale.planner.AutoPlan]
+keeps it (``plain_ddp``) and the strategy installs no hook.
 """
 from __future__ import annotations
 
@@ -172,31 +168,20 @@ def best_chunk_plan(
 
 
 class CostModelPlanner:
-    """Chooses the all-reduce algorithm and the DDP buckets of a run from the communication cost model.
+    """Chooses the all-reduce algorithm and the fusion plan of a run from the communication cost model.
 
-    A [`CommPlanner`][lightning_fastscale.strategies.planning.CommPlanner]: give it to
-    ``HierarchicalAllReduceStrategy(algorithm="auto", planner=...)`` and at setup the strategy
-    asks [`plan_comm`][lightning_fastscale.planner.CostModelPlanner.plan_comm] with its own wire dtype, top-k ratio and pipeline chunk size, so the
-    plan prices exactly what the strategy will send. [`plan`][lightning_fastscale.planner.CostModelPlanner.plan] also works on its own.
-
-    ``params``: a [`CommParams`][lightning_fastscale.planner.CommParams], a [`Cluster`][lightning_fastscale.planner.Cluster]
-    or the name/path of a cluster description; ``None`` with ``calibrate=True`` measures them
-    at setup on the real process groups (`calibrate`).
-    Backward time per gradient: with ``measure_backward=True``, timed on the module's device
-    at setup ([`measure_backward_profile`][lightning_fastscale.planner.measure_backward_profile] on
-    ``example_input``, rank 0's profile broadcast to every rank); else from ``example_input``
-    (default: the module's ``example_input_array``) and ``sustained_tflops`` (default: the
-    cluster's device), else ``backward_time_s`` spread over the gradients by size. The plan is
-    computed once per module, topology and settings; every rank computes the same plan from
-    the same inputs (calibrated parameters are broadcast from rank 0). The calibration also
-    times plain DDP's flat all-reduce on the world group at the calibration sizes and the
-    model's gradient size, so every algorithm is compared against that measurement.
-
-    ``plain_ddp_tolerance`` (default 5 %): where the planner picks the algorithm (no fixed
-    ``algorithms``), plain DDP is kept, without a hook, when its plan ends within this
-    fraction of the best ([`auto_plan`][lightning_fastscale.planner.auto_plan]); ``None`` always takes the best algorithm.
-
-    Every constructor default is a plain value, so LightningCLI can build it.
+    A [`CommPlanner`][lightning_fastscale.strategies.planning.CommPlanner]: given to
+    ``HierarchicalAllReduceStrategy(algorithm="auto", planner=...)``, it is asked at setup with
+    the strategy's own [`CommSetting`][lightning_fastscale.strategies.options.CommSetting], so the
+    plan prices exactly what the strategy sends; [`plan`][lightning_fastscale.planner.CostModelPlanner.plan]
+    also works on its own. ``params``: a [`CommParams`][lightning_fastscale.planner.CommParams], a
+    [`Cluster`][lightning_fastscale.planner.Cluster] or a cluster name/path; ``None`` with
+    ``calibrate=True`` measures them at setup on the real process groups (plain DDP's all-reduce
+    included). Backward times: measured at setup (``measure_backward=True``, rank 0's broadcast),
+    else from FLOPs of ``example_input`` (default: the module's ``example_input_array``) at
+    ``sustained_tflops``, else ``backward_time_s`` spread over the gradients by size.
+    ``plain_ddp_tolerance`` (default 5 %): with no fixed algorithm, plain DDP is kept, without a
+    hook, where its plan ends within this fraction of the best. The method is in ``docs/planner.md``.
 
     Examples:
         >>> from torch import nn
@@ -205,10 +190,6 @@ class CostModelPlanner:
         >>> model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 10))
         >>> planner.plan(model, Topology(16, 8), CommSetting(wire_dtype="fp16")).algorithm in ALGORITHMS
         True
-
-        With the strategy (it hands the planner its ``wire_dtype``)::
-
-            strategy = HierarchicalAllReduceStrategy(algorithm="auto", wire_dtype="fp16", planner=planner)
     """
 
     def __init__(

@@ -28,6 +28,7 @@ from lightning_fastscale.planner.cost_model import (
     ring_allreduce_time,
     wire_bytes_per_element,
 )
+from lightning_fastscale.strategies.options import wire_torch_dtype
 
 __all__ = [
     "CalibrationResult", "LinkFit", "calibrate", "calibrate_process_groups", "fit_calibration", "fit_link",
@@ -133,7 +134,7 @@ def _time(op, world_group, reps: int, active: bool, cuda: bool = False) -> float
     ``cuda``: ``op`` enqueues device work (NCCL); the device is synchronised before the clock
     starts and after ``op``, so the time is the collective's, not its launch's.
     """
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    device = _device(cuda)
     times = []
     for rep in range(reps + 1):
         if cuda:
@@ -156,6 +157,10 @@ def _time(op, world_group, reps: int, active: bool, cuda: bool = False) -> float
 _TORCH_DTYPES = {2: torch.float16, 4: torch.float32}
 
 
+def _device(cuda: bool) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+
 def _on_cuda(group: dist.ProcessGroup | None = None) -> bool:
     """NCCL collectives take CUDA tensors (and run asynchronously on the device)."""
     return str(dist.get_backend(group)).lower() == "nccl"
@@ -172,7 +177,7 @@ def _measure(
     """
     e, dtype = element_size, _TORCH_DTYPES[element_size]
     cuda = _on_cuda()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    device = _device(cuda)
     used = [e * max(p, nbytes // e // p * p) for nbytes in sizes]
     samples = {name: (used, []) for name in primitives}
     for nbytes in used:
@@ -187,24 +192,6 @@ def _measure(
         for name in primitives:
             samples[name][1].append(_time(ops[name], None, reps, active, cuda))
     return samples
-
-
-def _measure_shared(
-    flow_group, nodes: int, ranks_per_node: int, sizes: Sequence[int], reps: int, element_size: int = 4
-) -> dict:
-    """Every rank all-reduces ``size / ranks_per_node`` bytes over its inter-node group at once.
-
-    This is the torus's inter-node stage: per node, ``ranks_per_node`` concurrent flows that
-    together carry ``size`` bytes. Returns ``{"allreduce": (bytes per flow, seconds)}``.
-    """
-    e = element_size
-    used = [e * max(nodes, nbytes // e // ranks_per_node // nodes * nodes) for nbytes in sizes]
-    times, cuda = [], _on_cuda()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    for nbytes in used:
-        shard = torch.ones(nbytes // e, dtype=_TORCH_DTYPES[e], device=device)
-        times.append(_time(lambda: dist.all_reduce(shard, group=flow_group), None, reps, True, cuda))
-    return {"allreduce": (used, times)}
 
 
 def measure_flat_allreduce(
@@ -224,8 +211,6 @@ def measure_flat_allreduce(
     warm-up) of the slowest rank's time; every rank returns the same measurement (rank 0's,
     broadcast).
     """
-    from lightning_fastscale.strategies.options import wire_torch_dtype
-
     sizes = [int(nbytes)] if isinstance(nbytes, (int, float)) else [int(n) for n in nbytes]
     world = dist.get_world_size(group)
     if topology.world_size != world:
@@ -235,8 +220,9 @@ def measure_flat_allreduce(
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"measure_flat_allreduce: backend {backend!r}; the planner prices nccl and gloo")
     cuda = _on_cuda(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    dtype, element = wire_torch_dtype(wire_dtype), wire_bytes_per_element(wire_dtype)
+    device = _device(cuda)
+    dtype = wire_torch_dtype(wire_dtype)
+    element = dtype.itemsize
     used, seconds = [], []
     for size in sizes:
         numel = max(1, size // element)
@@ -321,7 +307,8 @@ def calibrate(
     if nodes > 1:
         inter = _measure(leader_group, nodes, sizes, reps, is_leader, 0, INTER_PRIMITIVES, wire)
     if nodes > 1 and ranks_per_node > 1 and flow_group is not None:
-        shared = _measure_shared(flow_group, nodes, ranks_per_node, sizes, reps, wire)
+        # the torus's inter-node stage: every rank's flow carries 1/ranks_per_node of the bytes at once
+        shared = _measure(flow_group, nodes, [s // ranks_per_node for s in sizes], reps, True, 0, INTER_PRIMITIVES, wire)
     # Each time is already the slowest rank's; rank 0's samples are broadcast so that every
     # rank fits exactly the same numbers (non-leaders do not hold the leaders' sizes).
     flat = None
@@ -363,7 +350,7 @@ def _main(argv: Sequence[str] | None = None) -> None:
     import json
     import os
 
-    from lightning_fastscale.strategies.topology import Topology, build_process_groups
+    from lightning_fastscale.strategies.topology import build_process_groups
 
     parser = argparse.ArgumentParser(description="Fit alpha/beta/gamma on the running cluster.")
     parser.add_argument("--ranks-per-node", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

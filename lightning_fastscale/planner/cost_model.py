@@ -160,24 +160,13 @@ class CommParams:
         _check_backend(self.backend, "CommParams.backend")
         if self.flat_measured is not None and not isinstance(self.flat_measured, FlatMeasurement):
             raise ValueError(f"CommParams.flat_measured={self.flat_measured!r} must be a FlatMeasurement or None")
-        for name in ("alpha_intra", "beta_intra", "alpha_inter", "beta_inter", "gamma", "beta_flow"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"CommParams.{name}={value!r} must be a finite number >= 0")
-        for name in ("beta_intra", "beta_inter"):
-            if getattr(self, name) == 0:
-                raise ValueError(
-                    f"CommParams.{name}=0 means infinite bandwidth; give the link's real bandwidth"
-                )
-        if self.gamma_inter is not None and not (
-            isinstance(self.gamma_inter, (int, float)) and math.isfinite(self.gamma_inter) and self.gamma_inter >= 0
-        ):
-            raise ValueError(f"CommParams.gamma_inter={self.gamma_inter!r} must be a finite number >= 0, or None")
-        shared = self.beta_inter_shared
-        if shared is not None and not (isinstance(shared, (int, float)) and math.isfinite(shared) and shared > 0):
-            raise ValueError(
-                f"CommParams.beta_inter_shared={shared!r} must be a finite number > 0, or None for fair sharing"
-            )
+        for name in ("alpha_intra", "beta_intra", "alpha_inter", "beta_inter", "gamma", "beta_flow", "gamma_inter",
+                     "beta_inter_shared"):
+            value, optional = getattr(self, name), name in ("gamma_inter", "beta_inter_shared")
+            if not (optional and value is None or isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"CommParams.{name}={value!r} must be a finite number >= 0" + (" or None" * optional))
+            if value == 0 and name.startswith("beta_in"):
+                raise ValueError(f"CommParams.{name}=0 means infinite bandwidth; give the link's real bandwidth")
 
     @property
     def inter_gamma(self) -> float:

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["GradientProfile", "build_model", "measure_backward_profile", "profile_from_times", "profile_model",
-           "profile_module"]
+__all__ = ["GradientProfile", "build_model", "measure_backward_profile", "profile_model", "profile_module"]
 
 
 @dataclass(frozen=True)
@@ -36,12 +35,6 @@ class GradientProfile:
     def backward_total_s(self) -> float:
         """Backward compute time of one step."""
         return float(sum(self.backward_s))
-
-    def scaled(self, factor: float) -> "GradientProfile":
-        """The same profile with compute times multiplied by ``factor`` (another batch size)."""
-        return GradientProfile(
-            self.names, self.grad_bytes, tuple(t * factor for t in self.backward_s), self.forward_s * factor
-        )
 
 
 class _BertEncoder(nn.Module):
@@ -244,11 +237,3 @@ def measure_backward_profile(
     backward = [statistics.median(run[i][1] for _, run in timed) for i in range(len(order))]
     forward_s = statistics.median(f for f, _ in timed)
     return GradientProfile(tuple(order), tuple(sizes[n] for n in order), tuple(backward), forward_s)
-
-
-def profile_from_times(grad_bytes: Sequence[int], backward_s: Sequence[float], forward_s: float = 0.0) -> GradientProfile:
-    """A profile from measured values (e.g. per-layer backward hooks on the real device)."""
-    if len(grad_bytes) != len(backward_s):
-        raise ValueError("grad_bytes and backward_s must have one entry per gradient")
-    names = tuple(f"grad{i}" for i in range(len(grad_bytes)))
-    return GradientProfile(names, tuple(int(b) for b in grad_bytes), tuple(float(t) for t in backward_s), float(forward_s))

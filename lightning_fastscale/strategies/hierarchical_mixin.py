@@ -162,13 +162,11 @@ class HierarchicalAllReduceMixin:
         return PlanRequest(model, topology, setting, self._timeout)
 
     def resolve_comm_plan(self, model: nn.Module, topology: Topology) -> tuple[str, list[float] | None]:
-        """The algorithm and the fusion plan (DDP bucket caps in MB; ``None``: DDP's uniform cap) for ``model`` on ``topology``.
+        """The algorithm and the fusion plan (``None``: DDP's uniform cap) for ``model`` on ``topology``.
 
-        Explicit settings win: a fixed ``algorithm``; ``two_segment_split``, ``fusion_plan`` or
-        ``bucket_cap_mb`` for the buckets. The rest comes from the planner, asked once with
-        `plan_request` (``algorithm="auto"`` without a planner: [`NodeCountPlanner`][lightning_fastscale.strategies.planning.NodeCountPlanner]).
-        With ``algorithm="auto"`` and no user hook, a plan that finds plain DDP as good as the
-        best sets `plain_ddp_reason`: the flat path then runs as DDP's own all-reduce, no hook.
+        Explicit settings win; the planner, asked once with `plan_request`, gives the rest
+        ([`resolve_comm_plan`][lightning_fastscale.strategies.plan_resolution.resolve_comm_plan]) and
+        may set `plain_ddp_reason`.
         """
         plan = resolve_comm_plan(
             self.plan_request(model, topology), self.planner, algorithm=self.algorithm,
@@ -224,11 +222,8 @@ class HierarchicalAllReduceMixin:
 
     @contextmanager
     def _raising_hook_failure(self) -> Iterator[None]:
-        """Re-raise a failed bucket all-reduce as the hook's [`CommHookError`][lightning_fastscale.strategies.CommHookError].
-
-        DDP reports an exception from a hook's future only as a value it cannot cast to a
-        tensor; the hook state keeps the real error (algorithm, stage, bucket, cause).
-        """
+        """Re-raise a failed bucket all-reduce as the hook's [`CommHookError`][lightning_fastscale.strategies.CommHookError]
+        (DDP reports a hook's exception only as a value it cannot cast to a tensor)."""
         try:
             yield
         except RuntimeError:
@@ -238,14 +233,7 @@ class HierarchicalAllReduceMixin:
 
     @property
     def uses_ddp_allreduce(self) -> bool:
-        """True where DDP's own all-reduce runs, without a hook.
-
-        On one node in fp32 without compression or user hook: every algorithm is then one
-        all-reduce inside the node, which DDP's built-in C++ path does without the Python hook
-        and its thread, so one node costs what plain DDP does. With ``algorithm="auto"``, also
-        where the planner found plain DDP within its tolerance of the best
-        (`plain_ddp_reason` says why).
-        """
+        """True where DDP's own all-reduce runs, without a hook ([`runs_ddp_allreduce`][lightning_fastscale.strategies.plan_resolution.runs_ddp_allreduce])."""
         assert self.topology is not None
         return runs_ddp_allreduce(self.topology, self.wire_dtype, self.compression, self.user_hook.given,
                                   self.plain_ddp_reason)
