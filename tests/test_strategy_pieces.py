@@ -139,3 +139,15 @@ def test_algorithm_note_says_when_another_algorithm_runs() -> None:
     assert algorithm_note("torus2d", "torus2d", Topology(2, 4), ddp_allreduce=False) is None
     assert algorithm_note("auto", "flat", Topology(1, 4), ddp_allreduce=True) is None  # plain_ddp_reason's job
     assert algorithm_note("flat", "flat", Topology(1, 4), ddp_allreduce=True) is None
+
+
+def test_comm_setting_refuses_a_bad_option_by_name() -> None:
+    from lightning_fastscale.strategies.options import PLAIN_DDP, CommSetting
+
+    for bad, name in (({"wire_dtype": "fp8"}, "wire_dtype"), ({"topk_ratio": 0.0}, "topk_ratio"),
+                      ({"algorithms": ("ring",)}, "algorithms"), ({"pipeline_chunk_mb": -1}, "pipeline_chunk_mb")):
+        with pytest.raises(ValueError, match=name):
+            CommSetting(**bad)
+    assert CommSetting().candidates == ("flat", "hier", "torus2d") and CommSetting(("hier",)).candidates == ("hier",)
+    assert CommSetting(pipeline_chunk_mb=1.0).chunk_numel(num_nodes=8) == 2**18  # 1 MiB of fp32
+    assert PLAIN_DDP.chunk_numel(num_nodes=8) is None and PLAIN_DDP.candidates == ("flat",)

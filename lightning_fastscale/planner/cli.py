@@ -1,16 +1,12 @@
-"""``fastscale-plan``: predicted all-reduce times, algorithm, buckets and scaling for a cluster.
+"""``fastscale-plan``: predicted all-reduce times, algorithm, fusion plan and scaling for a cluster.
 
     fastscale-plan resnet50 tencent_p40_100g
     fastscale-plan bert_large horovod_torus_10gbe --json
     fastscale-plan resnet50 my_cluster.yaml --gpus 512 --plot scaling.png
     fastscale-plan --crossover
 
-Answers, before any run, "which all-reduce, which buckets, and how well will it scale on this
-cluster?" from the alpha-beta-gamma model of `lightning_fastscale.planner.cost_model`,
-every algorithm held against the flat all-reduce plain DDP runs (NCCL's ring or tree on a GPU
-cluster; measured where the cluster file carries a measurement). ``--crossover`` prints where
-``hier``, ``torus2d``, a 16-bit wire and top-k beat NCCL's own ring and tree
-([`crossover_table`][lightning_fastscale.planner.crossover_table]).
+Every algorithm is held against the flat all-reduce plain DDP runs (`baseline`); ``--crossover``
+prints where ``hier``, ``torus2d``, a 16-bit wire and top-k beat NCCL's own ring and tree.
 """
 from __future__ import annotations
 

@@ -233,37 +233,37 @@ def bandwidth_bound(nodes: int, nbytes: float, beta_inter: float) -> float:
     return 2 * (nodes - 1) / nodes * nbytes * beta_inter
 
 
+def _nccl_time(topology: Topology, nbytes, params: CommParams, latency: float, node_load: float, chain_load: float):
+    """Pipelined, so the slowest link sets the rate: a node's NIC carries ``node_load`` bytes per
+    byte all-reduced, each in-node link ``chain_load``."""
+    x, world = np.asarray(nbytes, dtype=float), topology.world_size
+    if world <= 1:
+        return 0.0 * x
+    beta = node_load * params.beta_inter
+    if topology.ranks_per_node > 1:
+        beta = max(beta, chain_load * params.beta_intra)
+    return _scalar(latency + x * beta + (world - 1) / world * x * params.inter_gamma)
+
+
 def nccl_ring_time(topology: Topology, nbytes, params: CommParams):
     """NCCL's ring all-reduce of ``nbytes`` (on the wire) across ``topology``.
 
-    NCCL orders a ring's ranks node by node, so it leaves and enters every node once; its
-    chunks are pipelined, so the slowest link sets the rate. Every link, the node's NIC and
-    each in-node link alike, carries ``2(P-1)/P * nbytes`` each way (the factor nccl-tests
-    uses for the all-reduce's bus bandwidth, ``doc/PERFORMANCE.md``). Latency as in NCCL's
-    tuning model: ``2(N-1)`` steps cross a node boundary, the other ``2(P-1) - 2(N-1)`` stay
-    inside a node. ``beta_inter`` is the node link's rate under NCCL's several channels (not
-    one flow's), the reduction cost is the inter-node one (``gamma_inter``).
+    The ring leaves and enters every node once; every link carries ``2(P-1)/P * nbytes`` each
+    way (nccl-tests' bus bandwidth factor); ``2(N-1)`` of its ``2(P-1)`` steps cross a node
+    boundary (NCCL's tuning model). ``beta_inter`` is the node link under NCCL's channels.
     """
     world, nodes = topology.world_size, topology.num_nodes
-    if world <= 1:
-        return 0.0 * np.asarray(nbytes, dtype=float)
     steps, inter_steps = 2 * (world - 1), 2 * (nodes - 1)
     latency = (steps - inter_steps) * params.alpha_intra + inter_steps * params.alpha_inter
-    beta = params.beta_inter if nodes > 1 else 0.0
-    if topology.ranks_per_node > 1:
-        beta = max(beta, params.beta_intra)
-    moved = 2 * (world - 1) / world * np.asarray(nbytes, dtype=float)
-    return _scalar(latency + moved * beta + (world - 1) / world * np.asarray(nbytes, dtype=float) * params.inter_gamma)
+    load = 2 * (world - 1) / world
+    return _nccl_time(topology, nbytes, params, latency, load if nodes > 1 else 0.0, load)
 
 
 def _tree_link_load(nodes: int) -> float:
     """Bytes each way on the busiest node link per byte all-reduced by NCCL's double binary tree.
 
-    Each of the two trees carries half the data; a link to the parent and to each child moves
-    that half once each way. A node is an inner node (a parent and up to two children) in at
-    most one tree and a leaf in the other: ``(3 + 1) / 2 = 2`` from 4 nodes on. On 2 nodes
-    each tree is one root with one child (``(1 + 1) / 2 = 1``); on 3 the inner node of a tree
-    is its root, with two children and no parent (``(2 + 1) / 2 = 1.5``).
+    Each tree carries half the data; a node is an inner node in at most one tree and a leaf in
+    the other: ``(3 + 1) / 2 = 2`` from 4 nodes on, 1 on 2 nodes, 1.5 on 3.
     """
     if nodes <= 1:
         return 0.0
@@ -273,23 +273,13 @@ def _tree_link_load(nodes: int) -> float:
 def nccl_tree_time(topology: Topology, nbytes, params: CommParams):
     """NCCL's tree all-reduce of ``nbytes`` (on the wire) across ``topology``.
 
-    Reduce along a chain inside each node, all-reduce between nodes over a double binary
-    tree, broadcast along the chain (NCCL user guide; NCCL 2.4 release). Pipelined in chunks,
-    so the slowest link sets the rate: the in-node chain carries ``nbytes`` each way, the
-    busiest node link `_tree_link_load` ``* nbytes`` (on 2 nodes half the ring's
-    ``2(P-1)/P``: about twice its bus bandwidth). Latency as in NCCL's tuning model:
-    ``2 ((G-1) alpha_intra + floor(log2 N) alpha_inter)`` with ``G`` ranks per node.
+    Reduce along a chain inside each node, double binary tree between nodes, broadcast along the
+    chain (NCCL user guide); latency ``2 ((G-1) alpha_intra + floor(log2 N) alpha_inter)``.
     """
-    nodes, ranks_per_node = topology.num_nodes, topology.ranks_per_node
-    x = np.asarray(nbytes, dtype=float)
-    if topology.world_size <= 1:
-        return 0.0 * x
-    latency = 2 * ((ranks_per_node - 1) * params.alpha_intra + (int(math.log2(nodes)) if nodes > 1 else 0) * params.alpha_inter)
-    beta = _tree_link_load(nodes) * params.beta_inter
-    if ranks_per_node > 1:
-        beta = max(beta, params.beta_intra)
-    world = topology.world_size
-    return _scalar(latency + x * beta + (world - 1) / world * x * params.inter_gamma)
+    nodes = topology.num_nodes
+    hops = int(math.log2(nodes)) if nodes > 1 else 0
+    latency = 2 * ((topology.ranks_per_node - 1) * params.alpha_intra + hops * params.alpha_inter)
+    return _nccl_time(topology, nbytes, params, latency, _tree_link_load(nodes), 1.0)
 
 
 def flat_allreduce_detail(numel: float, topology: Topology, params: CommParams, wire_dtype: str = "fp32") -> dict:
