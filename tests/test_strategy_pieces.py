@@ -14,7 +14,7 @@ from lightning_fastscale.strategies.comm_hooks import (
 )
 from lightning_fastscale.strategies.node_checks import check_nodes_uniform
 from lightning_fastscale.strategies.plan_report import algorithm_label, algorithm_note, hook_name, plan_message
-from lightning_fastscale.strategies.plan_resolution import runs_ddp_allreduce
+from lightning_fastscale.strategies.planning import runs_ddp_allreduce
 from lightning_fastscale.strategies.topk_residuals import comm_layout, residual_state, restore_residuals
 from lightning_fastscale.strategies.topology import ProcessGroups, Topology
 from lightning_fastscale.strategies.user_hooks import UserHook, leader_hook

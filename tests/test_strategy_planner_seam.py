@@ -5,7 +5,7 @@ from torch import nn
 
 from lightning_fastscale.planner import CommParams, CostModelPlanner
 from lightning_fastscale.strategies import CommPlan, CommSetting, HierarchicalAllReduceStrategy, PlanRequest, Topology
-from lightning_fastscale.strategies.plan_resolution import resolve_comm_plan
+from lightning_fastscale.strategies.planning import resolve_comm_plan
 
 TWO_BY_FOUR = Topology(num_nodes=2, ranks_per_node=4)
 # In-node links 100x faster than the node link unless said otherwise; 1 ms messages across nodes.

@@ -33,8 +33,13 @@ from lightning_fastscale.strategies.options import (
     resolve_chunk_mb,
     wire_bytes_per_element,
 )
-from lightning_fastscale.strategies.plan_resolution import two_segment_fusion_plan
-from lightning_fastscale.strategies.planning import CommPlan, CommPlanner, NodeCountPlanner, PlanRequest
+from lightning_fastscale.strategies.planning import (
+    CommPlan,
+    CommPlanner,
+    NodeCountPlanner,
+    PlanRequest,
+    two_segment_fusion_plan,
+)
 from lightning_fastscale.strategies.topology import (
     ProcessGroups,
     Topology,

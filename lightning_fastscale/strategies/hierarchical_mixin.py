@@ -27,13 +27,14 @@ from lightning_fastscale.strategies.node_checks import (
 from lightning_fastscale.strategies.option_checks import check_strategy_options
 from lightning_fastscale.strategies.options import DEFAULT_PIPELINE_CHUNK_MB, CommSetting, chunk_numel_for
 from lightning_fastscale.strategies.plan_report import hook_name, plan_message, plan_summary
-from lightning_fastscale.strategies.plan_resolution import (
+from lightning_fastscale.strategies.planning import (
+    CommPlanner,
+    PlanRequest,
     explicit_fusion_plan,
     gradient_bytes,
     resolve_comm_plan,
     runs_ddp_allreduce,
 )
-from lightning_fastscale.strategies.planning import CommPlanner, PlanRequest
 from lightning_fastscale.strategies.topk_residuals import SavedResiduals, comm_layout, restore_residuals
 from lightning_fastscale.strategies.topology import Topology, build_process_groups
 from lightning_fastscale.strategies.user_hooks import UserHook
@@ -165,7 +166,7 @@ class HierarchicalAllReduceMixin:
         """The algorithm and the fusion plan (``None``: DDP's uniform cap) for ``model`` on ``topology``.
 
         Explicit settings win; the planner, asked once with `plan_request`, gives the rest
-        ([`resolve_comm_plan`][lightning_fastscale.strategies.plan_resolution.resolve_comm_plan]) and
+        ([`resolve_comm_plan`][lightning_fastscale.strategies.planning.resolve_comm_plan]) and
         may set `plain_ddp_reason`.
         """
         plan = resolve_comm_plan(
@@ -233,7 +234,7 @@ class HierarchicalAllReduceMixin:
 
     @property
     def uses_ddp_allreduce(self) -> bool:
-        """True where DDP's own all-reduce runs, without a hook ([`runs_ddp_allreduce`][lightning_fastscale.strategies.plan_resolution.runs_ddp_allreduce])."""
+        """True where DDP's own all-reduce runs, without a hook ([`runs_ddp_allreduce`][lightning_fastscale.strategies.planning.runs_ddp_allreduce])."""
         assert self.topology is not None
         return runs_ddp_allreduce(self.topology, self.wire_dtype, self.compression, self.user_hook.given,
                                   self.plain_ddp_reason)
