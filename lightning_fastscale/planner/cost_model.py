@@ -126,23 +126,15 @@ class FlatMeasurement:
 
 @dataclass(frozen=True)
 class CommParams:
-    """Link parameters in SI units: seconds per message (alpha), seconds per byte (beta).
+    """Link parameters in SI units: seconds per message (alpha), per byte (beta), per byte reduced (gamma).
 
-    ``beta_inter`` is the seconds per byte of one node's inter-node link (1 / NIC bandwidth)
-    as one flow per node sees it. ``beta_inter_shared`` (optional) is the same link's seconds
-    per byte when each of the node's ranks drives its own flow at once (the torus stage);
-    ``None`` means fair sharing at ``beta_inter``. ``beta_flow`` (optional, 0 = none) is the
-    least seconds per byte one flow can reach (a per-flow bandwidth limit). ``gamma`` is
-    seconds per byte reduced (the addition in reduce-scatter / all-reduce); ``gamma_inter``
-    (optional, default ``gamma``) is the reduction cost still visible in an all-reduce between
-    nodes, 0 where it overlaps the transfer (then ``beta_inter`` is the all-reduce's effective
-    seconds per byte, as `calibrate` fits it).
-
-    ``backend`` decides how the flat all-reduce (plain DDP's) is priced: ``"gloo"`` (the
-    default for bare parameters, as on the emulated cluster) as one flat ring over all ranks,
-    ``"nccl"`` as the better of NCCL's ring and tree (see the module docstring).
-    ``flat_measured`` (optional) is that all-reduce timed on the cluster; where it applies
-    ([`FlatMeasurement.applies_to`][lightning_fastscale.planner.FlatMeasurement.applies_to]) it replaces the model.
+    ``beta_inter``: one node's inter-node link as one flow sees it; ``beta_inter_shared``: the
+    same link when each of the node's ranks drives its own flow (the torus stage; ``None``: fair
+    sharing); ``beta_flow``: the least seconds per byte one flow reaches (0: no limit);
+    ``gamma_inter``: the reduction cost left visible between nodes (default ``gamma``; 0 where
+    it overlaps the transfer). ``backend`` prices the flat all-reduce: ``"gloo"`` one ring over
+    all ranks, ``"nccl"`` the better of NCCL's ring and tree; ``flat_measured``, where it
+    applies, replaces that model. Field by field in ``docs/planner.md``.
     """
 
     alpha_intra: float
@@ -389,10 +381,9 @@ def allreduce_time(
 ) -> float:
     """Predicted seconds to all-reduce ``numel`` gradient elements with ``algorithm``.
 
-    ``algorithm`` is ``"flat"``, ``"hier"`` or ``"torus2d"`` (see the module docstring for the
-    closed forms and their sources). ``topk_ratio`` (0 < ratio <= 1) compresses the inter-node
-    stage of ``hier`` / ``torus2d`` only. ``chunk_numel`` pipelines the stages in chunks of
-    that many elements (``None``: one piece); see the module docstring for the formula.
+    ``topk_ratio`` (0 < ratio <= 1) compresses the inter-node stage of ``hier`` / ``torus2d``;
+    ``chunk_numel`` pipelines the stages in chunks of that many elements (``None``: one piece).
+    The closed forms are in ``docs/planner.md`` ("The cost model in full").
     """
     algorithm = check_algorithm(algorithm)
     stages = stage_times(algorithm, numel, topology, params, wire_dtype, topk_ratio)

@@ -78,16 +78,12 @@ class _CommWorker:
 class HierarchicalHookState:
     """Everything the hooks need, created once at setup.
 
-    ``wire_dtype``: inter-node wire dtype, a name of
-    [`WIRE_DTYPES`][lightning_fastscale.strategies.options.WIRE_DTYPES] (``"fp32"`` keeps the gradient's
-    dtype). ``topk``: top-k compression of the inter-node stage with its per-bucket residuals, used from hook iteration
-    ``topk_start_iter`` on (DDP rebuilds buckets after iteration 0; starting later keeps the
-    residuals on the final layout, the PowerSGD practice). ``chunk_numel``: pipeline chunk
-    size inside a bucket. ``iteration``: completed hook iterations (decides when top-k starts).
-    ``inline``: run the algorithm in the hook instead of the worker thread (default: on NCCL).
-    ``algorithm``: the name reported in errors. ``error``: the first failure, if any.
-    ``param_index``: ``id(parameter) -> index`` in the module; with it top-k residuals are kept
-    in parameter order, the same in every run whatever DDP's order inside a bucket.
+    ``wire_dtype``: a name of [`WIRE_DTYPES`][lightning_fastscale.strategies.options.WIRE_DTYPES].
+    ``topk``: top-k compression of the inter-node stage, from hook iteration ``topk_start_iter``
+    on (DDP rebuilds buckets after iteration 0: the PowerSGD practice). ``iteration``: completed
+    hook iterations. ``inline``: run in the hook, not the worker thread (default: on NCCL).
+    ``algorithm``: the name errors report; ``error``: the first failure. ``param_index``:
+    ``id(parameter) -> index``, so top-k residuals are kept in parameter order in every run.
     """
 
     groups: ProcessGroups
