@@ -203,13 +203,10 @@ def measure_flat_allreduce(
 ) -> FlatMeasurement:
     """Time plain DDP's all-reduce: one ``dist.all_reduce`` of ``nbytes`` on ``group`` (collective call).
 
-    ``group``: the world group (``None``) as DDP uses it; its backend is the real one (NCCL
-    tensors live on the current CUDA device, gloo ones on the CPU). ``nbytes``: one size or
-    several (the model's gradient, DDP's bucket sizes), in bytes on the wire, rounded down to
-    whole ``wire_dtype`` elements. ``topology``: the nodes x ranks per node the group spans
-    (what the measurement will price). Each time is the median over ``reps`` (after one
-    warm-up) of the slowest rank's time; every rank returns the same measurement (rank 0's,
-    broadcast).
+    ``group``: the world group (``None``) as DDP uses it, on its real backend. ``nbytes``: one
+    size or several, in bytes on the wire (whole ``wire_dtype`` elements). ``topology``: the
+    nodes x ranks per node the group spans. Each time is the median over ``reps`` (after one
+    warm-up) of the slowest rank's; every rank returns rank 0's measurement.
     """
     sizes = [int(nbytes)] if isinstance(nbytes, (int, float)) else [int(n) for n in nbytes]
     world = dist.get_world_size(group)
@@ -287,17 +284,12 @@ def calibrate(
 ) -> CalibrationResult:
     """Measure and fit the link parameters on the running process groups (collective call).
 
-    ``intra_group`` is this rank's node group, ``leader_group`` the group of one rank per node
-    (only meaningful where ``is_leader``). With one rank per node the intra level is not
-    measured (and gets the inter-node values: it is never used); with one node, the inter
-    level gets the intra values. Timing uses 4-byte elements; ``sizes`` are in bytes.
-    ``intra_root`` is the global rank of this node's first rank (reduce/broadcast root); the
-    leader group's first member is global rank 0. ``flow_group`` (this rank's group of the
-    ranks with its local rank, one per node), when given with several nodes and several ranks
-    per node, measures the torus's concurrent flows (``beta_inter_shared``). ``wire_dtype``:
-    the dtype of the inter-node measurements (fp32 or a 16-bit one, timed as fp16).
-    ``flat_sizes`` (bytes): also time plain DDP's fp32 all-reduce on the world group at these
-    sizes ([`measure_flat_allreduce`][lightning_fastscale.planner.measure_flat_allreduce]); the planner then compares against it.
+    ``intra_group``: this rank's node (root: global rank ``intra_root``); ``leader_group``: one
+    rank per node (meaningful where ``is_leader``; root: global rank 0); ``flow_group``: the
+    ranks with this rank's local rank, whose concurrent all-reduces give ``beta_inter_shared``.
+    A level with one rank takes the other level's values. ``sizes`` are bytes; the inter-node
+    level is timed in ``wire_dtype``. ``flat_sizes``: also time plain DDP's fp32 all-reduce on
+    the world group ([`measure_flat_allreduce`][lightning_fastscale.planner.measure_flat_allreduce]).
     """
     wire = wire_bytes_per_element(wire_dtype)
     intra = inter = shared = None

@@ -175,17 +175,12 @@ def measure_backward_profile(
 ) -> GradientProfile:
     """Gradient profile of ``module`` timed on its own device: when each gradient is ready.
 
-    One warm-up and ``reps`` timed forward + backward passes on ``example_input`` (on the
-    module's device); a hook after each parameter's gradient accumulation
-    (``register_post_accumulate_grad_hook``) stamps the time, and each gradient's
-    ``backward_s`` is the median over the passes of the time since the previous one became
-    ready (the first: since backward started). The order is the order the gradients really
-    became ready, which for models whose ``forward`` does not follow the registration order
-    differs from the reverse of ``parameters()`` that [`profile_module`][lightning_fastscale.planner.profile_module] assumes. This is
-    the measured input of the Jia et al. 2018 fusion model; on CUDA each hook synchronises,
-    which serialises the kernels it times (compute only, no overlap: what the planner adds
-    communication to). ``loss_fn`` maps the output to a scalar (default: its sum). Nothing of
-    the module changes: gradients and buffers (batch-norm statistics) are put back.
+    One warm-up and ``reps`` timed forward + backward passes on ``example_input``; a
+    ``register_post_accumulate_grad_hook`` stamps each gradient, whose ``backward_s`` is the
+    median time since the previous one (the measured input of Jia et al. 2018's fusion model),
+    in the order they really became ready. On CUDA each stamp synchronises (compute only, no
+    overlap). ``loss_fn`` maps the output to a scalar (default: its sum). Gradients and buffers
+    are put back afterwards.
     """
     if reps < 1:
         raise ValueError(f"reps={reps} must be >= 1")
