@@ -1,13 +1,11 @@
 """Where a run's algorithm and fusion plan come from: the user's explicit settings, then a planner.
 
-At setup the strategy asks its planner one question, a [`PlanRequest`][lightning_fastscale.strategies.planning.PlanRequest]
-(the model, the [`Topology`][lightning_fastscale.planner.Topology] and its own
-[`CommSetting`][lightning_fastscale.strategies.options.CommSetting]), and gets a
-[`CommPlan`][lightning_fastscale.strategies.planning.CommPlan] back. Any object with that one method
-plugs in ([`CommPlanner`][lightning_fastscale.strategies.planning.CommPlanner]): the cost-model planner
-of [`lightning_fastscale.planner`][lightning_fastscale.planner], or
-[`NodeCountPlanner`][lightning_fastscale.strategies.planning.NodeCountPlanner] (``algorithm="auto"``
-without a planner). [`resolve_comm_plan`][lightning_fastscale.strategies.planning.resolve_comm_plan]
+At setup the strategy asks its planner one [`PlanRequest`][lightning_fastscale.strategies.planning.PlanRequest]
+(the model, the topology and its [`CommSetting`][lightning_fastscale.strategies.options.CommSetting])
+and gets a [`CommPlan`][lightning_fastscale.strategies.planning.CommPlan] back. Any
+[`CommPlanner`][lightning_fastscale.strategies.planning.CommPlanner] plugs in: the cost-model planner
+of [`lightning_fastscale.planner`][lightning_fastscale.planner], or [`NodeCountPlanner`][lightning_fastscale.strategies.planning.NodeCountPlanner]
+(``algorithm="auto"`` without one). [`resolve_comm_plan`][lightning_fastscale.strategies.planning.resolve_comm_plan]
 overlays what the user fixed. Two-segment fusion: Jia et al. 2018 (arXiv:1807.11205).
 """
 from __future__ import annotations
@@ -168,12 +166,9 @@ def resolve_comm_plan(
 def runs_ddp_allreduce(
     topology: Topology, wire_dtype: str, compression: str | None, user_hook: bool, plain_ddp_reason: str | None
 ) -> bool:
-    """True where DDP's own all-reduce runs, without a hook.
-
-    On one node in fp32 without compression or user hook (or wrapper): every algorithm is then
-    one all-reduce inside the node, which DDP's built-in C++ path does without the Python hook
-    and its thread, so one node costs what plain DDP does. Also wherever the planner found plain
-    DDP as good as the best (``plain_ddp_reason`` says why).
+    """True where DDP's own all-reduce runs, without a hook: where the planner kept plain DDP, and on
+    one node in fp32 without compression or user hook (every algorithm is then one in-node
+    all-reduce, which DDP's C++ path runs without the Python hook and its thread).
 
     Examples:
         >>> runs_ddp_allreduce(Topology(1, 4), "fp32", None, False, None)
