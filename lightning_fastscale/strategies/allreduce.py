@@ -213,6 +213,13 @@ def _wait(works: list[_Pending | _Crossing | None]) -> None:
             work.wait()
 
 
+def _one_allreduce(tensor: Tensor, group: dist.ProcessGroup, stage: str, cast: torch.dtype | None,
+                   chunk_numel: int | None) -> Tensor:
+    wire = _to_wire(tensor, cast)
+    _wait([_issue(stage, dist.all_reduce, piece, group=group, async_op=True) for piece in _chunks(wire, chunk_numel)])
+    return _finish(tensor, wire)
+
+
 def flat_allreduce_(
     tensor: Tensor, groups: ProcessGroups, wire_dtype: str = "fp32",
     chunk_numel: int | None = None,
@@ -222,10 +229,7 @@ def flat_allreduce_(
     Runs on ``groups.world``, a private group, so it never interleaves with collectives that
     others issue on the default group during backward (e.g. SyncBatchNorm).
     """
-    wire = _to_wire(tensor, _cast_dtype(wire_dtype))
-    _wait([_issue("flat all-reduce", dist.all_reduce, piece, group=groups.world, async_op=True)
-           for piece in _chunks(wire, chunk_numel)])
-    return _finish(tensor, wire)
+    return _one_allreduce(tensor, groups.world, "flat all-reduce", _cast_dtype(wire_dtype), chunk_numel)
 
 
 def hier_allreduce_(
@@ -243,10 +247,7 @@ def hier_allreduce_(
     topo = groups.topology
     cast = _cast_dtype(wire_dtype)
     if topo.num_nodes == 1:
-        wire = _to_wire(tensor, cast)
-        _wait([_issue("in-node all-reduce", dist.all_reduce, piece, group=groups.intra, async_op=True)
-               for piece in _chunks(wire, chunk_numel)])
-        return _finish(tensor, wire)
+        return _one_allreduce(tensor, groups.intra, "in-node all-reduce", cast, chunk_numel)
     pieces = _chunks(tensor, chunk_numel)
     if topo.ranks_per_node == 1:
         _wait(_inter_stage(pieces, groups, cast, topk, key))
