@@ -21,12 +21,8 @@ from dataclasses import replace  # noqa: E402
 from lightning_fastscale.planner.cluster import load_cluster  # noqa: E402
 from lightning_fastscale.planner.cost_model import predict_allreduce  # noqa: E402
 from lightning_fastscale.planner.profile import profile_model  # noqa: E402
-from lightning_fastscale.planner.scaling import (  # noqa: E402
-    DEFAULT_PIPELINE_CHUNK_MB,
-    chunk_numel_for,
-    predict_step,
-    topology_for,
-)
+from lightning_fastscale.planner.scaling import predict_step, topology_for  # noqa: E402
+from lightning_fastscale.strategies.options import DEFAULT_PIPELINE_CHUNK_MB, CommSetting  # noqa: E402
 
 CHUNK = DEFAULT_PIPELINE_CHUNK_MB
 
@@ -40,8 +36,8 @@ def efficiency_rows(cluster_name: str, algorithm: str, settings: list[tuple[int,
         profile = profile_model(w.model, batch, w.input_size, cluster.device.sustained_tflops)
         cells = []
         for fusion, chunk in (("auto", CHUNK), ("auto", None), ("two", CHUNK), ("ddp25", CHUNK), ("single", CHUNK)):
-            step = predict_step(profile, gpus, cluster.ranks_per_node, cluster.comm_params(), algorithm,
-                                w.wire_dtype, w.topk_ratio, fusion, chunk)
+            setting = CommSetting(None, w.wire_dtype, w.topk_ratio, chunk)
+            step = predict_step(profile, gpus, cluster.ranks_per_node, cluster.comm_params(), algorithm, setting, fusion)
             cells.append(f"{100 * step.efficiency:.2f}%")
         rows.append(f"| {cluster_name} | {w.model} | {gpus} | {batch} | {algorithm} | {100 * published:.2f}% | "
                     + " | ".join(cells) + " |")
@@ -71,10 +67,10 @@ def horovod_rows(per_flow_gbit_s: tuple[float | None, ...] = (None, 7.5, 5.0, 2.
         cells = []
         for chunk, flat_params in ((CHUNK, replace(params, backend="gloo")), (None, replace(params, backend="gloo")),
                                    (CHUNK, params)):
-            chunk_numel = chunk_numel_for(chunk, topology.num_nodes)
-            one = predict_allreduce(profile.numel, topology, flat_params, w.wire_dtype, chunk_numel=chunk_numel)
-            steps = {a: predict_step(profile, gpus, cluster.ranks_per_node, flat_params, a, w.wire_dtype, None, "auto",
-                                     chunk).step_s for a in ("flat", "torus2d")}
+            setting = CommSetting(None, w.wire_dtype, None, chunk)
+            one = predict_allreduce(profile.numel, topology, flat_params, setting)
+            steps = {a: predict_step(profile, gpus, cluster.ranks_per_node, flat_params, a, setting).step_s
+                     for a in ("flat", "torus2d")}
             cells += [f"{one['flat'] / one['torus2d']:.2f}x", f"{steps['flat'] / steps['torus2d']:.2f}x"]
         rows.append(f"| horovod_torus_10gbe | bert_large | {gpus} | {label} | 2.4x | " + " | ".join(cells) + " |")
     return rows

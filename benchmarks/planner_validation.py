@@ -202,7 +202,7 @@ def format_compact(rows: list[dict], default_only: bool = True) -> str:
     lines = ["| nodes x ranks | Mbit/s | wire | numel | chunks | " + " | ".join(f"{a} meas / pred" for a in ALGORITHMS)
              + " | picked | measured fastest | round wins | picked / round's best |",
              "|---|---|---|---|---|" + "---|" * len(ALGORITHMS) + "---|---|---|---|"]
-    for (nodes, rpn, cap, numel, chunks, wire), by_alg in cases.items():
+    for (nodes, ranks_per_node, cap, numel, chunks, wire), by_alg in cases.items():
         first = next(iter(by_alg.values()))
         cells = [f"{by_alg[a]['measured_s']:.3f} / {by_alg[a]['predicted_s']:.3f} ({100 * by_alg[a]['rel_error']:+.0f}%)"
                  for a in ALGORITHMS]
@@ -210,7 +210,7 @@ def format_compact(rows: list[dict], default_only: bool = True) -> str:
         if "miss_beyond_noise" in first:
             spread += ", beyond noise" if first["miss_beyond_noise"] else ", within noise"
         margin = "" if first["picked_is_fastest"] else f" ({first['picked_vs_fastest']:.2f}x faster, {spread})"
-        lines.append(f"| {nodes}x{rpn} | {cap:g} | {wire} | {numel / 1e6:g}M | {chunks} | " + " | ".join(cells)
+        lines.append(f"| {nodes}x{ranks_per_node} | {cap:g} | {wire} | {numel / 1e6:g}M | {chunks} | " + " | ".join(cells)
                      + f" | {first['picked']} | {first['measured_fastest']}{margin} | {_wins(first)} "
                      f"| {_round_ratio(first)} |")
     return "\n".join(lines)
@@ -260,8 +260,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for spec in args.configs:
         shape, _, cap = spec.partition(":")
-        nodes, _, rpn = shape.partition("x")
-        rows += validate(int(nodes), int(rpn), float(cap), args.numels, args.reps, args.calib_sizes,
+        nodes, _, ranks_per_node = shape.partition("x")
+        rows += validate(int(nodes), int(ranks_per_node), float(cap), args.numels, args.reps, args.calib_sizes,
                          args.chunk_mb or None, args.wire_dtype)
         print(format_table(rows), flush=True)
         if args.json:  # after every configuration, so a later failure keeps the earlier ones

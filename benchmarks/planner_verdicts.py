@@ -18,7 +18,8 @@ from collections import Counter
 import numpy as np
 
 from lightning_fastscale.planner.calibrate import INTER_PRIMITIVES, fit_calibration, intra_primitives
-from lightning_fastscale.planner.cost_model import CommParams, Topology, predict_allreduce
+from lightning_fastscale.planner.cost_model import CommParams, CommSetting, Topology, predict_allreduce
+from lightning_fastscale.strategies.options import MB
 
 
 def refit_rows(rows: list[dict]) -> list[dict]:
@@ -54,9 +55,11 @@ def predict_rows(rows: list[dict]) -> list[dict]:
     cases: dict[tuple, list[dict]] = {}
     for r in rows:
         cases.setdefault(case_key(r), []).append(r)
-    for (nodes, rpn, _, numel, _, wire), case in cases.items():
+    for (nodes, ranks_per_node, _, numel, _, wire), case in cases.items():
         params = CommParams(**case[0]["params"])
-        predicted = predict_allreduce(numel, Topology(num_nodes=nodes, ranks_per_node=rpn), params, wire, chunk_numel=case[0]["chunk_numel"])
+        chunk = case[0]["chunk_numel"]  # as the strategy's option: elements of fp32 in MiB
+        setting = CommSetting(None, wire, None, None if chunk is None else chunk * 4 / MB)
+        predicted = predict_allreduce(numel, Topology(nodes, ranks_per_node), params, setting)
         times = {r["algorithm"]: r["measured_s"] for r in case}
         reps = {r["algorithm"]: r["times_s"] for r in case}
         picked = min(predicted, key=predicted.get)
@@ -110,8 +113,8 @@ def format_across(runs: list[list[dict]]) -> str:
             picked.setdefault(key, Counter())[r["picked"]] += 1
             planner += r["picked_is_fastest"]
             pairs += 1
-    lines = [f"{n}x{rpn} {cap:g} Mbit/s {wire} {numel / 1e6:g}M chunks {chunks}: fastest {dict(fastest[key])}, "
-             f"picked {dict(picked[key])}" for key in fastest for n, rpn, cap, numel, chunks, wire in [key]]
+    lines = [f"{n}x{ranks_per_node} {cap:g} Mbit/s {wire} {numel / 1e6:g}M chunks {chunks}: fastest {dict(fastest[key])}, "
+             f"picked {dict(picked[key])}" for key in fastest for n, ranks_per_node, cap, numel, chunks, wire in [key]]
     changed = sum(len(c) > 1 for c in fastest.values())
     best_fixed = sum(c.most_common(1)[0][1] for c in fastest.values())
     lines.append(f"{len(runs)} runs, {len(fastest)} cases: the measured fastest changed between runs in {changed}; "

@@ -300,8 +300,8 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
     process_start = spec.get("process_start", time.time())
     torch.set_num_threads(1)
     arm, sizes, b0, k = spec["arm"], spec["sizes"], spec["b0"], spec["k"]
-    nodes, per_node = spec["nodes"], spec["ranks_per_node"]
-    world = nodes * per_node
+    nodes, ranks_per_node = spec["nodes"], spec["ranks_per_node"]
+    world = nodes * ranks_per_node
     pl.seed_everything(spec["seed"], workers=True, verbose=False)
     batch = b0 if arm == "plain" else k * b0
     lr = spec["lr"] * (1 if arm == "plain" else k)  # the recipe's WarmupDecayLR scales it itself
@@ -341,7 +341,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
         fit_kw["train_dataloaders"], fit_kw["val_dataloaders"] = _plain_tree_loaders(spec, batch)
     # --calibrate: a fixed number of training steps, no validation
     short = {"max_steps": spec["max_steps"], "limit_val_batches": 0} if spec.get("max_steps") else {}
-    trainer = pl.Trainer(accelerator="cpu", devices=per_node, num_nodes=nodes, strategy=strategy, plugins=plugins,
+    trainer = pl.Trainer(accelerator="cpu", devices=ranks_per_node, num_nodes=nodes, strategy=strategy, plugins=plugins,
                          max_epochs=spec["epochs"], callbacks=callbacks, default_root_dir=spec["run_dir"],
                          log_every_n_steps=10, enable_progress_bar=False, **short)
     fit_start = time.time()
@@ -383,10 +383,10 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _worker_argv(spec_path: Path, nnodes: int, node_rank: int, per_node: int, master: str | None) -> list[str]:
+def _worker_argv(spec_path: Path, nnodes: int, node_rank: int, ranks_per_node: int, master: str | None) -> list[str]:
     rdzv = ["--standalone"] if master is None else ["--master_addr", master, "--master_port", "29500"]
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node_rank", str(node_rank),
-            "--nproc_per_node", str(per_node), *rdzv, str(Path(__file__).resolve()), "--worker", str(spec_path)]
+            "--nproc_per_node", str(ranks_per_node), *rdzv, str(Path(__file__).resolve()), "--worker", str(spec_path)]
 
 
 class Machine:

@@ -5,6 +5,7 @@ from torch import nn
 
 from lightning_fastscale.planner import (
     CommParams,
+    CommSetting,
     CostModelPlanner,
     Topology,
     auto_plan,
@@ -13,7 +14,7 @@ from lightning_fastscale.planner import (
     module_profile,
 )
 from lightning_fastscale.planner.fusion import MB
-from lightning_fastscale.planner.scaling import DEFAULT_PIPELINE_CHUNK_MB
+from lightning_fastscale.strategies.options import DEFAULT_PIPELINE_CHUNK_MB
 from lightning_fastscale.strategies.planning import PlanRequest
 
 SLOW_NIC = CommParams(alpha_intra=5e-6, beta_intra=1e-11, alpha_inter=2e-5, beta_inter=8e-9, gamma=0.0)
@@ -54,8 +55,9 @@ def test_choose_algorithm_from_a_cluster():
     # latency; on 4 nodes the torus moves 2(N-1)/N = 1.5x the gradient per NIC against NCCL's 2x
     # (tree) or 2(P-1)/P (ring), so it wins.
     cluster = load_cluster("tencent_cloud_25g_vpc")
-    assert choose_algorithm(cluster, 100e6, cluster.topology(2), wire_dtype="fp16") == "flat"
-    assert choose_algorithm(cluster, 100e6, cluster.topology(4), wire_dtype="fp16") == "torus2d"
+    half = CommSetting(wire_dtype="fp16", pipeline_chunk_mb=None)
+    assert choose_algorithm(cluster, 100e6, cluster.topology(2), half) == "flat"
+    assert choose_algorithm(cluster, 100e6, cluster.topology(4), half) == "torus2d"
 
 
 def test_cost_model_planner_plans_what_it_is_told_to_send():
@@ -65,22 +67,22 @@ def test_cost_model_planner_plans_what_it_is_told_to_send():
     planner = CostModelPlanner(SLOW_NIC, backward_time_s=0.01)
     # the planner prices buckets as the strategy sends them: pipelined in its chunks, or whole
     for chunk_mb in (DEFAULT_PIPELINE_CHUNK_MB, 0.25, None):
-        expected = auto_plan(profile, Topology(4, 8), SLOW_NIC, pipeline_chunk_mb=chunk_mb)
-        got = planner.plan(model, topo, pipeline_chunk_mb=chunk_mb)
+        expected = auto_plan(profile, Topology(4, 8), SLOW_NIC, CommSetting(pipeline_chunk_mb=chunk_mb))
+        got = planner.plan(model, topo, CommSetting(pipeline_chunk_mb=chunk_mb))
         assert got.algorithm == expected.algorithm
         assert got.plan.ddp_bucket_cap_mb_list() == expected.plan.ddp_bucket_cap_mb_list()
     # the strategy's question with its defaults (fp32, no top-k, its default chunking) gets the same plan
-    default = auto_plan(profile, Topology(4, 8), SLOW_NIC, pipeline_chunk_mb=DEFAULT_PIPELINE_CHUNK_MB,
+    default = auto_plan(profile, Topology(4, 8), SLOW_NIC, CommSetting(pipeline_chunk_mb=DEFAULT_PIPELINE_CHUNK_MB),
                         plain_ddp_tolerance=planner.plain_ddp_tolerance)
     answer = planner.plan_comm(PlanRequest(model, topo))
     assert answer.algorithm == default.algorithm
-    assert answer.bucket_caps_mb == tuple(default.plan.ddp_bucket_cap_mb_list())
+    assert answer.fusion_plan == tuple(default.plan.ddp_bucket_cap_mb_list())
     assert answer.plain_ddp_reason == (default.reason if default.plain_ddp else None)
     with pytest.raises(ValueError, match="pipeline_chunk_mb"):
-        planner.plan(model, topo, pipeline_chunk_mb=0)
+        planner.plan(model, topo, CommSetting(pipeline_chunk_mb=0))
     # from a shipped cluster, with FLOP-based backward times from an example input
     planner = CostModelPlanner("tencent_cloud_25g_vpc", example_input=torch.randn(4, 256))
-    half = planner.plan(model, Topology(2, 8), wire_dtype="fp16")
+    half = planner.plan(model, Topology(2, 8), CommSetting(wire_dtype="fp16"))
     # on 2 NCCL nodes the flat path with a 16-bit wire beats plain DDP's fp32 by more than 5 %: a hook
     assert half.algorithm == "flat" and not half.plain_ddp
     assert half.baseline.finish_s > 1.05 * half.plan.finish_s and "sooner than plain DDP" in half.reason
@@ -97,10 +99,10 @@ def test_best_chunk_follows_latency():
     topo = Topology(4, 8)
     # no latency: smaller chunks only overlap the stages better, so the smallest candidate wins
     free = CommParams(alpha_intra=0.0, beta_intra=1e-9, alpha_inter=0.0, beta_inter=8e-9, gamma=0.0)
-    chunk, plan, finish = best_chunk_plan(prof, topo, free, algorithms=("hier", "torus2d"))
+    chunk, plan, finish = best_chunk_plan(prof, topo, free, CommSetting(("hier", "torus2d")))
     assert chunk == 1.0 and plan.plan.finish_s == pytest.approx(min(finish.values()), rel=1e-9)
     assert finish[1.0] < finish[None]
     # large per-message latency: every chunk pays it, so one piece wins
     slow = CommParams(alpha_intra=1e-2, beta_intra=1e-9, alpha_inter=1e-2, beta_inter=8e-9, gamma=0.0)
-    chunk, plan, finish = best_chunk_plan(prof, topo, slow, algorithms=("hier", "torus2d"))
+    chunk, plan, finish = best_chunk_plan(prof, topo, slow, CommSetting(("hier", "torus2d")))
     assert chunk is None and plan.plan.finish_s == pytest.approx(min(finish.values()), rel=1e-9)

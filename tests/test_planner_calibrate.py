@@ -35,21 +35,21 @@ def test_fit_calibration_recovers_all_levels_and_the_shared_link():
     # 2 nodes x 4 ranks: in-node primitives, the leaders' all-reduce, and 4 concurrent flows
     # per node each carrying a quarter of the bytes at 1.25x the fair share of the link. The
     # all-reduces between nodes hide their additions behind the transfer (gamma_inter = 0).
-    rpn, nodes, gamma = 4, 2, 2e-9
+    ranks_per_node, nodes, gamma = 4, 2, 2e-9
     a_in, b_in, a_x, b_x, b_shared = 3e-4, 1.5e-9, 1e-4, 1.6e-8, 2e-8
     sizes = [float(1 << k) for k in (20, 22, 24, 26)]
-    intra = {name: (sizes, [PRIMITIVES[name](rpn, n, a_in, b_in, gamma) for n in sizes])
+    intra = {name: (sizes, [PRIMITIVES[name](ranks_per_node, n, a_in, b_in, gamma) for n in sizes])
              for name in intra_primitives("gloo")}
     inter = {"allreduce": (sizes, [ring_allreduce_time(nodes, n, a_x, b_x, 0.0) for n in sizes])}
-    flow = [n / rpn for n in sizes]
-    shared = {"allreduce": (flow, [ring_allreduce_time(nodes, m, a_x, rpn * b_shared, 0.0) for m in flow])}
-    params = fit_calibration(rpn, nodes, intra, inter, shared).params
+    flow = [n / ranks_per_node for n in sizes]
+    shared = {"allreduce": (flow, [ring_allreduce_time(nodes, m, a_x, ranks_per_node * b_shared, 0.0) for m in flow])}
+    params = fit_calibration(ranks_per_node, nodes, intra, inter, shared).params
     assert (params.alpha_intra, params.beta_intra, params.gamma) == pytest.approx((a_in, b_in, gamma), rel=1e-6)
     assert (params.alpha_inter, params.beta_inter, params.gamma_inter) == pytest.approx((a_x, b_x, 0.0), rel=1e-6)
     assert params.beta_inter_shared == pytest.approx(b_shared, rel=1e-6)
-    assert params.flow_beta(rpn) == pytest.approx(rpn * b_shared, rel=1e-6)
+    assert params.flow_beta(ranks_per_node) == pytest.approx(ranks_per_node * b_shared, rel=1e-6)
     # without the concurrent measurement, the model assumes fair sharing
-    assert fit_calibration(rpn, nodes, intra, inter).params.beta_inter_shared is None
+    assert fit_calibration(ranks_per_node, nodes, intra, inter).params.beta_inter_shared is None
 
 
 def test_fit_never_returns_negative_parameters():

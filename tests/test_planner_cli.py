@@ -6,7 +6,7 @@ import yaml
 
 from lightning_fastscale.planner.cli import main
 from lightning_fastscale.planner.cluster import load_cluster
-from lightning_fastscale.planner.cost_model import ALGORITHMS, Topology, predict_allreduce
+from lightning_fastscale.planner.cost_model import ALGORITHMS, CommSetting, Topology, predict_allreduce
 from lightning_fastscale.planner.profile import profile_model
 
 
@@ -57,8 +57,8 @@ def test_pipeline_chunk_option(capsys):
     assert whole["workload"]["pipeline_chunk_mb"] is None and chunked["workload"]["pipeline_chunk_mb"] == 1
     cluster = load_cluster("tencent_p40_100g")
     numel, wire = chunked["workload"]["parameters"], cluster.workload.wire_dtype
-    for report, chunk in ((whole, None), (chunked, 1 << 18)):  # 1 MiB of fp32 = 2**18 elements
-        expected = predict_allreduce(numel, Topology(8, 8), cluster.comm_params(), wire, chunk_numel=chunk)
+    for report, chunk_mb in ((whole, None), (chunked, 1.0)):
+        expected = predict_allreduce(numel, Topology(8, 8), cluster.comm_params(), CommSetting(None, wire, None, chunk_mb))
         assert report["allreduce_s"] == pytest.approx(expected, rel=1e-12)
     assert chunked["allreduce_s"] != whole["allreduce_s"]
     assert main([*args, "--pipeline-chunk-mb", "-1"]) == 2

@@ -7,6 +7,7 @@ import pytest
 from lightning_fastscale.planner.cost_model import (
     ALGORITHMS,
     CommParams,
+    CommSetting,
     Topology,
     allgather_time,
     allreduce_time,
@@ -39,6 +40,7 @@ def test_primitives_closed_forms():
 
 
 PARAMS = CommParams(alpha_intra=5e-6, beta_intra=1e-10, alpha_inter=2e-5, beta_inter=8e-9, gamma=1e-11)
+WHOLE = CommSetting(pipeline_chunk_mb=None)  # the closed forms of one unchunked all-reduce
 
 
 def test_single_node_is_intra_ring():
@@ -52,7 +54,7 @@ def test_one_rank_per_node_all_algorithms_are_the_inter_ring():
     topo = Topology(8, 1)
     n = 3e5
     expected = ring_allreduce_time(8, 4 * n, PARAMS.alpha_inter, PARAMS.beta_inter, PARAMS.gamma)
-    for algorithm, t in predict_allreduce(n, topo, PARAMS).items():
+    for algorithm, t in predict_allreduce(n, topo, PARAMS, WHOLE).items():
         assert t == pytest.approx(expected), algorithm
 
 
@@ -62,7 +64,7 @@ def test_bandwidth_terms_match_the_byte_counts():
     topo = Topology(2, 4)
     nbytes = 4 * 1e7
     bound = bandwidth_bound(2, nbytes, 1e-8)
-    t = predict_allreduce(1e7, topo, params)
+    t = predict_allreduce(1e7, topo, params, WHOLE)
     assert t["hier"] == pytest.approx(bound, rel=1e-6)
     assert t["torus2d"] == pytest.approx(bound, rel=1e-6)
     # flat ring sends 2(P-1)/P n per node instead of 2(N-1)/N n: 1.75x for 2 x 4
@@ -73,7 +75,7 @@ def test_torus_latency_terms():
     # Latency only on the inter-node link: torus makes 2(N-1) steps, the flat ring 2(P-1).
     params = CommParams(0.0, 1e-18, 1e-3, 1e-18, 0.0)
     topo = Topology(4, 8)
-    t = predict_allreduce(1000, topo, params)
+    t = predict_allreduce(1000, topo, params, WHOLE)
     assert t["torus2d"] == pytest.approx(2 * 3 * 1e-3, rel=1e-6)
     assert t["hier"] == pytest.approx(2 * 3 * 1e-3, rel=1e-6)
     assert t["flat"] == pytest.approx(2 * 31 * 1e-3, rel=1e-6)
@@ -188,7 +190,7 @@ def test_concurrent_flows_and_per_flow_limit():
     assert allreduce_time("hier", n, topo, contended) == pytest.approx(bound, rel=1e-6)
     # a per-flow limit of a quarter of the link: one-flow algorithms 4x slower, torus unaffected
     limited = CommParams(0.0, 1e-18, 0.0, 1e-9, 0.0, beta_flow=4e-9)
-    t, t0 = predict_allreduce(n, topo, limited), predict_allreduce(n, topo, base)
+    t, t0 = predict_allreduce(n, topo, limited, WHOLE), predict_allreduce(n, topo, base, WHOLE)
     assert t["torus2d"] == pytest.approx(t0["torus2d"], rel=1e-9)
     assert t["hier"] == pytest.approx(4 * t0["hier"], rel=1e-6)
     assert t["flat"] == pytest.approx(4 * t0["flat"], rel=1e-6)
@@ -218,12 +220,12 @@ def test_vectorised_sizes_equal_scalar_calls():
 
 def test_choose_algorithm():
     # Slow NIC, fast NVLink: a two-level algorithm beats the flat ring on large messages.
-    assert choose_algorithm(PARAMS, 100e6, Topology(4, 8)) in ("hier", "torus2d")
+    assert choose_algorithm(PARAMS, 100e6, Topology(4, 8), WHOLE) in ("hier", "torus2d")
     # One node: always ring.
     assert choose_algorithm(PARAMS, 100e6, Topology(1, 8)) == "flat"
     # Same link inside and between nodes: the extra stages cost, the flat ring wins.
     flat = CommParams(1e-6, 1e-9, 1e-6, 1e-9, 0.0)
-    assert choose_algorithm(flat, 100e6, Topology(4, 8)) == "flat"
+    assert choose_algorithm(flat, 100e6, Topology(4, 8), WHOLE) == "flat"
     with pytest.raises(ValueError, match="topology"):
         choose_algorithm(PARAMS, 1e6)
 

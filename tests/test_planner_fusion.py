@@ -13,7 +13,6 @@ from lightning_fastscale.planner.fusion import (
     ddp_buckets,
     ddp_supports_bucket_list,
     plan_fusion,
-    plan_two_segment,
     simulate,
 )
 from lightning_fastscale.planner.scaling import allreduce_cost
@@ -38,7 +37,7 @@ def test_dp_equals_brute_force(seed):
     brute = min(simulate(ends, sizes, back, cost).finish_s for ends in all_bucketings(n))
     assert plan_fusion(sizes, back, cost).finish_s == pytest.approx(brute, rel=1e-12)
     two = min(simulate(ends, sizes, back, cost).finish_s for ends in all_bucketings(n) if len(ends) <= 2)
-    assert plan_two_segment(sizes, back, cost).finish_s == pytest.approx(two, rel=1e-12)
+    assert plan_fusion(sizes, back, cost, max_buckets=2).finish_s == pytest.approx(two, rel=1e-12)
 
 
 def test_nonlinear_cost_brute_force():
@@ -62,7 +61,7 @@ def test_known_optima():
     assert plan.ends[-1] - plan.ends[-2] == 1
     # Two halves ready at t=5 and t=10, 1 s latency + 5 s per half: sending the first half
     # during the second's compute ends at 11 + 6 = 17, one bucket at 10 + 11 = 21.
-    plan = plan_two_segment([1, 1], [5.0, 5.0], affine(1.0, 5.0))
+    plan = plan_fusion([1, 1], [5.0, 5.0], affine(1.0, 5.0), max_buckets=2)
     assert plan.ends == (1, 2)
     assert plan.finish_s == pytest.approx(17.0)
     assert simulate([2], [1, 1], [5.0, 5.0], affine(1.0, 5.0)).finish_s == pytest.approx(21.0)

@@ -95,7 +95,7 @@ def _topk(rank: int, world_size: int, algorithm: str, ratio: float) -> dict:
 def _worker(rank: int, world_size: int) -> dict:
     # One spawn for every check: starting processes dominates the cost on a loaded 2-core box.
     # Results stay small: run_distributed passes them through a pipe read only after the join.
-    results: dict = {"layouts": {rpn: _algorithms(rank, world_size, rpn) for rpn in (2, 1, 4)}}
+    results: dict = {"layouts": {ranks_per_node: _algorithms(rank, world_size, ranks_per_node) for ranks_per_node in (2, 1, 4)}}
     for algorithm in ("hier", "torus2d"):
         for ratio in (0.05, 1.0):
             results[(algorithm, ratio)] = _topk(rank, world_size, algorithm, ratio)

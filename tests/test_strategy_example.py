@@ -23,6 +23,6 @@ def test_example_trains_with_hier_ring() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(text for text in done.stdout.splitlines() if text.startswith("final train_loss="))
     assert "Topology(num_nodes=2, ranks_per_node=2)" in line and "algorithm=hier" in line
-    assert "comm_hook=hierarchical_hook" in line
+    assert "comm_hook=hier_hook" in line
     assert int(re.search(r"comm_hook_calls=(\d+)", line).group(1)) == 4  # 512 samples / (32 x 4 ranks) = 4 steps
     assert float(re.search(r"train_loss=([\d.]+)", line).group(1)) < 1.386  # below ln(4): it learned

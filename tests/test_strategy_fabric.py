@@ -105,7 +105,7 @@ def test_fabric_equals_plain_fabric_ddp(results: dict, name: str, wire: str) -> 
     assert r["rel"] <= TOLERANCE[wire], r["rel"]
     # The strategy's hook averaged every step, not DDP's built-in all-reduce.
     assert r["iterations"] == STEPS
-    assert r["comm_hook"] == {"hier_ring": "hierarchical_hook", "hier_torus": "torus2d_hook"}[name]
+    assert r["comm_hook"] == {"hier_ring": "hier_hook", "hier_torus": "torus2d_hook"}[name]
     if wire == "lars_bf16":  # the plugin really ran: its steps differ from plain SGD's
         assert results[(name, wire, "moved_from_sgd")] > 100 * TOLERANCE[wire]
 

@@ -9,12 +9,12 @@ from lightning_fastscale.strategies.allreduce import TopKErrorFeedback
 from lightning_fastscale.strategies.comm_hooks import (
     CommHookError,
     HierarchicalHookState,
-    hierarchical_hook,
+    hier_hook,
     run_bucket_job,
 )
 from lightning_fastscale.strategies.node_checks import check_nodes_uniform
-from lightning_fastscale.strategies.plan_report import algorithm_label, hook_name, plan_message
-from lightning_fastscale.strategies.plan_resolution import runs_ddp_allreduce
+from lightning_fastscale.strategies.plan_report import algorithm_label, algorithm_note, hook_name, plan_message
+from lightning_fastscale.strategies.planning import runs_ddp_allreduce
 from lightning_fastscale.strategies.topk_residuals import comm_layout, residual_state, restore_residuals
 from lightning_fastscale.strategies.topology import ProcessGroups, Topology
 from lightning_fastscale.strategies.user_hooks import UserHook, leader_hook
@@ -123,10 +123,31 @@ def test_user_hook_registers_inside_its_wrapper() -> None:
 def test_registered_hook_is_the_strategys_or_the_users_among_leaders() -> None:
     state, ddp = _hook_state(inline=True), _DDP()
     UserHook().register(ddp, state)  # type: ignore[arg-type]
-    assert ddp.registered == (state, hierarchical_hook)
+    assert ddp.registered == (state, hier_hook)
     UserHook(wrapper=_wrapper).register(ddp, state)  # type: ignore[arg-type]
-    assert ddp.registered == (state, ("wrapped", hierarchical_hook))
+    assert ddp.registered == (state, ("wrapped", hier_hook))
     UserHook(default_hooks.fp16_compress_hook).register(ddp, state)  # type: ignore[arg-type]
     leader_state, hook = ddp.registered
     assert hook is leader_hook and leader_state.hierarchy is state
     assert leader_state.hook is default_hooks.fp16_compress_hook and leader_state.hook_state is state.groups.inter
+
+
+def test_algorithm_note_says_when_another_algorithm_runs() -> None:
+    assert algorithm_note("hier", "flat", Topology(1, 4), ddp_allreduce=True).endswith("DDP's own flat all-reduce: one node, fp32, no compression")
+    assert algorithm_note("torus2d", "torus2d", Topology(1, 4), ddp_allreduce=False).endswith("inside the node: one node")
+    assert algorithm_note("hier", "hier", Topology(3, 1), ddp_allreduce=False).endswith("across nodes: one rank per node")
+    assert algorithm_note("torus2d", "torus2d", Topology(2, 4), ddp_allreduce=False) is None
+    assert algorithm_note("auto", "flat", Topology(1, 4), ddp_allreduce=True) is None  # plain_ddp_reason's job
+    assert algorithm_note("flat", "flat", Topology(1, 4), ddp_allreduce=True) is None
+
+
+def test_comm_setting_refuses_a_bad_option_by_name() -> None:
+    from lightning_fastscale.strategies.options import PLAIN_DDP, CommSetting
+
+    for bad, name in (({"wire_dtype": "fp8"}, "wire_dtype"), ({"topk_ratio": 0.0}, "topk_ratio"),
+                      ({"algorithms": ("ring",)}, "algorithms"), ({"pipeline_chunk_mb": -1}, "pipeline_chunk_mb")):
+        with pytest.raises(ValueError, match=name):
+            CommSetting(**bad)
+    assert CommSetting().candidates == ("flat", "hier", "torus2d") and CommSetting(("hier",)).candidates == ("hier",)
+    assert CommSetting(pipeline_chunk_mb=1.0).chunk_numel(num_nodes=8) == 2**18  # 1 MiB of fp32
+    assert PLAIN_DDP.chunk_numel(num_nodes=8) is None and PLAIN_DDP.candidates == ("flat",)

@@ -4,8 +4,8 @@ import pytest
 from torch import nn
 
 from lightning_fastscale.planner import CommParams, CostModelPlanner
-from lightning_fastscale.strategies import CommPlan, HierarchicalAllReduceStrategy, PlanRequest, Topology
-from lightning_fastscale.strategies.plan_resolution import resolve_comm_plan
+from lightning_fastscale.strategies import CommPlan, CommSetting, HierarchicalAllReduceStrategy, PlanRequest, Topology
+from lightning_fastscale.strategies.planning import resolve_comm_plan
 
 TWO_BY_FOUR = Topology(num_nodes=2, ranks_per_node=4)
 # In-node links 100x faster than the node link unless said otherwise; 1 ms messages across nodes.
@@ -42,12 +42,12 @@ def test_strategy_hands_its_own_settings_to_the_planner() -> None:
     model = _model()
     strategy = _strategy(params, wire_dtype="fp16", compression="topk", topk_ratio=0.05, pipeline_chunk_mb=1.0)
     request = strategy.plan_request(model, TWO_BY_FOUR)
-    assert (request.module, request.topology, request.wire_dtype, request.topk_ratio, request.pipeline_chunk_mb,
-            request.algorithms) == (model, TWO_BY_FOUR, "fp16", 0.05, 1.0, None)
+    told_setting = CommSetting(None, "fp16", 0.05, 1.0)
+    assert (request.module, request.topology, request.setting) == (model, TWO_BY_FOUR, told_setting)
     algorithm, caps = strategy.resolve_comm_plan(model, TWO_BY_FOUR)
-    told = strategy.planner.plan(model, TWO_BY_FOUR, wire_dtype="fp16", topk_ratio=0.05, pipeline_chunk_mb=1.0)
+    told = strategy.planner.plan(model, TWO_BY_FOUR, told_setting)
     assert (algorithm, caps) == (told.algorithm, told.plan.ddp_bucket_cap_mb_list())
-    fp32 = strategy.planner.plan(model, TWO_BY_FOUR, wire_dtype="fp32", topk_ratio=None, pipeline_chunk_mb=1.0)
+    fp32 = strategy.planner.plan(model, TWO_BY_FOUR, CommSetting(None, "fp32", None, 1.0))
     assert told.plan.finish_s < fp32.plan.finish_s  # fp16 + top-k really was priced: fewer bytes cross
 
 
@@ -61,7 +61,7 @@ def test_explicit_settings_win_over_the_planner() -> None:
     algorithm, caps = HierarchicalAllReduceStrategy(algorithm="hier", planner=planner).resolve_comm_plan(
         _model(), TWO_BY_FOUR)
     assert algorithm == "hier"
-    assert caps == planner.plan(_model(), TWO_BY_FOUR, algorithms=("hier",)).plan.ddp_bucket_cap_mb_list()
+    assert caps == planner.plan(_model(), TWO_BY_FOUR, CommSetting(("hier",))).plan.ddp_bucket_cap_mb_list()
 
 
 class _Recorder:
@@ -80,7 +80,7 @@ def test_any_comm_planner_plugs_in_and_is_asked_once() -> None:
     planner = _Recorder(CommPlan("torus2d", (2.0, 30.0)))
     strategy = HierarchicalAllReduceStrategy(algorithm="auto", planner=planner, wire_dtype="bf16")
     assert strategy.resolve_comm_plan(model, TWO_BY_FOUR) == ("torus2d", [2.0, 30.0])
-    assert [(r.wire_dtype, r.algorithms) for r in planner.requests] == [("bf16", None)]
+    assert [(r.setting.wire_dtype, r.setting.algorithms) for r in planner.requests] == [("bf16", None)]
     plain = HierarchicalAllReduceStrategy(algorithm="auto", planner=_Recorder(CommPlan("flat", None, "cheap enough")))
     assert plain.resolve_comm_plan(model, TWO_BY_FOUR) == ("flat", None) and plain.plain_ddp_reason == "cheap enough"
     # without a planner, "auto" is hier across nodes and flat in one, with DDP's buckets
@@ -98,8 +98,8 @@ def test_resolution_alone_overlays_the_explicit_settings_on_the_plan() -> None:
     planner = _Recorder(CommPlan("torus2d", (2.0, 30.0), plain_ddp_reason="cheap"))
     assert resolve_comm_plan(request, planner, algorithm="auto") == CommPlan("torus2d", (2.0, 30.0), "cheap")
     assert resolve_comm_plan(request, planner, algorithm="hier") == CommPlan("hier", (2.0, 30.0))
-    assert resolve_comm_plan(request, planner, algorithm="auto", caps_mb=[1.0]) == CommPlan("torus2d", (1.0,), "cheap")
-    assert resolve_comm_plan(request, planner, algorithm="auto", uniform_cap=True).bucket_caps_mb is None
+    assert resolve_comm_plan(request, planner, algorithm="auto", fusion_plan=[1.0]) == CommPlan("torus2d", (1.0,), "cheap")
+    assert resolve_comm_plan(request, planner, algorithm="auto", uniform_cap=True).fusion_plan is None
     # A user hook takes the place of the plain path, so plain DDP is never chosen for it.
     assert resolve_comm_plan(request, planner, algorithm="auto", user_hook=True).plain_ddp_reason is None
     assert len(planner.requests) == 5  # asked once per resolution

@@ -77,6 +77,9 @@ def test_plan_logged_after_lightning_hparams(tmp_path: Path, caplog, release_pro
     assert not any(key.startswith("strategy/") for key in seen_before_train_start), "plan written to the logger at setup"
     assert "HierarchicalAllReduceStrategy: algorithm=flat, num_nodes=1" in caplog.text
     assert "comm_hook=none (DDP's own all-reduce)" in caplog.text
+    # strategy=hier_ring's algorithm runs as flat here: the plan line says so
+    note = "algorithm='hier' runs as DDP's own flat all-reduce: one node, fp32, no compression"
+    assert hparams["strategy/algorithm_note"] == note and f"algorithm_note={note}" in caplog.text
 
 
 def test_plan_not_logged_when_module_opts_out(tmp_path: Path, caplog, release_process_group) -> None:

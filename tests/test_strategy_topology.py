@@ -20,12 +20,12 @@ def test_topology_layout() -> None:
         topo.node_rank(8)
 
 
-@pytest.mark.parametrize("world,per_node,match", [(6, 4, "not a multiple of ranks_per_node=4"),
+@pytest.mark.parametrize("world,ranks_per_node,match", [(6, 4, "not a multiple of ranks_per_node=4"),
                                                   (4, 0, "ranks_per_node must be an integer >= 1"),
                                                   (0, 1, "world_size must be an integer >= 1")])
-def test_topology_errors(world: int, per_node: int, match: str) -> None:
+def test_topology_errors(world: int, ranks_per_node: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        Topology.from_world(world, per_node)
+        Topology.from_world(world, ranks_per_node)
     with pytest.raises(ValueError, match="num_nodes must be an integer >= 1"):
         Topology(0, 2)
 
@@ -107,14 +107,14 @@ def test_registered_names() -> None:
         assert (trainer.strategy.algorithm, trainer.strategy._start_method) == (algorithm, start)
 
 
-def test_two_segment_caps() -> None:
-    from lightning_fastscale.strategies import two_segment_caps_mb
+def test_two_segment_fusion_plan() -> None:
+    from lightning_fastscale.strategies import two_segment_fusion_plan
 
     model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 2))  # 110 + 22 floats
-    caps = two_segment_caps_mb(model, 2)
+    caps = two_segment_fusion_plan(model, 2)
     assert caps[0] * 1024 * 1024 == pytest.approx(22 * 4) and caps[1] * 1024 * 1024 > 132 * 4
     with pytest.raises(ValueError, match="two_segment_split=4"):
-        two_segment_caps_mb(model, 4)
+        two_segment_fusion_plan(model, 4)
 
 
 @pytest.mark.parametrize("name,algorithm", [("hier_ring", "hier"), ("hier_torus", "torus2d")])

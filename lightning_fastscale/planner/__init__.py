@@ -18,6 +18,7 @@ from lightning_fastscale.planner.cost_model import (
     ALGORITHMS,
     BACKENDS,
     CommParams,
+    CommSetting,
     FlatMeasurement,
     Topology,
     allreduce_time,
@@ -30,20 +31,22 @@ from lightning_fastscale.planner.cost_model import (
     stage_times,
     wire_bytes_per_element,
 )
-from lightning_fastscale.planner.fusion import FusionPlan, best_uniform_cap, ddp_buckets, plan_fusion, plan_two_segment
+from lightning_fastscale.planner.fusion import FusionPlan, best_uniform_cap, ddp_buckets, plan_fusion
 from lightning_fastscale.planner.profile import GradientProfile, measure_backward_profile, profile_model, profile_module
 from lightning_fastscale.planner.scaling import allreduce_cost, predict_step, scaling_curve
-from lightning_fastscale.strategies.options import DEFAULT_PIPELINE_CHUNK_MB
+from lightning_fastscale.strategies.options import DEFAULT_PIPELINE_CHUNK_MB, PLAIN_DDP
 
 __all__ = [
     "ALGORITHMS",
     "BACKENDS",
     "DEFAULT_PIPELINE_CHUNK_MB",
+    "PLAIN_DDP",
     "PLAIN_DDP_TOLERANCE",
     "AutoPlan",
     "Cluster",
     "ClusterConfigError",
     "CommParams",
+    "CommSetting",
     "CostModelPlanner",
     "FlatMeasurement",
     "FusionPlan",
@@ -69,7 +72,6 @@ __all__ = [
     "nccl_ring_time",
     "nccl_tree_time",
     "plan_fusion",
-    "plan_two_segment",
     "predict_allreduce",
     "predict_step",
     "profile_model",

@@ -1,19 +1,15 @@
-"""One call for a strategy's ``algorithm="auto"`` and fusion ``"auto"``: algorithm + buckets.
+"""The algorithm and fusion plan of a run: one call for a strategy's ``algorithm="auto"``.
 
-For each candidate algorithm the fusion plan is optimised ([`plan_fusion`][lightning_fastscale.planner.plan_fusion]) under that
-algorithm's cost, and the algorithm whose plan ends communication earliest wins (Jia et al.
-2018 choose segments from such a model; the choice of algorithm follows the same rule).
-
-Plain DDP is the baseline every plan is held against: its flat fp32 all-reduce as the
-backend runs it (NCCL's ring or tree; measured where the calibration timed it), with buckets
-planned the same way. Where that plan ends within ``plain_ddp_tolerance`` (5 %) of the best,
-[`AutoPlan`][lightning_fastscale.planner.AutoPlan] says so (``plain_ddp``) and the strategy installs no hook: a hook's own
-overhead and a cast wire dtype are not worth a gain that small.
+For each candidate algorithm the fusion plan is optimised ([`plan_fusion`][lightning_fastscale.planner.plan_fusion])
+under that algorithm's cost, and the plan that ends communication earliest wins (Jia et al.
+2018). Plain DDP's flat fp32 all-reduce, planned the same way, is the baseline: where it ends
+within ``plain_ddp_tolerance`` (5 %) of the best, [`AutoPlan`][lightning_fastscale.planner.AutoPlan]
+keeps it (``plain_ddp``) and the strategy installs no hook.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -24,7 +20,7 @@ from lightning_fastscale.planner.cost_model import ALGORITHMS, CommParams, Topol
 from lightning_fastscale.planner.fusion import FusionPlan, plan_fusion
 from lightning_fastscale.planner.profile import GradientProfile, measure_backward_profile, profile_module
 from lightning_fastscale.planner.scaling import allreduce_cost
-from lightning_fastscale.strategies.options import DEFAULT_PIPELINE_CHUNK_MB, check_algorithms, chunk_numel_for
+from lightning_fastscale.strategies.options import PLAIN_DDP, CommSetting, check_algorithms
 from lightning_fastscale.strategies.planning import CommPlan, PlanRequest
 
 __all__ = ["CHUNK_CANDIDATES_MB", "AutoPlan", "CostModelPlanner", "auto_plan", "best_chunk_plan", "module_profile"]
@@ -113,40 +109,33 @@ def auto_plan(
     profile: GradientProfile,
     topology: Topology,
     params: CommParams,
-    wire_dtype: str = "fp32",
-    topk_ratio: float | None = None,
-    algorithms: Sequence[str] = ALGORITHMS,
+    setting: CommSetting = CommSetting(),
     max_buckets: int | None = None,
-    pipeline_chunk_mb: float | str | None = DEFAULT_PIPELINE_CHUNK_MB,
     *,
     plain_ddp_tolerance: float | None = None,
 ) -> AutoPlan:
     """Choose the algorithm and the buckets with the earliest predicted end of communication.
 
-    Ties go to the earlier entry of ``algorithms`` (flat, hier, torus2d: the simpler one).
-    ``pipeline_chunk_mb``: the strategy's option of that name (buckets pipelined in chunks;
-    ``"auto"`` by default, as in the strategy). On one node only ``flat`` is considered (all
-    algorithms are then one in-node all-reduce). ``plain_ddp_tolerance`` (a fraction, e.g.
-    0.05; ``None``: off) also plans plain DDP (flat, fp32, unchunked: DDP's own all-reduce)
-    and keeps it where its plan ends within that fraction of the best.
+    Candidates are ``setting.candidates``; ties go to the earlier one (flat, hier, torus2d: the
+    simpler). On one node only ``flat`` is considered (all algorithms are then one in-node
+    all-reduce). ``plain_ddp_tolerance`` (a fraction, e.g. 0.05; ``None``: off) also plans
+    plain DDP ([`PLAIN_DDP`][lightning_fastscale.strategies.options.PLAIN_DDP]) and keeps it
+    where its plan ends within that fraction of the best.
     """
-    algorithms = check_algorithms(algorithms)
     if plain_ddp_tolerance is not None and not plain_ddp_tolerance >= 0:
         raise ValueError(f"plain_ddp_tolerance={plain_ddp_tolerance!r} must be a fraction >= 0 (0.05 is 5 %) or None")
-    if topology.num_nodes == 1:
-        algorithms = ("flat",)
-    candidates = {
-        a: plan_fusion(profile.grad_bytes, profile.backward_s,
-                       allreduce_cost(a, topology, params, wire_dtype, topk_ratio, pipeline_chunk_mb=pipeline_chunk_mb),
-                       max_buckets)
-        for a in algorithms
-    }
+    algorithms = ("flat",) if topology.num_nodes == 1 else setting.candidates
+
+    def planned(algorithm: str, how: CommSetting) -> FusionPlan:
+        cost = allreduce_cost(algorithm, topology, params, how)
+        return plan_fusion(profile.grad_bytes, profile.backward_s, cost, max_buckets)
+
+    candidates = {a: planned(a, setting) for a in algorithms}
     best = min(algorithms, key=lambda a: (round(candidates[a].finish_s, 12), algorithms.index(a)))
     plan = candidates[best]
     if plain_ddp_tolerance is None or topology.num_nodes == 1:
         return AutoPlan(best, plan, plan.ddp_kwargs(), candidates)
-    baseline = plan_fusion(profile.grad_bytes, profile.backward_s,
-                           allreduce_cost("flat", topology, params, "fp32", None, pipeline_chunk_mb=None), max_buckets)
+    baseline = planned("flat", PLAIN_DDP)
     fastest = min(plan.finish_s, baseline.finish_s)
     source = "measured" if params.flat_measured is not None and params.flat_measured.applies_to(topology) else "modelled"
     if baseline.finish_s <= (1 + plain_ddp_tolerance) * fastest:
@@ -164,62 +153,43 @@ def best_chunk_plan(
     profile: GradientProfile,
     topology: Topology,
     params: CommParams,
-    wire_dtype: str = "fp32",
-    topk_ratio: float | None = None,
-    algorithms: Sequence[str] = ALGORITHMS,
+    setting: CommSetting = CommSetting(),
     candidates_mb: Sequence[float | None] = CHUNK_CANDIDATES_MB,
 ) -> tuple[float | None, AutoPlan, dict]:
     """The pipeline chunk size whose [`auto_plan`][lightning_fastscale.planner.auto_plan] ends communication earliest.
 
-    Small chunks overlap the stages better but every chunk pays every stage's latency, which
-    grows with the node count (``2(N-1)`` messages per ring all-reduce), so the best chunk
-    grows with the cluster. Returns ``(chunk_mb, plan, {chunk_mb: finish_s})``; ties go to the
-    earlier candidate (unchunked first).
+    Every chunk pays every stage's latency, which grows with the node count, so the best chunk
+    grows with the cluster. ``setting.pipeline_chunk_mb`` is replaced by each candidate.
+    Returns ``(chunk_mb, plan, {chunk_mb: finish_s})``; ties go to the earlier candidate.
     """
-    plans = {c: auto_plan(profile, topology, params, wire_dtype, topk_ratio, algorithms, pipeline_chunk_mb=c)
-             for c in candidates_mb}
+    plans = {c: auto_plan(profile, topology, params, replace(setting, pipeline_chunk_mb=c)) for c in candidates_mb}
     best = min(candidates_mb, key=lambda c: (round(plans[c].plan.finish_s, 12), list(candidates_mb).index(c)))
     return best, plans[best], {c: p.plan.finish_s for c, p in plans.items()}
 
 
 class CostModelPlanner:
-    """Chooses the all-reduce algorithm and the DDP buckets of a run from the communication cost model.
+    """Chooses the all-reduce algorithm and the fusion plan of a run from the communication cost model.
 
-    A [`CommPlanner`][lightning_fastscale.strategies.planning.CommPlanner]: give it to
-    ``HierarchicalAllReduceStrategy(algorithm="auto", planner=...)`` and at setup the strategy
-    asks [`plan_comm`][lightning_fastscale.planner.CostModelPlanner.plan_comm] with its own wire dtype, top-k ratio and pipeline chunk size, so the
-    plan prices exactly what the strategy will send. [`plan`][lightning_fastscale.planner.CostModelPlanner.plan] also works on its own.
-
-    ``params``: a [`CommParams`][lightning_fastscale.planner.CommParams], a [`Cluster`][lightning_fastscale.planner.Cluster]
-    or the name/path of a cluster description; ``None`` with ``calibrate=True`` measures them
-    at setup on the real process groups (`calibrate`).
-    Backward time per gradient: with ``measure_backward=True``, timed on the module's device
-    at setup ([`measure_backward_profile`][lightning_fastscale.planner.measure_backward_profile] on
-    ``example_input``, rank 0's profile broadcast to every rank); else from ``example_input``
-    (default: the module's ``example_input_array``) and ``sustained_tflops`` (default: the
-    cluster's device), else ``backward_time_s`` spread over the gradients by size. The plan is
-    computed once per module, topology and settings; every rank computes the same plan from
-    the same inputs (calibrated parameters are broadcast from rank 0). The calibration also
-    times plain DDP's flat all-reduce on the world group at the calibration sizes and the
-    model's gradient size, so every algorithm is compared against that measurement.
-
-    ``plain_ddp_tolerance`` (default 5 %): where the planner picks the algorithm (no fixed
-    ``algorithms``), plain DDP is kept, without a hook, when its plan ends within this
-    fraction of the best ([`auto_plan`][lightning_fastscale.planner.auto_plan]); ``None`` always takes the best algorithm.
-
-    Every constructor default is a plain value, so LightningCLI can build it.
+    A [`CommPlanner`][lightning_fastscale.strategies.planning.CommPlanner]: given to
+    ``HierarchicalAllReduceStrategy(algorithm="auto", planner=...)``, it is asked at setup with
+    the strategy's own [`CommSetting`][lightning_fastscale.strategies.options.CommSetting], so the
+    plan prices exactly what the strategy sends; [`plan`][lightning_fastscale.planner.CostModelPlanner.plan]
+    also works on its own. ``params``: a [`CommParams`][lightning_fastscale.planner.CommParams], a
+    [`Cluster`][lightning_fastscale.planner.Cluster] or a cluster name/path; ``None`` with
+    ``calibrate=True`` measures them at setup on the real process groups (plain DDP's all-reduce
+    included). Backward times: measured at setup (``measure_backward=True``, rank 0's broadcast),
+    else from FLOPs of ``example_input`` (default: the module's ``example_input_array``) at
+    ``sustained_tflops``, else ``backward_time_s`` spread over the gradients by size.
+    ``plain_ddp_tolerance`` (default 5 %): with no fixed algorithm, plain DDP is kept, without a
+    hook, where its plan ends within this fraction of the best. The method is in ``docs/planner.md``.
 
     Examples:
         >>> from torch import nn
         >>> from lightning_fastscale.strategies.topology import Topology
         >>> planner = CostModelPlanner("tencent_cloud_25g_vpc", backward_time_s=0.15)
         >>> model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 10))
-        >>> planner.plan(model, Topology(num_nodes=16, ranks_per_node=8), wire_dtype="fp16").algorithm in ALGORITHMS
+        >>> planner.plan(model, Topology(16, 8), CommSetting(wire_dtype="fp16")).algorithm in ALGORITHMS
         True
-
-        With the strategy (it hands the planner its ``wire_dtype``)::
-
-            strategy = HierarchicalAllReduceStrategy(algorithm="auto", wire_dtype="fp16", planner=planner)
     """
 
     def __init__(
@@ -297,35 +267,25 @@ class CostModelPlanner:
         return module_profile(module, self.backward_time_s, flops_input, self.sustained_tflops)
 
     def plan(
-        self,
-        module: nn.Module,
-        topology: Topology,
-        *,
-        wire_dtype: str = "fp32",
-        topk_ratio: float | None = None,
-        pipeline_chunk_mb: float | str | None = DEFAULT_PIPELINE_CHUNK_MB,
-        algorithms: Sequence[str] | None = None,
+        self, module: nn.Module, topology: Topology, setting: CommSetting = CommSetting(),
         timeout: timedelta | None = None,
     ) -> AutoPlan:
-        """The [`AutoPlan`][lightning_fastscale.planner.AutoPlan] for ``module`` on ``topology`` under these settings (computed once).
+        """The [`AutoPlan`][lightning_fastscale.planner.AutoPlan] for ``module`` on ``topology`` under ``setting`` (computed once).
 
-        ``algorithms``: the candidates (default: the planner's, and plain DDP is kept where
-        within ``plain_ddp_tolerance`` of the best; given: the best of them, no plain-DDP
-        fallback); ``timeout``: of the process groups a calibration creates.
+        ``setting.algorithms``: ``None`` takes the planner's ``algorithms`` and keeps plain DDP
+        where within ``plain_ddp_tolerance`` of the best; given, the best of them, no plain-DDP
+        fallback. ``timeout``: of the process groups a calibration creates.
         """
-        chunk_numel_for(pipeline_chunk_mb)  # validates it before a calibration starts
-        candidates = self.algorithms if algorithms is None else check_algorithms(algorithms)
-        key = (id(module), topology, wire_dtype, topk_ratio, pipeline_chunk_mb, candidates)
+        key = (id(module), topology, setting)
         if key not in self._plans:
             profile = self._profile(module)
-            params = self._params(topology, wire_dtype, timeout, sum(profile.grad_bytes))
-            tolerance = self.plain_ddp_tolerance if algorithms is None else None
-            self._plans[key] = auto_plan(profile, topology, params, wire_dtype, topk_ratio, candidates,
-                                         pipeline_chunk_mb=pipeline_chunk_mb, plain_ddp_tolerance=tolerance)
+            params = self._params(topology, setting.wire_dtype, timeout, sum(profile.grad_bytes))
+            fixed = setting.algorithms is not None
+            self._plans[key] = auto_plan(profile, topology, params, setting if fixed else
+                                         replace(setting, algorithms=self.algorithms),
+                                         plain_ddp_tolerance=None if fixed else self.plain_ddp_tolerance)
         return self._plans[key]
 
     def plan_comm(self, request: PlanRequest) -> CommPlan:
         """The strategy's question ([`CommPlanner`][lightning_fastscale.strategies.planning.CommPlanner]): [`plan`][lightning_fastscale.planner.CostModelPlanner.plan] of the request."""
-        return self.plan(request.module, request.topology, wire_dtype=request.wire_dtype,
-                         topk_ratio=request.topk_ratio, pipeline_chunk_mb=request.pipeline_chunk_mb,
-                         algorithms=request.algorithms, timeout=request.timeout).comm_plan()
+        return self.plan(request.module, request.topology, request.setting, request.timeout).comm_plan()

@@ -1,13 +1,9 @@
 """Every algorithm against the flat all-reduce plain DDP runs: the honest baseline.
 
-Plain DDP all-reduces each bucket with one collective on the world group; on GPUs that is
-NCCL, which runs its own topology-aware ring or a tree (reduce in the node, all-reduce
-between nodes, broadcast in the node: hierarchical in effect). A speed-up of ``hier`` or
-``torus2d`` is therefore stated against that (measured where a measurement exists, else the
-NCCL model of `cost_model`), never against a flat ring
-that NCCL does not run.
-
-More in ``docs/planner.md`` ("The baseline in code").
+On GPUs plain DDP runs NCCL's own topology-aware ring or tree, so a speed-up of ``hier`` or
+``torus2d`` is stated against that (measured where a measurement exists, else the NCCL model of
+`cost_model`), never against a flat ring NCCL does not run. More in ``docs/planner.md``
+("The baseline in code").
 """
 from __future__ import annotations
 
@@ -64,24 +60,14 @@ def compare_algorithms(
 ) -> dict:
     """Each algorithm's time for one all-reduce of ``numel`` gradient elements against plain DDP's.
 
-    The baseline is the flat fp32 all-reduce on ``params.backend`` (DDP's own path, no hook):
-    ``params.flat_measured`` where it applies, else the model (NCCL: the better of ring and
-    tree). Candidates are every ``algorithms`` x ``wire_dtypes`` x ``topk_ratios`` the
-    strategy can run (top-k only on ``hier`` / ``torus2d``), pipelined in
-    ``pipeline_chunk_mb`` chunks as the strategy sends them. ``measured`` maps
-    `candidate_label` keys to measured seconds, which replace the prediction.
-
-    Returns plain data (JSON-serialisable)::
-
-        {"nodes", "ranks_per_node", "numel", "backend",
-         "baseline": {"label": "flat/fp32 (plain DDP)", "seconds", "source", "model_s",
-                      "measured_s", "nccl_ring_s", "nccl_tree_s", ...},
-         "candidates": [{"label", "algorithm", "wire_dtype", "topk_ratio", "predicted_s",
-                         "measured_s", "seconds", "speedup_vs_flat"}, ...],
-         "best": label of the fastest candidate, "best_speedup_vs_flat",
-         "plain_ddp": True where the baseline is within ``tolerance`` of the best, "tolerance"}
-
-    ``speedup_vs_flat`` is baseline seconds / candidate seconds (above 1: faster than plain DDP).
+    The baseline is the flat fp32 all-reduce on ``params.backend`` (``params.flat_measured``
+    where it applies, else the model). Candidates are every ``algorithms`` x ``wire_dtypes`` x
+    ``topk_ratios`` the strategy can run, pipelined in ``pipeline_chunk_mb`` chunks;
+    ``measured`` maps `candidate_label` keys to measured seconds, which replace the prediction.
+    Returns plain data: ``nodes``, ``ranks_per_node``, ``numel``, ``backend``, ``baseline``
+    ([`flat_allreduce_detail`][lightning_fastscale.planner.flat_allreduce_detail] and a label),
+    ``candidates`` (each with ``speedup_vs_flat`` = baseline / candidate seconds), ``best``,
+    ``best_speedup_vs_flat``, ``plain_ddp`` (the baseline within ``tolerance`` of the best).
     """
     if not tolerance >= 0:
         raise ValueError(f"tolerance={tolerance!r} must be >= 0 (a fraction: 0.05 is 5 %)")

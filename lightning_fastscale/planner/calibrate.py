@@ -28,6 +28,7 @@ from lightning_fastscale.planner.cost_model import (
     ring_allreduce_time,
     wire_bytes_per_element,
 )
+from lightning_fastscale.strategies.options import wire_torch_dtype
 
 __all__ = [
     "CalibrationResult", "LinkFit", "calibrate", "calibrate_process_groups", "fit_calibration", "fit_link",
@@ -133,7 +134,7 @@ def _time(op, world_group, reps: int, active: bool, cuda: bool = False) -> float
     ``cuda``: ``op`` enqueues device work (NCCL); the device is synchronised before the clock
     starts and after ``op``, so the time is the collective's, not its launch's.
     """
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    device = _device(cuda)
     times = []
     for rep in range(reps + 1):
         if cuda:
@@ -156,6 +157,10 @@ def _time(op, world_group, reps: int, active: bool, cuda: bool = False) -> float
 _TORCH_DTYPES = {2: torch.float16, 4: torch.float32}
 
 
+def _device(cuda: bool) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+
 def _on_cuda(group: dist.ProcessGroup | None = None) -> bool:
     """NCCL collectives take CUDA tensors (and run asynchronously on the device)."""
     return str(dist.get_backend(group)).lower() == "nccl"
@@ -172,7 +177,7 @@ def _measure(
     """
     e, dtype = element_size, _TORCH_DTYPES[element_size]
     cuda = _on_cuda()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    device = _device(cuda)
     used = [e * max(p, nbytes // e // p * p) for nbytes in sizes]
     samples = {name: (used, []) for name in primitives}
     for nbytes in used:
@@ -189,24 +194,6 @@ def _measure(
     return samples
 
 
-def _measure_shared(
-    flow_group, nodes: int, ranks_per_node: int, sizes: Sequence[int], reps: int, element_size: int = 4
-) -> dict:
-    """Every rank all-reduces ``size / ranks_per_node`` bytes over its inter-node group at once.
-
-    This is the torus's inter-node stage: per node, ``ranks_per_node`` concurrent flows that
-    together carry ``size`` bytes. Returns ``{"allreduce": (bytes per flow, seconds)}``.
-    """
-    e = element_size
-    used = [e * max(nodes, nbytes // e // ranks_per_node // nodes * nodes) for nbytes in sizes]
-    times, cuda = [], _on_cuda()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    for nbytes in used:
-        shard = torch.ones(nbytes // e, dtype=_TORCH_DTYPES[e], device=device)
-        times.append(_time(lambda: dist.all_reduce(shard, group=flow_group), None, reps, True, cuda))
-    return {"allreduce": (used, times)}
-
-
 def measure_flat_allreduce(
     group: dist.ProcessGroup | None,
     nbytes: int | Sequence[int],
@@ -216,16 +203,11 @@ def measure_flat_allreduce(
 ) -> FlatMeasurement:
     """Time plain DDP's all-reduce: one ``dist.all_reduce`` of ``nbytes`` on ``group`` (collective call).
 
-    ``group``: the world group (``None``) as DDP uses it; its backend is the real one (NCCL
-    tensors live on the current CUDA device, gloo ones on the CPU). ``nbytes``: one size or
-    several (the model's gradient, DDP's bucket sizes), in bytes on the wire, rounded down to
-    whole ``wire_dtype`` elements. ``topology``: the nodes x ranks per node the group spans
-    (what the measurement will price). Each time is the median over ``reps`` (after one
-    warm-up) of the slowest rank's time; every rank returns the same measurement (rank 0's,
-    broadcast).
+    ``group``: the world group (``None``) as DDP uses it, on its real backend. ``nbytes``: one
+    size or several, in bytes on the wire (whole ``wire_dtype`` elements). ``topology``: the
+    nodes x ranks per node the group spans. Each time is the median over ``reps`` (after one
+    warm-up) of the slowest rank's; every rank returns rank 0's measurement.
     """
-    from lightning_fastscale.strategies.options import wire_torch_dtype
-
     sizes = [int(nbytes)] if isinstance(nbytes, (int, float)) else [int(n) for n in nbytes]
     world = dist.get_world_size(group)
     if topology.world_size != world:
@@ -235,8 +217,9 @@ def measure_flat_allreduce(
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"measure_flat_allreduce: backend {backend!r}; the planner prices nccl and gloo")
     cuda = _on_cuda(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    dtype, element = wire_torch_dtype(wire_dtype), wire_bytes_per_element(wire_dtype)
+    device = _device(cuda)
+    dtype = wire_torch_dtype(wire_dtype)
+    element = dtype.itemsize
     used, seconds = [], []
     for size in sizes:
         numel = max(1, size // element)
@@ -301,17 +284,12 @@ def calibrate(
 ) -> CalibrationResult:
     """Measure and fit the link parameters on the running process groups (collective call).
 
-    ``intra_group`` is this rank's node group, ``leader_group`` the group of one rank per node
-    (only meaningful where ``is_leader``). With one rank per node the intra level is not
-    measured (and gets the inter-node values: it is never used); with one node, the inter
-    level gets the intra values. Timing uses 4-byte elements; ``sizes`` are in bytes.
-    ``intra_root`` is the global rank of this node's first rank (reduce/broadcast root); the
-    leader group's first member is global rank 0. ``flow_group`` (this rank's group of the
-    ranks with its local rank, one per node), when given with several nodes and several ranks
-    per node, measures the torus's concurrent flows (``beta_inter_shared``). ``wire_dtype``:
-    the dtype of the inter-node measurements (fp32 or a 16-bit one, timed as fp16).
-    ``flat_sizes`` (bytes): also time plain DDP's fp32 all-reduce on the world group at these
-    sizes ([`measure_flat_allreduce`][lightning_fastscale.planner.measure_flat_allreduce]); the planner then compares against it.
+    ``intra_group``: this rank's node (root: global rank ``intra_root``); ``leader_group``: one
+    rank per node (meaningful where ``is_leader``; root: global rank 0); ``flow_group``: the
+    ranks with this rank's local rank, whose concurrent all-reduces give ``beta_inter_shared``.
+    A level with one rank takes the other level's values. ``sizes`` are bytes; the inter-node
+    level is timed in ``wire_dtype``. ``flat_sizes``: also time plain DDP's fp32 all-reduce on
+    the world group ([`measure_flat_allreduce`][lightning_fastscale.planner.measure_flat_allreduce]).
     """
     wire = wire_bytes_per_element(wire_dtype)
     intra = inter = shared = None
@@ -321,7 +299,8 @@ def calibrate(
     if nodes > 1:
         inter = _measure(leader_group, nodes, sizes, reps, is_leader, 0, INTER_PRIMITIVES, wire)
     if nodes > 1 and ranks_per_node > 1 and flow_group is not None:
-        shared = _measure_shared(flow_group, nodes, ranks_per_node, sizes, reps, wire)
+        # the torus's inter-node stage: every rank's flow carries 1/ranks_per_node of the bytes at once
+        shared = _measure(flow_group, nodes, [s // ranks_per_node for s in sizes], reps, True, 0, INTER_PRIMITIVES, wire)
     # Each time is already the slowest rank's; rank 0's samples are broadcast so that every
     # rank fits exactly the same numbers (non-leaders do not hold the leaders' sizes).
     flat = None
@@ -363,7 +342,7 @@ def _main(argv: Sequence[str] | None = None) -> None:
     import json
     import os
 
-    from lightning_fastscale.strategies.topology import Topology, build_process_groups
+    from lightning_fastscale.strategies.topology import build_process_groups
 
     parser = argparse.ArgumentParser(description="Fit alpha/beta/gamma on the running cluster.")
     parser.add_argument("--ranks-per-node", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

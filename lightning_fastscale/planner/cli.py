@@ -1,16 +1,12 @@
-"""``fastscale-plan``: predicted all-reduce times, algorithm, buckets and scaling for a cluster.
+"""``fastscale-plan``: predicted all-reduce times, algorithm, fusion plan and scaling for a cluster.
 
     fastscale-plan resnet50 tencent_p40_100g
     fastscale-plan bert_large horovod_torus_10gbe --json
     fastscale-plan resnet50 my_cluster.yaml --gpus 512 --plot scaling.png
     fastscale-plan --crossover
 
-Answers, before any run, "which all-reduce, which buckets, and how well will it scale on this
-cluster?" from the alpha-beta-gamma model of `lightning_fastscale.planner.cost_model`,
-every algorithm held against the flat all-reduce plain DDP runs (NCCL's ring or tree on a GPU
-cluster; measured where the cluster file carries a measurement). ``--crossover`` prints where
-``hier``, ``torus2d``, a 16-bit wire and top-k beat NCCL's own ring and tree
-([`crossover_table`][lightning_fastscale.planner.crossover_table]).
+Every algorithm is held against the flat all-reduce plain DDP runs (`baseline`); ``--crossover``
+prints where ``hier``, ``torus2d``, a 16-bit wire and top-k beat NCCL's own ring and tree.
 """
 from __future__ import annotations
 
@@ -24,20 +20,20 @@ from lightning_fastscale.planner.baseline import PLAIN_DDP_TOLERANCE, crossover_
 from lightning_fastscale.planner.cluster import Cluster, ClusterConfigError, available_clusters, load_cluster
 from lightning_fastscale.planner.cost_model import (
     ALGORITHMS,
-    Topology,
     bandwidth_bound,
     flat_allreduce_detail,
     predict_allreduce,
     wire_bytes_per_element,
 )
-from lightning_fastscale.planner.fusion import MB, best_uniform_cap, plan_two_segment
+from lightning_fastscale.planner.fusion import MB, best_uniform_cap, plan_fusion
 from lightning_fastscale.planner.profile import profile_model
-from lightning_fastscale.planner.scaling import allreduce_cost, default_gpu_counts, scaling_curve
+from lightning_fastscale.planner.scaling import allreduce_cost, default_gpu_counts, scaling_curve, topology_for
 from lightning_fastscale.strategies.options import (
     AUTO_CHUNK_MB_PER_NODE,
     DEFAULT_PIPELINE_CHUNK_MB,
+    PLAIN_DDP,
     WIRE_DTYPES,
-    chunk_numel_for,
+    CommSetting,
     resolve_chunk_mb,
 )
 
@@ -68,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
                         f"of this many MiB ('auto', the default: {AUTO_CHUNK_MB_PER_NODE:g} MiB per node; "
                         "0 = unchunked)")
     parser.add_argument("--fusion", choices=["auto", "two", "single", "ddp25"], default="auto",
-                        help="bucket plan used for the scaling curve (default: auto)")
+                        help="fusion plan used for the scaling curve (default: auto)")
     parser.add_argument("--max-gpus", type=int, default=4096, help="largest GPU count of the scaling curve")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     parser.add_argument("--plot", metavar="PNG", help="write scaling efficiency vs GPU count per algorithm")
@@ -95,26 +91,23 @@ def build_report(
     size = input_size or work.input_size
     wire = wire_dtype or work.wire_dtype
     topk = topk_ratio if topk_ratio is not None else work.topk_ratio
-    rpn = cluster.ranks_per_node
-    gpus = gpus or cluster.nodes * rpn
-    topology = Topology.from_world(gpus, rpn) if gpus > rpn else Topology(num_nodes=1, ranks_per_node=gpus)
+    ranks_per_node = cluster.ranks_per_node
+    gpus = gpus or cluster.nodes * ranks_per_node
+    topology = topology_for(gpus, ranks_per_node)
     params = cluster.comm_params()
     profile = profile_model(model, batch, size, cluster.device.sustained_tflops)
     numel = profile.numel
-    allreduce = predict_allreduce(numel, topology, params, wire, topk, chunk_numel=chunk_numel_for(pipeline_chunk_mb, topology.num_nodes))
-    auto = auto_plan(profile, topology, params, wire, topk, pipeline_chunk_mb=pipeline_chunk_mb,
-                     plain_ddp_tolerance=PLAIN_DDP_TOLERANCE)
-    if auto.plain_ddp:  # DDP's own all-reduce: flat, fp32, unchunked
-        cost = allreduce_cost("flat", topology, params, "fp32", None, pipeline_chunk_mb=None)
-    else:
-        cost = allreduce_cost(auto.algorithm, topology, params, wire, topk, pipeline_chunk_mb=pipeline_chunk_mb)
-    two = plan_two_segment(profile.grad_bytes, profile.backward_s, cost)
+    setting = CommSetting(None, wire, topk, pipeline_chunk_mb)
+    allreduce = predict_allreduce(numel, topology, params, setting)
+    auto = auto_plan(profile, topology, params, setting, plain_ddp_tolerance=PLAIN_DDP_TOLERANCE)
+    cost = allreduce_cost(auto.algorithm, topology, params, PLAIN_DDP if auto.plain_ddp else setting)
+    two = plan_fusion(profile.grad_bytes, profile.backward_s, cost, max_buckets=2)
     cap_mb, cap_plan = best_uniform_cap(profile.grad_bytes, profile.backward_s, cost)
     compute = profile.forward_s + profile.backward_total_s
-    counts = sorted(set(default_gpu_counts(rpn, max_gpus)) | {gpus})
-    curve = scaling_curve(profile, counts, rpn, params, ALGORITHMS, wire, topk, fusion, pipeline_chunk_mb)
+    counts = sorted(set(default_gpu_counts(ranks_per_node, max_gpus)) | {gpus})
+    curve = scaling_curve(profile, counts, ranks_per_node, params, setting, fusion)
     split = two.ends[0] if two.num_buckets == 2 else None
-    best_chunk, _, chunk_finish = best_chunk_plan(profile, topology, params, wire, topk)
+    best_chunk, _, chunk_finish = best_chunk_plan(profile, topology, params, setting)
     return {
         "cluster": {
             "name": cluster.name, "nodes": topology.num_nodes, "ranks_per_node": topology.ranks_per_node,
@@ -181,7 +174,7 @@ def _text(report: dict) -> str:
         f"chosen algorithm: {report['chosen_algorithm']}  (predicted end of communication after backward start: "
         + ", ".join(f"{a} {t * 1e3:.2f} ms" for a, t in f["per_algorithm_finish_s"].items()) + ")",
         f"  {report['plan_reason']}" if report["plan_reason"] else "",
-        f"bucket plan: {auto['num_buckets']} buckets, MiB in backward order: {auto['bucket_mb']}",
+        f"fusion plan: {auto['num_buckets']} buckets, MiB in backward order: {auto['bucket_mb']}",
         f"  exposed communication {auto['exposed_s'] * 1e3:.2f} ms; DDP arguments for exactly this plan: {f['ddp_kwargs']}",
         f"  best single bucket_cap_mb={cap['bucket_cap_mb']:.2f} ({cap['num_buckets']} buckets, exposed "
         f"{cap['exposed_s'] * 1e3:.2f} ms)",

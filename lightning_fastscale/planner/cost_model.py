@@ -15,8 +15,8 @@ import numpy as np
 
 from lightning_fastscale.strategies.options import (
     ALGORITHMS,
+    CommSetting,
     check_algorithm,
-    check_algorithms,
     wire_bytes_per_element,
 )
 from lightning_fastscale.strategies.topology import Topology
@@ -25,6 +25,7 @@ __all__ = [
     "ALGORITHMS",
     "BACKENDS",
     "CommParams",
+    "CommSetting",
     "FlatMeasurement",
     "Topology",
     "allgather_time",
@@ -125,23 +126,15 @@ class FlatMeasurement:
 
 @dataclass(frozen=True)
 class CommParams:
-    """Link parameters in SI units: seconds per message (alpha), seconds per byte (beta).
+    """Link parameters in SI units: seconds per message (alpha), per byte (beta), per byte reduced (gamma).
 
-    ``beta_inter`` is the seconds per byte of one node's inter-node link (1 / NIC bandwidth)
-    as one flow per node sees it. ``beta_inter_shared`` (optional) is the same link's seconds
-    per byte when each of the node's ranks drives its own flow at once (the torus stage);
-    ``None`` means fair sharing at ``beta_inter``. ``beta_flow`` (optional, 0 = none) is the
-    least seconds per byte one flow can reach (a per-flow bandwidth limit). ``gamma`` is
-    seconds per byte reduced (the addition in reduce-scatter / all-reduce); ``gamma_inter``
-    (optional, default ``gamma``) is the reduction cost still visible in an all-reduce between
-    nodes, 0 where it overlaps the transfer (then ``beta_inter`` is the all-reduce's effective
-    seconds per byte, as `calibrate` fits it).
-
-    ``backend`` decides how the flat all-reduce (plain DDP's) is priced: ``"gloo"`` (the
-    default for bare parameters, as on the emulated cluster) as one flat ring over all ranks,
-    ``"nccl"`` as the better of NCCL's ring and tree (see the module docstring).
-    ``flat_measured`` (optional) is that all-reduce timed on the cluster; where it applies
-    ([`FlatMeasurement.applies_to`][lightning_fastscale.planner.FlatMeasurement.applies_to]) it replaces the model.
+    ``beta_inter``: one node's inter-node link as one flow sees it; ``beta_inter_shared``: the
+    same link when each of the node's ranks drives its own flow (the torus stage; ``None``: fair
+    sharing); ``beta_flow``: the least seconds per byte one flow reaches (0: no limit);
+    ``gamma_inter``: the reduction cost left visible between nodes (default ``gamma``; 0 where
+    it overlaps the transfer). ``backend`` prices the flat all-reduce: ``"gloo"`` one ring over
+    all ranks, ``"nccl"`` the better of NCCL's ring and tree; ``flat_measured``, where it
+    applies, replaces that model. Field by field in ``docs/planner.md``.
     """
 
     alpha_intra: float
@@ -159,24 +152,13 @@ class CommParams:
         _check_backend(self.backend, "CommParams.backend")
         if self.flat_measured is not None and not isinstance(self.flat_measured, FlatMeasurement):
             raise ValueError(f"CommParams.flat_measured={self.flat_measured!r} must be a FlatMeasurement or None")
-        for name in ("alpha_intra", "beta_intra", "alpha_inter", "beta_inter", "gamma", "beta_flow"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"CommParams.{name}={value!r} must be a finite number >= 0")
-        for name in ("beta_intra", "beta_inter"):
-            if getattr(self, name) == 0:
-                raise ValueError(
-                    f"CommParams.{name}=0 means infinite bandwidth; give the link's real bandwidth"
-                )
-        if self.gamma_inter is not None and not (
-            isinstance(self.gamma_inter, (int, float)) and math.isfinite(self.gamma_inter) and self.gamma_inter >= 0
-        ):
-            raise ValueError(f"CommParams.gamma_inter={self.gamma_inter!r} must be a finite number >= 0, or None")
-        shared = self.beta_inter_shared
-        if shared is not None and not (isinstance(shared, (int, float)) and math.isfinite(shared) and shared > 0):
-            raise ValueError(
-                f"CommParams.beta_inter_shared={shared!r} must be a finite number > 0, or None for fair sharing"
-            )
+        for name in ("alpha_intra", "beta_intra", "alpha_inter", "beta_inter", "gamma", "beta_flow", "gamma_inter",
+                     "beta_inter_shared"):
+            value, optional = getattr(self, name), name in ("gamma_inter", "beta_inter_shared")
+            if not (optional and value is None or isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"CommParams.{name}={value!r} must be a finite number >= 0" + (" or None" * optional))
+            if value == 0 and name.startswith("beta_in"):
+                raise ValueError(f"CommParams.{name}=0 means infinite bandwidth; give the link's real bandwidth")
 
     @property
     def inter_gamma(self) -> float:
@@ -243,37 +225,37 @@ def bandwidth_bound(nodes: int, nbytes: float, beta_inter: float) -> float:
     return 2 * (nodes - 1) / nodes * nbytes * beta_inter
 
 
+def _nccl_time(topology: Topology, nbytes, params: CommParams, latency: float, node_load: float, chain_load: float):
+    """Pipelined, so the slowest link sets the rate: a node's NIC carries ``node_load`` bytes per
+    byte all-reduced, each in-node link ``chain_load``."""
+    x, world = np.asarray(nbytes, dtype=float), topology.world_size
+    if world <= 1:
+        return 0.0 * x
+    beta = node_load * params.beta_inter
+    if topology.ranks_per_node > 1:
+        beta = max(beta, chain_load * params.beta_intra)
+    return _scalar(latency + x * beta + (world - 1) / world * x * params.inter_gamma)
+
+
 def nccl_ring_time(topology: Topology, nbytes, params: CommParams):
     """NCCL's ring all-reduce of ``nbytes`` (on the wire) across ``topology``.
 
-    NCCL orders a ring's ranks node by node, so it leaves and enters every node once; its
-    chunks are pipelined, so the slowest link sets the rate. Every link, the node's NIC and
-    each in-node link alike, carries ``2(P-1)/P * nbytes`` each way (the factor nccl-tests
-    uses for the all-reduce's bus bandwidth, ``doc/PERFORMANCE.md``). Latency as in NCCL's
-    tuning model: ``2(N-1)`` steps cross a node boundary, the other ``2(P-1) - 2(N-1)`` stay
-    inside a node. ``beta_inter`` is the node link's rate under NCCL's several channels (not
-    one flow's), the reduction cost is the inter-node one (``gamma_inter``).
+    The ring leaves and enters every node once; every link carries ``2(P-1)/P * nbytes`` each
+    way (nccl-tests' bus bandwidth factor); ``2(N-1)`` of its ``2(P-1)`` steps cross a node
+    boundary (NCCL's tuning model). ``beta_inter`` is the node link under NCCL's channels.
     """
     world, nodes = topology.world_size, topology.num_nodes
-    if world <= 1:
-        return 0.0 * np.asarray(nbytes, dtype=float)
     steps, inter_steps = 2 * (world - 1), 2 * (nodes - 1)
     latency = (steps - inter_steps) * params.alpha_intra + inter_steps * params.alpha_inter
-    beta = params.beta_inter if nodes > 1 else 0.0
-    if topology.ranks_per_node > 1:
-        beta = max(beta, params.beta_intra)
-    moved = 2 * (world - 1) / world * np.asarray(nbytes, dtype=float)
-    return _scalar(latency + moved * beta + (world - 1) / world * np.asarray(nbytes, dtype=float) * params.inter_gamma)
+    load = 2 * (world - 1) / world
+    return _nccl_time(topology, nbytes, params, latency, load if nodes > 1 else 0.0, load)
 
 
 def _tree_link_load(nodes: int) -> float:
     """Bytes each way on the busiest node link per byte all-reduced by NCCL's double binary tree.
 
-    Each of the two trees carries half the data; a link to the parent and to each child moves
-    that half once each way. A node is an inner node (a parent and up to two children) in at
-    most one tree and a leaf in the other: ``(3 + 1) / 2 = 2`` from 4 nodes on. On 2 nodes
-    each tree is one root with one child (``(1 + 1) / 2 = 1``); on 3 the inner node of a tree
-    is its root, with two children and no parent (``(2 + 1) / 2 = 1.5``).
+    Each tree carries half the data; a node is an inner node in at most one tree and a leaf in
+    the other: ``(3 + 1) / 2 = 2`` from 4 nodes on, 1 on 2 nodes, 1.5 on 3.
     """
     if nodes <= 1:
         return 0.0
@@ -283,23 +265,13 @@ def _tree_link_load(nodes: int) -> float:
 def nccl_tree_time(topology: Topology, nbytes, params: CommParams):
     """NCCL's tree all-reduce of ``nbytes`` (on the wire) across ``topology``.
 
-    Reduce along a chain inside each node, all-reduce between nodes over a double binary
-    tree, broadcast along the chain (NCCL user guide; NCCL 2.4 release). Pipelined in chunks,
-    so the slowest link sets the rate: the in-node chain carries ``nbytes`` each way, the
-    busiest node link `_tree_link_load` ``* nbytes`` (on 2 nodes half the ring's
-    ``2(P-1)/P``: about twice its bus bandwidth). Latency as in NCCL's tuning model:
-    ``2 ((G-1) alpha_intra + floor(log2 N) alpha_inter)`` with ``G`` ranks per node.
+    Reduce along a chain inside each node, double binary tree between nodes, broadcast along the
+    chain (NCCL user guide); latency ``2 ((G-1) alpha_intra + floor(log2 N) alpha_inter)``.
     """
-    nodes, ranks_per_node = topology.num_nodes, topology.ranks_per_node
-    x = np.asarray(nbytes, dtype=float)
-    if topology.world_size <= 1:
-        return 0.0 * x
-    latency = 2 * ((ranks_per_node - 1) * params.alpha_intra + (int(math.log2(nodes)) if nodes > 1 else 0) * params.alpha_inter)
-    beta = _tree_link_load(nodes) * params.beta_inter
-    if ranks_per_node > 1:
-        beta = max(beta, params.beta_intra)
-    world = topology.world_size
-    return _scalar(latency + x * beta + (world - 1) / world * x * params.inter_gamma)
+    nodes = topology.num_nodes
+    hops = int(math.log2(nodes)) if nodes > 1 else 0
+    latency = 2 * ((topology.ranks_per_node - 1) * params.alpha_intra + hops * params.alpha_inter)
+    return _nccl_time(topology, nbytes, params, latency, _tree_link_load(nodes), 1.0)
 
 
 def flat_allreduce_detail(numel: float, topology: Topology, params: CommParams, wire_dtype: str = "fp32") -> dict:
@@ -362,7 +334,7 @@ def stage_times(
     if topk_ratio is not None and not 0 < topk_ratio <= 1:
         raise ValueError(f"topk_ratio={topk_ratio!r} must be in (0, 1]")
     wire = wire_bytes_per_element(wire_dtype)
-    p1, nodes, world = topology.ranks_per_node, topology.num_nodes, topology.world_size
+    ranks_per_node, nodes, world = topology.ranks_per_node, topology.num_nodes, topology.world_size
     elements = np.asarray(numel, dtype=float) if np.ndim(numel) else float(numel)
     if world <= 1:
         return [0.0 * elements]
@@ -372,7 +344,7 @@ def stage_times(
     if algorithm == "flat" and measured is not None and measured.applies_to(topology, wire_dtype):
         return [measured.time(on_wire)]
     if nodes == 1:  # one all-reduce inside the node, all of it in the wire dtype
-        return [ring_allreduce_time(p1, on_wire, ai, bi, g)]
+        return [ring_allreduce_time(ranks_per_node, on_wire, ai, bi, g)]
     if algorithm == "flat" and params.backend == "nccl":
         return [np.minimum(nccl_ring_time(topology, on_wire, params), nccl_tree_time(topology, on_wire, params))]
     if algorithm == "flat":
@@ -380,21 +352,21 @@ def stage_times(
         # plus its own transfer, sets the step's length.
         step_bytes = on_wire / world
         step = params.alpha_inter + step_bytes * params.flow_beta(1)
-        if p1 > 1:
+        if ranks_per_node > 1:
             step = np.maximum(step, ai + step_bytes * bi)
         return [2 * (world - 1) * step + (world - 1) / world * on_wire * params.inter_gamma]
-    if p1 == 1:  # one rank per node: only the inter-node all-reduce
+    if ranks_per_node == 1:  # one rank per node: only the inter-node all-reduce
         return [_inter_stage(nodes, on_wire, 1, params, wire, topk_ratio)]
     if algorithm == "hier":
         return [
-            reduce_time(p1, in_node, ai, bi, g),
+            reduce_time(ranks_per_node, in_node, ai, bi, g),
             _inter_stage(nodes, on_wire, 1, params, wire, topk_ratio),
-            broadcast_time(p1, in_node, ai, bi),
+            broadcast_time(ranks_per_node, in_node, ai, bi),
         ]
     return [  # torus2d
-        reduce_scatter_time(p1, in_node, ai, bi, g),
-        _inter_stage(nodes, on_wire / p1, p1, params, wire, topk_ratio),
-        allgather_time(p1, in_node, ai, bi),
+        reduce_scatter_time(ranks_per_node, in_node, ai, bi, g),
+        _inter_stage(nodes, on_wire / ranks_per_node, ranks_per_node, params, wire, topk_ratio),
+        allgather_time(ranks_per_node, in_node, ai, bi),
     ]
 
 
@@ -409,10 +381,9 @@ def allreduce_time(
 ) -> float:
     """Predicted seconds to all-reduce ``numel`` gradient elements with ``algorithm``.
 
-    ``algorithm`` is ``"flat"``, ``"hier"`` or ``"torus2d"`` (see the module docstring for the
-    closed forms and their sources). ``topk_ratio`` (0 < ratio <= 1) compresses the inter-node
-    stage of ``hier`` / ``torus2d`` only. ``chunk_numel`` pipelines the stages in chunks of
-    that many elements (``None``: one piece); see the module docstring for the formula.
+    ``topk_ratio`` (0 < ratio <= 1) compresses the inter-node stage of ``hier`` / ``torus2d``;
+    ``chunk_numel`` pipelines the stages in chunks of that many elements (``None``: one piece).
+    The closed forms are in ``docs/planner.md`` ("The cost model in full").
     """
     algorithm = check_algorithm(algorithm)
     stages = stage_times(algorithm, numel, topology, params, wire_dtype, topk_ratio)
@@ -443,36 +414,26 @@ def _scalar(value):
 
 
 def predict_allreduce(
-    numel: float,
-    topology: Topology,
-    params: CommParams,
-    wire_dtype: str = "fp32",
-    topk_ratio: float | None = None,
-    algorithms: tuple[str, ...] = ALGORITHMS,
-    chunk_numel: float | None = None,
+    numel: float, topology: Topology, params: CommParams, setting: CommSetting = CommSetting(),
 ) -> dict[str, float]:
-    """Predicted all-reduce seconds of ``numel`` elements for each algorithm."""
-    algorithms = check_algorithms(algorithms)
-    return {a: allreduce_time(a, numel, topology, params, wire_dtype, topk_ratio, chunk_numel) for a in algorithms}
+    """Predicted seconds to all-reduce ``numel`` elements with each of ``setting.candidates``."""
+    chunk = setting.chunk_numel(topology.num_nodes)
+    return {a: allreduce_time(a, numel, topology, params, setting.wire_dtype, setting.topk_ratio, chunk)
+            for a in setting.candidates}
 
 
 def choose_algorithm(
-    params: "CommParams | object",
-    message_bytes: float,
-    topology: Topology | None = None,
-    wire_dtype: str = "fp32",
-    topk_ratio: float | None = None,
-    algorithms: tuple[str, ...] = ALGORITHMS,
-    chunk_numel: float | None = None,
+    params: "CommParams | object", message_bytes: float, topology: Topology | None = None,
+    setting: CommSetting = CommSetting(),
 ) -> str:
-    """The algorithm with the smallest predicted all-reduce time for ``message_bytes``.
+    """The algorithm with the smallest predicted all-reduce time for ``message_bytes`` under ``setting``.
 
     ``params`` is a [`CommParams`][lightning_fastscale.planner.CommParams] (then ``topology`` is required) or a
     [`Cluster`][lightning_fastscale.planner.Cluster] (its own topology and parameters
     are used unless ``topology`` is given). ``message_bytes`` counts fp32 gradient bytes as
     held by the model (4 per element); the wire dtype is applied on top. Ties go to the
     simpler algorithm in the order flat, hier, torus2d. On a single node all three are the
-    same in-node all-reduce and ``flat`` is returned. ``chunk_numel``: as in [`allreduce_time`][lightning_fastscale.planner.allreduce_time].
+    same in-node all-reduce and ``flat`` is returned.
     """
     if not isinstance(params, CommParams):
         cluster = params
@@ -480,8 +441,8 @@ def choose_algorithm(
         topology = topology or cluster.topology()  # type: ignore[attr-defined]
     if topology is None:
         raise ValueError("choose_algorithm needs `topology` when given bare CommParams")
-    algorithms = check_algorithms(algorithms)
     if topology.num_nodes == 1:
         return "flat"
-    times = predict_allreduce(message_bytes / 4, topology, params, wire_dtype, topk_ratio, algorithms, chunk_numel)
+    times = predict_allreduce(message_bytes / 4, topology, params, setting)
+    algorithms = setting.candidates
     return min(algorithms, key=lambda a: (times[a], algorithms.index(a)))

@@ -25,7 +25,6 @@ __all__ = [
     "ddp_buckets",
     "ddp_supports_bucket_list",
     "plan_fusion",
-    "plan_two_segment",
     "simulate",
 ]
 
@@ -35,7 +34,7 @@ CostFn = Callable[[np.ndarray], np.ndarray]
 
 @dataclass(frozen=True)
 class FusionPlan:
-    """A bucket plan in gradient-ready (backward) order and its predicted timeline.
+    """A fusion plan in gradient-ready (backward) order and its predicted timeline.
 
     ``ends[k]`` is one past the index of bucket ``k``'s last gradient; ``bucket_bytes[k]`` its
     size. ``finish_s`` is when the last all-reduce ends and ``backward_end_s`` when the last
@@ -186,11 +185,6 @@ def plan_fusion(
         ends.append(i)
         i, k = int(args[k - 1][i]), k - 1
     return simulate(sorted(ends), sizes, backward_s, cost)
-
-
-def plan_two_segment(grad_bytes: Sequence[int], backward_s: Sequence[float], cost: CostFn) -> FusionPlan:
-    """The best plan with at most two buckets (Jia et al. 2018's two-segment fusion)."""
-    return plan_fusion(grad_bytes, backward_s, cost, max_buckets=2)
 
 
 def ddp_buckets(grad_bytes: Sequence[int], caps_bytes: Sequence[int]) -> tuple[int, ...]:

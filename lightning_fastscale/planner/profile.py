@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["GradientProfile", "build_model", "measure_backward_profile", "profile_from_times", "profile_model",
-           "profile_module"]
+__all__ = ["GradientProfile", "build_model", "measure_backward_profile", "profile_model", "profile_module"]
 
 
 @dataclass(frozen=True)
@@ -36,12 +35,6 @@ class GradientProfile:
     def backward_total_s(self) -> float:
         """Backward compute time of one step."""
         return float(sum(self.backward_s))
-
-    def scaled(self, factor: float) -> "GradientProfile":
-        """The same profile with compute times multiplied by ``factor`` (another batch size)."""
-        return GradientProfile(
-            self.names, self.grad_bytes, tuple(t * factor for t in self.backward_s), self.forward_s * factor
-        )
 
 
 class _BertEncoder(nn.Module):
@@ -182,17 +175,12 @@ def measure_backward_profile(
 ) -> GradientProfile:
     """Gradient profile of ``module`` timed on its own device: when each gradient is ready.
 
-    One warm-up and ``reps`` timed forward + backward passes on ``example_input`` (on the
-    module's device); a hook after each parameter's gradient accumulation
-    (``register_post_accumulate_grad_hook``) stamps the time, and each gradient's
-    ``backward_s`` is the median over the passes of the time since the previous one became
-    ready (the first: since backward started). The order is the order the gradients really
-    became ready, which for models whose ``forward`` does not follow the registration order
-    differs from the reverse of ``parameters()`` that [`profile_module`][lightning_fastscale.planner.profile_module] assumes. This is
-    the measured input of the Jia et al. 2018 fusion model; on CUDA each hook synchronises,
-    which serialises the kernels it times (compute only, no overlap: what the planner adds
-    communication to). ``loss_fn`` maps the output to a scalar (default: its sum). Nothing of
-    the module changes: gradients and buffers (batch-norm statistics) are put back.
+    One warm-up and ``reps`` timed forward + backward passes on ``example_input``; a
+    ``register_post_accumulate_grad_hook`` stamps each gradient, whose ``backward_s`` is the
+    median time since the previous one (the measured input of Jia et al. 2018's fusion model),
+    in the order they really became ready. On CUDA each stamp synchronises (compute only, no
+    overlap). ``loss_fn`` maps the output to a scalar (default: its sum). Gradients and buffers
+    are put back afterwards.
     """
     if reps < 1:
         raise ValueError(f"reps={reps} must be >= 1")
@@ -244,11 +232,3 @@ def measure_backward_profile(
     backward = [statistics.median(run[i][1] for _, run in timed) for i in range(len(order))]
     forward_s = statistics.median(f for f, _ in timed)
     return GradientProfile(tuple(order), tuple(sizes[n] for n in order), tuple(backward), forward_s)
-
-
-def profile_from_times(grad_bytes: Sequence[int], backward_s: Sequence[float], forward_s: float = 0.0) -> GradientProfile:
-    """A profile from measured values (e.g. per-layer backward hooks on the real device)."""
-    if len(grad_bytes) != len(backward_s):
-        raise ValueError("grad_bytes and backward_s must have one entry per gradient")
-    names = tuple(f"grad{i}" for i in range(len(grad_bytes)))
-    return GradientProfile(names, tuple(int(b) for b in grad_bytes), tuple(float(t) for t in backward_s), float(forward_s))

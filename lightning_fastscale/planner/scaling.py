@@ -10,42 +10,28 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 
-from lightning_fastscale.planner.cost_model import ALGORITHMS, CommParams, Topology, allreduce_time
+from lightning_fastscale.planner.cost_model import CommParams, Topology, allreduce_time
 from lightning_fastscale.planner.fusion import FusionPlan, ddp_buckets, plan_fusion, simulate
 from lightning_fastscale.planner.profile import GradientProfile
-from lightning_fastscale.strategies.options import (
-    DEFAULT_PIPELINE_CHUNK_MB,
-    check_algorithm,
-    check_algorithms,
-    chunk_numel_for,
-)
+from lightning_fastscale.strategies.options import MB, CommSetting, check_algorithm
 
-__all__ = [
-    "DEFAULT_PIPELINE_CHUNK_MB", "StepPrediction", "allreduce_cost", "chunk_numel_for", "default_gpu_counts",
-    "predict_step", "scaling_curve", "topology_for",
-]
+__all__ = ["StepPrediction", "allreduce_cost", "default_gpu_counts", "predict_step", "scaling_curve", "topology_for"]
 
 
 def allreduce_cost(
-    algorithm: str, topology: Topology, params: CommParams, wire_dtype: str = "fp32",
-    topk_ratio: float | None = None, grad_element_bytes: int = 4,
-    pipeline_chunk_mb: float | str | None = DEFAULT_PIPELINE_CHUNK_MB,
+    algorithm: str, topology: Topology, params: CommParams, setting: CommSetting = CommSetting(),
+    grad_element_bytes: int = 4,
 ):
-    """A vectorised cost function for the fusion planner: bucket bytes (as held) -> seconds.
-
-    ``pipeline_chunk_mb``: the strategy's option (each bucket pipelined in chunks of that many
-    MiB; ``"auto"``, the default, as the strategy; ``None``: one piece).
-    """
+    """A vectorised cost function for the fusion planner: bucket bytes (as held) -> seconds, under ``setting``."""
     algorithm = check_algorithm(algorithm)
-    chunk_numel = chunk_numel_for(pipeline_chunk_mb, topology.num_nodes, grad_element_bytes)
+    chunk_numel = setting.chunk_numel(topology.num_nodes, grad_element_bytes)
 
     def cost(nbytes: np.ndarray) -> np.ndarray:
         return allreduce_time(algorithm, np.asarray(nbytes, dtype=float) / grad_element_bytes,
-                              topology, params, wire_dtype, topk_ratio, chunk_numel)
+                              topology, params, setting.wire_dtype, setting.topk_ratio, chunk_numel)
     return cost
 
 
@@ -85,26 +71,22 @@ def topology_for(gpus: int, ranks_per_node: int) -> Topology:
 
 def predict_step(
     profile: GradientProfile, gpus: int, ranks_per_node: int, params: CommParams, algorithm: str,
-    wire_dtype: str = "fp32", topk_ratio: float | None = None, fusion: str = "auto",
-    pipeline_chunk_mb: float | str | None = DEFAULT_PIPELINE_CHUNK_MB,
+    setting: CommSetting = CommSetting(), fusion: str = "auto",
 ) -> StepPrediction:
-    """Predicted step on ``gpus`` ranks (``ranks_per_node`` to a node) with ``algorithm``.
+    """Predicted step on ``gpus`` ranks (``ranks_per_node`` to a node) with ``algorithm`` under ``setting``.
 
-    ``fusion``: ``"auto"`` (optimal buckets), ``"two"`` (two segments), ``"single"`` (one
+    ``fusion``: ``"auto"`` (optimal buckets), ``"two"`` (two buckets), ``"single"`` (one
     bucket after backward, no overlap) or ``"ddp25"`` (DDP's default 25 MiB cap).
-    ``pipeline_chunk_mb``: the strategy's option (``None``: unchunked).
     """
     topology = topology_for(gpus, ranks_per_node)
-    cost = allreduce_cost(algorithm, topology, params, wire_dtype, topk_ratio, pipeline_chunk_mb=pipeline_chunk_mb)
+    cost = allreduce_cost(algorithm, topology, params, setting)
     grad, back = profile.grad_bytes, profile.backward_s
-    if fusion == "auto":
-        plan = plan_fusion(grad, back, cost)
-    elif fusion == "two":
-        plan = plan_fusion(grad, back, cost, max_buckets=2)
+    if fusion in ("auto", "two"):
+        plan = plan_fusion(grad, back, cost, max_buckets=2 if fusion == "two" else None)
     elif fusion == "single":
         plan = simulate([len(grad)], grad, back, cost)
     elif fusion == "ddp25":
-        plan = simulate(ddp_buckets(grad, [25 * 1024 * 1024]), grad, back, cost)
+        plan = simulate(ddp_buckets(grad, [25 * MB]), grad, back, cost)
     else:
         raise ValueError(f"fusion={fusion!r} must be one of 'auto', 'two', 'single', 'ddp25'")
     compute = profile.forward_s + profile.backward_total_s
@@ -123,11 +105,8 @@ def default_gpu_counts(ranks_per_node: int, up_to: int = 4096) -> list[int]:
 
 def scaling_curve(
     profile: GradientProfile, gpu_counts: Sequence[int], ranks_per_node: int, params: CommParams,
-    algorithms: Sequence[str] = ALGORITHMS, wire_dtype: str = "fp32", topk_ratio: float | None = None,
-    fusion: str = "auto", pipeline_chunk_mb: float | str | None = DEFAULT_PIPELINE_CHUNK_MB,
+    setting: CommSetting = CommSetting(), fusion: str = "auto",
 ) -> list[StepPrediction]:
-    """[`predict_step`][lightning_fastscale.planner.predict_step] for every GPU count and algorithm."""
-    algorithms = check_algorithms(algorithms)
-    predict = partial(predict_step, profile, ranks_per_node=ranks_per_node, params=params, wire_dtype=wire_dtype,
-                      topk_ratio=topk_ratio, fusion=fusion, pipeline_chunk_mb=pipeline_chunk_mb)
-    return [predict(gpus=g, algorithm=a) for g in gpu_counts for a in algorithms]
+    """[`predict_step`][lightning_fastscale.planner.predict_step] for every GPU count and each of ``setting.candidates``."""
+    return [predict_step(profile, g, ranks_per_node, params, a, setting, fusion)
+            for g in gpu_counts for a in setting.candidates]

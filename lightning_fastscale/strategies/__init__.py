@@ -9,7 +9,7 @@ from lightning_fastscale.strategies.allreduce import (
     CollectiveStageError,
     TopKErrorFeedback,
     flat_allreduce_,
-    hierarchical_allreduce_,
+    hier_allreduce_,
     torus2d_allreduce_,
 )
 from lightning_fastscale.strategies.comm_hooks import (
@@ -17,7 +17,7 @@ from lightning_fastscale.strategies.comm_hooks import (
     CommHookError,
     HierarchicalHookState,
     flat_hook,
-    hierarchical_hook,
+    hier_hook,
     torus2d_hook,
 )
 from lightning_fastscale.strategies.fabric import FabricHierarchicalAllReduceStrategy, register_fabric_strategies
@@ -27,13 +27,19 @@ from lightning_fastscale.strategies.options import (
     ALGORITHMS,
     DEFAULT_PIPELINE_CHUNK_MB,
     WIRE_DTYPES,
+    CommSetting,
     check_algorithm,
     chunk_numel_for,
     resolve_chunk_mb,
     wire_bytes_per_element,
 )
-from lightning_fastscale.strategies.plan_resolution import two_segment_caps_mb
-from lightning_fastscale.strategies.planning import CommPlan, CommPlanner, NodeCountPlanner, PlanRequest
+from lightning_fastscale.strategies.planning import (
+    CommPlan,
+    CommPlanner,
+    NodeCountPlanner,
+    PlanRequest,
+    two_segment_fusion_plan,
+)
 from lightning_fastscale.strategies.topology import (
     ProcessGroups,
     Topology,
@@ -55,6 +61,7 @@ __all__ = [
     "CommHookError",
     "CommPlan",
     "CommPlanner",
+    "CommSetting",
     "FabricHierarchicalAllReduceStrategy",
     "HierarchicalAllReduceMixin",
     "HierarchicalAllReduceStrategy",
@@ -70,13 +77,13 @@ __all__ = [
     "detect_ranks_per_node",
     "flat_allreduce_",
     "flat_hook",
-    "hierarchical_allreduce_",
-    "hierarchical_hook",
+    "hier_allreduce_",
+    "hier_hook",
     "register_fabric_strategies",
     "register_strategies",
     "resolve_chunk_mb",
     "torus2d_allreduce_",
     "torus2d_hook",
-    "two_segment_caps_mb",
+    "two_segment_fusion_plan",
     "wire_bytes_per_element",
 ]

@@ -3,7 +3,7 @@
 Each function sums ``tensor`` in place across all ranks given only a
 [`ProcessGroups`][lightning_fastscale.strategies.topology.ProcessGroups], so they run outside
 DDP too; the DDP communication hooks (`comm_hooks`) run them on each gradient bucket.
-``hierarchical_allreduce_`` is Jia et al. 2018's, ``torus2d_allreduce_`` Mikami et al. 2018's;
+``hier_allreduce_`` is Jia et al. 2018's, ``torus2d_allreduce_`` Mikami et al. 2018's;
 their options (wire dtype, chunk pipelining, top-k) are described in
 ``docs/methods/hierarchical_allreduce.md`` ("The algorithms in code"). A failed collective
 raises [`CollectiveStageError`][lightning_fastscale.strategies.allreduce.CollectiveStageError].
@@ -213,6 +213,13 @@ def _wait(works: list[_Pending | _Crossing | None]) -> None:
             work.wait()
 
 
+def _one_allreduce(tensor: Tensor, group: dist.ProcessGroup, stage: str, cast: torch.dtype | None,
+                   chunk_numel: int | None) -> Tensor:
+    wire = _to_wire(tensor, cast)
+    _wait([_issue(stage, dist.all_reduce, piece, group=group, async_op=True) for piece in _chunks(wire, chunk_numel)])
+    return _finish(tensor, wire)
+
+
 def flat_allreduce_(
     tensor: Tensor, groups: ProcessGroups, wire_dtype: str = "fp32",
     chunk_numel: int | None = None,
@@ -222,13 +229,10 @@ def flat_allreduce_(
     Runs on ``groups.world``, a private group, so it never interleaves with collectives that
     others issue on the default group during backward (e.g. SyncBatchNorm).
     """
-    wire = _to_wire(tensor, _cast_dtype(wire_dtype))
-    _wait([_issue("flat all-reduce", dist.all_reduce, piece, group=groups.world, async_op=True)
-           for piece in _chunks(wire, chunk_numel)])
-    return _finish(tensor, wire)
+    return _one_allreduce(tensor, groups.world, "flat all-reduce", _cast_dtype(wire_dtype), chunk_numel)
 
 
-def hierarchical_allreduce_(
+def hier_allreduce_(
     tensor: Tensor, groups: ProcessGroups, wire_dtype: str = "fp32",
     topk: TopKErrorFeedback | None = None, key: Hashable = 0, chunk_numel: int | None = None,
 ) -> Tensor:
@@ -243,10 +247,7 @@ def hierarchical_allreduce_(
     topo = groups.topology
     cast = _cast_dtype(wire_dtype)
     if topo.num_nodes == 1:
-        wire = _to_wire(tensor, cast)
-        _wait([_issue("in-node all-reduce", dist.all_reduce, piece, group=groups.intra, async_op=True)
-               for piece in _chunks(wire, chunk_numel)])
-        return _finish(tensor, wire)
+        return _one_allreduce(tensor, groups.intra, "in-node all-reduce", cast, chunk_numel)
     pieces = _chunks(tensor, chunk_numel)
     if topo.ranks_per_node == 1:
         _wait(_inter_stage(pieces, groups, cast, topk, key))
@@ -286,7 +287,7 @@ def torus2d_allreduce_(
     """
     topo = groups.topology
     if topo.num_nodes == 1 or topo.ranks_per_node == 1:
-        return hierarchical_allreduce_(tensor, groups, wire_dtype, topk, key, chunk_numel)
+        return hier_allreduce_(tensor, groups, wire_dtype, topk, key, chunk_numel)
     pieces = _chunks(tensor, chunk_numel)
     if native_scatter_gather is None:
         native_scatter_gather = groups.backend in _NATIVE_SCATTER_GATHER_BACKENDS
@@ -348,7 +349,7 @@ def _torus_native(
 
 ALLREDUCE_FUNCTIONS: dict[str, Callable[..., Tensor]] = {
     "flat": flat_allreduce_,
-    "hier": hierarchical_allreduce_,
+    "hier": hier_allreduce_,
     "torus2d": torus2d_allreduce_,
 }
 """Algorithm name ([`ALGORITHMS`][lightning_fastscale.planner.ALGORITHMS]) -> in-place all-reduce."""

@@ -3,7 +3,7 @@
 A hook is ``(state, GradBucket) -> Future[Tensor]`` (torch's ``register_comm_hook`` contract,
 like ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook``): DDP keeps
 bucketing the gradients and calling the hook as buckets fill during backward; the hook returns
-the averaged bucket. Register with ``ddp_model.register_comm_hook(state, hierarchical_hook)``
+the averaged bucket. Register with ``ddp_model.register_comm_hook(state, hier_hook)``
 on any backend (gloo included).
 
 More in ``docs/strategy.md`` ("Communication hooks").
@@ -23,7 +23,7 @@ from lightning_fastscale.strategies.allreduce import (
     CollectiveStageError,
     TopKErrorFeedback,
     flat_allreduce_,
-    hierarchical_allreduce_,
+    hier_allreduce_,
     torus2d_allreduce_,
 )
 from lightning_fastscale.strategies.topology import ProcessGroups
@@ -78,16 +78,12 @@ class _CommWorker:
 class HierarchicalHookState:
     """Everything the hooks need, created once at setup.
 
-    ``wire_dtype``: inter-node wire dtype, a name of
-    [`WIRE_DTYPES`][lightning_fastscale.strategies.options.WIRE_DTYPES] (``"fp32"`` keeps the gradient's
-    dtype). ``topk``: top-k compression of the inter-node stage with its per-bucket residuals, used from hook iteration
-    ``topk_start_iter`` on (DDP rebuilds buckets after iteration 0; starting later keeps the
-    residuals on the final layout, the PowerSGD practice). ``chunk_numel``: pipeline chunk
-    size inside a bucket. ``iteration``: completed hook iterations (decides when top-k starts).
-    ``inline``: run the algorithm in the hook instead of the worker thread (default: on NCCL).
-    ``algorithm``: the name reported in errors. ``error``: the first failure, if any.
-    ``param_index``: ``id(parameter) -> index`` in the module; with it top-k residuals are kept
-    in parameter order, the same in every run whatever DDP's order inside a bucket.
+    ``wire_dtype``: a name of [`WIRE_DTYPES`][lightning_fastscale.strategies.options.WIRE_DTYPES].
+    ``topk``: top-k compression of the inter-node stage, from hook iteration ``topk_start_iter``
+    on (DDP rebuilds buckets after iteration 0: the PowerSGD practice). ``iteration``: completed
+    hook iterations. ``inline``: run in the hook, not the worker thread (default: on NCCL).
+    ``algorithm``: the name errors report; ``error``: the first failure. ``param_index``:
+    ``id(parameter) -> index``, so top-k residuals are kept in parameter order in every run.
     """
 
     groups: ProcessGroups
@@ -254,9 +250,9 @@ def flat_hook(state: HierarchicalHookState, bucket: dist.GradBucket) -> torch.fu
     return _enqueue(state, bucket, flat_allreduce_, sparse=False)
 
 
-def hierarchical_hook(state: HierarchicalHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def hier_hook(state: HierarchicalHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket with the hierarchical all-reduce of Jia et al. 2018 (Tencent)."""
-    return _enqueue(state, bucket, hierarchical_allreduce_, sparse=True)
+    return _enqueue(state, bucket, hier_allreduce_, sparse=True)
 
 
 def torus2d_hook(state: HierarchicalHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -264,5 +260,5 @@ def torus2d_hook(state: HierarchicalHookState, bucket: dist.GradBucket) -> torch
     return _enqueue(state, bucket, torus2d_allreduce_, sparse=True)
 
 
-HOOKS = {"flat": flat_hook, "hier": hierarchical_hook, "torus2d": torus2d_hook}
+HOOKS = {"flat": flat_hook, "hier": hier_hook, "torus2d": torus2d_hook}
 """Algorithm name -> DDP communication hook."""

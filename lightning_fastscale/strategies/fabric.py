@@ -1,7 +1,7 @@
 """``FabricHierarchicalAllReduceStrategy``: the hierarchical / 2D-torus all-reduce for Lightning Fabric.
 
 The Fabric counterpart of [`HierarchicalAllReduceStrategy`][lightning_fastscale.strategies.HierarchicalAllReduceStrategy]:
-the same options, validation, topology checks, bucket plan and communication hooks (all in
+the same options, validation, topology checks, fusion plan and communication hooks (all in
 `HierarchicalAllReduceMixin`), called from Fabric's
 ``DDPStrategy`` hooks instead of the Trainer's. Hierarchical all-reduce after Jia et al. 2018
 (arXiv:1807.11205), 2D torus after Mikami et al. 2018 (arXiv:1811.05233). Registered in Fabric's
@@ -25,12 +25,10 @@ from lightning_fastscale.strategies.hierarchical_mixin import HierarchicalAllRed
 class FabricHierarchicalAllReduceStrategy(HierarchicalAllReduceMixin, DDPStrategy):
     """Fabric's DDP whose gradient buckets are all-reduced hierarchically, as a 2D torus, or flat.
 
-    Takes the arguments of [`HierarchicalAllReduceStrategy`][lightning_fastscale.strategies.HierarchicalAllReduceStrategy]
-    (``algorithm``, ``ranks_per_node``, ``wire_dtype``, fusion, compression, pipelining, planner,
-    ``ddp_comm_hook``/``ddp_comm_state``/``ddp_comm_wrapper``); the rest goes to Fabric's
-    `DDPStrategy` and to ``DistributedDataParallel``. The hook
-    is installed in [`setup_module`][lightning_fastscale.strategies.FabricHierarchicalAllReduceStrategy.setup_module]; `teardown` (Fabric does not call it on its own)
-    stops the communication thread and releases the node groups.
+    Takes the arguments of [`HierarchicalAllReduceStrategy`][lightning_fastscale.strategies.HierarchicalAllReduceStrategy];
+    the rest goes to Fabric's `DDPStrategy`. The hook is installed in
+    [`setup_module`][lightning_fastscale.strategies.FabricHierarchicalAllReduceStrategy.setup_module];
+    `teardown` (Fabric does not call it on its own) releases the thread and node groups.
 
     Examples:
         >>> from lightning.fabric import Fabric

@@ -1,12 +1,10 @@
 """``HierarchicalAllReduceStrategy``: Lightning's DDP with a two-level gradient all-reduce.
 
-The thin Lightning adapter over [`allreduce`][lightning_fastscale.strategies.allreduce] (the numbers)
-and `comm_hooks` (the DDP wiring): DDP still buckets the
-gradients and overlaps communication with backward; each bucket is all-reduced by the
-hierarchical algorithm of Jia et al. 2018 (Tencent, arXiv:1807.11205), the 2D torus of Mikami
-et al. 2018 (Sony, arXiv:1811.05233) or one flat all-reduce, optionally with a half-precision wire and
-top-k compression of the inter-node stage (Tencent Cloud 2020). Registered in Lightning as
-``"hier_ring"`` and ``"hier_torus"`` (plus ``*_spawn``) by `register_strategies`.
+The thin Lightning adapter over [`allreduce`][lightning_fastscale.strategies.allreduce] (the
+numbers) and `comm_hooks` (the DDP wiring): DDP still buckets the gradients and overlaps
+communication with backward; each bucket is all-reduced by Jia et al. 2018's hierarchical
+algorithm (arXiv:1807.11205), Mikami et al. 2018's 2D torus (arXiv:1811.05233) or one flat
+all-reduce. Registered in Lightning as ``"hier_ring"`` and ``"hier_torus"`` (plus ``*_spawn``).
 """
 from __future__ import annotations
 
@@ -28,44 +26,28 @@ class HierarchicalAllReduceStrategy(HierarchicalAllReduceMixin, DDPStrategy):
 
     Each DDP bucket goes through a communication hook running the algorithm of Jia et al. 2018
     (``hier``) or Mikami et al. 2018 (``torus2d``); on one node in fp32 DDP's own all-reduce is
-    kept (see `uses_ddp_allreduce`).
+    kept (see `uses_ddp_allreduce`). Every option is described in ``docs/strategy.md``.
 
     Args:
-        algorithm: ``"hier"`` (reduce in node, all-reduce among leaders, broadcast in node),
-            ``"torus2d"`` (reduce-scatter in node, shard all-reduce across nodes, all-gather),
-            ``"flat"`` (one all-reduce over all ranks) or ``"auto"`` (the planner chooses).
-        ranks_per_node: ranks forming one node. Default: the launcher's devices per node
-            (``Trainer(devices=...)``, torchrun ``LOCAL_WORLD_SIZE``, SLURM tasks per node). A
-            smaller value groups ranks by NVLink island or emulates several nodes on one machine.
-        wire_dtype: ``"fp32"``, ``"fp16"`` or ``"bf16"`` on the inter-node wire (gradients are
-            averaged before the cast and copied back into their own dtype; sums inside a node
-            stay in the gradient's dtype; with one node the whole all-reduce uses it).
+        algorithm: ``"hier"``, ``"torus2d"``, ``"flat"`` or ``"auto"`` (the planner chooses).
+        ranks_per_node: ranks forming one node (default: the launcher's devices per node).
+        wire_dtype: ``"fp32"``, ``"fp16"`` or ``"bf16"`` on the inter-node wire.
         bucket_cap_mb: DDP's uniform bucket cap (default 25 MB).
-        fusion_plan: explicit DDP bucket caps in MB in gradient-ready order
-            (``bucket_cap_mb_list``).
-        two_segment_split: fuse into two buckets split before this trainable parameter index
-            (Jia et al. 2018). Mutually exclusive with ``fusion_plan`` and ``bucket_cap_mb``.
-        compression: ``None`` or ``"topk"``: top-k with error feedback on the inter-node stage.
-        topk_ratio: fraction of each inter-node shard sent when ``compression="topk"``.
+        fusion_plan: DDP bucket caps in MB, gradient-ready order (``bucket_cap_mb_list``).
+        two_segment_split: the fusion plan of two buckets split before this trainable
+            parameter (Jia et al. 2018). At most one of the three fusion options.
+        compression: ``None`` or ``"topk"`` (top-k with error feedback between nodes).
+        topk_ratio: fraction of each inter-node shard sent with ``compression="topk"``.
         topk_start_iter: iterations sent uncompressed first (DDP rebuilds buckets after one).
-        pipeline_chunk_mb: split each bucket into chunks of this many MiB, pipelined through
-            the stages (chunk i crosses the nodes while chunk i+1 is reduced in the node);
-            ``"auto"`` (default): 2 MiB per node, so chunks grow with the latency each one pays;
-            ``None`` sends each bucket in one piece.
+        pipeline_chunk_mb: MiB per chunk pipelined through the stages; ``"auto"`` (2 MiB per
+            node) or ``None`` (one piece).
         planner: a [`CommPlanner`][lightning_fastscale.strategies.planning.CommPlanner] such as
-            [`CostModelPlanner`][lightning_fastscale.planner.CostModelPlanner]. At setup the strategy asks
-            it once (`plan_request`: the model, the topology, its own ``wire_dtype``,
-            top-k ratio and ``pipeline_chunk_mb``); the plan gives the algorithm (for
-            ``"auto"``) and, unless fusion is set explicitly, the DDP bucket caps. Default for
-            ``"auto"``: [`NodeCountPlanner`][lightning_fastscale.strategies.planning.NodeCountPlanner]
-            (``hier`` across nodes, ``flat`` in one).
-        ddp_comm_hook: a torch DDP communication hook (``fp16_compress_hook``, PowerSGD's
-            ``powerSGD_hook``, ...) run as the inter-node stage of ``algorithm="hier"``, or as
-            the whole all-reduce on one node; see `lightning_fastscale.strategies.user_hooks`
-            for what combines and why the rest is refused.
+            [`CostModelPlanner`][lightning_fastscale.planner.CostModelPlanner], asked once at setup
+            (`plan_request`) for the algorithm (``"auto"``) and the fusion plan.
+        ddp_comm_hook: a torch DDP communication hook run as the inter-node stage of ``"hier"``
+            (the whole all-reduce on one node); see `lightning_fastscale.strategies.user_hooks`.
         ddp_comm_state: the hook's state, with its process group left ``None``.
-        ddp_comm_wrapper: e.g. ``fp16_compress_wrapper``; wraps ``ddp_comm_hook``, or the
-            strategy's own hook when no ``ddp_comm_hook`` is given.
+        ddp_comm_wrapper: e.g. ``fp16_compress_wrapper``, around the user's or the strategy's hook.
         **kwargs: passed to `DDPStrategy` (and DDP).
 
     Examples:
@@ -76,13 +58,6 @@ class HierarchicalAllReduceStrategy(HierarchicalAllReduceMixin, DDPStrategy):
 
             strategy = HierarchicalAllReduceStrategy(algorithm="hier", ranks_per_node=2, wire_dtype="fp16")
             trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=4, max_epochs=1)
-
-        The planner choosing algorithm and buckets for a described cluster::
-
-            from lightning_fastscale.planner import CostModelPlanner
-
-            planner = CostModelPlanner("tencent_cloud_25g_vpc", backward_time_s=0.15)
-            strategy = HierarchicalAllReduceStrategy(algorithm="auto", planner=planner, wire_dtype="fp16")
 
         On a cluster, ``Trainer(strategy="hier_ring", num_nodes=N, devices=G)`` under
         torchrun or SLURM detects the ranks per node from the launcher.
@@ -158,11 +133,7 @@ class HierarchicalAllReduceStrategy(HierarchicalAllReduceMixin, DDPStrategy):
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """DDP's backward; a failed bucket all-reduce is raised as the hook's [`CommHookError`][lightning_fastscale.strategies.CommHookError].
-
-        DDP reports an exception from a hook's future only as a value it cannot cast to a
-        tensor; the hook state keeps the real error (algorithm, stage, bucket, cause).
-        """
+        """DDP's backward; a failed bucket all-reduce is raised as the hook's [`CommHookError`][lightning_fastscale.strategies.CommHookError]."""
         with self._raising_hook_failure():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 

@@ -25,15 +25,16 @@ from lightning_fastscale.strategies.node_checks import (
     gather_node_reports,
 )
 from lightning_fastscale.strategies.option_checks import check_strategy_options
-from lightning_fastscale.strategies.options import DEFAULT_PIPELINE_CHUNK_MB, chunk_numel_for
+from lightning_fastscale.strategies.options import DEFAULT_PIPELINE_CHUNK_MB, CommSetting, chunk_numel_for
 from lightning_fastscale.strategies.plan_report import hook_name, plan_message, plan_summary
-from lightning_fastscale.strategies.plan_resolution import (
-    explicit_caps_mb,
+from lightning_fastscale.strategies.planning import (
+    CommPlanner,
+    PlanRequest,
+    explicit_fusion_plan,
     gradient_bytes,
     resolve_comm_plan,
     runs_ddp_allreduce,
 )
-from lightning_fastscale.strategies.planning import CommPlanner, PlanRequest
 from lightning_fastscale.strategies.topk_residuals import SavedResiduals, comm_layout, restore_residuals
 from lightning_fastscale.strategies.topology import Topology, build_process_groups
 from lightning_fastscale.strategies.user_hooks import UserHook
@@ -157,44 +158,35 @@ class HierarchicalAllReduceMixin:
 
     def plan_request(self, model: nn.Module, topology: Topology) -> PlanRequest:
         """What this strategy asks its planner: ``model`` on ``topology`` under its wire dtype, top-k and chunking."""
-        return PlanRequest(
-            module=model,
-            topology=topology,
-            wire_dtype=self.wire_dtype,
-            topk_ratio=self.topk_ratio if self.compression == "topk" else None,
-            pipeline_chunk_mb=self.pipeline_chunk_mb,
-            algorithms=None if self.algorithm == "auto" else (self.algorithm,),
-            timeout=self._timeout,
-        )
+        setting = CommSetting(None if self.algorithm == "auto" else (self.algorithm,), self.wire_dtype,
+                              self.topk_ratio if self.compression == "topk" else None, self.pipeline_chunk_mb)
+        return PlanRequest(model, topology, setting, self._timeout)
 
     def resolve_comm_plan(self, model: nn.Module, topology: Topology) -> tuple[str, list[float] | None]:
-        """The algorithm and the DDP bucket caps (MB, ``None``: DDP's uniform cap) for ``model`` on ``topology``.
+        """The algorithm and the fusion plan (``None``: DDP's uniform cap) for ``model`` on ``topology``.
 
-        Explicit settings win: a fixed ``algorithm``; ``two_segment_split``, ``fusion_plan`` or
-        ``bucket_cap_mb`` for the buckets. The rest comes from the planner, asked once with
-        `plan_request` (``algorithm="auto"`` without a planner: [`NodeCountPlanner`][lightning_fastscale.strategies.planning.NodeCountPlanner]).
-        With ``algorithm="auto"`` and no user hook, a plan that finds plain DDP as good as the
-        best sets `plain_ddp_reason`: the flat path then runs as DDP's own all-reduce, no hook.
+        Explicit settings win; the planner, asked once with `plan_request`, gives the rest
+        ([`resolve_comm_plan`][lightning_fastscale.strategies.planning.resolve_comm_plan]) and
+        may set `plain_ddp_reason`.
         """
         plan = resolve_comm_plan(
             self.plan_request(model, topology), self.planner, algorithm=self.algorithm,
-            caps_mb=explicit_caps_mb(model, self.fusion_plan, self.two_segment_split),
+            fusion_plan=explicit_fusion_plan(model, self.fusion_plan, self.two_segment_split),
             uniform_cap=self._ddp_kwargs.get("bucket_cap_mb") is not None, user_hook=self.user_hook.given,
         )
         self.plain_ddp_reason = plan.plain_ddp_reason
-        caps = plan.bucket_caps_mb
-        return plan.algorithm, None if caps is None else list(caps)
+        return plan.algorithm, None if plan.fusion_plan is None else list(plan.fusion_plan)
 
     def _plan_ddp(self, model: nn.Module) -> None:
-        """Choose the algorithm and the bucket caps (into the DDP kwargs), before DDP wraps ``model``."""
+        """Choose the algorithm and the fusion plan (into the DDP kwargs), before DDP wraps ``model``."""
         if self.topology is None:  # Fabric's setup_module may be called without setup_environment
             self.topology = self._resolve_topology()
-        self.resolved_algorithm, caps = self.resolve_comm_plan(model, self.topology)
+        self.resolved_algorithm, fusion_plan = self.resolve_comm_plan(model, self.topology)
         if self.uses_ddp_allreduce:
             # One node, no hook: every algorithm is then the one all-reduce DDP runs itself.
             self.resolved_algorithm = "flat"
-        if caps is not None:
-            self._ddp_kwargs["bucket_cap_mb_list"] = caps
+        if fusion_plan is not None:
+            self._ddp_kwargs["bucket_cap_mb_list"] = fusion_plan
         if self.user_hook.hook is not None and self.topology.num_nodes > 1:
             self.user_hook.check(self.resolved_algorithm, self.wire_dtype, self.compression)
         self._gradient_bytes = gradient_bytes(model)
@@ -231,11 +223,8 @@ class HierarchicalAllReduceMixin:
 
     @contextmanager
     def _raising_hook_failure(self) -> Iterator[None]:
-        """Re-raise a failed bucket all-reduce as the hook's [`CommHookError`][lightning_fastscale.strategies.CommHookError].
-
-        DDP reports an exception from a hook's future only as a value it cannot cast to a
-        tensor; the hook state keeps the real error (algorithm, stage, bucket, cause).
-        """
+        """Re-raise a failed bucket all-reduce as the hook's [`CommHookError`][lightning_fastscale.strategies.CommHookError]
+        (DDP reports a hook's exception only as a value it cannot cast to a tensor)."""
         try:
             yield
         except RuntimeError:
@@ -245,14 +234,7 @@ class HierarchicalAllReduceMixin:
 
     @property
     def uses_ddp_allreduce(self) -> bool:
-        """True where DDP's own all-reduce runs, without a hook.
-
-        On one node in fp32 without compression or user hook: every algorithm is then one
-        all-reduce inside the node, which DDP's built-in C++ path does without the Python hook
-        and its thread, so one node costs what plain DDP does. With ``algorithm="auto"``, also
-        where the planner found plain DDP within its tolerance of the best
-        (`plain_ddp_reason` says why).
-        """
+        """True where DDP's own all-reduce runs, without a hook ([`runs_ddp_allreduce`][lightning_fastscale.strategies.planning.runs_ddp_allreduce])."""
         assert self.topology is not None
         return runs_ddp_allreduce(self.topology, self.wire_dtype, self.compression, self.user_hook.given,
                                   self.plain_ddp_reason)
@@ -277,13 +259,13 @@ class HierarchicalAllReduceMixin:
         return self.hook_state.iteration if self.hook_state is not None else 0
 
     def plan_summary(self) -> dict[str, Any]:
-        """Topology, algorithm, wire dtype and bucket plan of this run (what rank 0 logs)."""
+        """Topology, algorithm, wire dtype and fusion plan of this run (what rank 0 logs)."""
         assert self.topology is not None
         return plan_summary(
-            topology=self.topology, algorithm=self.resolved_algorithm, user_hook=self.user_hook, hook=self.comm_hook,
+            topology=self.topology, requested_algorithm=self.algorithm, algorithm=self.resolved_algorithm, user_hook=self.user_hook, hook=self.comm_hook,
             backend=self.hook_state.groups.backend if self.hook_state else None, wire_dtype=self.wire_dtype,
             compression=self.compression, topk_ratio=self.topk_ratio, gradient_bytes=self._gradient_bytes,
-            bucket_caps_mb=self._ddp_kwargs.get("bucket_cap_mb_list") or [self._ddp_kwargs.get("bucket_cap_mb", 25)],
+            fusion_plan=self._ddp_kwargs.get("bucket_cap_mb_list") or [self._ddp_kwargs.get("bucket_cap_mb", 25)],
             pipeline_chunk_mb=self.pipeline_chunk_mb, plain_ddp_reason=self.plain_ddp_reason,
         )
 

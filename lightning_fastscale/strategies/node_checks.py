@@ -54,7 +54,7 @@ def check_launcher(front: str, num_nodes: int, devices: int, cluster_environment
 
 
 def check_nodes_uniform(reports: Sequence[NodeReport], devices: int) -> None:
-    """``ValueError`` unless every node reports the same local size and holds contiguous ranks.
+    """``ValueError`` unless every node reports the same ranks per node and holds contiguous ranks.
 
     ``reports``: every rank's [`NodeReport`][lightning_fastscale.strategies.node_checks.NodeReport]
     (`gather_node_reports`). Otherwise "intra" groups would span nodes without the user asking.

@@ -15,7 +15,7 @@ from lightning_fastscale._validation import positive_number
 from lightning_fastscale.strategies.allreduce import TopKErrorFeedback
 from lightning_fastscale.strategies.options import check_algorithm, chunk_numel_for, wire_torch_dtype
 from lightning_fastscale.strategies.planning import CommPlanner
-from lightning_fastscale.strategies.user_hooks import UserHook
+from lightning_fastscale.strategies.user_hooks import POST_LOCAL_SGD, UserHook
 
 
 def check_strategy_options(
@@ -36,9 +36,8 @@ def check_strategy_options(
 ) -> None:
     """Raise naming the argument when an option of the strategy, or a combination of them, is invalid.
 
-    ``algorithm`` may be ``"auto"``; the user's hook is checked against it again once the
-    planner has chosen. ``model_averaging_period`` (post-local SGD, a Lightning ``DDPStrategy``
-    argument) is refused: it leaves no gradient all-reduce to make hierarchical.
+    ``model_averaging_period`` (post-local SGD, a ``DDPStrategy`` argument) is refused: it
+    leaves no gradient all-reduce to make hierarchical.
 
     Examples:
         >>> options = dict(algorithm="hier", ranks_per_node=None, wire_dtype="fp16", bucket_cap_mb=None,
@@ -79,8 +78,4 @@ def check_strategy_options(
     chunk_numel_for(pipeline_chunk_mb)  # validates it
     user_hook.check(algorithm, wire_dtype, compression)
     if model_averaging_period is not None:
-        raise ValueError(
-            "model_averaging_period= (post-local SGD) replaces the gradient all-reduce by periodic "
-            "model averaging, so there is no gradient all-reduce left to make hierarchical: use "
-            "lightning's DDPStrategy for post-local SGD."
-        )
+        raise ValueError(f"model_averaging_period= {POST_LOCAL_SGD}")

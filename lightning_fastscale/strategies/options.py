@@ -9,14 +9,17 @@ names) and the pipeline chunk size (option ``pipeline_chunk_mb``, default
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
 __all__ = [
     "ALGORITHMS",
     "AUTO_CHUNK_MB_PER_NODE",
+    "CommSetting",
     "DEFAULT_PIPELINE_CHUNK_MB",
     "MB",
+    "PLAIN_DDP",
     "WIRE_DTYPES",
     "check_algorithm",
     "check_algorithms",
@@ -101,3 +104,44 @@ def chunk_numel_for(pipeline_chunk_mb: float | str | None, num_nodes: int = 1, e
     """Elements per pipeline chunk for ``pipeline_chunk_mb`` on ``num_nodes`` nodes (``None``: one piece)."""
     chunk_mb = resolve_chunk_mb(pipeline_chunk_mb, num_nodes)
     return None if chunk_mb is None else max(1, int(chunk_mb * MB) // element_size)
+
+
+@dataclass(frozen=True)
+class CommSetting:
+    """How the gradients are all-reduced: the strategy's options that the planner prices.
+
+    ``algorithms``: the candidates (``None``: every one of [`ALGORITHMS`][lightning_fastscale.planner.ALGORITHMS],
+    and a planner may keep plain DDP where no hook is worth it); ``wire_dtype``,
+    ``topk_ratio`` (``None``: no compression) and ``pipeline_chunk_mb`` as the strategy's options
+    of those names. Checked when built: a bad value is a ``ValueError`` naming the option.
+
+    Examples:
+        >>> CommSetting(wire_dtype="fp16").chunk_numel(num_nodes=4)  # "auto": 2 MiB per node of fp32
+        2097152
+    """
+
+    algorithms: tuple[str, ...] | None = None
+    wire_dtype: str = "fp32"
+    topk_ratio: float | None = None
+    pipeline_chunk_mb: float | str | None = DEFAULT_PIPELINE_CHUNK_MB
+
+    def __post_init__(self) -> None:
+        if self.algorithms is not None:
+            object.__setattr__(self, "algorithms", check_algorithms(self.algorithms))
+        wire_torch_dtype(self.wire_dtype)
+        if self.topk_ratio is not None and not 0 < self.topk_ratio <= 1:
+            raise ValueError(f"topk_ratio={self.topk_ratio!r} must be in (0, 1] (or None: no compression).")
+        resolve_chunk_mb(self.pipeline_chunk_mb, 1)
+
+    @property
+    def candidates(self) -> tuple[str, ...]:
+        """The algorithms to compare: ``algorithms``, or all of them."""
+        return ALGORITHMS if self.algorithms is None else self.algorithms
+
+    def chunk_numel(self, num_nodes: int, element_size: int = 4) -> int | None:
+        """Elements per pipeline chunk on ``num_nodes`` nodes (``None``: one piece)."""
+        return chunk_numel_for(self.pipeline_chunk_mb, num_nodes, element_size)
+
+
+PLAIN_DDP = CommSetting(("flat",), "fp32", None, None)
+"""What plain DDP sends: its own flat fp32 all-reduce, unchunked."""

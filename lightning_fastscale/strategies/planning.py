@@ -1,48 +1,42 @@
-"""The one question the strategy asks a planner: which algorithm, which buckets.
+"""Where a run's algorithm and fusion plan come from: the user's explicit settings, then a planner.
 
-At setup, before DDP wraps the model, the strategy hands its planner a [`PlanRequest`][lightning_fastscale.strategies.planning.PlanRequest]
-(the model, the node [`Topology`][lightning_fastscale.planner.Topology] and its own
-wire dtype, top-k ratio and pipeline chunk size) and gets a [`CommPlan`][lightning_fastscale.strategies.planning.CommPlan] back: the
-algorithm and, optionally, DDP's bucket caps. Any object with that one method plugs in
-([`CommPlanner`][lightning_fastscale.strategies.planning.CommPlanner]); the cost-model planner of [`lightning_fastscale.planner`][lightning_fastscale.planner] is one,
-[`NodeCountPlanner`][lightning_fastscale.strategies.planning.NodeCountPlanner] (what ``algorithm="auto"`` uses without a planner) another. Neither
-side imports the other: both speak the names of [`options`][lightning_fastscale.strategies.options].
+At setup the strategy asks its planner one [`PlanRequest`][lightning_fastscale.strategies.planning.PlanRequest]
+(the model, the topology and its [`CommSetting`][lightning_fastscale.strategies.options.CommSetting])
+and gets a [`CommPlan`][lightning_fastscale.strategies.planning.CommPlan] back. Any
+[`CommPlanner`][lightning_fastscale.strategies.planning.CommPlanner] plugs in: the cost-model planner
+of [`lightning_fastscale.planner`][lightning_fastscale.planner], or [`NodeCountPlanner`][lightning_fastscale.strategies.planning.NodeCountPlanner]
+(``algorithm="auto"`` without one). [`resolve_comm_plan`][lightning_fastscale.strategies.planning.resolve_comm_plan]
+overlays what the user fixed. Two-segment fusion: Jia et al. 2018 (arXiv:1807.11205).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol, runtime_checkable
 
 from torch import nn
 
-from lightning_fastscale.strategies.options import DEFAULT_PIPELINE_CHUNK_MB, check_algorithm, check_algorithms
+from lightning_fastscale.strategies.options import MB, CommSetting, check_algorithm
 from lightning_fastscale.strategies.topology import Topology
 
-__all__ = ["CommPlan", "CommPlanner", "NodeCountPlanner", "PlanRequest"]
+__all__ = ["CommPlan", "CommPlanner", "NodeCountPlanner", "PlanRequest", "explicit_fusion_plan", "gradient_bytes",
+           "resolve_comm_plan", "runs_ddp_allreduce", "two_segment_fusion_plan"]
 
 
 @dataclass(frozen=True)
 class PlanRequest:
-    """What the strategy will send, for the planner to price.
+    """What the strategy will send, for the planner to price: ``module`` on ``topology`` under ``setting``.
 
-    ``algorithms``: the candidates; ``None`` lets the planner choose among all of them (and
-    answer plain DDP where a hook is not worth it), a fixed algorithm asks only for buckets.
-    ``topk_ratio``: ``None`` without compression. ``timeout``: of any process group the
-    planner creates (e.g. to calibrate).
+    ``setting.algorithms``: ``None`` lets the planner choose among all of them (and answer plain
+    DDP where a hook is not worth it), a fixed algorithm asks only for buckets. ``timeout``: of
+    any process group the planner creates (e.g. to calibrate).
     """
 
     module: nn.Module
     topology: Topology
-    wire_dtype: str = "fp32"
-    topk_ratio: float | None = None
-    pipeline_chunk_mb: float | str | None = DEFAULT_PIPELINE_CHUNK_MB
-    algorithms: tuple[str, ...] | None = None
+    setting: CommSetting = CommSetting()
     timeout: timedelta | None = None
-
-    def __post_init__(self) -> None:
-        if self.algorithms is not None:
-            check_algorithms(self.algorithms)
 
 
 @dataclass(frozen=True)
@@ -50,21 +44,21 @@ class CommPlan:
     """A planner's answer.
 
     ``algorithm``: one of [`ALGORITHMS`][lightning_fastscale.planner.ALGORITHMS].
-    ``bucket_caps_mb``: DDP bucket caps in MB in gradient-ready order (``bucket_cap_mb_list``);
+    ``fusion_plan``: DDP bucket caps in MB in gradient-ready order (``bucket_cap_mb_list``);
     ``None`` keeps DDP's uniform cap. ``plain_ddp_reason``: set when plain DDP (its own flat
     all-reduce, no hook) is as good as the best plan, and says why; the strategy then installs
     no hook where the user left the algorithm to the planner.
     """
 
     algorithm: str
-    bucket_caps_mb: tuple[float, ...] | None = None
+    fusion_plan: tuple[float, ...] | None = None
     plain_ddp_reason: str | None = None
 
     def __post_init__(self) -> None:
         check_algorithm(self.algorithm, "CommPlan.algorithm")
-        caps = self.bucket_caps_mb
+        caps = self.fusion_plan
         if caps is not None and (not caps or min(caps) <= 0):
-            raise ValueError(f"bucket_caps_mb={list(caps)}: bucket caps must be a non-empty list of positive MB.")
+            raise ValueError(f"fusion_plan={list(caps)}: bucket caps must be a non-empty list of positive MB.")
 
 
 @runtime_checkable
@@ -83,12 +77,106 @@ class NodeCountPlanner:
         >>> from torch import nn
         >>> request = PlanRequest(nn.Linear(2, 2), Topology(num_nodes=2, ranks_per_node=4))
         >>> NodeCountPlanner().plan_comm(request)
-        CommPlan(algorithm='hier', bucket_caps_mb=None, plain_ddp_reason=None)
+        CommPlan(algorithm='hier', fusion_plan=None, plain_ddp_reason=None)
     """
 
     def plan_comm(self, request: PlanRequest) -> CommPlan:
-        """``hier`` on several nodes, ``flat`` on one (restricted to ``request.algorithms`` when given)."""
+        """``hier`` on several nodes, ``flat`` on one (restricted to ``request.setting.algorithms`` when given)."""
         preferred = "hier" if request.topology.num_nodes > 1 else "flat"
-        if request.algorithms is not None and preferred not in request.algorithms:
-            preferred = request.algorithms[0]
+        candidates = request.setting.candidates
+        if preferred not in candidates:
+            preferred = candidates[0]
         return CommPlan(preferred)
+
+
+def gradient_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s trainable parameters: what one all-reduce of its gradients moves in their dtype."""
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
+
+def two_segment_fusion_plan(module: nn.Module, split: int) -> list[float]:
+    """The fusion plan (DDP bucket caps in MB, gradient-ready order) of two buckets split before parameter ``split``.
+
+    Jia et al. 2018 fuse all gradients into two segments (ResNet-50 split between tensors 76 and
+    77): the late layers, whose gradients are ready first, go out while backward continues, the
+    rest in one large message. ``split`` indexes ``module.parameters()`` that require grad.
+
+    Examples:
+        Two layers of 1 MiB of fp32 weights each, split between them:
+
+        >>> two_segment_fusion_plan(nn.Sequential(nn.Linear(512, 512, bias=False), nn.Linear(512, 512, bias=False)), 1)
+        [1.0, 3.0]
+    """
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not 0 < split < len(params):
+        raise ValueError(
+            f"two_segment_split={split} must lie between 1 and {len(params) - 1} (the model has "
+            f"{len(params)} trainable parameter tensors)."
+        )
+    tail = sum(p.numel() * p.element_size() for p in params[split:])
+    head = sum(p.numel() * p.element_size() for p in params[:split])
+    # DDP closes a bucket once it reaches its cap: the tail bucket ends exactly at the split,
+    # and a cap above the head size keeps the rest in one bucket.
+    return [tail / MB, (head + tail) / MB + 1.0]
+
+
+def explicit_fusion_plan(
+    module: nn.Module, fusion_plan: Sequence[float] | None, two_segment_split: int | None
+) -> list[float] | None:
+    """The fusion plan the user fixed (``two_segment_split`` or ``fusion_plan``); ``None`` if neither."""
+    if two_segment_split is not None:
+        return two_segment_fusion_plan(module, two_segment_split)
+    return None if fusion_plan is None else list(fusion_plan)
+
+
+def resolve_comm_plan(
+    request: PlanRequest,
+    planner: CommPlanner | None,
+    *,
+    algorithm: str,
+    fusion_plan: Sequence[float] | None = None,
+    uniform_cap: bool = False,
+    user_hook: bool = False,
+) -> CommPlan:
+    """The plan a run uses: ``algorithm`` unless ``"auto"``, ``fusion_plan`` unless ``None``; the planner fills the rest.
+
+    The planner is asked once, with ``request`` (``algorithm="auto"`` without a planner:
+    [`NodeCountPlanner`][lightning_fastscale.strategies.planning.NodeCountPlanner]). Its fusion plan is
+    used unless the user fixed one or set DDP's uniform cap (``uniform_cap``). Its
+    ``plain_ddp_reason`` is kept only where it chose the algorithm and no ``user_hook`` is given.
+
+    Examples:
+        >>> request = PlanRequest(nn.Linear(2, 2), Topology(num_nodes=2, ranks_per_node=4))
+        >>> resolve_comm_plan(request, None, algorithm="auto")
+        CommPlan(algorithm='hier', fusion_plan=None, plain_ddp_reason=None)
+        >>> resolve_comm_plan(request, None, algorithm="torus2d", fusion_plan=[1.0, 8.0])
+        CommPlan(algorithm='torus2d', fusion_plan=(1.0, 8.0), plain_ddp_reason=None)
+    """
+    if planner is None and algorithm == "auto":
+        planner = NodeCountPlanner()
+    plan = None if planner is None else planner.plan_comm(request)
+    if fusion_plan is None and plan is not None and not uniform_cap:
+        fusion_plan = plan.fusion_plan
+    fusion = None if fusion_plan is None else tuple(fusion_plan)
+    if plan is None or algorithm != "auto":
+        return CommPlan(algorithm, fusion)
+    return CommPlan(plan.algorithm, fusion, None if user_hook else plan.plain_ddp_reason)
+
+
+def runs_ddp_allreduce(
+    topology: Topology, wire_dtype: str, compression: str | None, user_hook: bool, plain_ddp_reason: str | None
+) -> bool:
+    """True where DDP's own all-reduce runs, without a hook: where the planner kept plain DDP, and on
+    one node in fp32 without compression or user hook (every algorithm is then one in-node
+    all-reduce, which DDP's C++ path runs without the Python hook and its thread).
+
+    Examples:
+        >>> runs_ddp_allreduce(Topology(1, 4), "fp32", None, False, None)
+        True
+        >>> runs_ddp_allreduce(Topology(1, 4), "fp16", None, False, None)
+        False
+    """
+    if plain_ddp_reason is not None:
+        return True
+    plain = wire_dtype == "fp32" and compression is None
+    return topology.num_nodes == 1 and plain and not user_hook

@@ -39,33 +39,21 @@ class Topology:
     ranks_per_node: int
 
     def __post_init__(self) -> None:
-        for name, value in (("num_nodes", self.num_nodes), ("ranks_per_node", self.ranks_per_node)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                hint = (" Set it to the number of processes per node (e.g. Trainer(devices=...)) or leave it "
-                        "unset to detect it.") if name == "ranks_per_node" else ""
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.{hint}")
+        for name in ("num_nodes", "ranks_per_node"):
+            _check_count(name, getattr(self, name))
 
-    @staticmethod
-    def _nodes_of(world_size: Any, ranks_per_node: Any) -> int:
-        if not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}.")
-        if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
-            raise ValueError(
-                f"ranks_per_node must be an integer >= 1, got {ranks_per_node!r}. Set it to the number of "
-                "processes per node (e.g. Trainer(devices=...)) or leave it unset to detect it."
-            )
+    @classmethod
+    def from_world(cls, world_size: int, ranks_per_node: int) -> Topology:
+        """``world_size`` ranks grouped ``ranks_per_node`` to a node; ``ValueError`` naming both if they do not divide."""
+        _check_count("world_size", world_size)
+        _check_count("ranks_per_node", ranks_per_node)
         if world_size % ranks_per_node:
             raise ValueError(
                 f"world size {world_size} is not a multiple of ranks_per_node={ranks_per_node}: "
                 "every node must hold the same number of ranks. Choose ranks_per_node dividing "
                 f"{world_size} (or change Trainer(devices=..., num_nodes=...))."
             )
-        return world_size // ranks_per_node
-
-    @classmethod
-    def from_world(cls, world_size: int, ranks_per_node: int) -> Topology:
-        """``world_size`` ranks grouped ``ranks_per_node`` to a node; ``ValueError`` naming both if they do not divide."""
-        return cls(cls._nodes_of(world_size, ranks_per_node), ranks_per_node)
+        return cls(world_size // ranks_per_node, ranks_per_node)
 
     @property
     def world_size(self) -> int:
@@ -93,6 +81,13 @@ class Topology:
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world of size {self.world_size}.")
+
+
+def _check_count(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        hint = (" Set it to the number of processes per node (e.g. Trainer(devices=...)) or leave it "
+                "unset to detect it.") if name == "ranks_per_node" else ""
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.{hint}")
 
 
 def _parse_slurm_tasks_per_node(value: str) -> int | None:

@@ -14,6 +14,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_fastscale.strategies.comm_hooks import HOOKS, HierarchicalHookState, run_bucket_job
 
+POST_LOCAL_SGD = ("(post-local SGD) replaces the gradient all-reduce by periodic model averaging, so there is no "
+                  "gradient all-reduce left to make hierarchical: use lightning's DDPStrategy for post-local SGD.")
+"""Why post-local SGD is refused, whichever option asks for it."""
+
 
 def _name(hook: Callable) -> str:
     return getattr(hook, "__qualname__", repr(hook))
@@ -41,11 +45,7 @@ def check_user_hook(
             "(algorithm='flat' is the flat all-reduce) or use lightning's DDPStrategy."
         )
     if hook is post_localSGD_hook.post_localSGD_hook:
-        raise ValueError(
-            "ddp_comm_hook=post_localSGD_hook (post-local SGD) replaces the gradient all-reduce by periodic "
-            "model averaging, so there is no gradient all-reduce left to make hierarchical: use "
-            "lightning's DDPStrategy for post-local SGD."
-        )
+        raise ValueError(f"ddp_comm_hook=post_localSGD_hook {POST_LOCAL_SGD}")
     if algorithm not in ("hier", "auto"):
         raise ValueError(
             f"ddp_comm_hook={_name(hook)} runs as the inter-node stage of algorithm='hier' (among the node "
