@@ -238,11 +238,11 @@ class DoctorProbe(Callback):
         local["grad_bytes"] = 4 * grad_numel
         topology = getattr(trainer.strategy, "topology", None)
         nodes = topology.num_nodes if topology is not None else trainer.num_nodes
-        per_node = topology.ranks_per_node if topology is not None else trainer.num_devices
-        local["num_nodes"], local["ranks_per_node"] = nodes, per_node
+        ranks_per_node = topology.ranks_per_node if topology is not None else trainer.num_devices
+        local["num_nodes"], local["ranks_per_node"] = nodes, ranks_per_node
         local["backend"] = str(dist.get_backend()) if dist.is_initialized() else "none"
         if trainer.world_size > 1:
-            local["allreduce_s"], local["planner"] = measure_allreduce(grad_numel, nodes, per_node, device,
+            local["allreduce_s"], local["planner"] = measure_allreduce(grad_numel, nodes, ranks_per_node, device,
                                                                        self.allreduce_reps)
         algorithm = getattr(trainer.strategy, "resolved_algorithm", None) or "flat"
         local["configured_allreduce"] = f"{algorithm}/{getattr(trainer.strategy, 'wire_dtype', 'fp32')}"
