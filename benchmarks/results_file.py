@@ -1,0 +1,45 @@
+"""Each benchmark's results file, ``benchmarks/results/<script>.json``: what it measured, the command and when.
+
+README.md and benchmarks/README.md quote these files, and ``tests/test_benchmark_figures.py``
+checks the quoted figures against them: a rerun whose numbers change fails that test until the
+tables (``tables``, as benchmarks/README.md shows them) and the README are brought up to date.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def add_option(parser: argparse.ArgumentParser, script: str) -> None:
+    """``--results PATH`` (default ``benchmarks/results/<script>.json``; ``--results ''`` writes none)."""
+    parser.add_argument("--results", default=str(RESULTS / f"{script}.json"),
+                        help="write the measurements, the command and the date here ('' for no file)")
+
+
+def write(path: str | Path, report: Any, tables: list[list[str]] | None = None) -> None:
+    """Write ``report`` (and the markdown ``tables`` printed, line by line) with the command, UTC date and machine."""
+    if not str(path):
+        return
+    script = os.path.relpath(sys.argv[0], Path(__file__).resolve().parents[1])
+    payload = {
+        "source": "measured",
+        "command": " ".join(["python", script, *sys.argv[1:]]),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
+        "tables": tables or [],
+        "report": report,
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=1) + "\n")
+    tmp.replace(path)
+    print(f"results written to {path}")
