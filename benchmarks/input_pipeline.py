@@ -742,7 +742,14 @@ def main() -> None:
     parser.add_argument("--kernels", action="store_true",
                         help="also ms per image of each step of the training transform, source and max side 256")
     parser.add_argument("--quick", action="store_true", help="a short run that checks the script works (few images)")
+    results_file.add_option(parser, "input_pipeline")
     args = parser.parse_args()
+    with results_file.recording(args.results, vars(args)):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
+    """The reports the flags ask for, printed."""
     if args.quick:
         args.classes, args.train_per_class, args.repeat, args.rounds, args.epoch_rounds = 2, 24, 2, 1, 1
         args.batches, args.batch_size, args.max_sides = 2, 8, [256]

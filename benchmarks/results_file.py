@@ -7,12 +7,15 @@ tables (``tables``, as benchmarks/README.md shows them) and the README are broug
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import platform
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -40,6 +43,33 @@ def write(path: str | Path, report: Any, tables: list[list[str]] | None = None) 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=1) + "\n")
+    tmp.write_text(json.dumps(payload, indent=1, default=str) + "\n")
     tmp.replace(path)
     print(f"results written to {path}")
+
+
+class _Tee(io.TextIOBase):
+    def __init__(self, out: Any) -> None:
+        self.out, self.text = out, []
+
+    def write(self, text: str) -> int:
+        self.text.append(text)
+        return self.out.write(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+@contextlib.contextmanager
+def recording(path: str | Path, report: Any) -> Iterator[None]:
+    """Print as usual inside the block; then write ``report`` and the markdown tables printed to ``path``."""
+    tee = _Tee(sys.stdout)
+    with contextlib.redirect_stdout(tee):
+        yield
+    tables: list[list[str]] = [[]]
+    for line in "".join(tee.text).splitlines():
+        if line.startswith("|"):
+            tables[-1].append(line)
+        elif tables[-1]:
+            tables.append([])
+    write(path, report, [t for t in tables if t])
