@@ -194,6 +194,20 @@ def test_results_file_tables_are_on_their_page(path: Path) -> None:
             assert line in page, f"{path.name}: this row is not on its page (rerun? update the page's table):\n{line}"
 
 
+def test_input_pipeline_docs_figures_match_results() -> None:
+    page = " ".join((ROOT / "docs" / "input_pipeline.md").read_text().split())
+
+    def per_core(first: str, fmt: str = ".1f") -> str:
+        return f"{number(row('input_pipeline', first)[2]):{fmt}}x"
+
+    epochs = [row("input_pipeline", f"StreamingDataModule, {side}", 1)[3] for side in ("256", "320", "source")]
+    for expected in (f"max side 256 gives about {per_core('StreamingDataModule, max side 256')}",
+                     f"320 about {per_core('StreamingDataModule, max side 320')}",
+                     f"size about {per_core('StreamingDataModule @ source size (max')}",
+                     f"decode alone is {per_core('`decode_jpeg` alone')}", f"{epochs[0]}x, {epochs[1]}x and {epochs[2]}x"):
+        assert expected in page, f"docs/input_pipeline.md should say {expected!r} (benchmarks/results/input_pipeline.json)"
+
+
 def test_time_to_accuracy_table_is_on_the_benchmarks_page() -> None:
     page = (ROOT / "benchmarks" / "README.md").read_text()
     table = [line for line in (RESULTS / "time_to_accuracy.md").read_text().splitlines() if line.startswith("| ")]
