@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import results_file
 import torch
 from PIL import Image
 

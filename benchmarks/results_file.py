@@ -13,9 +13,9 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
