@@ -73,3 +73,24 @@ def recording(path: str | Path, report: Any) -> Iterator[None]:
         elif tables[-1]:
             tables.append([])
     write(path, report, [t for t in tables if t])
+
+
+def run(main: Any, script: str) -> None:
+    """Run a script's ``main()`` (which parses the rest of the command line) and record its tables
+    and return value in ``--results`` (default ``benchmarks/results/<script>.json``)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_option(parser, script)
+    known, rest = parser.parse_known_args()
+    argv, sys.argv = sys.argv, [sys.argv[0], *rest]
+    if {"-h", "--help"} & set(rest):
+        main()
+        return
+    report: dict[str, Any] = {}
+    with recording(known.results, report):
+        try:
+            report["returned"] = main()
+        except SystemExit as end:  # a script's own clean exit still records; a failing one does not
+            if end.code not in (0, None):
+                raise
+        finally:
+            sys.argv = argv

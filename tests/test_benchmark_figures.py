@@ -183,8 +183,9 @@ def test_headline_figures_match_results(key: str) -> None:
 
 
 # the results files the pages quote (time_to_accuracy has its own format, checked below)
-QUOTED = ["allreduce", "convergence", "default_job", "doctor_scenarios", "emulation_faults", "faults", "input_pipeline",
-          "lars_step", "planner_crossover", "planner_literature", "planner_validation", "train_step_cluster"]
+QUOTED = ["allreduce", "background_loader", "convergence", "default_job", "doctor_scenarios", "emulation_faults", "faults",
+          "input_pipeline", "lars_step", "lightning_ddp_tests", "planner_crossover", "planner_literature",
+          "planner_validation", "step_breakdown_overhead", "streaming_loader", "train_step_cluster"]
 
 
 @pytest.mark.parametrize("name", QUOTED)
@@ -209,6 +210,36 @@ def test_input_pipeline_docs_figures_match_results() -> None:
                      f"size about {per_core('StreamingDataModule @ source size (max')}",
                      f"decode alone is {per_core('`decode_jpeg` alone')}", f"{epochs[0]}x, {epochs[1]}x and {epochs[2]}x"):
         assert expected in page, f"docs/input_pipeline.md should say {expected!r} (benchmarks/results/input_pipeline.json)"
+
+
+def bf16_grad_error() -> list[str]:
+    table = rows("bf16_grad_error")
+    def percent(prefixes: tuple[str, ...], columns: slice = slice(2, 4), fmt: str = ".0f") -> str:
+        values = [100 * float(c) for r in table if r[0].startswith(prefixes) for c in r[columns]]
+        return f"{span(values, fmt)} %"
+    return [f"{percent(('stem', 'stages.0', 'stages.1'))} in the convolution and BN parameters of the stem and the first two",
+            f"{percent(('stages.2',))} in the last stage", f"{percent(('fc',), slice(2, 3), '.1f')} in the classifier"]
+
+
+def step_breakdown_overhead() -> list[str]:
+    (after,) = [r for r in rows("step_breakdown_overhead") if r[:2] == ["after", "a fresh process per fit"]]
+    return [f"its own CPU time: about {number(after[3]):.1f} %"]
+
+
+# results files whose figures a page quotes in its prose: (page, figures)
+PROSE: dict[str, tuple[str, Callable[[], list[str]]]] = {
+    "bf16_grad_error": ("benchmarks/README.md", bf16_grad_error),
+    "step_breakdown_overhead": ("docs/step_breakdown.md", step_breakdown_overhead),
+}
+
+
+@pytest.mark.parametrize("name", list(PROSE))
+def test_prose_figures_match_results(name: str) -> None:
+    page, figures = PROSE[name]
+    text = " ".join((ROOT / page).read_text().split())
+    assert results(name).get("command")
+    for expected in figures():
+        assert expected in text, f"{page} should say {expected!r} ({name}.json)"
 
 
 def test_time_to_accuracy_table_is_on_the_benchmarks_page() -> None:
