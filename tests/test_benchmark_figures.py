@@ -74,17 +74,17 @@ def lars_step() -> list[str]:
             f"{span(ratios(plugin, 'timm `Lars` (default'))}x of timm `Lars`", "three runs"]
 
 
-def input_pipeline_per_core() -> list[str]:
+def input_vs_imagefolder() -> list[str]:
     def ratio(first: str) -> str:
-        return f"{number(row('input_pipeline', first)[2]):.1f}x"
+        return f"{number(row('input_vs_imagefolder', first)[2]):.1f}x"
     return [f"streaming {ratio('StreamingDataModule, max side 256')} ImageFolder stored at max side 256",
             f"{ratio('StreamingDataModule, max side 320')} at 320", f"{ratio('StreamingDataModule @ source size (max')} at source size",
             f"a full decode alone: {ratio('`decode_jpeg` alone')}", f"DALI CPU {ratio('DALI CPU')}"]
 
 
-def input_pipeline_ffcv() -> list[str]:
+def input_vs_ffcv() -> list[str]:
     def cells(first: str, column: int) -> str:
-        return ", ".join(f"{row('input_pipeline', f'{first}, {side}', 1)[column]}x" for side in ("source", "320", "256"))
+        return ", ".join(f"{row('input_vs_ffcv', f'{first}, {side}')[column]}x" for side in ("source", "320", "256"))
     return [f"per core {cells('StreamingDataModule', 4)} FFCV", f"ImageFolder in the same run: {cells('StreamingDataModule', 3)}",
             f"(the `num_workers: auto` pick) {cells('StreamingDataModule, no worker, 2 decode threads (background thread)', 7)}",
             f"kernel alone per core {cells('`train_batch`, bytes in memory', 4)}"]
@@ -148,8 +148,8 @@ HEADLINE: dict[str, Callable[[], list[str]]] = {
     "python benchmarks/allreduce.py": allreduce,
     "python benchmarks/train_step_cluster.py": train_step_cluster,
     "python benchmarks/lars_step.py": lars_step,
-    "python benchmarks/input_pipeline.py --autotune --train-step": input_pipeline_per_core,
-    "python benchmarks/input_pipeline.py --versus-ffcv": input_pipeline_ffcv,
+    "python benchmarks/input_vs_imagefolder.py": input_vs_imagefolder,
+    "python benchmarks/input_vs_ffcv.py": input_vs_ffcv,
     "python benchmarks/faults.py": faults,
     "python -m lightning_fastscale.emulation.faults": emulation_faults,
     "python benchmarks/planner_validation.py": planner_validation,
@@ -184,7 +184,7 @@ def test_headline_figures_match_results(key: str) -> None:
 
 # the results files the pages quote (time_to_accuracy has its own format, checked below)
 QUOTED = ["allreduce", "background_loader", "convergence", "default_job", "doctor_scenarios", "emulation_faults", "faults",
-          "input_pipeline", "lars_step", "lightning_ddp_tests", "planner_crossover", "planner_literature",
+          "input_kernels", "input_vs_ffcv", "input_vs_imagefolder", "lars_step", "lightning_ddp_tests", "planner_crossover", "planner_literature",
           "planner_validation", "step_breakdown_overhead", "streaming_loader", "train_step_cluster"]
 
 
@@ -202,14 +202,14 @@ def test_input_pipeline_docs_figures_match_results() -> None:
     page = " ".join((ROOT / "docs" / "input_pipeline.md").read_text().split())
 
     def per_core(first: str, fmt: str = ".1f") -> str:
-        return f"{number(row('input_pipeline', first)[2]):{fmt}}x"
+        return f"{number(row('input_vs_imagefolder', first)[2]):{fmt}}x"
 
-    epochs = [row("input_pipeline", f"StreamingDataModule, {side}", 1)[3] for side in ("256", "320", "source")]
+    epochs = [row("input_vs_ffcv", f"StreamingDataModule, {side}")[3] for side in ("256", "320", "source")]
     for expected in (f"max side 256 gives about {per_core('StreamingDataModule, max side 256')}",
                      f"320 about {per_core('StreamingDataModule, max side 320')}",
                      f"size about {per_core('StreamingDataModule @ source size (max')}",
                      f"decode alone is {per_core('`decode_jpeg` alone')}", f"{epochs[0]}x, {epochs[1]}x and {epochs[2]}x"):
-        assert expected in page, f"docs/input_pipeline.md should say {expected!r} (benchmarks/results/input_pipeline.json)"
+        assert expected in page, f"docs/input_pipeline.md should say {expected!r} (benchmarks/results/input_vs_imagefolder.json, input_vs_ffcv.json)"
 
 
 def bf16_grad_error() -> list[str]:
