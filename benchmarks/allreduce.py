@@ -13,12 +13,13 @@ Needs root (network namespaces). Example::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import results_file  # noqa: E402
 
 from lightning_fastscale.emulation.collectives import measure_allreduce  # noqa: E402
 
@@ -46,7 +47,7 @@ def format_table(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Parse arguments, measure, print the table (and save JSON with ``--json``)."""
+    """Parse arguments, measure, print the table and write the results file."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--caps", type=float, nargs="+", default=[500.0, 200.0],
                         help="per-node link caps in Mbit/s (each direction)")
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--topk-ratio", type=float, default=0.01)
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per cap")
-    parser.add_argument("--json", help="also write the raw report here")
+    results_file.add_option(parser, "allreduce")
     args = parser.parse_args(argv)
     report = measure_allreduce(
         [args.numel], args.algorithms, args.caps, num_nodes=args.nodes,
@@ -70,9 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs; "
           f"{args.nodes} nodes x {args.ranks_per_node} ranks, gloo; bound = 2(N-1)/N*M/B, M = {4 * args.numel / 1e6:.1f} MB")
     print(format_table(report))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    results_file.write(args.results, report)
 
 
 if __name__ == "__main__":

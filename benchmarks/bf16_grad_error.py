@@ -77,4 +77,6 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
 
 
 if __name__ == "__main__":
-    main()
+    import results_file
+
+    results_file.run(main, "bf16_grad_error")

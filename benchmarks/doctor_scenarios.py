@@ -36,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import results_file
+
 REPO = Path(__file__).resolve().parents[1]
 DOCTOR = [sys.executable, "-m", "lightning_fastscale.diagnostics.doctor_cli"]
 MEASURE = [
@@ -178,6 +180,7 @@ def main() -> None:
     parser.add_argument("--cap", type=float, default=10.0, help="emulated inter-node link, Mbit/s")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per scenario")
     parser.add_argument("--save", type=Path, default=None, help="folder for each scenario's report and doctor.json")
+    results_file.add_option(parser, "doctor_scenarios")
     args = parser.parse_args()
     if args.stability or args.table:
         results = json.loads(args.out.read_text()) if args.out.exists() else {}
@@ -201,15 +204,16 @@ def main() -> None:
                 (args.save / f"{name}.json").write_text(json.dumps(doc, indent=2) + "\n")
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs (gloo); emulated link {args.cap:g} Mbit/s; "
           "--verify: 2 rounds of 10 timed steps, baseline and fix interleaved")
-    print("| injected | verdict | step ms | first fix | predicted | measured |")
-    print("|---|---|---:|---|---:|---:|")
+    table = ["| injected | verdict | step ms | first fix | predicted | measured |", "|---|---|---:|---|---:|---:|"]
     for name, doc in rows:
         fix = doc["fixes"][0] if doc["fixes"] else None
         what = "-" if fix is None else (" ".join(fix["overrides"]) or
                                         f"(none: rank {doc['straggler_rank']} named)")
         predicted = "-" if fix is None else f"{fix['predicted_speedup']:.2f}x"
         measured = "-" if fix is None or fix["measured_speedup"] is None else f"{fix['measured_speedup']:.2f}x"
-        print(f"| {name} | {doc['bottleneck']} | {doc['step_s'] * 1e3:.1f} | {what} | {predicted} | {measured} |")
+        table.append(f"| {name} | {doc['bottleneck']} | {doc['step_s'] * 1e3:.1f} | {what} | {predicted} | {measured} |")
+    print("\n".join(table))
+    results_file.write(args.results, dict(rows), [table])
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks import results_file  # noqa: E402
 from benchmarks.fault_helpers import RECIPE_RUN  # noqa: E402  (the job the fault tests run)
 from lightning_fastscale.emulation.faults import free_port  # noqa: E402
 
@@ -274,14 +275,15 @@ def main() -> None:
     parser.add_argument("--only-comm", action="store_true", help="only the rank killed / hung rows")
     parser.add_argument("--only-storage", action="store_true",
                         help="only the 1-process rows: kill during save, disk full, truncated, shared folder, divergence")
+    results_file.add_option(parser, "faults")
     args = parser.parse_args()
     root = args.out or Path(tempfile.mkdtemp(prefix="faults-"))
     started = time.time()
     if args.only_comm:
-        print_table(comm_rows(root), started, root)
+        print_table(comm_rows(root), started, root, args.results)
         return
     if args.only_storage:
-        print_table(storage_rows(root), started, root)
+        print_table(storage_rows(root), started, root, args.results)
         return
     code, out, _ = wait(launch(root / "uninterrupted"), timeout=300)
     if code != 0:
@@ -295,15 +297,14 @@ def main() -> None:
     rows.append(truncated(root, root / "rank1"))
     rows += comm_rows(root)
     rows += storage_rows(root)
-    print_table(rows, started, root)
+    print_table(rows, started, root, args.results)
 
 
-def print_table(rows: list[Row], started: float, root: Path) -> None:
-    print("| fault | what happened | seconds to exit | lost |")
-    print("|---|---|---|---|")
-    for row in rows:
-        print(f"| {row.fault} | {row.happened} | {row.seconds_to_exit} | {row.lost} |")
-    print(f"\n{len(rows)} rows in {time.time() - started:.0f} s; runs in {root}")
+def print_table(rows: list[Row], started: float, root: Path, results: str) -> None:
+    table = ["| fault | what happened | seconds to exit | lost |", "|---|---|---|---|"]
+    table += [f"| {row.fault} | {row.happened} | {row.seconds_to_exit} | {row.lost} |" for row in rows]
+    print("\n".join(table) + f"\n\n{len(rows)} rows in {time.time() - started:.0f} s; runs in {root}")
+    results_file.write(results, [vars(row) for row in rows], [table])
 
 
 if __name__ == "__main__":

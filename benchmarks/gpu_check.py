@@ -374,4 +374,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import results_file
+
+    results_file.run(main, "gpu_check")

@@ -27,7 +27,6 @@ import atexit
 import copy
 import importlib
 import io
-import json
 import shutil
 import statistics
 import subprocess
@@ -39,6 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
+import results_file
 import timm.optim
 import torch
 import torchvision
@@ -149,7 +149,7 @@ def main() -> None:
         help="process: CPU time of this process (robust to other jobs on a shared machine; "
         "use with --threads 1); wall: perf_counter (use on a quiet machine or with CUDA)",
     )
-    ap.add_argument("--json", default=None, help="also write the results to this file")
+    results_file.add_option(ap, "lars_step")
     ap.add_argument("--against", default=None, help="also time LARS and the plugin as of this git revision")
     args = ap.parse_args()
     if args.threads:
@@ -191,9 +191,7 @@ def main() -> None:
             ours, before = times[f"{kind} (ours)"], times[f"{kind} ({args.against})"]
             paired[kind] = statistics.median(a / b for a, b in zip(ours, before))
             print(f"| {kind} | {paired[kind]:.3f} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"info": info, "args": vars(args), "results": rows, "paired": paired}, f, indent=2)
+    results_file.write(args.results, {"info": info, "args": vars(args), "results": rows, "paired": paired})
 
 
 if __name__ == "__main__":

@@ -136,4 +136,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import results_file
+
+    results_file.run(main, "lightning_ddp_tests")

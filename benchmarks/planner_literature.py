@@ -16,7 +16,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import argparse
 from dataclasses import replace  # noqa: E402
+
+import results_file  # noqa: E402
 
 from lightning_fastscale.planner.cluster import load_cluster  # noqa: E402
 from lightning_fastscale.planner.cost_model import predict_allreduce  # noqa: E402
@@ -77,20 +80,21 @@ def horovod_rows(per_flow_gbit_s: tuple[float | None, ...] = (None, 7.5, 5.0, 2.
 
 
 def main() -> None:
-    """Print both tables."""
-    print(f"| cluster | model | GPUs | per-GPU batch | algorithm | published | predicted (auto fusion, {CHUNK} "
-          "chunks: 2 MiB x nodes) | auto fusion, unchunked | two segments | DDP 25 MiB | one bucket |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for row in (efficiency_rows("tencent_p40_100g", "hier", [(1024, 64, 0.99), (2048, 32, 0.97)])
-                + efficiency_rows("sony_v100_abci", "torus2d", [(1088, 32, 0.9162)])):
-        print(row)
-    print()
-    print(f"| cluster | model | GPUs | per-flow limit | published torus/ring | vs flat ring: all-reduce ({CHUNK} chunks) "
+    """Print both tables and write them to the results file."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    results_file.add_option(parser, "planner_literature")
+    args = parser.parse_args()
+    first = [f"| cluster | model | GPUs | per-GPU batch | algorithm | published | predicted (auto fusion, {CHUNK} "
+          "chunks: 2 MiB x nodes) | auto fusion, unchunked | two segments | DDP 25 MiB | one bucket |",
+             "|---|---|---|---|---|---|---|---|---|---|---|",
+             *efficiency_rows("tencent_p40_100g", "hier", [(1024, 64, 0.99), (2048, 32, 0.97)]),
+             *efficiency_rows("sony_v100_abci", "torus2d", [(1088, 32, 0.9162)])]
+    second = [f"| cluster | model | GPUs | per-flow limit | published torus/ring | vs flat ring: all-reduce ({CHUNK} chunks) "
           f"| step ({CHUNK} chunks) | all-reduce (unchunked) | step (unchunked) "
-          f"| vs NCCL ring/tree: all-reduce ({CHUNK} chunks) | step ({CHUNK} chunks) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for row in horovod_rows():
-        print(row)
+              f"| vs NCCL ring/tree: all-reduce ({CHUNK} chunks) | step ({CHUNK} chunks) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|", *horovod_rows()]
+    print("\n".join(first) + "\n\n" + "\n".join(second))
+    results_file.write(args.results, None, [first, second])
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import results_file  # noqa: E402
 from planner_verdicts import case_key, format_across, predict_rows, refit_rows  # noqa: E402, F401  (format_across: --across)
 
 from lightning_fastscale.emulation.collectives import measure_allreduce  # noqa: E402
@@ -230,6 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--wire-dtype", choices=list(WIRE_DTYPES), default="fp32",
                         help="wire_dtype of the measured algorithms (cast on the inter-node stage)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
+    results_file.add_option(parser, "planner_validation")
     parser.add_argument("--from-json", help="measure nothing: re-predict the rows of an earlier --json file "
                         "with the current model (same calibrated parameters)")
     parser.add_argument("--refit", action="store_true", help="with --from-json: refit the parameters from the "
@@ -266,6 +268,7 @@ def main(argv: list[str] | None = None) -> None:
         print(format_table(rows), flush=True)
         if args.json:  # after every configuration, so a later failure keeps the earlier ones
             Path(args.json).write_text(json.dumps(rows, indent=2))
+    results_file.write(args.results, rows, [format_compact(rows).splitlines()])
 
 
 if __name__ == "__main__":

@@ -160,4 +160,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import results_file
+
+    results_file.run(main, "step_breakdown_overhead")

@@ -1,6 +1,6 @@
 """The streaming training loader: batch decode in threads against per-sample decode; buffers; restarts.
 
-On a generated tree of photo-like JPEGs (``input_pipeline.write_tree``) converted at each
+On a generated tree of photo-like JPEGs (``input_common.write_tree``) converted at each
 ``--max-sides`` (``640`` keeps the source size), this times, in interleaved rounds:
 
 1. images/s of ``StreamingDataModule``'s training loader up to the uint8 batch, within one
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from input_pipeline import write_tree  # noqa: E402
+from input_common import write_tree  # noqa: E402
 
 from lightning_fastscale.data import StreamingDataModule, transforms  # noqa: E402
 from lightning_fastscale.data.convert import convert  # noqa: E402
@@ -198,4 +198,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import results_file
+
+    results_file.run(main, "streaming_loader")

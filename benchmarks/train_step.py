@@ -144,4 +144,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import results_file
+
+    results_file.run(main, "train_step")

@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import results_file
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -156,6 +158,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed first steps")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per strategy")
+    results_file.add_option(parser, "train_step_cluster")
     args = parser.parse_args()
     if args.worker:
         _worker(json.loads(args.worker))
@@ -170,6 +173,7 @@ def main() -> None:
     for r in rows:
         ratio = "-" if r["ratio_vs_ddp"] is None else f"{r['ratio_vs_ddp']:.2f}"
         print(f"| {r['strategy_name']} | {r['images_per_s']:.1f} | {r['median_step_s']:.3f} | {ratio} |")
+    results_file.write(args.results, {"args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ConfigError", "check_composed", "check_group_names", "check_parts", "config_names", "setting_errors", "show", "translate"]
+__all__ = ["ConfigError", "check_composed", "check_group_names", "check_parts", "config_names", "setting_errors", "show", "taken_by", "translate"]
 
 # torch.optim words its refusals without the argument's name ("Invalid learning rate: -1").
 _TORCH_PHRASES: tuple[tuple[str, str, str], ...] = (
@@ -305,14 +305,29 @@ def _check_number_types(prefix: str, node: DictConfig) -> None:
 # -- the built parts against each other, before any side effect --------------------------------
 
 
+def taken_by(node: DictConfig, links: dict[str, Any]) -> dict[str, Any]:
+    """The ``links`` the class of ``node`` accepts (all of them if it takes ``**kwargs``); refuses a missing ``num_classes``."""
+    from hydra.utils import get_method
+
+    params = inspect.signature(get_method(node._target_)).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        accepted = dict(links)
+    else:
+        accepted = {k: v for k, v in links.items() if k in params and k not in node}
+    if "num_classes" in accepted and accepted["num_classes"] is None:
+        raise ConfigError(f"model={node._target_} takes num_classes, but the datamodule has no num_classes "
+                          "attribute: give model.num_classes=<classes> or add the attribute", key="model.num_classes")
+    return {k: v for k, v in accepted.items() if v is not None or k != "num_classes"}
+
+
 def check_parts(cfg: DictConfig, module: Any, trainer: pl.Trainer, datamodule: Any = None) -> None:
     """What only the built parts together can refuse: raises [`ConfigError`][lightning_fastscale.config_check.ConfigError] by Hydra key.
 
     The optimizer is built once on a stand-in parameter (torch checks its arguments there), the
     Trainer's clipping and accumulation, the training length against what needs one (an LR
     schedule), each recipe callback's ``check_trainer`` (all of their refusals at once), the
-    data against one batch, and the strategy's settings against the Trainer's devices and nodes.
-    Warns (does not refuse) about fp16 on a CPU.
+    data against one batch, the strategy's settings against the Trainer's devices and nodes, and
+    ``model.bn_span`` against the batch and ranks. Warns (does not refuse) about fp16 on a CPU.
     """
     import torch
 
@@ -335,6 +350,13 @@ def check_parts(cfg: DictConfig, module: Any, trainer: pl.Trainer, datamodule: A
         _check_one_batch(cfg, datamodule, trainer)
     _check_strategy(cfg, trainer)
     _warn_fp16_on_cpu(cfg, trainer)
+    bn_span = (cfg.get("model") or {}).get("bn_span")
+    if bn_span is not None and datamodule is not None:  # refused with the nearest spans that work
+        from lightning_fastscale.callbacks.bn_span import bn_span_plan
+
+        with setting_errors("model", cfg.model):
+            bn_span_plan(bn_span, datamodule.train_batch_size, trainer.num_devices * trainer.num_nodes,
+                         getattr(trainer.strategy, "ranks_per_node", None) or trainer.num_devices)
 
 
 def _check_training_length(cfg: DictConfig, trainer: pl.Trainer) -> None:

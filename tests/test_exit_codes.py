@@ -11,7 +11,7 @@ from lightning_fastscale.data.stored_format import CorruptDataError
 from lightning_fastscale.exit_codes import ExitCode, exit_code_for
 from lightning_fastscale.faults.checkpoint_reading import CheckpointError
 from lightning_fastscale.faults.non_finite_guard import NonFiniteStepsError
-from lightning_fastscale.run_log import end_run
+from lightning_fastscale.run_folder import end_run
 
 
 def test_the_documented_table():

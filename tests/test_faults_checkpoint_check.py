@@ -17,7 +17,7 @@ from lightning_fastscale.data import ProceduralDataModule
 from lightning_fastscale.faults import checkpoint_reading
 from lightning_fastscale.faults.checkpoint_reading import CheckpointError
 from lightning_fastscale.module import ImageClassifier, cosine_schedule
-from lightning_fastscale.train import resolve_resume
+from lightning_fastscale.run_folder import resolve_resume
 
 
 class CountSteps(pl.Callback):

@@ -1,10 +1,11 @@
-"""The run folder's log: Lightning's records and Python warnings written there, the run's summary lines, the last line of a failure.
+"""The run folder: the checkpoint a run starts from, its log, its loggers, the last line of a failure.
 
-Hydra writes the root logger to the console and to ``<run folder>/<job name>.log``. Lightning's
-loggers keep their own console handler and do not propagate, and warnings go to stderr only;
-`log_to_run_folder` sends both to the file too. `end_run` turns an exception into the exit
-status of its kind (see `lightning_fastscale.exit_codes`) and one line on stderr naming the
-log; a refused run's folder, holding only what Hydra wrote, is removed.
+`resolve_resume` picks the checkpoint (``resume`` / ``ckpt_path``) and refuses to overwrite a
+used folder. Hydra writes the root logger to ``<run folder>/<job name>.log``; Lightning's
+loggers do not propagate and warnings go to stderr only, so `log_to_run_folder` sends both to
+the file too. `end_run` turns an exception into the exit status of its kind (see
+`lightning_fastscale.exit_codes`) and one line on stderr naming the log; a refused run's
+folder, holding only what Hydra wrote, is removed.
 """
 from __future__ import annotations
 
@@ -14,24 +15,109 @@ import shutil
 import sys
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from lightning_fastscale.config_check import ConfigError
+from lightning_fastscale.exit_codes import ExitCode, exit_code_for
+from lightning_fastscale.faults import checkpoint_reading
+from lightning_fastscale.faults.run_folder_lock import LOCK_NAME
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-from lightning_fastscale.exit_codes import ExitCode, exit_code_for
-from lightning_fastscale.faults.run_folder_lock import LOCK_NAME
-
 log = logging.getLogger("lightning_fastscale.train")
 
-__all__ = ["HYDRA_FILES", "end_run", "finish_wandb", "log_to_run_folder", "remove_run_folder_if_unused", "report",
-           "report_metric_locations"]
+__all__ = ["HYDRA_FILES", "RESUME_MODES", "build_logger", "end_run", "finish_wandb", "log_to_run_folder",
+           "remove_run_folder_if_unused", "report", "report_metric_locations", "resolve_resume", "run_in_folder"]
 
 _LIBRARY_LOGGERS = ("lightning.pytorch", "lightning.fabric")
 """Lightning's loggers keep their own console handler and do not propagate to the root logger."""
 
 HYDRA_FILES = frozenset({".hydra", LOCK_NAME})
 """What a run writes into its folder before training starts: Hydra's config and the run's claim."""
+
+
+def _check_output_dir_is_fresh(cfg: DictConfig) -> None:
+    """Refuse to write checkpoints into a folder that already holds some."""
+    ckpt_cfg = (cfg.get("callbacks") or {}).get("model_checkpoint")
+    if not ckpt_cfg or not ckpt_cfg.get("dirpath"):
+        return
+    dirpath = Path(ckpt_cfg.dirpath)
+    existing = sorted(dirpath.glob("*.ckpt")) if dirpath.is_dir() else []
+    if existing:
+        raise ConfigError(
+            f"{dirpath} already holds checkpoints ({existing[0].name}, ...); refusing to overwrite "
+            "them. Use a new hydra.run.dir (the default is a fresh timestamped folder), or resume "
+            "with ckpt_path=... which writes into a new run folder, or continue this run with resume=auto.",
+            key="hydra.run.dir",
+        )
+
+
+RESUME_MODES = ("never", "auto")
+
+
+def _checkpoint_folders(cfg: DictConfig) -> list[Path]:
+    """The folders the configured checkpoint callbacks write into."""
+    callbacks = cfg.get("callbacks") or {}
+    folders = []
+    for name in ("model_checkpoint", "last_checkpoint", "preemption"):
+        node = callbacks.get(name)
+        if node and node.get("dirpath"):
+            folders.append(Path(node.dirpath))
+    return list(dict.fromkeys(folders))
+
+
+def resolve_resume(cfg: DictConfig) -> str | None:
+    """The checkpoint this run starts from, following ``resume`` and ``ckpt_path``.
+
+    ``resume=never`` (the default): a fresh run, or ``ckpt_path``; a run folder that already
+    holds checkpoints is refused. ``resume=auto`` (requeued or restarted jobs, with a fixed
+    ``hydra.run.dir``): continue from the newest checkpoint in the run's checkpoint folder,
+    or start fresh when there is none yet; an incomplete or unreadable file is skipped with a
+    warning naming it (see `resume_point`).
+    """
+    mode = cfg.get("resume", "never")
+    if mode not in RESUME_MODES:
+        raise ConfigError(f"resume={mode!r} is not one of {RESUME_MODES}; use resume=auto to continue a run in its folder",
+                          key="resume")
+    if mode == "never":
+        _check_output_dir_is_fresh(cfg)
+        return cfg.get("ckpt_path")
+    if cfg.get("ckpt_path"):
+        raise ConfigError(
+            f"resume=auto and ckpt_path={cfg.ckpt_path} both given; resume=auto picks the newest "
+            "checkpoint of the run folder itself: drop one of them",
+            key="ckpt_path",
+        )
+    return checkpoint_reading.resume_point(_checkpoint_folders(cfg))
+
+
+def build_logger(cfg: DictConfig) -> Any:
+    """The configured logger; W&B goes offline (no network at all) without an API key."""
+    node = cfg.get("logger")
+    if not node:
+        return False
+    if "WandbLogger" in str(node.get("_target_", "")):
+        online = os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") == "online"
+        if not online:
+            os.environ["WANDB_MODE"] = "offline"
+        return without_unset_anonymous(instantiate(node, offline=True) if not online else instantiate(node))
+    return instantiate(node)
+
+
+def without_unset_anonymous(logger: Any) -> Any:
+    """Drop the ``anonymous=None`` that Lightning's ``WandbLogger`` always hands to ``wandb.init``.
+
+    wandb >= 0.19 deprecated the setting and warns on every run whenever it is passed at all,
+    even as None; left out it keeps wandb's default, which is what None meant.
+    """
+    init_kwargs = getattr(logger, "_wandb_init", None)
+    if isinstance(init_kwargs, dict) and init_kwargs.get("anonymous", False) is None:
+        del init_kwargs["anonymous"]
+    return logger
 
 
 def report(line: str) -> None:
@@ -129,7 +215,7 @@ def log_is_empty(files: list[logging.FileHandler]) -> bool:
 
 
 def end_run(error: BaseException, files: list[logging.FileHandler], log_was_empty: bool, run_dir: Path | None,
-            program: str = "fastscale-train") -> None:
+            program: str = "fastscale-train") -> NoReturn:
     """End the process for ``error``: its kind's exit status and one line on stderr naming the log.
 
     A bad setting (exit 2) removes a run folder holding only Hydra's files; a bug (no kind) keeps
@@ -154,3 +240,18 @@ def end_run(error: BaseException, files: list[logging.FileHandler], log_was_empt
     else:
         print(f"{program}: error [exit {status}: {kind}]: {type(error).__name__}: {message}{where}", file=sys.stderr)
     raise SystemExit(status) from None
+
+
+def run_in_folder(job: Callable[[], Any], reraise: bool = False) -> Any:
+    """Run ``job`` logging to the run folder; a failure ends the process (`end_run`) unless ``reraise``
+    (a Hydra multirun, whose sweep goes on) or ``HYDRA_FULL_ERROR=1`` (the traceback wanted)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    files = log_to_run_folder()
+    log_was_empty = log_is_empty(files)
+    try:
+        return job()
+    except Exception as error:
+        if reraise or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        end_run(error, files, log_was_empty, Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else None)

@@ -1,0 +1,257 @@
+"""The figures the pages quote match the results files under ``benchmarks/results/``.
+
+Every table a results file holds is shown, row for row, on its page (``benchmarks/README.md``
+unless the file names another), and every row of README.md's headline table names a command
+whose results file gives the row's figures (derived here from the file, never written twice).
+A rerun whose numbers change fails here until the pages follow. Also: the README's layout
+names every top-level module and package of ``lightning_fastscale/``.
+"""
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+README = (ROOT / "README.md").read_text()
+
+
+def results(name: str) -> dict:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def rows(name: str, table: int = 0) -> list[list[str]]:
+    """The data rows of a results file's markdown table, cells stripped of bold."""
+    lines = results(name)["tables"][table][2:]
+    return [[c.strip().replace("**", "") for c in line.strip().strip("|").split("|")] for line in lines]
+
+
+def row(name: str, first: str, table: int = 0) -> list[str]:
+    """The one row whose first cell is ``first``, or else starts with it."""
+    table_rows = rows(name, table)
+    (found,) = [r for r in table_rows if r[0] == first] or [r for r in table_rows if r[0].startswith(first)]
+    return found
+
+
+def number(cell: str) -> float:
+    return float(re.search(r"-?[\d,]*\.?\d+", cell).group().replace(",", ""))
+
+
+def span(values: list[float], fmt: str = ".2f") -> str:
+    low, high = min(values), max(values)
+    return f"{low:{fmt}}" if f"{low:{fmt}}" == f"{high:{fmt}}" else f"{low:{fmt}}-{high:{fmt}}"
+
+
+def time_to_accuracy(machine: str) -> list[str]:
+    summary = {(r["machine"], r["arm"]): r for r in json.loads((RESULTS / "time_to_accuracy_summary.json").read_text())}
+    plain, recipe = summary[(machine, "plain")], summary[(machine, "recipe")]
+    seconds = plain["median_s"] if plain["median_s"] is not None else plain["min_s"]
+    best = [100 * b for b in recipe["best_top1"]]
+    return [f"{seconds:.0f} s", f"{100 * plain['target']:.1f} %", f"{span(best, '.1f')} %",
+            f"{plain['seconds_per_epoch'] / recipe['seconds_per_epoch']:.2f}x"]
+
+
+def allreduce() -> list[str]:
+    hier, torus, fp16 = row("allreduce", "hier@4mb"), row("allreduce", "torus2d@4mb"), row("allreduce", "hier fp16@4mb")
+    return [f"{hier[2]}x", f"fp16 wire: {fp16[2]}x", f"{span([number(hier[3]), number(torus[3])], '.0f')} %"]
+
+
+def train_step_cluster() -> list[str]:
+    ring = re.findall(r"[\d.]+", row("train_step_cluster", "hier_ring (4 MiB chunks)")[2])
+    return [f"`hier_ring` {span([float(x) for x in ring])}x", f"fp16 wire {row('train_step_cluster', 'hier_torus, wire_dtype=fp16')[2]}x"]
+
+
+def lars_step() -> list[str]:
+    def ratios(of: str, to: str) -> list[float]:
+        return [number(a) / number(b) for a, b in zip(row("lars_step", of)[1:4], row("lars_step", to)[1:4])]
+    plugin = "`LARSMixedPrecision.lars_step`"
+    return [f"`LARS` {span(ratios('`LARS`', 'torch SGD'))}x", f"the plugin around SGD {span(ratios(plugin, 'torch SGD'))}x",
+            f"{span(ratios(plugin, 'timm `Lars` (default'))}x of timm `Lars`", "three runs"]
+
+
+def input_vs_imagefolder() -> list[str]:
+    def ratio(first: str) -> str:
+        return f"{number(row('input_vs_imagefolder', first)[2]):.1f}x"
+    return [f"streaming {ratio('StreamingDataModule, max side 256')} ImageFolder stored at max side 256",
+            f"{ratio('StreamingDataModule, max side 320')} at 320", f"{ratio('StreamingDataModule @ source size (max')} at source size",
+            f"a full decode alone: {ratio('`decode_jpeg` alone')}", f"DALI CPU {ratio('DALI CPU')}"]
+
+
+def input_vs_ffcv() -> list[str]:
+    def cells(first: str, column: int) -> str:
+        return ", ".join(f"{row('input_vs_ffcv', f'{first}, {side}')[column]}x" for side in ("source", "320", "256"))
+    return [f"per core {cells('StreamingDataModule', 4)} FFCV", f"ImageFolder in the same run: {cells('StreamingDataModule', 3)}",
+            f"(the `num_workers: auto` pick) {cells('StreamingDataModule, no worker, 2 decode threads (background thread)', 7)}",
+            f"kernel alone per core {cells('`train_batch`, bytes in memory', 4)}"]
+
+
+def faults() -> list[str]:
+    lost = row("faults", "SIGTERM to rank 1 only (`PreemptionCheckpoint`)")[3]
+    return [part for part in ("0 steps redone", "bitwise equal to the uninterrupted run") if part in lost] + ["one checkpoint"]
+
+
+def emulation_faults() -> list[str]:
+    hung = {r[0]: number(r[3]) for r in rows("emulation_faults") if r[1] == "hang rank 1"}
+    return [f"{span([v for k, v in hung.items() if k != 'ddp'], '.0f')} s (plain DDP {hung['ddp']:.0f} s)"]
+
+
+def planner_validation() -> list[str]:
+    table = rows("planner_validation")
+    errors = [abs(float(e)) for r in table for cell in r[5:8] for e in re.findall(r"\(([-+]\d+)%\)", cell)]
+    picks = [number(r[-1]) for r in table]
+    assert max(errors) <= 25 and max(picks) <= 1.05, (max(errors), max(picks))
+    return [f"{len(table)} cases", "all predictions within 25 %", "every pick within 5 % of the fastest"]
+
+
+def planner_literature() -> list[str]:
+    (tencent,) = [r for r in rows("planner_literature") if r[0] == "tencent_p40_100g" and r[2] == "1024"]
+    return [f"predicts {number(tencent[6]):.1f} % (published {number(tencent[5]):.0f} %)"]
+
+
+def crossover() -> list[str]:
+    table = [(int(r[1]), int(r[2]), number(r[6]), number(r[7]), number(r[9])) for r in rows("planner_crossover")]
+    wins = [x for gbit, nodes, hier, torus, _ in table if nodes in (4, 8) and gbit <= 100 for x in (hier, torus)]
+    assert all(max(h, t) < 1 for gbit, nodes, h, t, _ in table if nodes == 2 or gbit == 400)
+    topk = [k for *_, k in table]
+    return [f"fp32 two-level: {span(wins)}x on 4-8 nodes up to 100 Gbit/s, none on 2 nodes or at 400 Gbit/s",
+            f"top-k 1 %: {min(topk):.1f}-{max(topk):.0f}x"]
+
+
+def doctor_scenarios() -> list[str]:
+    comm, loader = row("doctor_scenarios", "2 emulated nodes"), row("doctor_scenarios", "4 ms sleep per sample")
+    return [f"16-bit wire predicted {comm[5]}, measured {comm[6]}", f"2 loader workers predicted {loader[5]}, measured {loader[6]}"]
+
+
+def convergence() -> list[str]:
+    extra = results("convergence")["extra_seeds"]
+    def six(arm: str) -> float:
+        return statistics.mean([number(c) for c in row("convergence", arm)[6:9]] + extra[arm])
+    return [f"full recipe {six('1_baseline') - six('7_ghost_bn'):.1f} points below the baseline (six seeds",
+            f"linear scaling alone: {abs(number(row('convergence', '2_linear_scaling')[10])):.0f} below"]
+
+
+def default_job() -> list[str]:
+    report = results("default_job")["report"]
+    return [f"val top-1 {report['final_val_top1']:.2f}", f"{report['wall_s'] // 60} min {report['wall_s'] % 60} s"]
+
+
+# README headline row (by its command) -> the figures its results file gives
+HEADLINE: dict[str, Callable[[], list[str]]] = {
+    "python benchmarks/time_to_accuracy.py --machines record": lambda: time_to_accuracy("record"),
+    "python benchmarks/time_to_accuracy.py --machines cloud": lambda: time_to_accuracy("cloud"),
+    "python benchmarks/time_to_accuracy.py --machines one": lambda: time_to_accuracy("one"),
+    "python benchmarks/allreduce.py": allreduce,
+    "python benchmarks/train_step_cluster.py": train_step_cluster,
+    "python benchmarks/lars_step.py": lars_step,
+    "python benchmarks/input_vs_imagefolder.py": input_vs_imagefolder,
+    "python benchmarks/input_vs_ffcv.py": input_vs_ffcv,
+    "python benchmarks/faults.py": faults,
+    "python -m lightning_fastscale.emulation.faults": emulation_faults,
+    "python benchmarks/planner_validation.py": planner_validation,
+    "python benchmarks/planner_literature.py": planner_literature,
+    "fastscale-plan --crossover": crossover,
+    "python benchmarks/doctor_scenarios.py": doctor_scenarios,
+    "python benchmarks/convergence.py": convergence,
+    "make train": default_job,
+}
+
+
+def headline_rows() -> list[tuple[str, str]]:
+    """(what and figures, command) of each row of README.md's headline table."""
+    section = README.split("## Headline results", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("| ")][1:]
+    return [(f"{cells[0]} | {cells[1]}", cells[2]) for cells in ([c.strip() for c in line.strip("|").split(" | ")] for line in lines)]
+
+
+def test_every_headline_row_has_a_results_file() -> None:
+    rows_ = headline_rows()
+    assert len(rows_) >= len(HEADLINE)
+    for _, command in rows_:
+        assert [key for key in HEADLINE if f"`{key}" in command], f"README headline row without a results file: {command}"
+
+
+@pytest.mark.parametrize("key", list(HEADLINE))
+def test_headline_figures_match_results(key: str) -> None:
+    (figures,) = [text for text, command in headline_rows() if f"`{key}" in command]
+    for expected in HEADLINE[key]():
+        assert expected in figures, f"README.md headline row `{key}` should say {expected!r} (its results file); it says: {figures}"
+
+
+# the results files the pages quote (time_to_accuracy has its own format, checked below)
+QUOTED = ["allreduce", "background_loader", "convergence", "default_job", "doctor_scenarios", "emulation_faults", "faults",
+          "input_kernels", "input_vs_ffcv", "input_vs_imagefolder", "lars_step", "lightning_ddp_tests", "planner_crossover", "planner_literature",
+          "planner_validation", "step_breakdown_overhead", "streaming_loader", "train_step_cluster"]
+
+
+@pytest.mark.parametrize("name", QUOTED)
+def test_results_file_tables_are_on_their_page(name: str) -> None:
+    data = results(name)
+    assert data.get("source") and data.get("command") and data.get("date"), f"{name}.json names no source, command and date"
+    page = (ROOT / data.get("page", "benchmarks/README.md")).read_text()
+    for table in data.get("tables", []):
+        for line in table:
+            assert line in page, f"{name}.json: this row is not on its page (rerun? update the page's table):\n{line}"
+
+
+def test_input_pipeline_docs_figures_match_results() -> None:
+    page = " ".join((ROOT / "docs" / "input_pipeline.md").read_text().split())
+
+    def per_core(first: str, fmt: str = ".1f") -> str:
+        return f"{number(row('input_vs_imagefolder', first)[2]):{fmt}}x"
+
+    epochs = [row("input_vs_ffcv", f"StreamingDataModule, {side}")[3] for side in ("256", "320", "source")]
+    for expected in (f"max side 256 gives about {per_core('StreamingDataModule, max side 256')}",
+                     f"320 about {per_core('StreamingDataModule, max side 320')}",
+                     f"size about {per_core('StreamingDataModule @ source size (max')}",
+                     f"decode alone is {per_core('`decode_jpeg` alone')}", f"{epochs[0]}x, {epochs[1]}x and {epochs[2]}x"):
+        assert expected in page, f"docs/input_pipeline.md should say {expected!r} (benchmarks/results/input_vs_imagefolder.json, input_vs_ffcv.json)"
+
+
+def bf16_grad_error() -> list[str]:
+    table = rows("bf16_grad_error")
+    def percent(prefixes: tuple[str, ...], columns: slice = slice(2, 4), fmt: str = ".0f") -> str:
+        values = [100 * float(c) for r in table if r[0].startswith(prefixes) for c in r[columns]]
+        return f"{span(values, fmt)} %"
+    return [f"{percent(('stem', 'stages.0', 'stages.1'))} in the convolution and BN parameters of the stem and the first two",
+            f"{percent(('stages.2',))} in the last stage", f"{percent(('fc',), slice(2, 3), '.1f')} in the classifier"]
+
+
+def step_breakdown_overhead() -> list[str]:
+    (after,) = [r for r in rows("step_breakdown_overhead") if r[:2] == ["after", "a fresh process per fit"]]
+    return [f"its own CPU time: about {number(after[3]):.1f} %"]
+
+
+# results files whose figures a page quotes in its prose: (page, figures)
+PROSE: dict[str, tuple[str, Callable[[], list[str]]]] = {
+    "bf16_grad_error": ("benchmarks/README.md", bf16_grad_error),
+    "step_breakdown_overhead": ("docs/step_breakdown.md", step_breakdown_overhead),
+}
+
+
+@pytest.mark.parametrize("name", list(PROSE))
+def test_prose_figures_match_results(name: str) -> None:
+    page, figures = PROSE[name]
+    text = " ".join((ROOT / page).read_text().split())
+    assert results(name).get("command")
+    for expected in figures():
+        assert expected in text, f"{page} should say {expected!r} ({name}.json)"
+
+
+def test_time_to_accuracy_table_is_on_the_benchmarks_page() -> None:
+    page = (ROOT / "benchmarks" / "README.md").read_text()
+    table = [line for line in (RESULTS / "time_to_accuracy.md").read_text().splitlines() if line.startswith("| ")]
+    assert table and all(line in page for line in table)
+
+
+def test_readme_layout_names_every_top_level_module() -> None:
+    layout = README.split("## Layout", 1)[1].split("```", 2)[1]
+    named = set(re.findall(r"^  (\S+?)/?\s", layout, re.MULTILINE))
+    package = ROOT / "lightning_fastscale"
+    tree = {p.name for p in package.iterdir() if (p.suffix == ".py" or (p / "__init__.py").is_file() or p.name == "conf")}
+    assert tree - named == set(), f"README layout omits {sorted(tree - named)}"
+    assert named - tree == set(), f"README layout names what the package lacks: {sorted(named - tree)}"
