@@ -10,7 +10,7 @@ printed, and the exit status is 1 if there is any (see [`verify`][lightning_fast
 
 ``fastscale-data bench ROOT`` times a training pipeline (``--pipeline streaming`` on a
 converted folder, ``--pipeline imagefolder`` on an image tree) and prints images/s, the
-figure ``benchmarks/input_pipeline.py`` tabulates.
+figure ``benchmarks/input_vs_imagefolder.py`` tabulates.
 """
 from __future__ import annotations
 
