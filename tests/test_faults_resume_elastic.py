@@ -180,3 +180,28 @@ def test_stopped_on_4_ranks_resumed_on_2_then_3_matches_the_uninterrupted_run(tm
     off = distance(elastic_weights, full_weights)
     print(f"reduction-order noise {order_noise:.3g}, elastic run off the uninterrupted by {off:.3g}")
     assert off <= 10 * order_noise
+
+
+def test_stopped_on_2_ranks_resumed_on_1_with_accumulation_sees_the_rest_of_the_epoch_once(tmp_path):
+    """2 ranks x 12 stop after step 2; 1 rank under a ceiling of 12 per device resumes as
+    12 x 2 accumulation: each step trains on the uninterrupted run's 24 samples with its LR."""
+    fit(tmp_path / "full", 1, 12, accumulate=2)
+    fit(tmp_path / "a", 2, 12, stop=2)
+    fit(tmp_path / "b", 1, 12, ckpt_path=str(tmp_path / "a" / "stopped.ckpt"), max_per_device_batch=12)
+    full, _ = read(tmp_path / "full", 1)
+    (on2, _), (on1, _) = read(tmp_path / "a", 2), read(tmp_path / "b", 1)
+    assert [len(on2), len(on1)] == [2, STEPS - 2]
+    assert [s["ids"] for s in on2 + on1] == [s["ids"] for s in full]
+    assert [s["lr"] for s in on2 + on1] == [s["lr"] for s in full]
+    assert {s["accumulation"] for s in on1} == {2}
+    first_epoch = [i for s in on2 + on1 if s["epoch"] == 0 for i in s["ids"]]
+    assert len(first_epoch) == len(set(first_epoch)) == SIZE // GLOBAL_BATCH * GLOBAL_BATCH
+
+
+def test_a_ramp_stage_that_does_not_split_names_the_world_sizes_where_every_stage_does():
+    from lightning_fastscale.callbacks import BatchSizeRamp
+
+    ramp = BatchSizeRamp({0: 24, 1: 48}, max_per_device_batch=12)
+    with pytest.raises(ValueError, match=r"every stage splits: \[1, 2, 3, 4, 6, 8\]"):
+        ramp.check_trainer(SimpleNamespace(world_size=5, accumulate_grad_batches=1))
+    assert [p.accumulation for p in ramp.check_trainer(SimpleNamespace(world_size=2, accumulate_grad_batches=1))] == [1, 2]

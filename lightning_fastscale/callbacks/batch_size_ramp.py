@@ -106,7 +106,7 @@ def world_sizes_that_split(global_batches: Sequence[int], max_per_device_batch: 
 
     Examples:
         >>> world_sizes_that_split([24], None, near=5)
-        [2, 3, 4, 6, 8, 12]
+        [1, 2, 3, 4, 6, 8]
     """
     def splits(world_size: int) -> bool:
         try:

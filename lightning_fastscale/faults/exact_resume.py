@@ -150,8 +150,11 @@ class GlobalOrderSampler(Sampler[int]):
     global batch) are not trained on that epoch.
 
     Examples:
-        >>> [list(GlobalOrderSampler(10, 4, rank, 2, seed=0)) for rank in (0, 1)]  # doctest: +SKIP
-        [[4, 0, 7, 6], [1, 5, 3, 2]]
+        Global batch 4 on 2 ranks (2 per rank): step 0 trains on {4, 1, 7, 5}, step 1 on
+        {3, 9, 0, 8}; the tail (2 samples) is left out.
+
+        >>> [list(GlobalOrderSampler(10, 4, rank, 2, seed=0)) for rank in (0, 1)]
+        [[4, 7, 3, 0], [1, 5, 9, 8]]
     """
 
     def __init__(self, size: int, global_batch: int, rank: int, world_size: int, seed: int, epoch: int = 0) -> None:
