@@ -43,11 +43,14 @@ resumed epoch re-runs its first batches. At ``on_train_start`` the callback give
 the pending state and makes its iterator again (`restore_pending_loader_state`), as
 Lightning's own restore path does when it builds the loader after the restore.
 
-A checkpoint written by another number of processes cannot be resumed exactly (another
-global batch, another split of the samples over the ranks, other per-rank generators), so
-such a resume is refused before the first step unless ``allow_world_size_change=True``.
+A checkpoint written by another number of processes continues with the same global batch
+(split again by ``decompose``), the same epoch order (`GlobalOrderSampler`, which serves every
+shuffled map-style loader) and the LR schedule as saved; not bitwise (reduction order, fresh
+per-rank generators). What cannot be carried (per-rank data positions such as streaming, a
+global batch with no split) is refused before the first step unless
+``allow_world_size_change=True``. More in ``docs/faults.md``.
 
-Functional core: `collect_rng_states`, `set_rng_states`, `SkipFirstBatches`.
+Functional core: `collect_rng_states`, `set_rng_states`, `SkipFirstBatches`, `GlobalOrderSampler`.
 Lightning adapter: [`ExactResume`][lightning_fastscale.faults.ExactResume].
 """
 from __future__ import annotations
