@@ -144,31 +144,34 @@ class GlobalOrderSampler(Sampler[int]):
     """This rank's share of an epoch order that does not depend on the number of ranks.
 
     The epoch's order is ``torch.randperm`` seeded with ``seed + epoch`` (as ``DistributedSampler``
-    seeds it) over the whole dataset; optimizer step ``i`` trains on ``order[i*G:(i+1)*G]``
-    whatever the split of ``G = per-device batch x accumulation x world_size``: this rank reads
-    ``order[rank::world_size]``, so its consecutive per-device batches (the accumulated
-    micro-batches included) together with the other ranks' cover exactly that slice (Goyal et
-    al. 2017 treat a global batch as one batch however it is split). The tail rule, the same on
-    every world size: the last ``len(dataset) % G`` samples of the epoch's order (a partial
-    global batch) are not trained on that epoch.
+    seeds it) over the whole dataset; optimizer step ``i`` trains on ``order[i*G:(i+1)*G]``,
+    ``G = batch_size x accumulation x world_size`` (Goyal et al. 2017 treat a global batch as
+    one batch however it is split). Its micro-batch ``m`` on rank ``r`` is the ``batch_size``
+    samples at ``(m * world_size + r) * batch_size`` in that slice, so a per-device batch (the
+    group batch norm normalises over) holds the same samples on every world size that keeps
+    the per-device batch. The tail rule, the same on every world size: the last
+    ``size % G`` samples of the epoch's order (a partial global batch) are not trained on that
+    epoch.
 
     Examples:
-        Global batch 4 on 2 ranks (2 per rank): step 0 trains on {4, 1, 7, 5}, step 1 on
-        {3, 9, 0, 8}; the tail (2 samples) is left out.
+        Global batch 4 as 2 per device on 2 ranks: step 0 trains on [4, 1 | 7, 5], step 1 on
+        [3, 9 | 0, 8]; the tail (2 samples) is left out.
 
-        >>> [list(GlobalOrderSampler(10, 4, rank, 2, seed=0)) for rank in (0, 1)]
-        [[4, 7, 3, 0], [1, 5, 9, 8]]
+        >>> [list(GlobalOrderSampler(10, 2, 1, rank, 2, seed=0)) for rank in (0, 1)]
+        [[4, 1, 3, 9], [7, 5, 0, 8]]
     """
 
-    def __init__(self, size: int, global_batch: int, rank: int, world_size: int, seed: int, epoch: int = 0) -> None:
-        self.size, self.global_batch, self.rank, self.world_size = size, global_batch, rank, world_size
-        self.seed, self.epoch = seed, epoch
+    def __init__(self, size: int, batch_size: int, accumulation: int, rank: int, world_size: int, seed: int,
+                 epoch: int = 0) -> None:
+        self.size, self.batch_size, self.accumulation = size, batch_size, accumulation
+        self.rank, self.world_size, self.seed, self.epoch = rank, world_size, seed, epoch
+        self.global_batch = batch_size * accumulation * world_size
 
     def __iter__(self) -> Iterator[int]:
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)
-        order = torch.randperm(self.size, generator=generator)
-        return iter(order[self.rank:len(self) * self.world_size:self.world_size].tolist())
+        order = torch.randperm(self.size, generator=generator)[:self.size // self.global_batch * self.global_batch]
+        return iter(order.view(-1, self.accumulation, self.world_size, self.batch_size)[:, :, self.rank].flatten().tolist())
 
     def __len__(self) -> int:
         return self.size // self.global_batch * self.global_batch // self.world_size
@@ -453,9 +456,8 @@ class ExactResume(Callback):
         self._ordered = True
         seed = getattr(sampler, "seed", None)
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) if seed is None else seed  # as Lightning seeds DistributedSampler
-        global_batch = loader.batch_size * trainer.world_size * trainer.accumulate_grad_batches
-        order = GlobalOrderSampler(len(loader.dataset), global_batch, trainer.global_rank, trainer.world_size,
-                                   seed, trainer.current_epoch)
+        order = GlobalOrderSampler(len(loader.dataset), loader.batch_size, trainer.accumulate_grad_batches,
+                                   trainer.global_rank, trainer.world_size, seed, trainer.current_epoch)
         return BatchSampler(order, loader.batch_size, drop_last=True)
 
     # -- what goes into the checkpoint ----------------------------------------------------
