@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_fastscale.callbacks import BatchSizeRamp
 from lightning_fastscale.callbacks.batch_size_ramp import world_sizes_that_split
 from lightning_fastscale.faults import ExactResume, WorldSizeChangeError
 from lightning_fastscale.faults.exact_resume import GlobalOrderSampler
@@ -91,10 +92,12 @@ class StopAfter(pl.Callback):
 
 
 def fit(folder: Path, devices: int, batch_size: int, ckpt_path: str | None = None, stop: int | None = None,
-        max_per_device_batch: int | None = None, accumulate: int = 1) -> None:
+        max_per_device_batch: int | None = None, accumulate: int = 1, ramp: dict[int, int] | None = None) -> None:
     folder.mkdir(parents=True)
     pl.seed_everything(0)  # the same initial weights in every run
     callbacks = [ExactResume(max_per_device_batch=max_per_device_batch), ReleaseProcessGroup()]
+    if ramp is not None:
+        callbacks.append(BatchSizeRamp(ramp, max_per_device_batch=12))
     if stop is not None:
         callbacks.append(StopAfter(stop, str(folder / "stopped.ckpt")))
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy="ddp_spawn" if devices > 1 else "auto",
@@ -204,8 +207,6 @@ def test_stopped_on_2_ranks_resumed_on_1_with_accumulation_sees_the_rest_of_the_
 
 
 def test_a_ramp_stage_that_does_not_split_names_the_world_sizes_where_every_stage_does():
-    from lightning_fastscale.callbacks import BatchSizeRamp
-
     ramp = BatchSizeRamp({0: 24, 1: 48}, max_per_device_batch=12)
     with pytest.raises(ValueError, match=r"every stage splits: \[1, 2, 3, 4, 6, 8\]"):
         ramp.check_trainer(SimpleNamespace(world_size=5, accumulate_grad_batches=1))
@@ -240,3 +241,18 @@ def test_fastscale_train_sigterm_on_2_ranks_then_resume_auto_on_1(tmp_path):
     order_noise, off = distance(weights[0], weights[1]), distance(weights[0], weights[2])
     print(f"reduction-order noise {order_noise:.3g}, elastic run off the uninterrupted by {off:.3g}")
     assert off <= 10 * order_noise
+
+
+def test_a_batch_size_ramp_resumed_on_another_world_size_keeps_each_stages_global_batch(tmp_path):
+    """Ramp 24 -> 48 at epoch 1 (at most 12 per device): 2 ranks stop after step 3; 1 rank
+    resumes as 12 x 2, then 12 x 4 in epoch 1: the uninterrupted run's samples and LR per step."""
+    ramp = {0: GLOBAL_BATCH, 1: 2 * GLOBAL_BATCH}
+    fit(tmp_path / "full", 2, 12, ramp=ramp)
+    fit(tmp_path / "a", 2, 12, stop=3, ramp=ramp)
+    fit(tmp_path / "b", 1, 12, ckpt_path=str(tmp_path / "a" / "stopped.ckpt"), ramp=ramp)
+    full, _ = read(tmp_path / "full", 2)
+    (on2, _), (on1, _) = read(tmp_path / "a", 2), read(tmp_path / "b", 1)
+    assert [len(s["ids"]) for s in full] == [24] * 5 + [48] * 2
+    assert [s["ids"] for s in on2 + on1] == [s["ids"] for s in full]
+    assert [s["lr"] for s in on2 + on1] == [s["lr"] for s in full]
+    assert [s["accumulation"] for s in on1] == [2, 2, 4, 4]
