@@ -243,6 +243,7 @@ def test_fastscale_train_sigterm_on_2_ranks_then_resume_auto_on_1(tmp_path):
     assert off <= 10 * order_noise
 
 
+@pytest.mark.slow  # about 20 s: two 2-rank runs
 def test_a_batch_size_ramp_resumed_on_another_world_size_keeps_each_stages_global_batch(tmp_path):
     """Ramp 24 -> 48 at epoch 1 (at most 12 per device): 2 ranks stop after step 3; 1 rank
     resumes as 12 x 2, then 12 x 4 in epoch 1: the uninterrupted run's samples and LR per step."""
