@@ -383,7 +383,7 @@ class ExactResume(Callback):
             positive_int("ExactResume.max_per_device_batch", max_per_device_batch, hint="or None for no ceiling")
         self.allow_world_size_change = allow_world_size_change
         self.max_per_device_batch = max_per_device_batch
-        self._ordered = False
+        self._ordered, self._legacy_order = False, False
         self._trainer: pl.Trainer | None = None
         self._classes: dict[type, type] = {}
         self._epoch_start_rng: dict[str, Any] | None = None
@@ -429,7 +429,7 @@ class ExactResume(Callback):
         self._trainer = trainer
         # the restore comes after setup
         self._loader_keeps_position, self._generators_to_restore, self._saved_loader_state = False, None, None
-        self._ordered = False
+        self._ordered, self._legacy_order = False, False
         datamodule = trainer.datamodule
         if datamodule is not None and is_overridden("train_dataloader", datamodule, pl.LightningDataModule):
             self._wrap_hook(datamodule)
@@ -451,7 +451,7 @@ class ExactResume(Callback):
         """A shuffled map-style loader's batches in the epoch order of `GlobalOrderSampler`, else None."""
         trainer, sampler = self._trainer, loader.sampler
         shuffled = isinstance(sampler, RandomSampler) or (isinstance(sampler, DistributedSampler) and sampler.shuffle)
-        if trainer is None or not shuffled or type(loader.batch_sampler) is not BatchSampler or loader.batch_size is None:
+        if trainer is None or self._legacy_order or not shuffled or type(loader.batch_sampler) is not BatchSampler or loader.batch_size is None:
             return None
         self._ordered = True
         seed = getattr(sampler, "seed", None)
@@ -474,12 +474,16 @@ class ExactResume(Callback):
             "rng": per_rank,
         }
 
+    @staticmethod
+    def _saved_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
+        return next((v for k, v in (checkpoint.get("callbacks") or {}).items()
+                     if k.split("{", 1)[0] == "ExactResume" and isinstance(v, dict)), {})
+
     def _carry(self, trainer: pl.Trainer, checkpoint: dict[str, Any], saved: int) -> str | WorldSizeChangeError:
         """Carry the run to ``trainer.world_size`` processes; the reason it cannot be, or the refusal."""
         from lightning_fastscale.callbacks.batch_size_ramp import BatchSizeRamp, decompose, world_sizes_that_split
 
-        state = next((v for k, v in (checkpoint.get("callbacks") or {}).items()
-                      if k.split("{", 1)[0] == "ExactResume" and isinstance(v, dict)), {})
+        state = self._saved_state(checkpoint)
         if not state.get("global_order"):
             return ("its data position is per rank (a training loader with its own state_dict, such as streaming "
                     "data, or a checkpoint written before world-size-independent epoch orders)")
@@ -550,6 +554,9 @@ class ExactResume(Callback):
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         """Carry a checkpoint of another world size (before any state is restored), or refuse it unless allowed."""
         self._saved_loader_state = saved_loader_state(checkpoint)
+        state = self._saved_state(checkpoint)
+        # a checkpoint written before the global order continues in the order it was written in
+        self._legacy_order = "world_size" in state and "global_order" not in state and "rng" not in state
         saved = saved_world_size(checkpoint)
         if saved is None or saved == trainer.world_size:
             return
