@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_fastscale.callbacks import BatchSizeRamp
@@ -92,12 +93,15 @@ class StopAfter(pl.Callback):
 
 
 def fit(folder: Path, devices: int, batch_size: int, ckpt_path: str | None = None, stop: int | None = None,
-        max_per_device_batch: int | None = None, accumulate: int = 1, ramp: dict[int, int] | None = None) -> None:
+        max_per_device_batch: int | None = None, accumulate: int = 1, ramp: dict[int, int] | None = None,
+        every_epoch: bool = False) -> None:
     folder.mkdir(parents=True)
     pl.seed_everything(0)  # the same initial weights in every run
     callbacks = [ExactResume(max_per_device_batch=max_per_device_batch), ReleaseProcessGroup()]
     if ramp is not None:
         callbacks.append(BatchSizeRamp(ramp, max_per_device_batch=12))
+    if every_epoch:  # Lightning's epoch-end checkpoint, after the ramp has prepared the next epoch
+        callbacks.append(ModelCheckpoint(dirpath=folder / "epochs", save_top_k=-1))
     if stop is not None:
         callbacks.append(StopAfter(stop, str(folder / "stopped.ckpt")))
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy="ddp_spawn" if devices > 1 else "auto",
@@ -246,9 +250,10 @@ def test_fastscale_train_sigterm_on_2_ranks_then_resume_auto_on_1(tmp_path):
 @pytest.mark.slow  # about 20 s: two 2-rank runs
 def test_a_batch_size_ramp_resumed_on_another_world_size_keeps_each_stages_global_batch(tmp_path):
     """Ramp 24 -> 48 at epoch 1 (at most 12 per device): 2 ranks stop after step 3; 1 rank
-    resumes as 12 x 2, then 12 x 4 in epoch 1: the uninterrupted run's samples and LR per step."""
+    resumes as 12 x 2, then 12 x 4 in epoch 1: the uninterrupted run's samples and LR per step.
+    From the epoch-end checkpoint of epoch 0 too."""
     ramp = {0: GLOBAL_BATCH, 1: 2 * GLOBAL_BATCH}
-    fit(tmp_path / "full", 2, 12, ramp=ramp)
+    fit(tmp_path / "full", 2, 12, ramp=ramp, every_epoch=True)
     fit(tmp_path / "a", 2, 12, stop=3, ramp=ramp)
     fit(tmp_path / "b", 1, 12, ckpt_path=str(tmp_path / "a" / "stopped.ckpt"), ramp=ramp)
     full, _ = read(tmp_path / "full", 2)
@@ -257,3 +262,6 @@ def test_a_batch_size_ramp_resumed_on_another_world_size_keeps_each_stages_globa
     assert [s["ids"] for s in on2 + on1] == [s["ids"] for s in full]
     assert [s["lr"] for s in on2 + on1] == [s["lr"] for s in full]
     assert [s["accumulation"] for s in on1] == [2, 2, 4, 4]
+    fit(tmp_path / "c", 1, 12, ckpt_path=str(tmp_path / "full" / "epochs" / "epoch=0-step=5.ckpt"), ramp=ramp)
+    epoch1, _ = read(tmp_path / "c", 1)
+    assert [(s["ids"], s["lr"], s["accumulation"]) for s in epoch1] == [(s["ids"], s["lr"], 4) for s in full[5:]]

@@ -383,7 +383,7 @@ class ExactResume(Callback):
             positive_int("ExactResume.max_per_device_batch", max_per_device_batch, hint="or None for no ceiling")
         self.allow_world_size_change = allow_world_size_change
         self.max_per_device_batch = max_per_device_batch
-        self._ordered, self._legacy_order = False, False
+        self._ordered, self._legacy_order, self._layout = False, False, (0, 1)
         self._trainer: pl.Trainer | None = None
         self._classes: dict[type, type] = {}
         self._epoch_start_rng: dict[str, Any] | None = None
@@ -429,7 +429,7 @@ class ExactResume(Callback):
         self._trainer = trainer
         # the restore comes after setup
         self._loader_keeps_position, self._generators_to_restore, self._saved_loader_state = False, None, None
-        self._ordered, self._legacy_order = False, False
+        self._ordered, self._legacy_order, self._layout = False, False, (0, 1)
         datamodule = trainer.datamodule
         if datamodule is not None and is_overridden("train_dataloader", datamodule, pl.LightningDataModule):
             self._wrap_hook(datamodule)
@@ -453,7 +453,8 @@ class ExactResume(Callback):
         shuffled = isinstance(sampler, RandomSampler) or (isinstance(sampler, DistributedSampler) and sampler.shuffle)
         if trainer is None or self._legacy_order or not shuffled or type(loader.batch_sampler) is not BatchSampler or loader.batch_size is None:
             return None
-        self._ordered = True
+        # the epoch's layout (a BatchSizeRamp changes the accumulation at the epoch's end, before a checkpoint)
+        self._ordered, self._layout = True, (loader.batch_size, trainer.accumulate_grad_batches)
         seed = getattr(sampler, "seed", None)
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) if seed is None else seed  # as Lightning seeds DistributedSampler
         order = GlobalOrderSampler(len(loader.dataset), loader.batch_size, trainer.accumulate_grad_batches,
@@ -533,11 +534,9 @@ class ExactResume(Callback):
         if trainer is None:
             return {}
         if not self._loader_keeps_position:
-            loader = trainer.train_dataloader
-            batch = getattr(loader, "batch_size", None) or 0
-            return {"world_size": trainer.world_size, "global_order": self._ordered and batch > 0,
-                    "global_batch": batch * trainer.world_size * trainer.accumulate_grad_batches,
-                    "accumulation": trainer.accumulate_grad_batches}
+            batch, accumulation = self._layout
+            return {"world_size": trainer.world_size, "global_order": self._ordered,
+                    "global_batch": batch * accumulation * trainer.world_size, "accumulation": accumulation}
         consumed = int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
         return {
             "global_step": trainer.global_step,
