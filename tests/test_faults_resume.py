@@ -141,12 +141,14 @@ def test_exact_resume_matrix(tmp_path, request, data, scheduler, callbacks, rank
     sigterm_then_resume(tmp_path, run, ranks, STEPS[callbacks])
 
 
-def test_a_checkpoint_of_another_world_size_is_refused_unless_allowed(tmp_path):
-    """Before any state is restored: another world size changes the global batch, the samples
-    per rank and the generators, so the resume would not be exact."""
+def test_a_checkpoint_of_another_world_size_without_a_global_order_is_refused_unless_allowed(tmp_path):
+    """Before any state is restored: a checkpoint whose data position is per rank (a loader with
+    its own state, or one written before the world-size-independent order) cannot be carried
+    to another world size (tests/test_faults_resume_elastic.py: the ones that can)."""
     checkpoint = {"callbacks": {"ExactResume": {"world_size": 2}}}
     trainer = SimpleNamespace(world_size=1, ckpt_path="run/checkpoints/last.ckpt")
-    with pytest.raises(WorldSizeChangeError, match=r"written by 2 processes, this run has 1.*global batch.*ExactResume\(allow_world_size_change=True\)"):
+    with pytest.raises(WorldSizeChangeError, match=r"written by 2 processes, this run has 1: its data position is per "
+                       r"rank.*= 2, or set ExactResume\(allow_world_size_change=True\)"):
         ExactResume().on_load_checkpoint(trainer, None, checkpoint)
     with pytest.warns(UserWarning, match="written by 2 processes"):
         ExactResume(allow_world_size_change=True).on_load_checkpoint(trainer, None, checkpoint)

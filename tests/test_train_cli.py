@@ -99,19 +99,21 @@ def test_single_run_wandb_offline_then_resume(tmp_path):
     for name, value in uninterrupted["state_dict"].items():
         torch.testing.assert_close(resumed["state_dict"][name], value, rtol=0, atol=0, msg=name)
 
-    # a checkpoint of another world size is refused at the restore, in Hydra's keys
-    first_state["callbacks"]["ExactResume"]["world_size"] = 2
+    # a checkpoint of another world size whose global batch does not split here is refused at the
+    # restore, in Hydra's keys, naming the world sizes that keep it (34 = 2 x 17 on a ceiling of 16)
+    first_state["callbacks"]["ExactResume"].update(world_size=2, global_batch=34)
     torch.save(first_state, two_ranks := tmp_path / "two_ranks.ckpt")
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}  # the console's one line
     proc = subprocess.run(
         [str(Path(sys.executable).with_name("fastscale-train")), *TINY, f"ckpt_path={two_ranks}", "logger=csv",
-         f"hydra.run.dir={tmp_path / 'refused'}"],
+         "callbacks.exact_resume.max_per_device_batch=16", f"hydra.run.dir={tmp_path / 'refused'}"],
         cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "fastscale-train: error: ckpt_path=" in proc.stderr
     assert "was written by 2 processes, this run has 1" in proc.stderr
-    assert "trainer.devices x trainer.num_nodes = 2" in proc.stderr
+    assert "its global batch 34 does not split" in proc.stderr
+    assert "trainer.devices x trainer.num_nodes = 17 or 34," in proc.stderr
     assert "callbacks.exact_resume.allow_world_size_change=true" in proc.stderr
 
 

@@ -27,7 +27,10 @@ from lightning_fastscale.callbacks._schedule import (
 )
 from lightning_fastscale.data.protocol import BatchSizeControllable, require_protocol
 
-__all__ = ["BatchPlan", "BatchSizeRamp", "decompose", "resolve_schedule", "smith_schedule", "value_at_epoch"]
+__all__ = [
+    "BatchPlan", "BatchSizeRamp", "decompose", "resolve_schedule", "smith_schedule", "value_at_epoch",
+    "world_sizes_that_split",
+]
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,23 @@ def decompose(global_batch: int, world_size: int, max_per_device_batch: int | No
             f"{below or step} or {below + step}, or change max_per_device_batch"
         )
     return BatchPlan(global_batch, per_device, accumulation)
+
+
+def world_sizes_that_split(global_batches: Sequence[int], max_per_device_batch: int | None, near: int) -> list[int]:
+    """The world sizes nearest ``near`` (at most six, ascending) on which `decompose` splits every batch.
+
+    Examples:
+        >>> world_sizes_that_split([24], None, near=5)
+        [1, 2, 3, 4, 6, 8]
+    """
+    def splits(world_size: int) -> bool:
+        try:
+            return all(decompose(g, world_size, max_per_device_batch) for g in global_batches)
+        except ValueError:
+            return False
+
+    fitting = [w for w in range(1, max(global_batches) + 1) if splits(w)]
+    return sorted(sorted(fitting, key=lambda w: (abs(w - near), w))[:6])
 
 
 class BatchSizeRamp(Callback):
@@ -185,7 +205,11 @@ class BatchSizeRamp(Callback):
         Needs only the Trainer (no datamodule, no fit), so ``fastscale-train`` runs it before launch.
         """
         self._world_size = trainer.world_size
-        plans = [self.plan(epoch) for epoch in self.schedule]
+        try:
+            plans = [self.plan(epoch) for epoch in self.schedule]
+        except ValueError as error:
+            sizes = world_sizes_that_split(list(self.schedule.values()), self.max_per_device_batch, trainer.world_size)
+            raise ValueError(f"{error}; world sizes (devices x nodes) on which every stage splits: {sizes}") from error
         if trainer.accumulate_grad_batches != 1:
             raise ValueError(
                 f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) and "
@@ -225,7 +249,10 @@ class BatchSizeRamp(Callback):
                 )
             if self._base_lrs is None:
                 self._base_lrs = [[g["lr"] for g in opt.param_groups] for opt in trainer.optimizers]
-        trainer.datamodule.set_train_batch_size(self.plan(self._prepared.epoch).per_device)
+        plan = self.plan(self._prepared.epoch)
+        trainer.datamodule.set_train_batch_size(plan.per_device)
+        # before the loader is sized: ExactResume's epoch order counts in global batches
+        trainer.accumulate_grad_batches = plan.accumulation
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -271,7 +298,9 @@ class BatchSizeRamp(Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Tell the datamodule the next epoch's per-device batch before its loader is built."""
         self._prepared.epoch = trainer.current_epoch + 1
-        trainer.datamodule.set_train_batch_size(self.plan(self._prepared.epoch).per_device)
+        plan = self.plan(self._prepared.epoch)
+        trainer.datamodule.set_train_batch_size(plan.per_device)
+        trainer.accumulate_grad_batches = plan.accumulation  # the epoch's steps are done
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

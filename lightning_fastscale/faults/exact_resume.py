@@ -43,16 +43,20 @@ resumed epoch re-runs its first batches. At ``on_train_start`` the callback give
 the pending state and makes its iterator again (`restore_pending_loader_state`), as
 Lightning's own restore path does when it builds the loader after the restore.
 
-A checkpoint written by another number of processes cannot be resumed exactly (another
-global batch, another split of the samples over the ranks, other per-rank generators), so
-such a resume is refused before the first step unless ``allow_world_size_change=True``.
+A checkpoint written by another number of processes continues with the same global batch
+(split again by ``decompose``), the same epoch order (`GlobalOrderSampler`, which serves every
+shuffled map-style loader) and the LR schedule as saved; not bitwise (reduction order, fresh
+per-rank generators). What cannot be carried (per-rank data positions such as streaming, a
+global batch with no split) is refused before the first step unless
+``allow_world_size_change=True``. More in ``docs/faults.md``.
 
-Functional core: `collect_rng_states`, `set_rng_states`, `SkipFirstBatches`.
+Functional core: `collect_rng_states`, `set_rng_states`, `SkipFirstBatches`, `GlobalOrderSampler`.
 Lightning adapter: [`ExactResume`][lightning_fastscale.faults.ExactResume].
 """
 from __future__ import annotations
 
 import functools
+import os
 import random
 import weakref
 from collections.abc import Iterator
@@ -65,9 +69,11 @@ import torch.distributed as dist
 from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.utils.data import DataLoader
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler
 from typing_extensions import override
+
+from lightning_fastscale._validation import positive_int
 
 
 def collect_rng_states() -> dict[str, Any]:
@@ -134,6 +140,43 @@ class SkipFirstBatches:
         return len(self.sampler) - (0 if self._used else self.skip)
 
 
+class GlobalOrderSampler(Sampler[int]):
+    """This rank's share of an epoch order that does not depend on the number of ranks.
+
+    The epoch's order is ``torch.randperm`` seeded with ``seed + epoch`` (as ``DistributedSampler``
+    seeds it) over the whole dataset; optimizer step ``i`` trains on ``order[i*G:(i+1)*G]``,
+    ``G = batch_size x accumulation x world_size`` (Goyal et al. 2017 treat a global batch as
+    one batch however it is split). Its micro-batch ``m`` on rank ``r`` is the ``batch_size``
+    samples at ``(m * world_size + r) * batch_size`` in that slice, so a per-device batch (the
+    group batch norm normalises over) holds the same samples on every world size that keeps
+    the per-device batch. The tail rule, the same on every world size: the last
+    ``size % G`` samples of the epoch's order (a partial global batch) are not trained on that
+    epoch.
+
+    Examples:
+        Global batch 4 as 2 per device on 2 ranks: step 0 trains on [4, 1 | 7, 5], step 1 on
+        [3, 9 | 0, 8]; the tail (2 samples) is left out.
+
+        >>> [list(GlobalOrderSampler(10, 2, 1, rank, 2, seed=0)) for rank in (0, 1)]
+        [[4, 1, 3, 9], [7, 5, 0, 8]]
+    """
+
+    def __init__(self, size: int, batch_size: int, accumulation: int, rank: int, world_size: int, seed: int,
+                 epoch: int = 0) -> None:
+        self.size, self.batch_size, self.accumulation = size, batch_size, accumulation
+        self.rank, self.world_size, self.seed, self.epoch = rank, world_size, seed, epoch
+        self.global_batch = batch_size * accumulation * world_size
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.size, generator=generator)[:self.size // self.global_batch * self.global_batch]
+        return iter(order.view(-1, self.accumulation, self.world_size, self.batch_size)[:, :, self.rank].flatten().tolist())
+
+    def __len__(self) -> int:
+        return self.size // self.global_batch * self.global_batch // self.world_size
+
+
 def _resumable_class(base: type, owner: ExactResume) -> type:
     """``base`` (a DataLoader class) plus Lightning's stateful-loader interface.
 
@@ -143,9 +186,14 @@ def _resumable_class(base: type, owner: ExactResume) -> type:
     owner_ref = weakref.ref(owner)
     base_index_sampler = base._index_sampler
 
+    def own_index_sampler(self: Any) -> Any:
+        callback = owner_ref()
+        ordered = callback._global_order(self) if callback is not None else None
+        return ordered if ordered is not None else base_index_sampler.fget(self)
+
     def _index_sampler(self: Any) -> Any:
         pending = self.__dict__.get("_fastscale_skip")
-        return pending if pending is not None else base_index_sampler.fget(self)
+        return pending if pending is not None else own_index_sampler(self)
 
     def __iter__(self: Any) -> Any:
         callback = owner_ref()
@@ -160,7 +208,7 @@ def _resumable_class(base: type, owner: ExactResume) -> type:
             set_rng_states(epoch_start)
         callback._epoch_start_rng = collect_rng_states()
         after = functools.partial(set_rng_states, at_save) if at_save is not None else None
-        self.__dict__["_fastscale_skip"] = SkipFirstBatches(base_index_sampler.fget(self), skip, after)
+        self.__dict__["_fastscale_skip"] = SkipFirstBatches(own_index_sampler(self), skip, after)
         try:
             return base.__iter__(self)
         finally:
@@ -191,30 +239,52 @@ def _resumable_class(base: type, owner: ExactResume) -> type:
 
 
 class WorldSizeChangeError(RuntimeError):
-    """A resume from a checkpoint written by ``saved`` processes into ``current``, not allowed.
+    """A resume from a checkpoint written by ``saved`` processes into ``current`` that cannot be carried.
 
-    The message names the settings that fix it; `advice` says the same with other names for
-    them (``fastscale-train`` gives its Hydra keys).
+    ``why`` says what cannot be kept; ``sizes`` are the world sizes that would keep it. The
+    message names the settings that fix it; `advice` says the same with other names for them
+    (``fastscale-train`` gives its Hydra keys).
     """
 
-    def __init__(self, saved: int, current: int, checkpoint: str = "") -> None:
-        self.saved, self.current, self.checkpoint = saved, current, checkpoint
+    def __init__(self, saved: int, current: int, checkpoint: str = "", why: str = "", sizes: list[int] | None = None) -> None:
+        self.saved, self.current, self.checkpoint, self.why = saved, current, checkpoint, why
+        self.sizes = sizes or [saved]
         super().__init__("ExactResume: " + self.advice(
             "the Trainer's devices x num_nodes", "ExactResume(allow_world_size_change=True)"))
 
     def advice(self, world_size_setting: str, allow_setting: str) -> str:
-        """What changes, then: resume with ``world_size_setting`` = saved, or set ``allow_setting``."""
-        return (f"{world_size_change(self.saved, self.current, self.checkpoint)}. Resume with "
-                f"{world_size_setting} = {self.saved}, or set {allow_setting} to continue anyway (not exactly)")
+        """What cannot be kept, then: resume with ``world_size_setting`` in `sizes`, or set ``allow_setting``."""
+        sizes = " or ".join(str(w) for w in self.sizes)
+        return (f"{world_size_change(self.saved, self.current, self.checkpoint)}: {self.why}. Resume with "
+                f"{world_size_setting} = {sizes}, or set {allow_setting} to continue anyway (not exactly: "
+                "another global batch and sample order)")
 
 
 def world_size_change(saved: int, current: int, checkpoint: str = "") -> str:
-    """The one statement of what a resume across world sizes changes (errors and warnings)."""
-    return (
-        f"the checkpoint {checkpoint + ' ' if checkpoint else ''}was written by {saved} processes, this run has "
-        f"{current}: the global batch (per-device batch x processes), the steps per epoch, the samples "
-        "each rank reads and the per-rank random numbers change, so the run does not continue as it would have"
-    )
+    """The one statement of a resume across world sizes (errors and warnings)."""
+    return (f"the checkpoint {checkpoint + ' ' if checkpoint else ''}was written by {saved} processes, "
+            f"this run has {current}")
+
+
+def _scale_position(checkpoint: dict[str, Any], saved_accumulation: int, accumulation: int) -> bool:
+    """Count the fit loop's batches (and the loader's) in micro-batches of ``accumulation``.
+
+    Each counter keeps its offset from ``processed`` (Lightning reads where in the step the
+    checkpoint was written from it). False where it was written between the micro-batches of
+    one optimizer step.
+    """
+    progress = ((checkpoint.get("loops") or {}).get("fit_loop") or {}).get("epoch_loop.batch_progress") or {}
+    current, total = progress.get("current"), progress.get("total")
+    if not current or current["processed"] % saved_accumulation:
+        return not current
+    delta = current["processed"] // saved_accumulation * accumulation - current["processed"]
+    for counters in (current, total or {}):
+        for key in counters:
+            counters[key] += delta
+    loader = saved_loader_state(checkpoint)
+    if loader:
+        loader["batches_consumed"] = loader["batches_consumed"] // saved_accumulation * accumulation
+    return True
 
 
 def saved_loader_state(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
@@ -279,12 +349,21 @@ class ExactResume(Callback):
     ``train_dataloader`` (or is the loader given to ``fit``); its class is extended, not
     replaced, so a DataLoader subclass keeps its behaviour.
 
+    On another number of processes (map-style data with a shuffled training loader) the run
+    continues with the same global batch, per-device batch x accumulation x processes (from
+    `decompose`, or the ``BatchSizeRamp``'s plan), the same epoch order (`GlobalOrderSampler`),
+    the rest of the epoch exactly once, and the optimizer, LR schedule and loop counters as
+    saved; the per-rank random numbers (dropout, augmentation) are drawn afresh, so it is not
+    bitwise. Where the global batch cannot be kept it is refused before the first step, naming
+    the world sizes that would keep it.
+
     Args:
-        allow_world_size_change: resume a checkpoint written by another number of processes
-            anyway. Such a resume cannot be exact: the global batch (per-device batch times
-            processes), the steps per epoch, the samples each rank reads and the per-rank random
-            numbers all change; mid-epoch the consumed batches are still skipped. Off by
-            default, so the resume is refused before the first step with a message saying so.
+        allow_world_size_change: resume anyway where the run cannot be carried to the new
+            number of processes (streaming data, no split of the global batch): another global
+            batch and sample order. Off by default: refused before the first step.
+        max_per_device_batch: memory ceiling of one device when a resume on fewer processes
+            must split the saved global batch; above it the resume accumulates gradients.
+            ``None``: no ceiling. A ``BatchSizeRamp`` uses its own.
 
     Examples:
         >>> import lightning.pytorch as pl
@@ -295,12 +374,16 @@ class ExactResume(Callback):
 
     schedule_neutral = True
 
-    def __init__(self, allow_world_size_change: bool = False) -> None:
+    def __init__(self, allow_world_size_change: bool = False, max_per_device_batch: int | None = None) -> None:
         if not isinstance(allow_world_size_change, bool):
             raise ValueError(
                 f"ExactResume(allow_world_size_change={allow_world_size_change!r}) must be true or false"
             )
+        if max_per_device_batch is not None:
+            positive_int("ExactResume.max_per_device_batch", max_per_device_batch, hint="or None for no ceiling")
         self.allow_world_size_change = allow_world_size_change
+        self.max_per_device_batch = max_per_device_batch
+        self._ordered, self._legacy_order, self._layout = False, False, (0, 1)
         self._trainer: pl.Trainer | None = None
         self._classes: dict[type, type] = {}
         self._epoch_start_rng: dict[str, Any] | None = None
@@ -346,6 +429,7 @@ class ExactResume(Callback):
         self._trainer = trainer
         # the restore comes after setup
         self._loader_keeps_position, self._generators_to_restore, self._saved_loader_state = False, None, None
+        self._ordered, self._legacy_order, self._layout = False, False, (0, 1)
         datamodule = trainer.datamodule
         if datamodule is not None and is_overridden("train_dataloader", datamodule, pl.LightningDataModule):
             self._wrap_hook(datamodule)
@@ -363,6 +447,20 @@ class ExactResume(Callback):
             owner.__dict__.pop(name, None)
         self._wrapped = []
 
+    def _global_order(self, loader: DataLoader) -> BatchSampler | None:
+        """A shuffled map-style loader's batches in the epoch order of `GlobalOrderSampler`, else None."""
+        trainer, sampler = self._trainer, loader.sampler
+        shuffled = isinstance(sampler, RandomSampler) or (isinstance(sampler, DistributedSampler) and sampler.shuffle)
+        if trainer is None or self._legacy_order or not shuffled or type(loader.batch_sampler) is not BatchSampler or loader.batch_size is None:
+            return None
+        # the epoch's layout (a BatchSizeRamp changes the accumulation at the epoch's end, before a checkpoint)
+        self._ordered, self._layout = True, (loader.batch_size, trainer.accumulate_grad_batches)
+        seed = getattr(sampler, "seed", None)
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) if seed is None else seed  # as Lightning seeds DistributedSampler
+        order = GlobalOrderSampler(len(loader.dataset), loader.batch_size, trainer.accumulate_grad_batches,
+                                   trainer.global_rank, trainer.world_size, seed, trainer.current_epoch)
+        return BatchSampler(order, loader.batch_size, drop_last=True)
+
     # -- what goes into the checkpoint ----------------------------------------------------
     def _loader_state(self) -> dict[str, Any]:
         """Called on every rank while a checkpoint is made (Lightning saves on all ranks)."""
@@ -377,6 +475,43 @@ class ExactResume(Callback):
             "rng": per_rank,
         }
 
+    @staticmethod
+    def _saved_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
+        return next((v for k, v in (checkpoint.get("callbacks") or {}).items()
+                     if k.split("{", 1)[0] == "ExactResume" and isinstance(v, dict)), {})
+
+    def _carry(self, trainer: pl.Trainer, checkpoint: dict[str, Any], saved: int) -> str | WorldSizeChangeError:
+        """Carry the run to ``trainer.world_size`` processes; the reason it cannot be, or the refusal."""
+        from lightning_fastscale.callbacks.batch_size_ramp import BatchSizeRamp, decompose, world_sizes_that_split
+
+        state = self._saved_state(checkpoint)
+        if not state.get("global_order"):
+            return ("its data position is per rank (a training loader with its own state_dict, such as streaming "
+                    "data, or a checkpoint written before world-size-independent epoch orders)")
+        global_batch, ckpt = int(state["global_batch"]), str(trainer.ckpt_path or "")
+        ramp = next((c for c in trainer.callbacks if isinstance(c, BatchSizeRamp)), None)
+        try:  # a ramp has checked every stage on this world size at setup
+            plan = ramp.plan(checkpoint["epoch"]) if ramp else decompose(global_batch, trainer.world_size, self.max_per_device_batch)
+        except ValueError:
+            sizes = world_sizes_that_split([global_batch], self.max_per_device_batch, trainer.world_size)
+            return WorldSizeChangeError(saved, trainer.world_size, ckpt, (
+                f"its global batch {global_batch} does not split into per-device batch x accumulation x "
+                f"{trainer.world_size} processes (max_per_device_batch={self.max_per_device_batch})"), sizes)
+        if plan.global_batch != global_batch:
+            return f"its global batch was {global_batch}, this run's BatchSizeRamp has {plan.global_batch} at epoch {checkpoint['epoch']}"
+        datamodule = trainer.datamodule
+        if ramp is None and not callable(getattr(datamodule, "set_train_batch_size", None)):
+            return (f"keeping its global batch {global_batch} needs per-device batch {plan.per_device}, and the "
+                    "datamodule has no set_train_batch_size (see BatchSizeControllable)")
+        if not _scale_position(checkpoint, int(state["accumulation"]), plan.accumulation):
+            return "it was written between the micro-batches of an accumulated step"
+        if ramp is None:
+            datamodule.set_train_batch_size(plan.per_device)
+        trainer.accumulate_grad_batches = plan.accumulation
+        rank_zero_info(f"ExactResume: {world_size_change(saved, trainer.world_size, ckpt)}: global batch {global_batch} "
+                       f"kept as {plan.per_device} per device x {plan.accumulation} accumulation x {trainer.world_size}")
+        return ""
+
     def _resume_plan(self, state: dict[str, Any], length: int) -> tuple[Any, Any, int] | None:
         trainer = self._trainer
         assert trainer is not None
@@ -384,9 +519,7 @@ class ExactResume(Callback):
         if state["epoch"] != trainer.current_epoch or consumed >= length or consumed <= 0:
             return None  # saved at an epoch boundary: the new epoch starts from its beginning
         if state["world_size"] != trainer.world_size or len(state["rng"]) != trainer.world_size:
-            rank_zero_warn(f"ExactResume: {world_size_change(state['world_size'], trainer.world_size)}; epoch "
-                           f"{state['epoch']} resumes after its first {consumed} batches")
-            return None, None, consumed
+            return None, None, consumed  # counted in this run's micro-batches (_carry); fresh generators
         mine = state["rng"][_rank()]
         return mine["epoch_start"], mine["at_save"], consumed
 
@@ -401,7 +534,9 @@ class ExactResume(Callback):
         if trainer is None:
             return {}
         if not self._loader_keeps_position:
-            return {"world_size": trainer.world_size}
+            batch, accumulation = self._layout
+            return {"world_size": trainer.world_size, "global_order": self._ordered,
+                    "global_batch": batch * accumulation * trainer.world_size, "accumulation": accumulation}
         consumed = int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
         return {
             "global_step": trainer.global_step,
@@ -416,15 +551,23 @@ class ExactResume(Callback):
 
     @override
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
-        """Refuse a checkpoint of another world size (before any state is restored), unless allowed."""
+        """Carry a checkpoint of another world size (before any state is restored), or refuse it unless allowed."""
         self._saved_loader_state = saved_loader_state(checkpoint)
+        state = self._saved_state(checkpoint)
+        # a checkpoint written before the global order continues in the order it was written in
+        self._legacy_order = "world_size" in state and "global_order" not in state and "rng" not in state
         saved = saved_world_size(checkpoint)
         if saved is None or saved == trainer.world_size:
             return
+        why = self._carry(trainer, checkpoint, saved)
+        if not why:
+            return
+        error = why if isinstance(why, WorldSizeChangeError) else WorldSizeChangeError(
+            saved, trainer.world_size, str(trainer.ckpt_path or ""), why)
         if not self.allow_world_size_change:
-            raise WorldSizeChangeError(saved, trainer.world_size, str(trainer.ckpt_path or ""))
-        rank_zero_warn(f"ExactResume: {world_size_change(saved, trainer.world_size, str(trainer.ckpt_path or ''))} "
-                       "(allow_world_size_change=True)")
+            raise error
+        rank_zero_warn(f"ExactResume: {world_size_change(saved, trainer.world_size, str(trainer.ckpt_path or ''))}: "
+                       f"{error.why}; continuing with another global batch and order (allow_world_size_change=True)")
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -1,0 +1,267 @@
+"""Resume on another world size: the same global batch, epoch order, LR and (within the
+reduction-order noise) weights as the uninterrupted run; a refusal naming the world sizes that
+keep the global batch where it cannot be split (plain ``pl.Trainer``, CPU, gloo)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_fastscale.callbacks import BatchSizeRamp
+from lightning_fastscale.callbacks.batch_size_ramp import world_sizes_that_split
+from lightning_fastscale.faults import ExactResume, WorldSizeChangeError
+from lightning_fastscale.faults.exact_resume import GlobalOrderSampler
+from tests.distributed import ReleaseProcessGroup
+
+SIZE, GLOBAL_BATCH, EPOCHS = 130, 24, 2  # 5 global batches per epoch; the last 10 samples of each order are the tail
+STEPS = SIZE // GLOBAL_BATCH * EPOCHS
+
+
+class Indexed(Dataset):
+    """Fixed random features; each sample carries its index so a run can say what it trained on."""
+
+    def __init__(self) -> None:
+        self.x = torch.randn(SIZE, 8, generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return SIZE
+
+    def __getitem__(self, i: int):
+        return self.x[i], i % 4, i
+
+
+class IndexedData(pl.LightningDataModule):
+    """A ``BatchSizeControllable`` datamodule: the resume sets the per-device batch."""
+
+    def __init__(self, batch_size: int) -> None:
+        super().__init__()
+        self.train_batch_size = batch_size
+
+    def set_train_batch_size(self, per_device_batch_size: int) -> None:
+        self.train_batch_size = per_device_batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(Indexed(), batch_size=self.train_batch_size, shuffle=True, drop_last=True)
+
+
+class Recorder(pl.LightningModule):
+    """Per optimizer step: the sample ids this rank trained on, the samples and the LR."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(8, 4)
+        self.folder, self.steps, self._ids = folder, [], []
+
+    def training_step(self, batch, batch_idx):
+        x, y, ids = batch
+        self._ids += ids.tolist()
+        return F.cross_entropy(self.net(x), y)
+
+    def on_before_optimizer_step(self, optimizer):
+        self.steps.append({"step": self.global_step, "epoch": self.current_epoch, "ids": self._ids,
+                           "lr": optimizer.param_groups[0]["lr"], "accumulation": self.trainer.accumulate_grad_batches})
+        self._ids = []
+
+    def on_train_end(self):
+        Path(self.folder, f"rank{self.global_rank}-of{self.trainer.world_size}.json").write_text(json.dumps(
+            {"steps": self.steps, "weights": [p.detach().flatten().tolist() for p in self.parameters()]}))
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
+        # sized by the Trainer's step estimate: the steps per epoch must not depend on the world size
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=self.trainer.estimated_stepping_batches)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+class StopAfter(pl.Callback):
+    """Checkpoint after optimizer step ``step`` (mid-epoch) and stop, as a preempted job would."""
+
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step and not trainer.fit_loop.epoch_loop._should_accumulate():
+            trainer.save_checkpoint(self.path)
+            trainer.should_stop = True
+
+
+def fit(folder: Path, devices: int, batch_size: int, ckpt_path: str | None = None, stop: int | None = None,
+        max_per_device_batch: int | None = None, accumulate: int = 1, ramp: dict[int, int] | None = None,
+        every_epoch: bool = False) -> None:
+    folder.mkdir(parents=True)
+    pl.seed_everything(0)  # the same initial weights in every run
+    callbacks = [ExactResume(max_per_device_batch=max_per_device_batch), ReleaseProcessGroup()]
+    if ramp is not None:
+        callbacks.append(BatchSizeRamp(ramp, max_per_device_batch=12))
+    if every_epoch:  # Lightning's epoch-end checkpoint, after the ramp has prepared the next epoch
+        callbacks.append(ModelCheckpoint(dirpath=folder / "epochs", save_top_k=-1))
+    if stop is not None:
+        callbacks.append(StopAfter(stop, str(folder / "stopped.ckpt")))
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy="ddp_spawn" if devices > 1 else "auto",
+                         max_epochs=EPOCHS, accumulate_grad_batches=accumulate, callbacks=callbacks,
+                         default_root_dir=folder, log_every_n_steps=1)
+    trainer.fit(Recorder(str(folder)), IndexedData(batch_size), ckpt_path=ckpt_path)
+
+
+def read(folder: Path, devices: int) -> tuple[list[dict], list[torch.Tensor]]:
+    """The run's optimizer steps (sample ids of all ranks together) and rank 0's final weights."""
+    ranks = [json.loads((folder / f"rank{r}-of{devices}.json").read_text()) for r in range(devices)]
+    steps = [{**step, "ids": sorted(i for rank in ranks for i in rank["steps"][n]["ids"])}
+             for n, step in enumerate(ranks[0]["steps"])]
+    return steps, [torch.tensor(w) for w in ranks[0]["weights"]]
+
+
+def distance(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def test_global_order_sampler_splits_one_order_over_any_world_size():
+    """Optimizer step i covers order[i*G:(i+1)*G] on every (per-device batch, accumulation,
+    world size) with that G; a per-device batch holds the same samples on every layout with
+    that per-device batch; the tail (fewer than G samples) is left out on every world size."""
+    order = list(GlobalOrderSampler(SIZE, GLOBAL_BATCH, 1, 0, 1, seed=3, epoch=1))
+    assert len(order) == 120 and len(set(order)) == 120
+    groups = {}
+    for world_size, per_device in ((2, 12), (3, 8), (4, 6), (2, 6), (1, 12)):
+        accumulation = GLOBAL_BATCH // (per_device * world_size)
+        ranks = [list(GlobalOrderSampler(SIZE, per_device, accumulation, r, world_size, seed=3, epoch=1))
+                 for r in range(world_size)]
+        micro = [sorted(ranks[r][i:i + per_device]) for r in range(world_size) for i in range(0, len(ranks[r]), per_device)]
+        groups.setdefault(per_device, sorted(micro))
+        assert sorted(micro) == groups[per_device], (world_size, per_device)
+        for step in range(5):
+            steps = range(step * accumulation * per_device, (step + 1) * accumulation * per_device)
+            seen = sorted(ranks[r][i] for r in range(world_size) for i in steps)
+            assert seen == sorted(order[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH]), (world_size, per_device, step)
+    assert order != list(GlobalOrderSampler(SIZE, GLOBAL_BATCH, 1, 0, 1, seed=3, epoch=2))  # a new order each epoch
+
+
+def test_a_global_batch_that_does_not_split_is_refused_naming_the_world_sizes_that_keep_it():
+    checkpoint = {"epoch": 0, "callbacks": {"ExactResume": {
+        "world_size": 4, "global_order": True, "global_batch": 24, "accumulation": 1}}}
+    trainer = SimpleNamespace(world_size=5, ckpt_path="run/last.ckpt", callbacks=[], datamodule=IndexedData(6))
+    with pytest.raises(WorldSizeChangeError, match=r"written by 4 processes, this run has 5: its global batch 24 "
+                       r"does not split.*Resume with the Trainer's devices x num_nodes = 1 or 2 or 3 or 4 or 6 or 8,"):
+        ExactResume().on_load_checkpoint(trainer, None, checkpoint)
+    # under a memory ceiling only the splits that use the device well count (34 = 2 x 17 on 16 does not)
+    assert world_sizes_that_split([34], None, near=3) == [1, 2, 17, 34]
+    assert world_sizes_that_split([34], 16, near=3) == [17, 34]
+    checkpoint["callbacks"]["ExactResume"]["global_batch"] = 34
+    trainer.world_size = 1
+    with pytest.raises(WorldSizeChangeError, match="global batch 34 does not split.*= 17 or 34,"):
+        ExactResume(max_per_device_batch=16).on_load_checkpoint(trainer, None, checkpoint)
+    # a checkpoint whose position is per rank (streaming data) is refused with the reason
+    checkpoint["callbacks"]["ExactResume"]["global_order"] = False
+    with pytest.raises(WorldSizeChangeError, match="its data position is per rank.*streaming"):
+        ExactResume().on_load_checkpoint(trainer, None, checkpoint)
+
+
+@pytest.mark.slow  # 18 process starts of a Lightning Trainer on 2 cores
+def test_stopped_on_4_ranks_resumed_on_2_then_3_matches_the_uninterrupted_run(tmp_path):
+    """Global batch 24: 4 ranks x 6 stop after step 3 (epoch 0), 2 ranks x 12 resume and stop
+    after step 7 (epoch 1), 3 ranks x 8 finish. Each step trains on the uninterrupted run's
+    samples (every sample of an epoch's 120 once) with its LR; the final weights are within 10x
+    the distance between uninterrupted runs that differ only in reduction order (2 ranks x 12
+    against 4 x 6 and 3 x 8; the linear model has no batch norm)."""
+    for devices in (2, 4, 3):
+        fit(tmp_path / f"full{devices}", devices, GLOBAL_BATCH // devices)
+    fit(tmp_path / "a", 4, 6, stop=3)
+    fit(tmp_path / "b", 2, 6, ckpt_path=str(tmp_path / "a" / "stopped.ckpt"), stop=7)  # the resume sets 12
+    fit(tmp_path / "c", 3, 24, ckpt_path=str(tmp_path / "b" / "stopped.ckpt"))  # the resume sets 8
+
+    full, full_weights = read(tmp_path / "full2", 2)
+    (on4, _), (on2, _), (on3, elastic_weights) = read(tmp_path / "a", 4), read(tmp_path / "b", 2), read(tmp_path / "c", 3)
+    elastic = on4 + on2 + on3
+    assert [len(on4), len(on2), len(on3)] == [3, 4, 3]
+    assert [s["step"] for s in elastic] == list(range(STEPS)) == [s["step"] for s in full]
+    assert all(len(s["ids"]) == GLOBAL_BATCH for s in elastic)
+    for reference in (full, read(tmp_path / "full4", 4)[0], read(tmp_path / "full3", 3)[0]):
+        assert [s["ids"] for s in elastic] == [s["ids"] for s in reference]
+        assert [s["lr"] for s in elastic] == [s["lr"] for s in reference]
+    for epoch in range(EPOCHS):
+        seen = [i for s in elastic if s["epoch"] == epoch for i in s["ids"]]
+        assert len(seen) == len(set(seen)) == SIZE // GLOBAL_BATCH * GLOBAL_BATCH
+    order_noise = max(distance(full_weights, read(tmp_path / f"full{d}", d)[1]) for d in (4, 3))
+    off = distance(elastic_weights, full_weights)
+    print(f"reduction-order noise {order_noise:.3g}, elastic run off the uninterrupted by {off:.3g}")
+    assert off <= 10 * order_noise
+
+
+def test_stopped_on_2_ranks_resumed_on_1_with_accumulation_sees_the_rest_of_the_epoch_once(tmp_path):
+    """2 ranks x 12 stop after step 2; 1 rank under a ceiling of 12 per device resumes as
+    12 x 2 accumulation: each step trains on the uninterrupted run's 24 samples with its LR."""
+    fit(tmp_path / "full", 1, 12, accumulate=2)
+    fit(tmp_path / "a", 2, 12, stop=2)
+    fit(tmp_path / "b", 1, 12, ckpt_path=str(tmp_path / "a" / "stopped.ckpt"), max_per_device_batch=12)
+    full, _ = read(tmp_path / "full", 1)
+    (on2, _), (on1, _) = read(tmp_path / "a", 2), read(tmp_path / "b", 1)
+    assert [len(on2), len(on1)] == [2, STEPS - 2]
+    assert [s["ids"] for s in on2 + on1] == [s["ids"] for s in full]
+    assert [s["lr"] for s in on2 + on1] == [s["lr"] for s in full]
+    assert {s["accumulation"] for s in on1} == {2}
+    first_epoch = [i for s in on2 + on1 if s["epoch"] == 0 for i in s["ids"]]
+    assert len(first_epoch) == len(set(first_epoch)) == SIZE // GLOBAL_BATCH * GLOBAL_BATCH
+
+
+def test_a_ramp_stage_that_does_not_split_names_the_world_sizes_where_every_stage_does():
+    ramp = BatchSizeRamp({0: 24, 1: 48}, max_per_device_batch=12)
+    with pytest.raises(ValueError, match=r"every stage splits: \[1, 2, 3, 4, 6, 8\]"):
+        ramp.check_trainer(SimpleNamespace(world_size=5, accumulate_grad_batches=1))
+    assert [p.accumulation for p in ramp.check_trainer(SimpleNamespace(world_size=2, accumulate_grad_batches=1))] == [1, 2]
+
+
+@pytest.mark.slow  # four fastscale-train runs
+def test_fastscale_train_sigterm_on_2_ranks_then_resume_auto_on_1(tmp_path):
+    """``fastscale-train`` (default callbacks and cosine schedule, built-in data): SIGTERM on 2
+    ranks x 16 mid-epoch 1, ``resume=auto`` with ``trainer.devices=1`` under
+    ``max_per_device_batch=16`` (16 x 2 accumulation, so batch norm still normalises over 16
+    images): the run ends at the uninterrupted step count with its LR schedule, its weights
+    within 10x the reduction-order difference (2 ranks against 1 rank x 2 accumulation)."""
+    from benchmarks.fault_helpers import finish, finish_all, start
+    from tests.test_faults_resume import PROCEDURAL, RUN, STOP_STEP, batch_log, load, preempt
+
+    run = [*RUN, *PROCEDURAL, "data.batch_size=16", "callbacks.exact_resume.max_per_device_batch=16"]
+    two = ["trainer.devices=2", "strategy=ddp"]
+    full2, full1, elastic = tmp_path / "full2", tmp_path / "full1", tmp_path / "elastic"
+    finish_all(start(full2, *two, *batch_log(full2), run=run),
+               start(elastic, *two, *batch_log(elastic), *preempt(2), run=run))
+    code, out = finish(start(full1, "trainer.accumulate_grad_batches=2", *batch_log(full1), run=run))
+    assert code == 0, out[-3000:]
+    code, out = finish(start(elastic, "trainer.devices=1", "resume=auto", *batch_log(elastic), run=run))
+    assert code == 0, out[-3000:]
+    assert "written by 2 processes, this run has 1: global batch 32 kept as 16 per device x 2 accumulation x 1" in out
+    a, b, c = load(full2), load(full1), load(elastic)
+    assert a["global_step"] == b["global_step"] == c["global_step"] == 16 > STOP_STEP
+    assert a["lr_schedulers"] == c["lr_schedulers"] == b["lr_schedulers"]
+    # the parameters (the BN running statistics follow the per-device updates, not the steps)
+    weights = [[v for k, v in s["state_dict"].items() if "running" not in k and "tracked" not in k] for s in (a, b, c)]
+    order_noise, off = distance(weights[0], weights[1]), distance(weights[0], weights[2])
+    print(f"reduction-order noise {order_noise:.3g}, elastic run off the uninterrupted by {off:.3g}")
+    assert off <= 10 * order_noise
+
+
+@pytest.mark.slow  # about 20 s: two 2-rank runs
+def test_a_batch_size_ramp_resumed_on_another_world_size_keeps_each_stages_global_batch(tmp_path):
+    """Ramp 24 -> 48 at epoch 1 (at most 12 per device): 2 ranks stop after step 3; 1 rank
+    resumes as 12 x 2, then 12 x 4 in epoch 1: the uninterrupted run's samples and LR per step.
+    From the epoch-end checkpoint of epoch 0 too."""
+    ramp = {0: GLOBAL_BATCH, 1: 2 * GLOBAL_BATCH}
+    fit(tmp_path / "full", 2, 12, ramp=ramp, every_epoch=True)
+    fit(tmp_path / "a", 2, 12, stop=3, ramp=ramp)
+    fit(tmp_path / "b", 1, 12, ckpt_path=str(tmp_path / "a" / "stopped.ckpt"), ramp=ramp)
+    full, _ = read(tmp_path / "full", 2)
+    (on2, _), (on1, _) = read(tmp_path / "a", 2), read(tmp_path / "b", 1)
+    assert [len(s["ids"]) for s in full] == [24] * 5 + [48] * 2
+    assert [s["ids"] for s in on2 + on1] == [s["ids"] for s in full]
+    assert [s["lr"] for s in on2 + on1] == [s["lr"] for s in full]
+    assert [s["accumulation"] for s in on1] == [2, 2, 4, 4]
+    fit(tmp_path / "c", 1, 12, ckpt_path=str(tmp_path / "full" / "epochs" / "epoch=0-step=5.ckpt"), ramp=ramp)
+    epoch1, _ = read(tmp_path / "c", 1)
+    assert [(s["ids"], s["lr"], s["accumulation"]) for s in epoch1] == [(s["ids"], s["lr"], 4) for s in full[5:]]
