@@ -66,7 +66,6 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -74,9 +73,10 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Rando
 from typing_extensions import override
 
 from lightning_fastscale._validation import positive_int
-from lightning_fastscale.faults.lightning_internals import (
+from lightning_fastscale.lightning_internals import (
     checkpoint_fit_loop,
     fit_loader_owner,
+    is_stateful_loader,
     load_pending_loader_state,
     make_loader_stateful,
     restart_train_iterator,
@@ -382,7 +382,7 @@ class ExactResume(Callback):
     def _resumable(self, loader: Any) -> Any:
         if getattr(loader, "_fastscale_resumable", False):
             return loader
-        if isinstance(loader, _Stateful):
+        if is_stateful_loader(loader):
             self._loader_keeps_position = True  # Lightning restores it; the generators are ours
             return loader
         if isinstance(loader, DataLoader):

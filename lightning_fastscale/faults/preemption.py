@@ -42,7 +42,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_fastscale.faults.lightning_internals import cluster_environment
+from lightning_fastscale.lightning_internals import cluster_environment
 
 log = logging.getLogger(__name__)
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.types import _Stateful
 
 
 def fit_loader_owner(trainer: pl.Trainer) -> Any:
@@ -77,3 +78,28 @@ def cluster_environment(trainer: pl.Trainer) -> Any:
 def checkpoint_fit_loop(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """The fit loop's entry of a Lightning checkpoint (``loops.fit_loop``), a layout Lightning does not document."""
     return (checkpoint.get("loops") or {}).get("fit_loop") or {}
+
+
+def is_stateful_loader(loader: Any) -> bool:
+    """Whether Lightning saves and restores ``loader``'s position itself (``state_dict``/``load_state_dict``).
+
+    Private: Lightning's ``_Stateful`` protocol, the test its fit loop applies.
+    """
+    return isinstance(loader, _Stateful)
+
+
+def inside_lightning_hook(module: pl.LightningModule) -> bool:
+    """Whether a Lightning hook is running on ``module`` (where ``self.log`` is allowed).
+
+    Private: ``LightningModule._current_fx_name``, which ``self.log`` itself checks.
+    """
+    return module._current_fx_name is not None
+
+
+def transfer_batch(module: pl.LightningModule, batch: Any) -> Any:
+    """``batch`` moved to the module's device through its own batch hooks, as the fit loop moves it.
+
+    Private: ``LightningModule._apply_batch_transfer_handler`` (``on_before_batch_transfer``,
+    ``transfer_batch_to_device``, ``on_after_batch_transfer``); the public hooks each do one part.
+    """
+    return module._apply_batch_transfer_handler(batch)
