@@ -43,6 +43,7 @@ from typing_extensions import override
 from lightning_fastscale.data.worker_autotune import images_per_second
 from lightning_fastscale.diagnostics.doctor import FLAT, WINDOWS, Diagnosis, Measurements, diagnosis_of, verify_fixes
 from lightning_fastscale.diagnostics.step_breakdown_callback import StepBreakdown
+from lightning_fastscale.lightning_internals import transfer_batch
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +263,7 @@ class DoctorProbe(Callback):
         local["stored_max_side"] = getattr(metadata, "max_side", None)
         local["resolution"] = getattr(dm, "train_resolution", None)
         local["crop_ratio"] = float(getattr(dm, "crop_ratio", 0.875))
-        batch = pl_module._apply_batch_transfer_handler(batch)
+        batch = transfer_batch(pl_module, batch)
         # in this process, so with the run's own torch threads
         local["threads"] = torch.get_num_threads()
         runs, one_thread = [], []

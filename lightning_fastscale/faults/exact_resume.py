@@ -40,7 +40,7 @@ checkpoint's loop state is restored, which ``trainer.estimated_stepping_batches`
 ``configure_optimizers`` sizes an LR schedule by it (the default cosine schedule does;
 Lightning issue #20550): the fit loop then never hands the state to the loader, and the
 resumed epoch re-runs its first batches. At ``on_train_start`` the callback gives the loader
-the pending state and makes its iterator again (`restore_pending_loader_state`), as
+the pending state and makes its iterator again (`load_pending_loader_state`), as
 Lightning's own restore path does when it builds the loader after the restore.
 
 A checkpoint written by another number of processes continues with the same global batch
@@ -66,7 +66,6 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -74,6 +73,14 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Rando
 from typing_extensions import override
 
 from lightning_fastscale._validation import positive_int
+from lightning_fastscale.lightning_internals import (
+    checkpoint_fit_loop,
+    fit_loader_owner,
+    is_stateful_loader,
+    load_pending_loader_state,
+    make_loader_stateful,
+    restart_train_iterator,
+)
 
 
 def collect_rng_states() -> dict[str, Any]:
@@ -273,7 +280,7 @@ def _scale_position(checkpoint: dict[str, Any], saved_accumulation: int, accumul
     checkpoint was written from it). False where it was written between the micro-batches of
     one optimizer step.
     """
-    progress = ((checkpoint.get("loops") or {}).get("fit_loop") or {}).get("epoch_loop.batch_progress") or {}
+    progress = checkpoint_fit_loop(checkpoint).get("epoch_loop.batch_progress") or {}
     current, total = progress.get("current"), progress.get("total")
     if not current or current["processed"] % saved_accumulation:
         return not current
@@ -289,7 +296,7 @@ def _scale_position(checkpoint: dict[str, Any], saved_accumulation: int, accumul
 
 def saved_loader_state(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
     """The training-loader state ExactResume wrote into ``checkpoint``'s fit loop, or None."""
-    loop_state = ((checkpoint.get("loops") or {}).get("fit_loop") or {}).get("state_dict") or {}
+    loop_state = checkpoint_fit_loop(checkpoint).get("state_dict") or {}
     for loader_state in loop_state.get("combined_loader") or []:
         if isinstance(loader_state, dict) and "world_size" in loader_state and "batches_consumed" in loader_state:
             return loader_state
@@ -303,27 +310,6 @@ def saved_world_size(checkpoint: dict[str, Any]) -> int | None:
             return int(state["world_size"])
     loader_state = saved_loader_state(checkpoint)
     return None if loader_state is None else int(loader_state["world_size"])
-
-
-def restore_pending_loader_state(trainer: pl.Trainer) -> bool:
-    """Hand the checkpoint's training-loader state to a loader built before it was restored.
-
-    Lightning's fit loop gives a resumed loader its saved state only when it builds the loader
-    after restoring the checkpoint. ``trainer.estimated_stepping_batches`` (called by
-    ``configure_optimizers`` to size an LR schedule) builds it earlier, and the state is then
-    never loaded (Lightning issue #20550). Called at ``on_train_start`` (after the restore,
-    before the first batch is fetched), this loads the pending state and makes the loader's
-    iterator again, as Lightning's own restore path does. Returns whether there was one.
-    """
-    fit_loop = trainer.fit_loop
-    pending = getattr(fit_loop, "_combined_loader_states_to_load", None)
-    combined = getattr(fit_loop, "_combined_loader", None)
-    fetcher = getattr(fit_loop, "_data_fetcher", None)
-    if not pending or combined is None or fetcher is None or not fit_loop.restarting:
-        return False
-    fit_loop._load_combined_loader_states()
-    iter(fetcher)  # the iterator made before the restore would start the epoch over
-    return True
 
 
 def _gather(obj: Any) -> list[Any]:
@@ -396,7 +382,7 @@ class ExactResume(Callback):
     def _resumable(self, loader: Any) -> Any:
         if getattr(loader, "_fastscale_resumable", False):
             return loader
-        if isinstance(loader, _Stateful):
+        if is_stateful_loader(loader):
             self._loader_keeps_position = True  # Lightning restores it; the generators are ours
             return loader
         if isinstance(loader, DataLoader):
@@ -404,7 +390,7 @@ class ExactResume(Callback):
             cls = self._classes.get(base)
             if cls is None:
                 cls = self._classes[base] = _resumable_class(base, self)
-            loader.__class__ = cls  # same instance, same init arguments: Lightning may re-create it
+            make_loader_stateful(loader, cls)
             return loader
         if isinstance(loader, (list, tuple)):
             return type(loader)(self._resumable(item) for item in loader)
@@ -434,8 +420,7 @@ class ExactResume(Callback):
         if datamodule is not None and is_overridden("train_dataloader", datamodule, pl.LightningDataModule):
             self._wrap_hook(datamodule)
             return
-        source = getattr(trainer.fit_loop, "_data_source", None)
-        instance = getattr(source, "instance", None)
+        instance = fit_loader_owner(trainer)
         if isinstance(instance, pl.LightningModule):
             self._wrap_hook(pl_module)
         elif instance is not None:
@@ -572,18 +557,15 @@ class ExactResume(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         saved, self._saved_loader_state = self._saved_loader_state, None
-        if restore_pending_loader_state(trainer) or saved is None or trainer.fit_loop.restarting:
+        if load_pending_loader_state(trainer) or saved is None or trainer.fit_loop.restarting:
             return
         # Saved at an epoch boundary: Lightning hands the loader no state and starts the next
         # epoch. Its iterator (made already) drew the worker seed and will draw a
         # RandomSampler's order from generators restarted from the seed; the uninterrupted run
         # drew both from the generators as they were at the save. Put those back and make the
         # iterator again, so the new epoch's order and random numbers are the uninterrupted ones.
-        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
-        if fetcher is None or saved["world_size"] != trainer.world_size or len(saved["rng"]) != trainer.world_size:
-            return
-        set_rng_states(saved["rng"][_rank()]["at_save"])
-        iter(fetcher)
+        if saved["world_size"] == trainer.world_size and len(saved["rng"]) == trainer.world_size:
+            restart_train_iterator(trainer, before=functools.partial(set_rng_states, saved["rng"][_rank()]["at_save"]))
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:

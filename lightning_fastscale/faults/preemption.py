@@ -42,6 +42,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_fastscale.lightning_internals import cluster_environment
+
 log = logging.getLogger(__name__)
 
 _UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
@@ -251,7 +253,7 @@ class PreemptionCheckpoint(Checkpoint):
     def _should_requeue(self, trainer: pl.Trainer) -> bool:
         if self.requeue is not None:
             return self.requeue
-        environment = trainer._accelerator_connector.cluster_environment
+        environment = cluster_environment(trainer)
         return isinstance(environment, SLURMEnvironment) and environment.auto_requeue and SLURMEnvironment.detect()
 
     @staticmethod

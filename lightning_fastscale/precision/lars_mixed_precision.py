@@ -18,6 +18,8 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_fastscale.lightning_internals import inside_lightning_hook
+
 from .lars_step import LARSStepMixin
 
 # keys under which checkpoints of the earlier per-mode classes hold this plugin's state
@@ -101,7 +103,7 @@ class LARSMixedPrecision(LARSStepMixin, MixedPrecision):
         step_output = self.lars_step(optimizer, agree, **kwargs)  # type: ignore[arg-type]
         if self.scaler is not None:
             self.scaler.update()
-        if model._current_fx_name is not None:  # self.log is valid inside the fit loop's hooks only
+        if inside_lightning_hook(model):  # self.log is valid inside the fit loop's hooks only
             metrics = {"lars/skipped_steps": float(self.skipped_steps)}
             if self.scaler is not None:
                 metrics["lars/loss_scale"] = float(self.scaler.get_scale())

@@ -1,0 +1,105 @@
+"""Every touch of Lightning's private state in this package, one function each, with what forces it.
+
+Lightning 2.6 has no public interface for these (its resumable-loader support stops at a
+loader's own ``state_dict``; the fault-tolerant loop that did more was removed for 2.0, Lightning
+issue #9123). Kept here so an upgrade that moves one breaks this module and nothing else.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.types import _Stateful
+
+
+def fit_loader_owner(trainer: pl.Trainer) -> Any:
+    """The object ``fit`` takes its training loaders from (the module, or loaders passed to ``fit``).
+
+    Private: ``fit_loop._data_source``. No public hook exposes loaders given to ``trainer.fit``
+    directly before the fit loop builds them.
+    """
+    return getattr(getattr(trainer.fit_loop, "_data_source", None), "instance", None)
+
+
+def restart_train_iterator(trainer: pl.Trainer, before: Callable[[], None] | None = None) -> bool:
+    """Make the training loader's iterator again (calling ``before`` first), as from ``on_train_start``.
+
+    Private: ``fit_loop._data_fetcher``. Lightning makes the epoch's iterator before
+    ``on_train_start``, and no public call remakes it. Returns whether there was one (``before``
+    runs only then).
+    """
+    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+    if fetcher is None:
+        return False
+    if before is not None:
+        before()
+    iter(fetcher)
+    return True
+
+
+def load_pending_loader_state(trainer: pl.Trainer) -> bool:
+    """Hand a resumed fit's saved training-loader state to a loader built before the restore.
+
+    Lightning issue #20550: ``trainer.estimated_stepping_batches`` (which ``configure_optimizers``
+    calls to size an LR schedule) builds the loader before the checkpoint's loop state is
+    restored, and the saved state is then never loaded. This does what Lightning's restore path
+    does when it builds the loader afterwards. Private: ``fit_loop._combined_loader_states_to_load``,
+    ``_combined_loader``, ``_load_combined_loader_states``. Returns whether there was a state.
+    """
+    fit_loop = trainer.fit_loop
+    pending = getattr(fit_loop, "_combined_loader_states_to_load", None)
+    if not pending or getattr(fit_loop, "_combined_loader", None) is None or not fit_loop.restarting:
+        return False
+    fit_loop._load_combined_loader_states()
+    return restart_train_iterator(trainer)  # the iterator made before the restore would start the epoch over
+
+
+def make_loader_stateful(loader: Any, stateful_class: type) -> None:
+    """Give a ``DataLoader`` instance a subclass with Lightning's stateful-loader interface.
+
+    The class is swapped on the instance, not wrapped: Lightning re-creates a loader from its
+    class and recorded ``__init__`` arguments when it adds a distributed sampler
+    (``_update_dataloader``), and only an instance of a ``DataLoader`` subclass with those same
+    arguments survives that, with the user's own subclass behaviour kept.
+    """
+    loader.__class__ = stateful_class
+
+
+def cluster_environment(trainer: pl.Trainer) -> Any:
+    """The Trainer's cluster environment on any strategy (SLURM requeue needs it on one device too).
+
+    Private: ``trainer._accelerator_connector``; the public ``strategy.cluster_environment``
+    exists only on multi-process strategies.
+    """
+    return trainer._accelerator_connector.cluster_environment
+
+
+def checkpoint_fit_loop(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The fit loop's entry of a Lightning checkpoint (``loops.fit_loop``), a layout Lightning does not document."""
+    return (checkpoint.get("loops") or {}).get("fit_loop") or {}
+
+
+def is_stateful_loader(loader: Any) -> bool:
+    """Whether Lightning saves and restores ``loader``'s position itself (``state_dict``/``load_state_dict``).
+
+    Private: Lightning's ``_Stateful`` protocol, the test its fit loop applies.
+    """
+    return isinstance(loader, _Stateful)
+
+
+def inside_lightning_hook(module: pl.LightningModule) -> bool:
+    """Whether a Lightning hook is running on ``module`` (where ``self.log`` is allowed).
+
+    Private: ``LightningModule._current_fx_name``, which ``self.log`` itself checks.
+    """
+    return module._current_fx_name is not None
+
+
+def transfer_batch(module: pl.LightningModule, batch: Any) -> Any:
+    """``batch`` moved to the module's device through its own batch hooks, as the fit loop moves it.
+
+    Private: ``LightningModule._apply_batch_transfer_handler`` (``on_before_batch_transfer``,
+    ``transfer_batch_to_device``, ``on_after_batch_transfer``); the public hooks each do one part.
+    """
+    return module._apply_batch_transfer_handler(batch)
