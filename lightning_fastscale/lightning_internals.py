@@ -6,6 +6,7 @@ issue #9123). Kept here so an upgrade that moves one breaks this module and noth
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -103,3 +104,32 @@ def transfer_batch(module: pl.LightningModule, batch: Any) -> Any:
     ``transfer_batch_to_device``, ``on_after_batch_transfer``); the public hooks each do one part.
     """
     return module._apply_batch_transfer_handler(batch)
+
+
+def attached_trainer(module: pl.LightningModule) -> pl.Trainer | None:
+    """The Trainer ``module`` is attached to, or None (the public ``module.trainer`` raises instead).
+
+    Private: ``LightningModule._trainer``.
+    """
+    return module._trainer
+
+
+def copy_without_trainer(module: pl.LightningModule) -> pl.LightningModule:
+    """A deep copy of ``module`` that does not copy the Trainer it is attached to.
+
+    Private: ``LightningModule._trainer``, detached for the copy and put back.
+    """
+    attached = module._trainer
+    module._trainer = None
+    try:
+        return copy.deepcopy(module)
+    finally:
+        module._trainer = attached
+
+
+def logs_hyperparameters(module: pl.LightningModule) -> bool:
+    """False where the module opted out with ``save_hyperparameters(logger=False)``.
+
+    Private: ``LightningModule._log_hyperparams``, the flag Lightning's own logging reads.
+    """
+    return bool(module._log_hyperparams)

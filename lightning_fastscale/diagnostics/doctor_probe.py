@@ -21,7 +21,6 @@ verdict and run the same ``--verify`` sequence.
 """
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 import os
@@ -43,7 +42,7 @@ from typing_extensions import override
 from lightning_fastscale.data.worker_autotune import images_per_second
 from lightning_fastscale.diagnostics.doctor import FLAT, WINDOWS, Diagnosis, Measurements, diagnosis_of, verify_fixes
 from lightning_fastscale.diagnostics.step_breakdown_callback import StepBreakdown
-from lightning_fastscale.lightning_internals import transfer_batch
+from lightning_fastscale.lightning_internals import copy_without_trainer, transfer_batch
 
 log = logging.getLogger(__name__)
 
@@ -145,12 +144,7 @@ def measure_compute(trainer: pl.Trainer, module: pl.LightningModule, batch: Any,
     the configured class and settings over the copy's parameters. ``precision="bf16-mixed"``
     times that autocast instead of the configured precision.
     """
-    attached = module._trainer
-    module._trainer = None  # a copy of the module, not of the Trainer it points to
-    try:
-        clone = copy.deepcopy(module)
-    finally:
-        module._trainer = attached
+    clone = copy_without_trainer(module)
     if channels_last:
         clone = clone.to(memory_format=torch.channels_last)
         if hasattr(clone, "channels_last"):  # ImageClassifier also converts its batches

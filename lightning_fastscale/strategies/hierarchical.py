@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_fastscale.lightning_internals import attached_trainer, logs_hyperparameters
 from lightning_fastscale.strategies.hierarchical_mixin import HierarchicalAllReduceMixin
 from lightning_fastscale.strategies.topk_residuals import residual_path, residual_state
 
@@ -88,8 +89,8 @@ class HierarchicalAllReduceStrategy(HierarchicalAllReduceMixin, DDPStrategy):
         """
         super().on_train_start()
         module = self.lightning_module
-        trainer = module._trainer if module is not None else None
-        if trainer is None or self.topology is None or not module._log_hyperparams or self.global_rank != 0:
+        trainer = attached_trainer(module) if module is not None else None
+        if trainer is None or self.topology is None or not logs_hyperparameters(module) or self.global_rank != 0:
             return
         summary = self.plan_summary()
         for logger in trainer.loggers:
