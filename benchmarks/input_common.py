@@ -26,8 +26,11 @@ from lightning_fastscale.data.convert import convert
 from lightning_fastscale.data.transforms import normalize_on_device as fast_normalize
 
 
-def parser(doc: str, script: str, max_sides: tuple[int, ...] = (256, 320, 400)) -> argparse.ArgumentParser:
-    """The options every input benchmark takes (tree, stored sizes, batch, ``--quick``, ``--results``)."""
+def parser(doc: str, script: str, max_sides: tuple[int, ...] = (256, 320, 400), epochs: bool = False) -> argparse.ArgumentParser:
+    """The options every input benchmark takes (tree, stored sizes, batch, ``--quick``, ``--results``).
+
+    ``epochs``: also ``--repeat`` and ``--epoch-rounds``, for the scripts that time whole epochs.
+    """
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--workdir", type=Path, default=Path("/tmp/fastscale-input-bench"))
     p.add_argument("--classes", type=int, default=8)
@@ -36,6 +39,9 @@ def parser(doc: str, script: str, max_sides: tuple[int, ...] = (256, 320, 400)) 
     p.add_argument("--resolution", type=int, default=224)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--quick", action="store_true", help="a short run that checks the script works (few images)")
+    if epochs:
+        p.add_argument("--repeat", type=int, default=10, help="times each training file is in an epoch")
+        p.add_argument("--epoch-rounds", type=int, default=3, help="interleaved rounds")
     results_file.add_option(p, script)
     return p
 
@@ -159,6 +165,6 @@ def written_stream(args: argparse.Namespace, side: int) -> Path:
     """The converted folder ``--versus-ffcv`` wrote for ``side``; exits saying how to write it if missing."""
     root = args.workdir / f"stream-x{args.repeat}-{side}"
     if not (root / "dataset.json").is_file():
-        raise SystemExit(f"{root} is missing: run --versus-ffcv with the same --workdir, --repeat and "
+        raise SystemExit(f"{root} is missing: run benchmarks/input_vs_ffcv.py with the same --workdir, --repeat and "
                          "--max-sides first (--epoch-rounds 0 writes only the data)")
     return root

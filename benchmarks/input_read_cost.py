@@ -47,7 +47,5 @@ def run(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    parser = input_common.parser(__doc__, "input_read_cost", max_sides=(320, 256))
-    parser.add_argument("--repeat", type=int, default=10, help="times each training file is in an epoch")
-    parser.add_argument("--epoch-rounds", type=int, default=3, help="interleaved rounds")
+    parser = input_common.parser(__doc__, "input_read_cost", max_sides=(320, 256), epochs=True)
     input_common.main(run, parser.parse_args())

@@ -240,8 +240,6 @@ def run(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    parser = input_common.parser(__doc__, "input_vs_ffcv", max_sides=(320, 256))
-    parser.add_argument("--repeat", type=int, default=10, help="times each training file is in an epoch")
-    parser.add_argument("--epoch-rounds", type=int, default=3, help="interleaved rounds")
+    parser = input_common.parser(__doc__, "input_vs_ffcv", max_sides=(320, 256), epochs=True)
     parser.add_argument("--per-core-only", action="store_true", help="only the 1-core column")
     input_common.main(run, parser.parse_args())
