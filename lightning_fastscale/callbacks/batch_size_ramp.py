@@ -125,9 +125,6 @@ class BatchSizeRamp(Callback):
         BatchPlan(global_batch=2048, per_device=128, accumulation=2)
         >>> BatchSizeRamp(initial_global_batch=256, lr_milestones=[30, 60], lr_decay_factor=0.1).schedule
         {0: 256, 30: 2560, 60: 25600}
-
-        In training: ``Trainer(callbacks=[ramp]).fit(model, datamodule=dm)`` with a
-        ``BatchSizeControllable`` datamodule such as ``ProceduralDataModule``.
     """
 
     def __init__(

@@ -158,8 +158,6 @@ class GhostBatchNorm(pl.Callback):
         ['1']
         >>> type(model[1]).__name__, model[1].ghost_batch_size
         ('GhostBatchNormLayer', 16)
-
-        In training: ``Trainer(callbacks=[GhostBatchNorm(16)])``.
     """
 
     def __init__(self, ghost_batch_size: int) -> None:

@@ -86,9 +86,6 @@ class LabelSmoothing(pl.Callback):
         tensor([[0.0250, 0.0250, 0.9250, 0.0250]])
         >>> smoothing_at_epoch(5, 0.2, final_smoothing=0.0, anneal_epochs=10)
         0.1
-
-        In training: ``Trainer(callbacks=[smoothing])`` on a module that holds an
-        ``nn.CrossEntropyLoss()`` attribute and calls it in ``training_step``.
     """
 
     def __init__(

@@ -16,6 +16,9 @@ from lightning_fastscale.callbacks._schedule import loader_batch_size
 from lightning_fastscale.callbacks.batch_size_ramp import BatchSizeRamp
 
 DECAYS = ("poly", "cosine", "none")
+# The schedule position, saved whole so resuming is exact: progress_before_epoch + applied_in_epoch
+# / steps_in_epoch, folded once per epoch so that whole epochs add up exactly.
+_FRESH_STATE = {"base_lrs": None, "progress_before_epoch": 0.0, "applied_in_epoch": 0, "steps_in_epoch": 1, "skipped_steps": 0}
 
 
 def lr_at(
@@ -79,9 +82,6 @@ class WarmupDecayLR(Callback):
         ...                          reference_batch=256)
         >>> round(lr_at(2.5, 0.1 * 8192 / 256, warmup_epochs=5, total_epochs=90), 4)
         1.6
-
-        In training: ``Trainer(max_epochs=90, callbacks=[schedule])`` with the module's
-        optimizer built at the base LR and no scheduler of its own.
     """
 
     def __init__(
@@ -115,13 +115,7 @@ class WarmupDecayLR(Callback):
         self.total_epochs = total_epochs
         self.reference_batch = reference_batch
         self._total = 0.0
-        self._base_lrs: list[float] | None = None
-        # Position = _progress_before_epoch + _applied_in_epoch / _steps_in_epoch: folded once
-        # per epoch so that whole epochs add up exactly, saved whole so resuming is exact.
-        self._progress_before_epoch = 0.0
-        self._applied_in_epoch = 0
-        self._steps_in_epoch = 1
-        self._skipped_steps = 0
+        self.load_state_dict(_FRESH_STATE)
         self._scale_before: float | None = None
         self._step_pending = False
         self._step_ran = False
@@ -160,12 +154,7 @@ class WarmupDecayLR(Callback):
         if stage != "fit":
             return
         self._total = self.check_trainer(trainer)
-        # A new fit starts the schedule afresh unless a checkpoint is restored after this hook.
-        self._base_lrs = None
-        self._progress_before_epoch = 0.0
-        self._applied_in_epoch = 0
-        self._steps_in_epoch = 1
-        self._skipped_steps = 0
+        self.load_state_dict(_FRESH_STATE)  # a new fit, unless a checkpoint is restored after this hook
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -277,19 +266,10 @@ class WarmupDecayLR(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         """Base LRs and schedule position."""
-        return {
-            "base_lrs": self._base_lrs,
-            "progress_before_epoch": self._progress_before_epoch,
-            "applied_in_epoch": self._applied_in_epoch,
-            "steps_in_epoch": self._steps_in_epoch,
-            "skipped_steps": self._skipped_steps,
-        }
+        return {key: getattr(self, f"_{key}") for key in _FRESH_STATE}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore base LRs and schedule position."""
-        self._base_lrs = state_dict["base_lrs"]
-        self._progress_before_epoch = state_dict["progress_before_epoch"]
-        self._applied_in_epoch = state_dict["applied_in_epoch"]
-        self._steps_in_epoch = state_dict["steps_in_epoch"]
-        self._skipped_steps = state_dict["skipped_steps"]
+        for key in _FRESH_STATE:
+            setattr(self, f"_{key}", state_dict[key])

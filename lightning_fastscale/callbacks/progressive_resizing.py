@@ -80,10 +80,6 @@ class ProgressiveResizing(Callback):
         224
         >>> composer_schedule(10, full_resolution=224, initial_scale=0.5, finish_fraction=0.2)
         {0: 112, 1: 128, 2: 140, 3: 152, 4: 168, 5: 184, 6: 196, 7: 208, 8: 224}
-
-        In training: ``Trainer(callbacks=[resizing]).fit(model, datamodule=dm)``; a datamodule
-        implementing ``ResolutionControllable`` decodes at the new size, any other gets its
-        batches resized on the device.
     """
 
     def __init__(

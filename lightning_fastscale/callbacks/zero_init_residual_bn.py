@@ -55,8 +55,6 @@ class ZeroInitResidualBN(pl.Callback):
         >>> model = resnet18(num_classes=10)
         >>> len(zero_init_residual_bn(model)), float(model.layer1[0].bn2.weight.detach().abs().sum())
         (8, 0.0)
-
-        In training: ``Trainer(callbacks=[ZeroInitResidualBN()])``.
     """
 
     # Kept on the module (not in the callback) so it travels with it, e.g. into spawned workers.
