@@ -46,7 +46,6 @@ class _ResizableDataModule(pl.LightningDataModule):
         self.persistent_workers = persistent_workers and num_workers > 0
         self.prefetch_factor = prefetch_factor if num_workers > 0 else None
 
-    # -- the protocol ---------------------------------------------------------------------
     def set_train_batch_size(self, per_device_batch_size: int) -> None:
         """Use ``per_device_batch_size`` from the next ``train_dataloader()`` on."""
         self.train_batch_size = check_positive("per-device batch size", per_device_batch_size)
@@ -59,7 +58,6 @@ class _ResizableDataModule(pl.LightningDataModule):
         """Produce ``resolution``-pixel validation images from the next ``val_dataloader()`` on."""
         self.val_resolution = check_positive("validation resolution", resolution)
 
-    # -- loaders --------------------------------------------------------------------------
     def _loader(self, dataset: Dataset, batch_size: int, shuffle: bool) -> DataLoader:
         return DataLoader(
             dataset,

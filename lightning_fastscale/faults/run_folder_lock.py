@@ -1,7 +1,4 @@
-"""Claim a run folder for one run at a time.
-
-More in ``docs/faults.md`` ("The run-folder lock").
-"""
+"""Claim a run folder for one run at a time. More in ``docs/faults.md`` ("The run-folder lock")."""
 from __future__ import annotations
 
 import atexit
