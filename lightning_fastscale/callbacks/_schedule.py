@@ -1,16 +1,6 @@
-"""Helpers shared by the epoch-scheduled callbacks (batch-size ramp, progressive resizing, LR).
+"""Helpers of the epoch-scheduled callbacks: ``{epoch: value}`` schedules and `PreparedEpoch`.
 
-* ``{epoch: value}`` schedules: `resolve_schedule` checks and sorts one as YAML/Hydra
-  gives it, `value_at_epoch` reads it piecewise-constant.
-* `PreparedEpoch`: Lightning builds the training dataloader of an epoch *before*
-  ``on_train_epoch_start`` runs, so a callback that changes what the loader serves (batch
-  size, resolution) tells the datamodule about epoch ``e + 1`` at the end of epoch ``e``.
-  This object remembers which epoch was prepared and refuses to enter any other one, which
-  catches a checkpoint written between the two (a callback that saves before this one at
-  ``on_train_epoch_end``).
-* `loader_batch_size`: the per-device batch size the Trainer's training loader serves.
-
-Private to `lightning_fastscale.callbacks`: the public callbacks re-export what users need.
+Why `PreparedEpoch` exists: ``docs/methods/batch_size_ramp.md`` ("In code").
 """
 from __future__ import annotations
 
@@ -23,9 +13,7 @@ from lightning_fastscale._validation import positive_int
 
 
 def resolve_schedule(schedule: Mapping[Any, Any], setting: str = "schedule") -> dict[int, int]:
-    """Turn ``{epoch: value}`` (keys may be strings, as YAML/Hydra gives them) into a sorted dict.
-
-    The schedule must start at epoch 0 and hold positive integer values.
+    """Check ``{epoch: value}`` (keys may be strings, as from YAML) and sort it; epoch 0 is required.
 
     Examples:
         >>> resolve_schedule({"10": 2048, "0": 1024})
@@ -75,10 +63,7 @@ def loader_batch_size(trainer: pl.Trainer) -> int | None:
 
 
 class PreparedEpoch:
-    """Which epoch's dataloader a scheduling callback has set the datamodule up for.
-
-    Args:
-        owner: the callback's class name, used in the error message.
+    """Which epoch's dataloader a scheduling callback (class name ``owner``) has prepared.
 
     Examples:
         >>> prepared = PreparedEpoch("BatchSizeRamp")
@@ -93,10 +78,6 @@ class PreparedEpoch:
 
     def __init__(self, owner: str) -> None:
         self.owner = owner
-        self.epoch = 0
-
-    def reset(self) -> None:
-        """A new fit starts at epoch 0 (a checkpoint restored later overrides this)."""
         self.epoch = 0
 
     def check_entering(self, epoch: int) -> None:

@@ -1,11 +1,6 @@
-"""Batch-size control: let the global batch grow during training.
+"""Let the global batch grow during training (Mikami et al. 2018; Smith et al. 2017).
 
-Mikami et al. 2018 (Sony, "ImageNet/ResNet-50 Training in 224 Seconds") grew the global batch
-from 34K to 68K during training; Smith et al. 2017 ("Don't Decay the Learning Rate, Increase
-the Batch Size") showed that multiplying the batch by 1/gamma where a schedule would multiply
-the learning rate by gamma gives the same curve with fewer parameter updates.
-
-More in ``docs/methods/batch_size_ramp.md`` ("In code").
+Method card: ``docs/methods/batch_size_ramp.md``.
 """
 from __future__ import annotations
 
@@ -45,12 +40,7 @@ class BatchPlan:
 def smith_schedule(
     initial_global_batch: int, lr_milestones: Sequence[int], lr_decay_factor: float
 ) -> dict[int, int]:
-    """Smith et al. 2017: where the LR would be multiplied by ``lr_decay_factor``, grow the batch.
-
-    The batch at milestone ``i`` is ``initial_global_batch / lr_decay_factor**i``, rounded to the
-    nearest integer (e.g. milestones [30, 60, 80] and factor 0.1 from 256 give
-    {0: 256, 30: 2560, 60: 25600, 80: 256000}).
-    """
+    """Smith et al. 2017: batch ``initial_global_batch / lr_decay_factor**i`` (rounded) from milestone ``i``."""
     if not 0 < lr_decay_factor < 1:
         raise ValueError(
             f"lr_decay_factor={lr_decay_factor} must be in (0, 1): it is the factor the LR "
@@ -66,13 +56,7 @@ def smith_schedule(
 
 
 def decompose(global_batch: int, world_size: int, max_per_device_batch: int | None) -> BatchPlan:
-    """Split ``global_batch`` into per-device batch x ``world_size`` x accumulation steps.
-
-    The per-device batch is as large as allowed (at most ``max_per_device_batch``) so that the
-    fewest accumulation steps are used. When accumulation is needed, the per-device batch must
-    stay above half the ceiling: a split such as 34 = 2 x 17 on a ceiling of 16 would waste most
-    of the device, so it is refused with the nearest sizes that do split well.
-    """
+    """Split ``global_batch`` into per-device batch (up to the ceiling) x ``world_size`` x fewest accumulation steps."""
     if global_batch % world_size:
         lower = global_batch // world_size * world_size
         raise ValueError(
@@ -122,23 +106,14 @@ class BatchSizeRamp(Callback):
     """Grow the global batch during training (Mikami et al. 2018; Smith et al. 2017).
 
     Args:
-        schedule: ``{epoch: global_batch}``, piecewise constant from each epoch on (e.g.
-            ``{0: 16384, 10: 32768, 30: 65536}``). Give this or the three Smith arguments.
-        initial_global_batch, lr_milestones, lr_decay_factor: Smith et al.'s form: the batch
-            grows by ``1 / lr_decay_factor`` at each epoch where an LR schedule would decay.
-        max_per_device_batch: memory ceiling of one device; above it the callback uses
-            gradient accumulation. ``None``: no ceiling, never accumulate.
-        scale_lr: apply the linear scaling rule (Goyal et al. 2017): each optimizer group's LR
-            becomes ``lr_at_fit_start * global_batch / schedule[0]``. When a
-            [`WarmupDecayLR`][lightning_fastscale.callbacks.WarmupDecayLR] or an LR
-            scheduler from ``configure_optimizers`` is present, that one owns the LR and
-            ``scale_lr=True`` is refused before training (use ``WarmupDecayLR(reference_batch=...)``,
-            which reads the current global batch every step).
+        schedule: ``{epoch: global_batch}``, piecewise constant; or give the three Smith
+            arguments (``initial_global_batch``, ``lr_milestones``, ``lr_decay_factor``).
+        max_per_device_batch: memory ceiling of one device, above which gradients are
+            accumulated; ``None``: never accumulate.
+        scale_lr: linear scaling rule (Goyal et al. 2017) on each group's LR; refused beside
+            ``WarmupDecayLR`` or a scheduler (use ``WarmupDecayLR(reference_batch=...)``).
 
-    The datamodule must implement
-    [`BatchSizeControllable`][lightning_fastscale.data.protocol.BatchSizeControllable]. Samples per optimizer
-    step equal the scheduled global batch when the training set splits into whole batches; as
-    in plain Lightning, a partial last batch of an epoch is stepped on as it is.
+    The datamodule must implement ``BatchSizeControllable``.
 
     Examples:
         Mikami et al.'s shape of ramp on 8 processes with a 128-sample memory ceiling:
@@ -150,9 +125,6 @@ class BatchSizeRamp(Callback):
         BatchPlan(global_batch=2048, per_device=128, accumulation=2)
         >>> BatchSizeRamp(initial_global_batch=256, lr_milestones=[30, 60], lr_decay_factor=0.1).schedule
         {0: 256, 30: 2560, 60: 25600}
-
-        In training: ``Trainer(callbacks=[ramp]).fit(model, datamodule=dm)`` with a
-        ``BatchSizeControllable`` datamodule such as ``ProceduralDataModule``.
     """
 
     def __init__(
@@ -180,30 +152,22 @@ class BatchSizeRamp(Callback):
             schedule = smith_schedule(initial_global_batch, lr_milestones, lr_decay_factor)
         self.schedule = resolve_schedule(schedule, "BatchSizeRamp.schedule")
         if max_per_device_batch is not None:
-            positive_int(
-                "BatchSizeRamp.max_per_device_batch", max_per_device_batch,
-                hint="or None for no ceiling",
-            )
+            positive_int("BatchSizeRamp.max_per_device_batch", max_per_device_batch, hint="or None for no ceiling")
         self.max_per_device_batch = max_per_device_batch
         self.scale_lr = scale_lr
         self._world_size = 1
-        # Epoch whose per-device batch the datamodule was last told; saved in checkpoints so a
-        # resumed run serves the epoch it restarts in (see on_fit_start).
         self._prepared = PreparedEpoch("BatchSizeRamp")
         self._base_lrs: list[list[float]] | None = None
 
     def plan(self, epoch: int, world_size: int | None = None) -> BatchPlan:
-        """The batch plan of ``epoch`` (per-device batch, accumulation) on ``world_size`` processes."""
+        """The batch plan of ``epoch`` on ``world_size`` processes."""
         return decompose(
             value_at_epoch(self.schedule, epoch), world_size or self._world_size,
             self.max_per_device_batch,
         )
 
     def check_trainer(self, trainer: pl.Trainer) -> list[BatchPlan]:
-        """Every scheduled global batch split over ``trainer``'s processes; raises ``ValueError`` if one cannot be.
-
-        Needs only the Trainer (no datamodule, no fit), so ``fastscale-train`` runs it before launch.
-        """
+        """Every scheduled batch split over ``trainer``'s processes (``ValueError`` if one cannot be); no fit needed."""
         self._world_size = trainer.world_size
         try:
             plans = [self.plan(epoch) for epoch in self.schedule]
@@ -225,7 +189,7 @@ class BatchSizeRamp(Callback):
         if stage != "fit":
             return
         require_protocol(trainer.datamodule, BatchSizeControllable, "BatchSizeRamp")
-        self._prepared.reset()
+        self._prepared.epoch = 0  # a new fit; a restored checkpoint overrides it
         self._base_lrs = None
         plans = self.check_trainer(trainer)
         if any(p.accumulation > 1 for p in plans) and not pl_module.automatic_optimization:

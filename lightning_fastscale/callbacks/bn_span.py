@@ -1,12 +1,7 @@
-"""Batch-norm statistics over a span of N images, whatever the per-device batch and world size.
+"""Batch-norm statistics over a span of N images, whatever the per-device batch and world size (Goyal et al. 2017).
 
-Goyal et al. 2017 (section 2.3) fix the number of images BN normalises over while the global batch
-grows; MLPerf's ResNet-50 runs use spans of 32 to 400. Within one device (N no larger than its
-batch) the span is ghost batch norm (`ghost_batch_norm`); above it, every BN layer sums its
-statistics over a process subgroup of N / per-device-batch consecutive ranks (inside one node
-where they fit). The span, not the device count, is what a run keeps when its world size
-changes; a span that is not a whole number of ranks is refused with the nearest ones that are.
-Method card: docs/methods/ghost_batch_norm.md.
+Ghost groups within a device, process subgroups of consecutive ranks above it.
+Method card: ``docs/methods/ghost_batch_norm.md`` ("BN span").
 """
 from __future__ import annotations
 
@@ -34,11 +29,7 @@ def _valid_spans(per_device_batch: int, world_size: int, ranks_per_node: int) ->
 def bn_span_plan(span: int, per_device_batch: int, world_size: int = 1, ranks_per_node: int | None = None) -> int:
     """How many ranks share BN statistics for ``span`` images: 1 (ghost groups on each device) or more.
 
-    ``span`` must divide the per-device batch, or be the per-device batch times a number of ranks
-    that divides the world and fits the nodes (a divisor of ``ranks_per_node``, or whole nodes).
-
-    Raises:
-        ValueError: naming ``bn_span`` and the nearest spans that work.
+    ``ValueError`` names the nearest spans that work.
 
     Examples:
         >>> bn_span_plan(32, per_device_batch=64), bn_span_plan(256, 64, world_size=8, ranks_per_node=4)
@@ -64,12 +55,7 @@ def span_batch_norm(
     weight: torch.Tensor | None, bias: torch.Tensor | None, group: dist.ProcessGroup | None,
     momentum: float = 0.1, eps: float = 1e-5,
 ) -> torch.Tensor:
-    """Training-mode batch norm of ``x`` (N, C, ...) over the images of every rank of ``group``.
-
-    Equal to plain BN of the group's concatenated batches (output, gradients through a
-    differentiable all-reduce, running statistics with the unbiased variance), the statistics of
-    SyncBatchNorm, whose kernels run on GPUs only; this runs on any device and backend.
-    """
+    """Training-mode batch norm of ``x`` (N, C, ...) over the images of every rank of ``group``, on any backend."""
     channels, dims = x.shape[1], [0, *range(2, x.dim())]
     xf = x.float()
     local = torch.cat([xf.sum(dims), xf.square().sum(dims), xf.new_full((1,), x.numel() // channels)])
@@ -89,11 +75,7 @@ def span_batch_norm(
 
 
 class SpanBatchNormLayer(_BatchNorm):
-    """A BatchNorm layer whose training statistics cover the batches of a process subgroup.
-
-    Same parameters, buffers and state-dict keys as ``nn.BatchNorm1d/2d/3d``; evaluation uses the
-    running statistics as plain BN does.
-    """
+    """A BatchNorm layer (``nn.BatchNorm2d``'s state-dict keys) whose training statistics span a process subgroup."""
 
     def __init__(self, num_features: int, group: dist.ProcessGroup | None = None, eps: float = 1e-5,
                  momentum: float | None = 0.1, affine: bool = True, track_running_stats: bool = True,
@@ -126,10 +108,7 @@ def span_groups(world_size: int, ranks_per_group: int) -> list[list[int]]:
 def apply_bn_span(model: nn.Module, span: int, per_device_batch: int, ranks_per_node: int | None = None) -> int:
     """Make every plain BN layer of ``model`` normalise over ``span`` images; returns the ranks per group.
 
-    Within one device: `apply_ghost_batch_norm`. Across ranks (the default process group must
-    be up; every rank calls this): each layer becomes a `SpanBatchNormLayer` on its rank's
-    subgroup, sharing the old layer's parameters and buffers. ``ranks_per_node``: ranks per
-    node (default: the whole world on one node).
+    Across ranks every rank must call this (the default process group up).
     """
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     ranks_per_node = world_size if ranks_per_node is None else ranks_per_node
@@ -156,8 +135,7 @@ def apply_bn_span(model: nn.Module, span: int, per_device_batch: int, ranks_per_
 class BNSpan(pl.Callback):
     """BN statistics over ``span`` images: ghost groups within a device, process subgroups above.
 
-    Applied at ``setup("fit")`` (after the process group starts, before the strategy wraps the
-    model and the optimizers are built), with the datamodule's per-device ``train_batch_size``.
+    Applied at ``setup("fit")`` with the datamodule's per-device ``train_batch_size``.
 
     Examples:
         >>> trainer = pl.Trainer(devices=8, callbacks=[BNSpan(256)])  # per-device batch 64: groups of 4 ranks  # doctest: +SKIP

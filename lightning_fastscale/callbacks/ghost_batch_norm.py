@@ -1,13 +1,6 @@
-"""Batch norm over fixed-size groups of the batch ("ghost" batch norm).
+"""Batch norm over fixed-size groups of the batch (Goyal et al. 2017, section 2.3; Hoffer et al. 2017).
 
-Goyal et al. 2017 ("Accurate, Large Minibatch SGD", section 2.3) treat the number of samples
-BN normalises over, n, as a hyperparameter of its own: each of their k workers normalises over
-its own n = 32 images, and that n stays fixed while the global batch kn grows to 8K. Hoffer et
-al. 2017 ("Train longer, generalize better") call the same thing ghost batch normalisation and
-show it recovers part of the large-batch generalisation gap; Ying et al. 2018 (TPU ImageNet
-in minutes) likewise pick the BN group independently of the per-replica batch.
-
-More in ``docs/methods/ghost_batch_norm.md`` ("In code").
+Method card: ``docs/methods/ghost_batch_norm.md``.
 """
 from __future__ import annotations
 
@@ -25,11 +18,8 @@ _PLAIN_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
 def _check_ghost_batch_size(ghost_batch_size: int) -> None:
-    positive_int(
-        "ghost_batch_size", ghost_batch_size, minimum=2,
-        hint="the number of samples each BN group normalises over, e.g. the per-worker batch "
-        "of the run being reproduced",
-    )
+    hint = "the number of samples each BN group normalises over, e.g. the per-worker batch of the run being reproduced"
+    positive_int("ghost_batch_size", ghost_batch_size, minimum=2, hint=hint)
 
 
 def ghost_batch_norm(
@@ -44,9 +34,7 @@ def ghost_batch_norm(
 ) -> torch.Tensor:
     """Training-mode batch norm of ``x`` (N, C, ...) over consecutive groups of ``ghost_batch_size``.
 
-    Equal to calling ``F.batch_norm(group, training=True)`` on each group of the batch and
-    concatenating the results; the running statistics (when given) move by ``momentum`` toward
-    the mean over full groups of the group means and unbiased group variances.
+    Running statistics move toward the mean over full groups of the group statistics.
     """
     _check_ghost_batch_size(ghost_batch_size)
     n, channels = x.shape[0], x.shape[1]
@@ -85,11 +73,7 @@ def ghost_batch_norm(
 
 
 class GhostBatchNormLayer(_BatchNorm):
-    """A BatchNorm layer that normalises training batches in groups of ``ghost_batch_size``.
-
-    Same parameters, buffers and state-dict keys as ``nn.BatchNorm1d/2d/3d`` (so checkpoints
-    load either way); evaluation uses the running statistics as plain BN does.
-    """
+    """A BatchNorm layer (``nn.BatchNorm2d``'s state-dict keys) normalising training batches in groups."""
 
     def __init__(self, num_features: int, ghost_batch_size: int, eps: float = 1e-5, momentum: float | None = 0.1,
                  affine: bool = True, track_running_stats: bool = True, device=None, dtype=None) -> None:
@@ -120,10 +104,7 @@ class GhostBatchNormLayer(_BatchNorm):
 
 
 def share_state(bn: _BatchNorm, layer: _BatchNorm) -> _BatchNorm:
-    """``layer`` (made on the meta device) holding ``bn``'s very parameters and buffers, in its mode.
-
-    Sharing the objects keeps an optimizer built before the swap working.
-    """
+    """``layer`` (made on the meta device) holding ``bn``'s very parameters and buffers (an optimizer keeps working)."""
     for name, param in bn.named_parameters(recurse=False):
         setattr(layer, name, param)
     for name, buffer in bn.named_buffers(recurse=False):
@@ -138,15 +119,9 @@ def _to_ghost(bn: _BatchNorm, ghost_batch_size: int) -> _BatchNorm:
 
 
 def apply_ghost_batch_norm(model: nn.Module, ghost_batch_size: int) -> list[str]:
-    """Replace every ``nn.BatchNorm1d/2d/3d`` in ``model`` by a `GhostBatchNormLayer`, in place.
+    """Replace every plain ``nn.BatchNorm1d/2d/3d`` in ``model`` by a `GhostBatchNormLayer`; the names converted.
 
-    The new layers share the old ones' parameters and buffers. Layers that are already ghost
-    layers get the new group size. Returns the qualified names of the layers converted.
-
-    Raises:
-        ValueError: for a bad ``ghost_batch_size``, or when ``model`` has no plain BatchNorm
-            layer to convert (subclasses such as SyncBatchNorm or timm's BatchNormAct2d are not
-            converted: their forward does more than normalise).
+    Subclasses (SyncBatchNorm, timm's BatchNormAct2d) are left alone; none to convert is an error.
     """
     _check_ghost_batch_size(ghost_batch_size)
     converted: list[str] = []
@@ -172,13 +147,8 @@ def apply_ghost_batch_norm(model: nn.Module, ghost_batch_size: int) -> list[str]
 class GhostBatchNorm(pl.Callback):
     """Normalise each device's training batch in groups of ``ghost_batch_size`` samples.
 
-    Applies [`apply_ghost_batch_norm`][lightning_fastscale.callbacks.apply_ghost_batch_norm] in ``setup("fit")``, before the strategy wraps the
-    model and before the optimizers are built. Warns once if a training batch holds no more
-    than one group (the layer is then plain BN).
-
-    Args:
-        ghost_batch_size: samples per BN group, e.g. the per-worker batch of the published run
-            (Goyal et al. 2017: 32).
+    Applies `apply_ghost_batch_norm` in ``setup("fit")``, before the optimizers are built; warns
+    once if a training batch is no larger than one group (Goyal et al. 2017 used 32).
 
     Examples:
         Per-worker BN of 32 x 16 on one device holding a batch of 512:
@@ -188,8 +158,6 @@ class GhostBatchNorm(pl.Callback):
         ['1']
         >>> type(model[1]).__name__, model[1].ghost_batch_size
         ('GhostBatchNormLayer', 16)
-
-        In training: ``Trainer(callbacks=[GhostBatchNorm(16)])``.
     """
 
     def __init__(self, ghost_batch_size: int) -> None:

@@ -1,16 +1,6 @@
-"""Label smoothing on the training loss only, optionally annealed over epochs.
+"""Label smoothing on the training loss only, optionally annealed (Szegedy et al. 2016; Mikami et al. 2018).
 
-Label smoothing (Szegedy et al. 2016, "Rethinking the Inception Architecture") trains against
-``(1 - eps) * onehot(y) + eps / K`` instead of the one-hot target. Mikami et al. 2018 (Sony,
-ImageNet/ResNet-50 in 224 s at batch 34K-68K) and the MLPerf ResNet-50 LARS reference runs
-(``--label_smoothing=0.1``) use it to keep accuracy at very large batch sizes.
-
-Functional core: `smooth_targets` (the target distribution) and
-`smoothing_at_epoch` (the schedule). Lightning adapter: [`LabelSmoothing`][lightning_fastscale.callbacks.LabelSmoothing] sets
-``label_smoothing`` of the LightningModule's ``nn.CrossEntropyLoss`` attribute, whose built-in
-support computes exactly ``cross_entropy(logits, smooth_targets(y, K, eps))``, for training
-epochs, and puts it back to 0 around every validation epoch and at the
-end of the fit, so validation and test losses stay unsmoothed.
+Method card: ``docs/methods/label_smoothing.md``.
 """
 from __future__ import annotations
 
@@ -27,14 +17,7 @@ from lightning_fastscale._validation import positive_int
 def smooth_targets(targets: torch.Tensor, num_classes: int, smoothing: float) -> torch.Tensor:
     """The smoothed target distribution ``(1 - eps) * onehot(y) + eps / K`` (Szegedy et al. 2016).
 
-    Args:
-        targets: class indices, integer tensor of any shape.
-        num_classes: ``K``.
-        smoothing: ``eps`` in ``[0, 1]``.
-
-    Returns:
-        Float tensor of shape ``targets.shape + (K,)`` whose rows sum to 1. Cross-entropy
-        against it equals ``nn.CrossEntropyLoss(label_smoothing=eps)``.
+    Shape ``targets.shape + (K,)``; cross-entropy against it equals ``nn.CrossEntropyLoss(label_smoothing=eps)``.
     """
     _check_smoothing("smoothing", smoothing)
     onehot = nn.functional.one_hot(targets.long(), num_classes).to(torch.get_default_dtype())
@@ -44,11 +27,7 @@ def smooth_targets(targets: torch.Tensor, num_classes: int, smoothing: float) ->
 def smoothing_at_epoch(
     epoch: int, smoothing: float, final_smoothing: float | None = None, anneal_epochs: int = 0
 ) -> float:
-    """Smoothing factor for ``epoch``: linear from ``smoothing`` at epoch 0 to ``final_smoothing``.
-
-    ``final_smoothing`` is reached at epoch ``anneal_epochs`` and held afterwards; without it
-    the factor is constant.
-    """
+    """Smoothing factor for ``epoch``: linear from ``smoothing`` to ``final_smoothing`` (if given) at ``anneal_epochs``."""
     if epoch < 0:
         raise ValueError(f"epoch must be >= 0, got {epoch}")
     if final_smoothing is None or epoch >= anneal_epochs:
@@ -62,12 +41,7 @@ def _check_smoothing(name: str, value: float) -> None:
 
 
 def find_cross_entropy(pl_module: nn.Module, attribute: str | None = None) -> tuple[str, nn.CrossEntropyLoss]:
-    """The ``nn.CrossEntropyLoss`` submodule a label-smoothing schedule should act on.
-
-    With ``attribute`` (a dotted submodule path such as ``"criterion"``) that submodule, which
-    must be an ``nn.CrossEntropyLoss``; without it the single such submodule of ``pl_module``.
-    Raises ``ValueError`` naming the fix when there is none, several, or the wrong type.
-    """
+    """``(name, loss)``: the ``nn.CrossEntropyLoss`` at dotted path ``attribute``, else the module's only one."""
     owner = type(pl_module).__name__
     if attribute is not None:
         try:
@@ -102,20 +76,9 @@ def find_cross_entropy(pl_module: nn.Module, attribute: str | None = None) -> tu
 class LabelSmoothing(pl.Callback):
     """Smooth the labels of the training loss (Szegedy et al. 2016; Mikami et al. 2018).
 
-    Acts on the LightningModule's ``nn.CrossEntropyLoss`` submodule (found automatically, or
-    named by ``attribute``): its ``label_smoothing`` is set at the start of every training epoch
-    from `smoothing_at_epoch`, set back to 0 during validation, and
-    restored when the fit ends. The factor in use is logged as ``label_smoothing`` each epoch.
-    The first training loss must come from that submodule: a ``training_step`` that calls
-    ``F.cross_entropy`` instead is stopped before its first backward with an error naming the fix.
-
-    Args:
-        smoothing: factor at epoch 0 (MLPerf's ResNet-50 reference uses 0.1).
-        final_smoothing: if given, the factor is annealed linearly to this value, reached at
-            epoch ``anneal_epochs``.
-        anneal_epochs: length of the annealing in epochs (required with ``final_smoothing``).
-        attribute: dotted name of the loss submodule, needed only when the module holds more
-            than one ``nn.CrossEntropyLoss``.
+    Sets ``label_smoothing`` of the module's ``nn.CrossEntropyLoss`` (or the one named by
+    ``attribute``) for training epochs, 0 during validation and after the fit; optionally annealed
+    to ``final_smoothing`` over ``anneal_epochs``.
 
     Examples:
         >>> smoothing = LabelSmoothing(0.1)
@@ -123,9 +86,6 @@ class LabelSmoothing(pl.Callback):
         tensor([[0.0250, 0.0250, 0.9250, 0.0250]])
         >>> smoothing_at_epoch(5, 0.2, final_smoothing=0.0, anneal_epochs=10)
         0.1
-
-        In training: ``Trainer(callbacks=[smoothing])`` on a module that holds an
-        ``nn.CrossEntropyLoss()`` attribute and calls it in ``training_step``.
     """
 
     def __init__(
@@ -138,10 +98,8 @@ class LabelSmoothing(pl.Callback):
         _check_smoothing("smoothing", smoothing)
         if final_smoothing is not None:
             _check_smoothing("final_smoothing", final_smoothing)
-            positive_int(
-                "LabelSmoothing.anneal_epochs", anneal_epochs,
-                hint=f"final_smoothing={final_smoothing} needs anneal_epochs >= 1, the epochs to anneal over",
-            )
+            hint = f"final_smoothing={final_smoothing} needs anneal_epochs >= 1, the epochs to anneal over"
+            positive_int("LabelSmoothing.anneal_epochs", anneal_epochs, hint=hint)
         self.smoothing = smoothing
         self.final_smoothing = final_smoothing
         self.anneal_epochs = anneal_epochs
@@ -176,11 +134,7 @@ class LabelSmoothing(pl.Callback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        """After the first training loss, check it came from the criterion this callback smooths.
-
-        A ``training_step`` calling ``F.cross_entropy`` directly would leave the smoothing a
-        silent no-op; it is refused here, before the first backward.
-        """
+        """Refuse a first training loss that did not come from the smoothed criterion (e.g. ``F.cross_entropy``)."""
         if self._verified or self._criterion is None:
             return
         if self._calls == 0:
@@ -191,10 +145,9 @@ class LabelSmoothing(pl.Callback):
                 "(logits, targets), or remove the LabelSmoothing callback"
             )
         self._verified = True
+
     def _apply(self, trainer: pl.Trainer) -> float:
-        value = smoothing_at_epoch(
-            trainer.current_epoch, self.smoothing, self.final_smoothing, self.anneal_epochs
-        )
+        value = smoothing_at_epoch(trainer.current_epoch, self.smoothing, self.final_smoothing, self.anneal_epochs)
         assert self._criterion is not None, "setup(stage='fit') runs before any training epoch"
         self._criterion.label_smoothing = value
         return value
@@ -225,9 +178,7 @@ class LabelSmoothing(pl.Callback):
         self._restore()
 
     @override
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._restore()
 
     def _restore(self) -> None:

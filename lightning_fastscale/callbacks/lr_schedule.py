@@ -1,12 +1,6 @@
-"""Learning-rate warmup and decay for large batches, stepped per optimizer step.
+"""Linear LR scaling and gradual warmup (Goyal et al. 2017), then MLPerf's poly or cosine decay.
 
-Goyal et al. 2017 ("Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour"): scale the
-learning rate linearly with the global batch, ``lr = base_lr * global_batch / reference_batch``
-(0.1 per 256 images for ResNet-50), and reach it by a gradual linear warmup over the first
-epochs (5). After warmup the MLPerf LARS reference decays polynomially (power 2) to an end LR;
-cosine decay (Loshchilov & Hutter 2017) is the other common choice.
-
-More in ``docs/methods/lr_scaling_warmup.md`` ("In code").
+Method card: ``docs/methods/lr_scaling_warmup.md``.
 """
 from __future__ import annotations
 
@@ -22,6 +16,9 @@ from lightning_fastscale.callbacks._schedule import loader_batch_size
 from lightning_fastscale.callbacks.batch_size_ramp import BatchSizeRamp
 
 DECAYS = ("poly", "cosine", "none")
+# The schedule position, saved whole so resuming is exact: progress_before_epoch + applied_in_epoch
+# / steps_in_epoch, folded once per epoch so that whole epochs add up exactly.
+_FRESH_STATE = {"base_lrs": None, "progress_before_epoch": 0.0, "applied_in_epoch": 0, "steps_in_epoch": 1, "skipped_steps": 0}
 
 
 def lr_at(
@@ -35,14 +32,7 @@ def lr_at(
     power: float = 2.0,
     end_lr: float = 0.0,
 ) -> float:
-    """Learning rate after ``progress`` epochs (fractional) of applied optimizer steps.
-
-    Warmup (Goyal et al.): ``peak * (f + (1 - f) * progress / warmup_epochs)`` while
-    ``progress < warmup_epochs``. Then with ``p = (progress - warmup) / (total - warmup)``
-    clipped to [0, 1]: ``poly`` gives ``end + (peak - end) * (1 - p) ** power`` (MLPerf LARS:
-    power 2, end 1e-4), ``cosine`` gives ``end + (peak - end) * (1 + cos(pi p)) / 2``,
-    ``none`` keeps ``peak``.
-    """
+    """Learning rate after ``progress`` epochs (fractional) of applied optimizer steps (Goyal et al. 2017)."""
     if progress < warmup_epochs:
         f = warmup_start_factor
         return peak_lr * (f + (1.0 - f) * progress / warmup_epochs)
@@ -77,22 +67,13 @@ class WarmupDecayLR(Callback):
     """Linear warmup then polynomial/cosine decay, with optional linear scaling by batch.
 
     Args:
-        warmup_epochs: length of the linear warmup, in epochs (Goyal: 5; MLPerf: 5 below
-            batch 32K, 25 from 32K). 0 disables warmup.
-        decay: ``"poly"`` (MLPerf LARS), ``"cosine"`` or ``"none"`` (constant after warmup).
-        power: exponent of ``poly`` decay (MLPerf: 2).
-        end_lr: LR at the end of decay, absolute (MLPerf: 1e-4).
-        warmup_start_factor: warmup starts at this fraction of the peak LR (MLPerf: 0; Goyal:
-            ``reference_batch / global_batch``, i.e. the unscaled LR).
+        warmup_start_factor: warmup starts at this fraction of the peak LR.
         total_epochs: where decay ends; default ``Trainer(max_epochs)``.
-        reference_batch: when set, the peak LR of each parameter group is its configured LR x
-            ``current_global_batch / reference_batch`` (Goyal's linear scaling rule), read every
-            step, so it follows ``BatchSizeRamp`` and ``ProgressiveResizing(scale_batch=True)``.
+        reference_batch: when set, each group's peak LR is its configured LR x
+            ``current_global_batch / reference_batch``, read every step (follows a batch ramp).
 
-    This callback owns the learning rate: it refuses to run together with an LR scheduler
-    from ``configure_optimizers`` or with ``BatchSizeRamp(scale_lr=True)``. The configured
-    LRs are read at the start of the first fit and kept in checkpoints with the schedule
-    position, so a resumed run continues exactly.
+    It owns the LR: refused beside a scheduler from ``configure_optimizers`` or
+    ``BatchSizeRamp(scale_lr=True)``. Hyper-parameters: ``docs/methods/lr_scaling_warmup.md``.
 
     Examples:
         Goyal et al.'s rule (0.1 per 256 images, 5 warmup epochs) with MLPerf's poly-2 decay:
@@ -101,9 +82,6 @@ class WarmupDecayLR(Callback):
         ...                          reference_batch=256)
         >>> round(lr_at(2.5, 0.1 * 8192 / 256, warmup_epochs=5, total_epochs=90), 4)
         1.6
-
-        In training: ``Trainer(max_epochs=90, callbacks=[schedule])`` with the module's
-        optimizer built at the base LR and no scheduler of its own.
     """
 
     def __init__(
@@ -121,18 +99,14 @@ class WarmupDecayLR(Callback):
         if warmup_epochs < 0:
             raise ValueError(f"WarmupDecayLR.warmup_epochs={warmup_epochs} must be >= 0")
         if not 0.0 <= warmup_start_factor <= 1.0:
-            raise ValueError(
-                f"WarmupDecayLR.warmup_start_factor={warmup_start_factor} must be in [0, 1]"
-            )
+            raise ValueError(f"WarmupDecayLR.warmup_start_factor={warmup_start_factor} must be in [0, 1]")
         if power <= 0:
             raise ValueError(f"WarmupDecayLR.power={power} must be positive")
         if end_lr < 0:
             raise ValueError(f"WarmupDecayLR.end_lr={end_lr} must be >= 0")
         if reference_batch is not None:
-            positive_int(
-                "WarmupDecayLR.reference_batch", reference_batch,
-                hint="the batch the base LR was tuned for (e.g. 256), or null to turn scaling off",
-            )
+            hint = "the batch the base LR was tuned for (e.g. 256), or null to turn scaling off"
+            positive_int("WarmupDecayLR.reference_batch", reference_batch, hint=hint)
         self.warmup_epochs = float(warmup_epochs)
         self.decay = decay
         self.power = power
@@ -141,13 +115,7 @@ class WarmupDecayLR(Callback):
         self.total_epochs = total_epochs
         self.reference_batch = reference_batch
         self._total = 0.0
-        self._base_lrs: list[float] | None = None
-        # Position = _progress_before_epoch + _applied_in_epoch / _steps_in_epoch: folded once
-        # per epoch so that whole epochs add up exactly, saved whole so resuming is exact.
-        self._progress_before_epoch = 0.0
-        self._applied_in_epoch = 0
-        self._steps_in_epoch = 1
-        self._skipped_steps = 0
+        self.load_state_dict(_FRESH_STATE)
         self._scale_before: float | None = None
         self._step_pending = False
         self._step_ran = False
@@ -159,10 +127,7 @@ class WarmupDecayLR(Callback):
         return self._progress_before_epoch + self._applied_in_epoch / self._steps_in_epoch
 
     def check_trainer(self, trainer: pl.Trainer) -> float:
-        """The schedule's length in epochs on ``trainer``; raises ``ValueError`` if it leaves no room or the LR has two owners.
-
-        Needs only the Trainer (no datamodule, no fit), so ``fastscale-train`` runs it before launch.
-        """
+        """The schedule's length in epochs on ``trainer`` (``ValueError`` if no room or two LR owners); no fit needed."""
         total = self.total_epochs if self.total_epochs is not None else trainer.max_epochs
         length = "total_epochs" if self.total_epochs is not None else "max_epochs"
         if total is None or total <= 0:
@@ -189,12 +154,7 @@ class WarmupDecayLR(Callback):
         if stage != "fit":
             return
         self._total = self.check_trainer(trainer)
-        # A new fit starts the schedule afresh unless a checkpoint is restored after this hook.
-        self._base_lrs = None
-        self._progress_before_epoch = 0.0
-        self._applied_in_epoch = 0
-        self._steps_in_epoch = 1
-        self._skipped_steps = 0
+        self.load_state_dict(_FRESH_STATE)  # a new fit, unless a checkpoint is restored after this hook
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -205,10 +165,7 @@ class WarmupDecayLR(Callback):
                 "LR scheduler; remove it (scheduler=none in the Hydra config) or drop WarmupDecayLR"
             )
         if len(trainer.optimizers) != 1:
-            raise ValueError(
-                f"WarmupDecayLR drives one optimizer; configure_optimizers returned "
-                f"{len(trainer.optimizers)}"
-            )
+            raise ValueError(f"WarmupDecayLR drives one optimizer; configure_optimizers returned {len(trainer.optimizers)}")
         if self._base_lrs is None:
             self._base_lrs = [g["lr"] for g in trainer.optimizers[0].param_groups]
         self._hook_handle = trainer.optimizers[0].register_step_post_hook(self._on_optimizer_step)
@@ -258,18 +215,12 @@ class WarmupDecayLR(Callback):
         ]
 
     def _apply(self, trainer: pl.Trainer, recount: bool = True) -> None:
-        """Write the next step's LR into the optimizer.
+        """Write the next step's LR into the optimizer as soon as the position is known (LearningRateMonitor reads it).
 
-        Done as soon as the position is known (train start, epoch start, after each step), not
-        only just before the step: Lightning's ``LearningRateMonitor`` reads the optimizer at the
-        start of each batch, and must see the LR that batch's step applies. ``recount=False``
-        keeps the steps of the epoch the position is in (at train start, a run resumed at an
-        epoch's end already holds the next epoch's loader; the fold at epoch start needs the old).
+        ``recount=False`` keeps the epoch's step count (a run resumed at an epoch's end holds the next loader).
         """
         if recount:  # steps per epoch can change at epoch boundaries (BatchSizeRamp, resizing)
-            self._steps_in_epoch = max(
-                1, math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches)
-            )
+            self._steps_in_epoch = max(1, math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches))
         for group, lr in zip(trainer.optimizers[0].param_groups, self.lr_now(trainer)):
             group["lr"] = lr
 
@@ -315,19 +266,10 @@ class WarmupDecayLR(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         """Base LRs and schedule position."""
-        return {
-            "base_lrs": self._base_lrs,
-            "progress_before_epoch": self._progress_before_epoch,
-            "applied_in_epoch": self._applied_in_epoch,
-            "steps_in_epoch": self._steps_in_epoch,
-            "skipped_steps": self._skipped_steps,
-        }
+        return {key: getattr(self, f"_{key}") for key in _FRESH_STATE}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore base LRs and schedule position."""
-        self._base_lrs = state_dict["base_lrs"]
-        self._progress_before_epoch = state_dict["progress_before_epoch"]
-        self._applied_in_epoch = state_dict["applied_in_epoch"]
-        self._steps_in_epoch = state_dict["steps_in_epoch"]
-        self._skipped_steps = state_dict["skipped_steps"]
+        for key in _FRESH_STATE:
+            setattr(self, f"_{key}", state_dict[key])

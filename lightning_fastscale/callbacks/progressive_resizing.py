@@ -1,12 +1,6 @@
-"""Progressive resizing: train on small images early and full-size images late.
+"""Progressive resizing: small images early, full size late (Howard et al. 2018, fast.ai; Composer).
 
-fast.ai's DAWNBench ImageNet run (Howard et al. 2018, "Now anyone can train Imagenet in 18
-minutes") trained at 128 px, then 224 px, then a final phase at 288 px, raised the batch size
-while images were small, and validated at a larger resolution than it trained at. Composer's
-progressive resizing (MosaicML) starts at a fraction of full size (``initial_scale``, e.g. 0.5)
-and grows linearly to full size, which it keeps for the last ``finish_fraction`` of training.
-
-More in ``docs/methods/progressive_resizing.md`` ("In code").
+Method card: ``docs/methods/progressive_resizing.md``.
 """
 from __future__ import annotations
 
@@ -23,11 +17,7 @@ from typing_extensions import override
 from lightning_fastscale._validation import positive_int
 from lightning_fastscale.callbacks._schedule import PreparedEpoch, resolve_schedule, value_at_epoch
 from lightning_fastscale.callbacks.batch_size_ramp import BatchSizeRamp
-from lightning_fastscale.data.protocol import (
-    BatchSizeControllable,
-    ResolutionControllable,
-    require_protocol,
-)
+from lightning_fastscale.data.protocol import BatchSizeControllable, ResolutionControllable, require_protocol
 
 MODES = ("auto", "datamodule", "batch")
 
@@ -36,13 +26,9 @@ def composer_schedule(
     max_epochs: int, full_resolution: int, initial_scale: float = 0.5,
     finish_fraction: float = 0.2, size_increment: int = 4,
 ) -> dict[int, int]:
-    """Composer-style schedule by epoch: grow linearly from ``initial_scale`` to full size.
+    """Composer's schedule by epoch: linear from ``initial_scale`` to full size, kept for the last ``finish_fraction``.
 
-    The last ``ceil(finish_fraction * max_epochs)`` epochs are at full size; over the ``R``
-    epochs before them the scale is ``initial + (1 - initial) * e / R``. (Composer resizes per
-    step; here sizes change at epoch boundaries, where the dataloader is rebuilt, so the full-size
-    phase is rounded up to whole epochs.) Sizes are rounded to a multiple of ``size_increment``
-    and consecutive equal sizes are merged.
+    Sizes are multiples of ``size_increment``; the full-size phase is rounded up to whole epochs.
     """
     if not 0 < initial_scale <= 1:
         raise ValueError(f"initial_scale={initial_scale} must be in (0, 1]")
@@ -72,30 +58,19 @@ def resize_images(images: torch.Tensor, resolution: int) -> torch.Tensor:
     """Resize a ``(N, C, H, W)`` float batch to ``resolution`` x ``resolution`` (anti-aliased)."""
     if images.shape[-2:] == (resolution, resolution):
         return images
-    return F.interpolate(
-        images, size=(resolution, resolution), mode="bilinear", align_corners=False,
-        antialias=True,
-    )
+    return F.interpolate(images, size=(resolution, resolution), mode="bilinear", align_corners=False, antialias=True)
 
 
 class ProgressiveResizing(Callback):
     """Train at a resolution that changes by epoch (fast.ai 2018; Composer).
 
     Args:
-        schedule: ``{epoch: resolution}``, piecewise constant (e.g. ``{0: 128, 10: 224,
-            18: 288}``). Or leave it out and give ``full_resolution`` for the Composer form.
-        full_resolution, initial_scale, finish_fraction, size_increment: Composer form (see
-            `composer_schedule`; spans ``Trainer(max_epochs)``).
-        val_resolution: resolution of validation images (fast.ai validated larger than it
-            trained); ``None`` leaves validation alone.
-        mode: ``"auto"``, ``"datamodule"`` or ``"batch"`` (see the module docstring).
-        scale_batch: raise the per-device batch when images are smaller, keeping pixels per
-            batch constant relative to the datamodule's batch size and resolution at setup
-            (fast.ai). Needs ``mode="datamodule"`` and a datamodule implementing
-            ``BatchSizeControllable``. Refused together with ``BatchSizeRamp``: both would own
-            the per-device batch (use one or the other; ``WarmupDecayLR(reference_batch=...)``
-            follows either).
-        max_per_device_batch: cap for ``scale_batch``.
+        schedule: ``{epoch: resolution}``, piecewise constant; or give ``full_resolution`` (and
+            ``initial_scale``, ``finish_fraction``, ``size_increment``) for `composer_schedule`.
+        val_resolution: resolution of validation images; ``None`` leaves validation alone.
+        mode: ``"auto"``, ``"datamodule"`` or ``"batch"`` (``docs/methods/progressive_resizing.md``).
+        scale_batch: keep pixels per batch constant (fast.ai), up to ``max_per_device_batch``;
+            needs a ``BatchSizeControllable`` datamodule, refused beside ``BatchSizeRamp``.
 
     Examples:
         fast.ai's DAWNBench phases, or Composer's form over 10 epochs:
@@ -105,10 +80,6 @@ class ProgressiveResizing(Callback):
         224
         >>> composer_schedule(10, full_resolution=224, initial_scale=0.5, finish_fraction=0.2)
         {0: 112, 1: 128, 2: 140, 3: 152, 4: 168, 5: 184, 6: 196, 7: 208, 8: 224}
-
-        In training: ``Trainer(callbacks=[resizing]).fit(model, datamodule=dm)``; a datamodule
-        implementing ``ResolutionControllable`` decodes at the new size, any other gets its
-        batches resized on the device.
     """
 
     def __init__(
@@ -139,10 +110,7 @@ class ProgressiveResizing(Callback):
             )
         if val_resolution is not None:
             positive_int("ProgressiveResizing.val_resolution", val_resolution)
-        self._fixed_schedule = (
-            resolve_schedule(schedule, "ProgressiveResizing.schedule")
-            if schedule is not None else None
-        )
+        self._fixed_schedule = None if schedule is None else resolve_schedule(schedule, "ProgressiveResizing.schedule")
         self.schedule = self._fixed_schedule
         self.full_resolution = full_resolution
         self.initial_scale = initial_scale
@@ -167,16 +135,10 @@ class ProgressiveResizing(Callback):
         """Per-device batch of ``epoch`` under ``scale_batch``, else ``None``."""
         if not self.scale_batch:
             return None
-        return scaled_batch_size(
-            self._base_batch, self._base_resolution, self.resolution(epoch),
-            self.max_per_device_batch,
-        )
+        return scaled_batch_size(self._base_batch, self._base_resolution, self.resolution(epoch), self.max_per_device_batch)
 
     def check_trainer(self, trainer: pl.Trainer) -> dict[int, int]:
-        """The resolution schedule over ``trainer``'s epochs; raises ``ValueError`` if it cannot be made.
-
-        Needs only the Trainer (no datamodule, no fit), so ``fastscale-train`` runs it before launch.
-        """
+        """The resolution schedule over ``trainer``'s epochs (``ValueError`` if it cannot be made); no fit needed."""
         if self.scale_batch and any(isinstance(cb, BatchSizeRamp) for cb in trainer.callbacks):
             raise ValueError(
                 "ProgressiveResizing(scale_batch=True) and BatchSizeRamp would both set the "
@@ -198,7 +160,7 @@ class ProgressiveResizing(Callback):
         """Resolve the schedule and the mode; validate the datamodule before training."""
         if stage != "fit":
             return
-        self._prepared.reset()
+        self._prepared.epoch = 0  # a new fit; a restored checkpoint overrides it
         self._base_batch = self._base_resolution = None
         self.schedule = self.check_trainer(trainer)
         dm = trainer.datamodule

@@ -1,12 +1,6 @@
-"""Zero-initialise the last BN gamma of every residual branch.
+"""Zero-initialise the last BN gamma of every residual branch (Goyal et al. 2017, section 5.1; Jia et al. 2018).
 
-Goyal et al. 2017 ("Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour", section
-5.1) set gamma = 0 in the final BN of each residual block, so every block starts as the
-identity and the network behaves as a shallower one early in training, which eases the
-large learning rates of large-batch training; Jia et al. 2018 (Tencent, batch 64K) use the
-same initialisation.
-
-More in ``docs/methods/zero_init_residual_bn.md`` ("In code").
+Method card: ``docs/methods/zero_init_residual_bn.md``.
 """
 from __future__ import annotations
 
@@ -26,14 +20,9 @@ def _torchvision_last_bn(block: nn.Module) -> nn.Module | None:
 
 
 def zero_init_residual_bn(model: nn.Module) -> list[str]:
-    """Zero the gamma of the last BN in each residual branch of ``model`` (Goyal et al. 2017).
+    """Zero the gamma of the last BN in each residual branch of ``model``; the names of the blocks done.
 
-    Returns:
-        Qualified names of the residual blocks that were initialised, in module order.
-
-    Raises:
-        ValueError: when ``model`` contains no supported residual block (see the module
-        docstring for what is supported), naming how to add support.
+    Supported blocks: torchvision's, and any with a ``zero_init_last()`` method (timm's convention).
     """
     done: list[str] = []
     for name, block in model.named_modules():
@@ -59,20 +48,13 @@ def zero_init_residual_bn(model: nn.Module) -> list[str]:
 class ZeroInitResidualBN(pl.Callback):
     """Apply `zero_init_residual_bn` to the LightningModule once, before training starts.
 
-    It runs in ``setup("fit")``: before Lightning restores a checkpoint's weights (so a resumed
-    run keeps its trained gammas: the restore overwrites the zeros) and before the strategy
-    wraps or shards the model. The same module object is initialised once only, so a second
-    ``trainer.fit`` on an already trained module does not zero its gammas again. A model built
-    lazily in ``configure_model`` does not exist yet at ``setup``; zero-initialise such models
-    in their constructor (timm: ``zero_init_last=True``; torchvision: ``zero_init_residual=True``).
+    Runs in ``setup("fit")``, before a checkpoint's weights are restored; a module is zeroed once only.
 
     Examples:
         >>> from torchvision.models import resnet18
         >>> model = resnet18(num_classes=10)
         >>> len(zero_init_residual_bn(model)), float(model.layer1[0].bn2.weight.detach().abs().sum())
         (8, 0.0)
-
-        In training: ``Trainer(callbacks=[ZeroInitResidualBN()])``.
     """
 
     # Kept on the module (not in the callback) so it travels with it, e.g. into spawned workers.

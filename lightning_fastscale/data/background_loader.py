@@ -26,15 +26,9 @@ _BATCH, _END, _ERROR = range(3)
 class BackgroundStreamingDataLoader(EpochAwareStreamingDataLoader):
     """`EpochAwareStreamingDataLoader` with ``num_workers=0`` whose batches come from a producer thread.
 
-    The producer iterates the parent loader (epoch set-up, reading) up to ``batches_ahead``
-    batches ahead of the consumer; the collate function (``collate_fn``, litdata's by default)
-    runs on a pool of ``batches_ahead`` threads, up to that many batches at once. An exception
-    raised while reading or decoding a batch (a `CorruptDataError`) is raised by ``next`` at
-    that batch. Leaving the loop early (``break``, Lightning's ``limit_train_batches``) or
-    starting a new iteration stops the producer and cancels the decodes not yet started (one
-    already running finishes on its pool thread); every wait polls, so no thread stays
-    blocked, and the producer is a daemon thread. ``state_dict`` is the state after the batches
-    handed out, not those read or decoded ahead.
+    The producer reads up to ``batches_ahead`` batches ahead; ``collate_fn`` (litdata's by default)
+    decodes them on as many threads. An error is raised by ``next`` at its batch; ``state_dict``
+    counts the batches handed out only. Details: ``docs/input_pipeline.md`` ("Background loading").
 
     Examples:
         >>> from litdata import StreamingDataset  # doctest: +SKIP
@@ -82,9 +76,7 @@ class BackgroundStreamingDataLoader(EpochAwareStreamingDataLoader):
                     except StopIteration:
                         break
                     self._produced += 1
-                    # The state the synchronous loader would report once this batch is handed
-                    # out, taken now: running on, the producer moves litdata's counter and, past
-                    # the epoch's end, the dataset's epoch count and loaded state.
+                    # taken now: running on, the producer moves litdata's counter (and epoch)
                     state = self._snapshot()
                     if self._produced == 1:  # the position before any batch is handed out
                         self._consumed_state = rewind_streaming_state(self, state, 1)

@@ -1,16 +1,6 @@
 """``fastscale-data``: convert image data to the streaming format, and measure input pipelines.
 
-``fastscale-data convert ROOT OUT`` writes an ImageNet-layout tree (``ROOT/train/<class>/*``,
-``ROOT/val/<class>/*``), or the built-in procedural set when ROOT is ``procedural``, as litdata
-streaming data in the new folder OUT (see `convert`).
-
-``fastscale-data verify OUT`` checks a converted folder: every chunk against litdata's
-``index.json`` and every stored JPEG decoded strictly; each damaged chunk file and sample is
-printed, and the exit status is 1 if there is any (see [`verify`][lightning_fastscale.data.verify]).
-
-``fastscale-data bench ROOT`` times a training pipeline (``--pipeline streaming`` on a
-converted folder, ``--pipeline imagefolder`` on an image tree) and prints images/s, the
-figure ``benchmarks/input_vs_imagefolder.py`` tabulates.
+Subcommands ``convert``, ``verify`` and ``bench``: ``docs/input_pipeline.md``.
 """
 from __future__ import annotations
 
@@ -30,8 +20,7 @@ from .verify import verify
 def make_datamodule(
     pipeline: str, root: str, resolution: int, batch_size: int, num_workers: int, decode_threads: int = 1
 ) -> Any:
-    """The datamodule ``pipeline`` names ("streaming" or "imagefolder") at these settings
-    (``decode_threads``: threads per loader process of the streaming pipeline)."""
+    """The datamodule ``pipeline`` names ("streaming" or "imagefolder") at these settings."""
     if pipeline == "streaming":
         from .streaming import StreamingDataModule
 
@@ -50,19 +39,9 @@ def bench_pipeline(
     pipeline: str, root: str, resolution: int = 224, batch_size: int = 64, num_workers: int = 0,
     batches: int = 20, warmup: int = 2, clock: str = "wall", normalize: bool = True, decode_threads: int = 1,
 ) -> float:
-    """Training images/s of a pipeline, up to a normalised float batch in this process.
+    """Training images/s of a pipeline, up to a normalised float batch in this process (uint8 with ``normalize=False``).
 
-    The streaming pipeline's device-side normalisation runs here too (on the CPU), so both
-    pipelines end at the same place: a float batch ready for the model. ``normalize=False``
-    stops the streaming pipeline at its uint8 batch instead: the CPU's share of the work on a
-    GPU machine, where the normalisation runs on the device. ``clock="process"`` divides by
-    this process's CPU time instead of wall time: images per CPU-second, the per-core figure
-    that stays put on a loaded machine (meaningful with ``num_workers=0``, where all the work
-    happens in this process). ``decode_threads`` decode each streaming batch per loader process
-    (1 by default here, so that ``num_workers`` alone says how many cores are used).
-
-    The timed batches lie within one epoch: a loader restart (worker start-up, first chunk
-    read) once per short epoch would weigh far more than it does once per ImageNet epoch.
+    ``clock="process"`` divides by CPU time (the per-core figure); the timed batches lie within one epoch.
     """
     if warmup < 1:
         raise ValueError(f"warmup must be at least 1 batch, got {warmup}")

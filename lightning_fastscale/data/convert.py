@@ -29,7 +29,7 @@ from .stored_format import (
     SIZES_KEY,
     SPLITS,
     StreamingMetadata,
-    _check_class_tree,
+    image_tree_classes,
     stored_sample_count,
 )
 
@@ -78,20 +78,11 @@ def _encode_procedural(
 
 
 def image_tree_samples(root: Path) -> tuple[list[str], dict[str, list[tuple[str, int, int, str]]]]:
-    """Classes and ``(path, label, index, name)`` per split of an ImageNet-layout tree.
-
-    Raises the same errors as [`ImageFolderDataModule`][lightning_fastscale.data.ImageFolderDataModule] for a
-    missing split folder, no class folders or an empty class.
-    """
-    for split in SPLITS:
-        _check_class_tree(root / split)
-    classes = sorted(p.name for p in (root / "train").iterdir() if p.is_dir())
+    """Classes and ``(path, label, index, name)`` per split of an ImageNet-layout tree (checked as by `ImageFolderDataModule`)."""
+    classes = image_tree_classes(root)
     samples: dict[str, list[tuple[str, int, int, str]]] = {}
     for split in SPLITS:
         split_dir = root / split
-        unknown = sorted({p.name for p in split_dir.iterdir() if p.is_dir()} - set(classes))
-        if unknown:
-            raise ValueError(f"{split_dir} has classes not in {root / 'train'}: {unknown[:5]}")
         rows = []
         for label, cls in enumerate(classes):
             folder = split_dir / cls
@@ -115,7 +106,7 @@ def _restore_start_method() -> Iterator[None]:
 
 
 class _Counted:
-    """``fn`` that also counts finished items in shared memory (forked writers inherit it)."""
+    """``fn`` counting finished items in shared memory (forked writers inherit it)."""
 
     def __init__(self, fn: Any, counter: Any) -> None:
         self.fn, self.counter = fn, counter
@@ -183,16 +174,10 @@ def convert(
     """Write ``source`` (an ImageNet-layout root, or ``"procedural"``) as streaming data in ``output``.
 
     Args:
-        source: folder holding ``train/<class>/*`` and ``val/<class>/*``, or ``"procedural"``
-            for the built-in `ProceduralShapes` set.
         output: new folder to write; an existing one is refused, never overwritten.
-        max_side: longer image side after re-encoding, in pixels.
-        quality: JPEG quality of the re-encoded images (1-95).
+        max_side, quality: longer side (px) and JPEG quality (1-95) of the re-encoded images.
         num_workers: parallel encoder processes (default: all cores).
-        chunk_bytes: litdata chunk size.
-        procedural: ``num_classes``, ``train_size``, ``val_size``, ``resolution``, ``seed`` for
-            the procedural source.
-        verbose: show one progress bar per split.
+        procedural: ``num_classes``, ``train_size``, ``val_size``, ``resolution``, ``seed`` of that source.
 
     Examples:
         >>> meta = convert("procedural", "/tmp/shapes", max_side=64,
@@ -237,8 +222,7 @@ def convert(
             _optimize(fns[split], inputs[split], out / split, workers, chunk_bytes, verbose, f"convert {split}")
         extra = {**extra, SIZES_KEY: {"val": stored_image_sizes(out / "val")}}
     except BaseException:
-        # Nothing of the user's is in a folder this call created; a half-written one would
-        # only mislead the next run, so it goes.
+        # the folder is this call's own: a half-written one would only mislead the next run
         shutil.rmtree(out, ignore_errors=True)
         raise
     meta = StreamingMetadata(classes, counts, max_side, quality, source_text, extra=extra)
@@ -247,11 +231,9 @@ def convert(
 
 
 def stored_image_sizes(split_dir: str | os.PathLike[str], **dataset_kwargs: Any) -> list[list[int]]:
-    """``[height, width]`` of every image of a written split, in litdata's sample order.
+    """``[height, width]`` of every image of a written split, in litdata's sample order, from the JPEG headers.
 
-    Reads each sample by its litdata index (not the rank's shard, so the answer is the same on
-    every rank) and parses only the JPEG header: one sequential read of the split's bytes, no
-    decoding. ``dataset_kwargs`` go to litdata's ``StreamingDataset`` (a remote cache).
+    The same on every rank; ``dataset_kwargs`` go to litdata's ``StreamingDataset``.
     """
     from litdata import StreamingDataset
 

@@ -1,9 +1,6 @@
-"""Datamodules: the built-in procedural dataset and the ImageNet directory layout.
+"""Datamodules of the built-in procedural dataset and of the ImageNet directory layout.
 
-Both implement the batch-size and resolution protocol of [`protocol`][lightning_fastscale.data.protocol], so batch-size
-control (Mikami et al. 2018) and progressive resizing (fast.ai 2018) work on them. The input
-pipeline follows the records' advice (Jia et al. 2018; Tencent Cloud 2020): worker processes,
-pinned memory, persistent workers and prefetching, so loading overlaps the training step.
+Both implement `protocol`, so a batch-size ramp and progressive resizing work on them.
 """
 from __future__ import annotations
 
@@ -19,7 +16,8 @@ from torchvision.transforms import v2
 
 from .procedural import ProceduralShapes
 from .protocol import check_positive
-from .stored_format import _check_class_tree
+from .stored_format import image_tree_classes
+from .transforms import IMAGENET_MEAN, IMAGENET_STD
 
 
 class _ResizableDataModule(pl.LightningDataModule):
@@ -48,7 +46,6 @@ class _ResizableDataModule(pl.LightningDataModule):
         self.persistent_workers = persistent_workers and num_workers > 0
         self.prefetch_factor = prefetch_factor if num_workers > 0 else None
 
-    # -- the protocol ---------------------------------------------------------------------
     def set_train_batch_size(self, per_device_batch_size: int) -> None:
         """Use ``per_device_batch_size`` from the next ``train_dataloader()`` on."""
         self.train_batch_size = check_positive("per-device batch size", per_device_batch_size)
@@ -61,7 +58,6 @@ class _ResizableDataModule(pl.LightningDataModule):
         """Produce ``resolution``-pixel validation images from the next ``val_dataloader()`` on."""
         self.val_resolution = check_positive("validation resolution", resolution)
 
-    # -- loaders --------------------------------------------------------------------------
     def _loader(self, dataset: Dataset, batch_size: int, shuffle: bool) -> DataLoader:
         return DataLoader(
             dataset,
@@ -92,14 +88,7 @@ class _ResizableDataModule(pl.LightningDataModule):
 class ProceduralDataModule(_ResizableDataModule):
     """The built-in default: `ProceduralShapes` train and val splits, no files needed.
 
-    Args:
-        num_classes: shape classes (2 to 16).
-        train_size / val_size: samples per split.
-        resolution / val_resolution: image side in pixels (val defaults to train).
-        batch_size / val_batch_size: per-device batch sizes.
-        seed: dataset seed (independent of the training seed).
-        noise / clutter: difficulty knobs, see `ProceduralShapes`.
-        num_workers, pin_memory, persistent_workers, prefetch_factor: DataLoader settings.
+    ``seed``, ``noise``, ``clutter``: as in `ProceduralShapes`; ``val_*`` default to the training values.
     """
 
     def __init__(
@@ -140,17 +129,8 @@ class ProceduralDataModule(_ResizableDataModule):
 class ImageFolderDataModule(_ResizableDataModule):
     """ImageNet directory layout: ``root/train/<class>/*.JPEG`` and ``root/val/<class>/*``.
 
-    Training uses the standard ImageNet augmentation (random resized crop, horizontal flip);
-    validation resizes to ``val_resolution / crop_ratio`` and centre-crops, both with
-    torchvision transforms v2. A missing directory, an empty class folder or an unreadable
-    image raises an error naming the path.
-
-    Args:
-        root: dataset root holding ``train/`` and ``val/``.
-        resolution / val_resolution: crop sizes (defaults 224; val defaults to train).
-        crop_ratio: validation resize ratio (0.875: resize 256, crop 224).
-        batch_size, val_batch_size, num_workers, pin_memory, persistent_workers, prefetch_factor: as
-            in [`ProceduralDataModule`][lightning_fastscale.data.ProceduralDataModule].
+    Random resized crop and flip for training; validation resizes to ``val_resolution / crop_ratio``
+    and centre-crops (0.875: resize 256, crop 224). Errors name the missing or unreadable path.
     """
 
     def __init__(
@@ -175,15 +155,7 @@ class ImageFolderDataModule(_ResizableDataModule):
         self.root = Path(os.path.expanduser(str(root)))
         self.crop_ratio = crop_ratio
         self.train_dir, self.val_dir = self.root / "train", self.root / "val"
-        for d in (self.train_dir, self.val_dir):
-            _check_class_tree(d)
-        self.classes = sorted(p.name for p in self.train_dir.iterdir() if p.is_dir())
-        val_classes = sorted(p.name for p in self.val_dir.iterdir() if p.is_dir())
-        if not set(val_classes) <= set(self.classes):
-            raise ValueError(
-                f"{self.val_dir} has classes not in {self.train_dir}: "
-                f"{sorted(set(val_classes) - set(self.classes))[:5]}"
-            )
+        self.classes = image_tree_classes(self.root)
         self.num_classes = len(self.classes)
 
     def _train_transform(self) -> v2.Transform:
@@ -213,10 +185,6 @@ class ImageFolderDataModule(_ResizableDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self._folder(self.val_dir, self._val_transform()), self.val_batch_size, False)
-
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 class _CheckedImageFolder(ImageFolder):

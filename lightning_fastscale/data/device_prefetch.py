@@ -1,16 +1,6 @@
-"""Device prefetch: copy the next batch to the accelerator while the current step runs.
+"""Device prefetch: copy the next batch to the accelerator while the current step runs (Jia et al. 2018).
 
-Jia et al. 2018 pipeline data loading with compute, and Tencent Cloud 2020 prefetch the data
-set so the GPU never waits on the host. Lightning copies each batch to the device just before
-``training_step``, on the compute stream, so the copy and the step serialise. This wrapper
-issues the copy of batch ``i + 1`` from pinned memory on a side CUDA stream (non-blocking)
-before handing out batch ``i``; the compute stream waits on the side stream only when it
-reaches that batch. Lightning's own transfer then finds the tensors already on the device and
-does nothing.
-
-The wrapper stays resumable: a stateful loader (litdata's ``StreamingDataLoader``) has
-already produced the look-ahead batch, so `DevicePrefetcher.state_dict` reports the
-position of the batch last handed out, not the one prefetched.
+More in ``docs/input_pipeline.md`` ("Device prefetch").
 """
 from __future__ import annotations
 
@@ -18,14 +8,13 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.fabric.utilities.apply_func import apply_to_collection, move_data_to_device
 
 
 class DevicePrefetcher:
     """Iterate ``loader`` with one batch copied ahead to ``device``.
 
-    On CUDA the copy runs on a side stream; on any other device it is an ordinary ``.to``
-    (the look-ahead still happens, which is what the tests of resumption exercise on CPU).
+    On CUDA the copy runs on a side stream; elsewhere it is an ordinary ``.to`` (still one batch ahead).
 
     Examples:
         >>> loader = [torch.zeros(2), torch.ones(2)]
@@ -48,9 +37,7 @@ class DevicePrefetcher:
         return getattr(self.loader, name)
 
     def _copy(self, batch: Any, stream: torch.cuda.Stream | None) -> Any:
-        if stream is None:
-            return move_data_to_device(batch, self.device)
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream):  # a no-op for None
             return move_data_to_device(batch, self.device)
 
     def __iter__(self) -> Iterator[Any]:
@@ -65,7 +52,9 @@ class DevicePrefetcher:
         while True:
             if stream is not None:
                 torch.cuda.current_stream(self.device).wait_stream(stream)
-                _record_stream(ahead, torch.cuda.current_stream(self.device))
+                # the side stream allocated these tensors; the compute stream uses them
+                compute = torch.cuda.current_stream(self.device)
+                apply_to_collection(ahead, torch.Tensor, lambda t: t.record_stream(compute) if t.is_cuda else None)
             current = ahead
             try:
                 ahead = self._copy(next(iterator), stream)
@@ -88,11 +77,7 @@ class DevicePrefetcher:
 
 
 def rewind_streaming_state(loader: Any, state: dict[str, Any], batches: int) -> dict[str, Any]:
-    """A litdata ``StreamingDataLoader`` state as it was ``batches`` batches earlier.
-
-    Computed from ``state`` alone (the dataset's own ``state_dict`` would read its live epoch
-    count, which a producer running ahead may already have moved on).
-    """
+    """A litdata ``StreamingDataLoader`` state as it was ``batches`` batches earlier, from ``state`` alone."""
     samples = batches * loader.batch_size
     dataset = state["dataset"]
     workers = max(1, loader.num_workers)
@@ -106,16 +91,3 @@ def rewind_streaming_state(loader: Any, state: dict[str, Any], batches: int) -> 
         "num_samples_yielded": state["num_samples_yielded"] - samples,
         "latest_worker_idx": (state["latest_worker_idx"] - batches) % workers,
     }
-
-
-def _record_stream(batch: Any, stream: torch.cuda.Stream) -> None:
-    # The side stream allocated these tensors; tell the allocator the compute stream uses them.
-    if isinstance(batch, torch.Tensor):
-        if batch.is_cuda:
-            batch.record_stream(stream)
-    elif isinstance(batch, (list, tuple)):
-        for b in batch:
-            _record_stream(b, stream)
-    elif isinstance(batch, dict):
-        for b in batch.values():
-            _record_stream(b, stream)

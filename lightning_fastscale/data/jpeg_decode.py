@@ -1,10 +1,7 @@
-"""JPEG decoding: the decoders, strict decoding, and sizes read from the header.
+"""JPEG decoding: TorchCodec (nvJPEG on CUDA) and simplejpeg, strict decoding, sizes from the header.
 
-TorchCodec's ``decode_jpeg`` (libjpeg-turbo; torchvision's deprecated decoder where TorchCodec
-cannot load) decodes single images and, on CUDA, whole batches with nvJPEG; simplejpeg decodes
-strictly with less overhead per call. libjpeg reports recoverable damage ("Corrupt JPEG data")
-only on file descriptor 2, so `decoder_messages` captures it and `strict_decode` turns it into an
-error. The training batch's decode path, fused with the crop, is in `transforms`.
+libjpeg reports recoverable damage only on file descriptor 2, which `decoder_messages` captures
+(``docs/input_pipeline.md``, "`train_batch` in detail").
 """
 from __future__ import annotations
 
@@ -39,11 +36,7 @@ except (ImportError, OSError, RuntimeError):  # not installed, or built for anot
 _DECODER_WARNING = "Corrupt JPEG data"
 
 class SampleDecodeError(CorruptDataError):
-    """A sample of a batch that cannot be decoded cleanly, by its ``position`` in the batch.
-
-    Raised by ``transforms.train_batch``, which knows only the bytes; the caller knows which
-    chunk and sample sit at ``position`` and names them.
-    """
+    """A sample of a batch that cannot be decoded cleanly, by its ``position`` (the caller names chunk and sample)."""
 
     def __init__(self, position: int, message: str) -> None:
         super().__init__(f"sample at position {position} of the batch: {message}")
@@ -54,8 +47,7 @@ class SampleDecodeError(CorruptDataError):
 
 @dataclass
 class _Capture:
-    """This process's capture of file descriptor 2: one reused file; the lock serialises the
-    blocks of different threads (the descriptor is one per process) and lets a thread nest them."""
+    """This process's capture of file descriptor 2: one reused file, a lock serialising threads' blocks."""
 
     pid: int
     file: Any
@@ -78,15 +70,9 @@ os.register_at_fork(after_in_child=_forget_capture)
 
 @contextlib.contextmanager
 def decoder_messages() -> Iterator[list[str]]:
-    """Collect what native code writes to this process's stderr (file descriptor 2) meanwhile.
+    """Collect what native code writes to file descriptor 2 meanwhile, in a one-element list after the block.
 
-    libjpeg reports recoverable damage only there. The collected text is yielded as a
-    one-element list after the block; lines that are not libjpeg's are written back to stderr
-    when the outermost block ends. Costs a few system calls per block (one reused capture file
-    per process). The descriptor is one per process, so blocks in different threads run one at
-    a time, and a block captures what every thread writes meanwhile (which is how a batch
-    decoded in a thread pool is checked); a block nested in another of the same thread collects
-    its own part, which the outer block collects too.
+    Lines not libjpeg's go back to stderr; blocks of different threads run one at a time, and nest.
     """
     collected: list[str] = []
     state = _capture_state()
@@ -119,7 +105,7 @@ def decoder_messages() -> Iterator[list[str]]:
                 sys.stderr.write(other)
 
 def decoder_warnings(text: str) -> list[str]:
-    """libjpeg's "Corrupt JPEG data" lines in text collected by [`decoder_messages`][lightning_fastscale.data.jpeg_decode.decoder_messages]."""
+    """libjpeg's "Corrupt JPEG data" lines in text collected by `decoder_messages`."""
     return [line.strip() for line in text.splitlines() if _DECODER_WARNING in line]
 
 def strict_decode(decode: Callable[[torch.Tensor], torch.Tensor], data: torch.Tensor) -> torch.Tensor:
@@ -137,14 +123,7 @@ def decode_rgb(data: torch.Tensor) -> torch.Tensor:
     return _decode_jpeg_rgb(data)
 
 def decode_rgb_strict(data: torch.Tensor) -> torch.Tensor:
-    """`decode_rgb`, raising ``ValueError`` where libjpeg only warns of "Corrupt JPEG data".
-
-    simplejpeg decodes (it raises on libjpeg's warnings itself, so no capture of file
-    descriptor 2 is taken and decodes in other threads run alongside: the same pixels as
-    TorchCodec's); what it refuses, TorchCodec decodes under
-    [`strict_decode`][lightning_fastscale.data.jpeg_decode.strict_decode], which judges the sample: a
-    harmless warning passes, "Corrupt JPEG data" raises.
-    """
+    """`decode_rgb`, raising ``ValueError`` where libjpeg only warns: simplejpeg, else TorchCodec under `strict_decode`."""
     try:
         return torch.from_numpy(simplejpeg.decode_jpeg(data.numpy(), "RGB", strict=True)).permute(2, 0, 1)
     except ValueError:
@@ -164,13 +143,8 @@ def jpeg_size(data: bytes | torch.Tensor) -> tuple[int, int]:
         i += 2 + int.from_bytes(buf[i + 2 : i + 4], "big")
     raise ValueError("not a JPEG stream (no frame header)")
 
-def decode_jpeg_batch_on_device(
-    datas: Sequence[torch.Tensor], device: torch.device | str = "cuda"
-) -> list[torch.Tensor]:
-    """Decode a list of JPEG byte tensors on a CUDA device in one batched nvJPEG call.
-
-    Returns ``(3, H, W)`` uint8 tensors on ``device``. Raises ``RuntimeError`` without CUDA.
-    """
+def decode_jpeg_batch_on_device(datas: Sequence[torch.Tensor], device: torch.device | str = "cuda") -> list[torch.Tensor]:
+    """Decode JPEG byte tensors to ``(3, H, W)`` uint8 tensors on a CUDA device in one batched nvJPEG call."""
     if not torch.cuda.is_available():
         raise RuntimeError("nvJPEG decode needs a CUDA device; use decode_rgb on the CPU")
     return _decode_jpeg_rgb(list(datas), device=device)

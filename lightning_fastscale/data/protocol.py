@@ -1,10 +1,4 @@
-"""The small protocol a datamodule implements so that schedules can change its batch and size.
-
-Batch-size control (Mikami et al. 2018, Smith et al. 2017) and progressive resizing
-(fast.ai 2018) change the per-device batch size and the training resolution between epochs.
-Lightning builds dataloaders once per reload, so a callback cannot do this alone: it asks the
-datamodule through these methods, then makes the Trainer reload the dataloaders at the next
-epoch boundary (``trainer.reload_dataloaders_every_n_epochs``).
+"""The protocol a datamodule implements so that a batch-size ramp and progressive resizing can drive it.
 
 More in ``docs/methods/batch_size_ramp.md`` ("The datamodule protocol").
 """
@@ -47,12 +41,9 @@ def require_protocol(datamodule: Any, protocol: type, needed_by: str) -> None:
             "plain dataloaders cannot change batch size or resolution between epochs"
         )
     if not isinstance(datamodule, protocol):
-        wanted = [
-            n for n in protocol.__annotations__ if not hasattr(datamodule, n)
-        ] + [
-            n for n in ("set_train_batch_size", "set_train_resolution", "set_val_resolution")
-            if hasattr(protocol, n) and not callable(getattr(datamodule, n, None))
-        ]
+        setters = ("set_train_batch_size", "set_train_resolution", "set_val_resolution")
+        wanted = [n for n in protocol.__annotations__ if not hasattr(datamodule, n)]
+        wanted += [n for n in setters if hasattr(protocol, n) and not callable(getattr(datamodule, n, None))]
         raise TypeError(
             f"{needed_by} needs a datamodule implementing {protocol.__name__} "
             f"(see lightning_fastscale.data.protocol); {type(datamodule).__name__} lacks "

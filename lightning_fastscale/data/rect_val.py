@@ -1,10 +1,4 @@
-"""Rectangular validation: no centre crop, batches grouped by aspect ratio.
-
-fast.ai's DAWNBench ImageNet entry (Howard et al. 2018, "Now anyone can train Imagenet in 18
-minutes", fast.ai blog) validated on rectangles instead of centre-cropped squares: the
-validation images were sorted by aspect ratio and each batch was given one shape that follows
-its images' ratio, so almost nothing of an image is cut away and top-1 rises at equal
-resolution. This module is the pure part of that:
+"""Rectangular validation: no centre crop, batches grouped by aspect ratio (Howard et al. 2018, fast.ai).
 
 More in ``docs/input_pipeline.md`` ("Rectangular validation in code").
 """
@@ -17,8 +11,7 @@ from dataclasses import dataclass
 import torch
 from torchvision.transforms.v2 import functional as F
 
-# Long sides are multiples of 8: convolution strides (a ResNet downsamples by 32 in steps of
-# 2) and tensor-core tiles (multiples of 8 in fp16/bf16) then fit without ragged edges.
+# long sides fit stride-2 convolutions and tensor-core tiles without ragged edges
 SHAPE_MULTIPLE = 8
 
 
@@ -41,13 +34,9 @@ def aspect_order(sizes: Sequence[Sequence[int]]) -> list[int]:
 
 
 def split_batches(order: Sequence[int], batch_size: int, world_size: int = 1) -> list[list[int]]:
-    """Cut ``order`` into ``k * world_size`` consecutive batches of near-equal size.
+    """Cut ``order`` into the fewest ``k * world_size`` consecutive batches of at most ``batch_size``, sizes within one.
 
-    ``k`` is the smallest count for which no batch exceeds ``batch_size``; batch sizes differ by
-    at most one. (Only with ``batch_size=1`` and a sample count that ``world_size`` does not
-    divide can no such ``k`` exist; then ``k`` is the largest that leaves no batch empty and
-    some batches hold two samples.) Raises ``ValueError`` when there are fewer samples than ranks (some rank would
-    get an empty batch).
+    (With ``batch_size=1`` and a count ``world_size`` does not divide, some batches hold two.)
 
     Examples:
         >>> [len(b) for b in split_batches(range(10), batch_size=4, world_size=2)]
@@ -81,12 +70,7 @@ def rank_batches(batches: Sequence[RectBatch], rank: int, world_size: int) -> li
 def batch_shape(
     sizes: Sequence[Sequence[int]], resolution: int, max_long_side: int | None = None
 ) -> tuple[int, int]:
-    """``(height, width)`` of a batch of images of ``sizes``: short side ``resolution``.
-
-    The long side is ``resolution`` times the batch's median aspect ratio (width / height, or
-    its inverse for portrait batches), rounded to a multiple of 8 and clamped to
-    ``[resolution, max_long_side]`` (the longest side stored, so no batch is blown up beyond
-    the stored pixels).
+    """``(height, width)`` of a batch: short side ``resolution``, long side from the median ratio (multiple of 8, capped).
 
     Examples:
         >>> batch_shape([(300, 400), (300, 450), (300, 420)], 224)
@@ -118,17 +102,11 @@ def plan_batches(
         [((3, 0), (80, 64)), ((2, 1), (64, 80))]
     """
     batches = split_batches(aspect_order(sizes), batch_size, world_size)
-    return [
-        RectBatch(tuple(b), batch_shape([sizes[i] for i in b], resolution, max_long_side)) for b in batches
-    ]
+    return [RectBatch(tuple(b), batch_shape([sizes[i] for i in b], resolution, max_long_side)) for b in batches]
 
 
 def resize_to_cover(image: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    """Resize a ``(C, h, w)`` uint8 image to cover ``shape`` and centre-crop the excess.
-
-    The scale is the smallest that makes both sides reach ``shape`` (bilinear, antialiased,
-    still uint8), so only the strip left over by the image's ratio differing from the batch's
-    is cut away, never a fixed border as in a square centre crop.
+    """Resize a ``(C, h, w)`` uint8 image to cover ``shape`` (antialiased) and centre-crop the excess.
 
     Examples:
         >>> resize_to_cover(torch.zeros(3, 100, 150, dtype=torch.uint8), (64, 96)).shape

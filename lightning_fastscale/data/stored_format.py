@@ -1,10 +1,6 @@
 """The stored formats: the ImageNet-layout source tree and the converted streaming folder.
 
-A converted folder holds ``dataset.json`` (`StreamingMetadata`: classes, counts, how images were
-stored) and one litdata split per folder: ``index.json`` plus chunk files, each laid out as
-``uint32 num_items | uint32 offsets[num_items + 1] | item bytes``. Reading and checking them
-needs no decoder: `read_metadata` refuses a half-written or damaged folder before training,
-`check_split_files` finds a truncated or overwritten chunk from its header alone.
+Layout (``dataset.json``, litdata's ``index.json`` and chunk files): ``docs/input_pipeline.md`` ("The converted format").
 """
 from __future__ import annotations
 
@@ -45,11 +41,7 @@ class StreamingMetadata:
         return sum(self.counts.get(split, []))
 
 def stored_sample_count(dataset: Any) -> int:
-    """All samples of a litdata ``StreamingDataset``, whatever rank asks.
-
-    Its ``len()`` is the calling rank's shard under ``torch.distributed``, while an integer
-    index reads from the whole dataset; this is the range of such indices.
-    """
+    """All samples of a litdata ``StreamingDataset`` (its ``len()`` is the calling rank's shard)."""
     return sum(end - start for start, end in dataset.region_of_interest)
 
 def read_metadata(root: str | os.PathLike[str]) -> StreamingMetadata:
@@ -131,11 +123,7 @@ def chunk_of(chunks: list[dict[str, Any]], sample: int) -> tuple[int, dict[str, 
     raise IndexError(f"sample {sample} is beyond the {end} samples of the index")
 
 def check_chunk(path: Path, entry: dict[str, Any]) -> str | None:
-    """What is wrong with one chunk file against its ``index.json`` entry, or None.
-
-    Reads only the header: the item count and the offsets (each within the file, in order,
-    the first right after the header, the last at the end of the file).
-    """
+    """What is wrong with one chunk file against its ``index.json`` entry (from its header alone), or None."""
     if not path.is_file():
         return "missing (listed in index.json)"
     size, expected = path.stat().st_size, int(entry["chunk_bytes"])
@@ -173,17 +161,24 @@ def check_split_files(split_dir: str | os.PathLike[str]) -> list[Problem]:
     return problems
 
 
-def _check_class_tree(directory: Path) -> None:
-    if not directory.is_dir():
-        raise FileNotFoundError(
-            f"data directory {directory} does not exist; give root a folder holding "
-            "train/<class>/*.JPEG and val/<class>/* (the ImageNet layout)"
-        )
-    classes = [p for p in directory.iterdir() if p.is_dir()]
-    if not classes:
-        raise FileNotFoundError(f"{directory} has no class sub-folders (expected {directory}/<class>/<image>)")
-    for c in classes:
-        if not any(f.suffix.lower() in IMG_EXTENSIONS for f in c.iterdir() if f.is_file()):
+def image_tree_classes(root: Path) -> list[str]:
+    """The classes of an ImageNet-layout tree (``root/train/<class>/*``, ``root/val/<class>/*``), checked."""
+    for directory in (root / "train", root / "val"):
+        if not directory.is_dir():
             raise FileNotFoundError(
-                f"class folder {c} holds no images ({', '.join(IMG_EXTENSIONS)}); remove it or add images"
+                f"data directory {directory} does not exist; give root a folder holding "
+                "train/<class>/*.JPEG and val/<class>/* (the ImageNet layout)"
             )
+        classes = [p for p in directory.iterdir() if p.is_dir()]
+        if not classes:
+            raise FileNotFoundError(f"{directory} has no class sub-folders (expected {directory}/<class>/<image>)")
+        for c in classes:
+            if not any(f.suffix.lower() in IMG_EXTENSIONS for f in c.iterdir() if f.is_file()):
+                raise FileNotFoundError(
+                    f"class folder {c} holds no images ({', '.join(IMG_EXTENSIONS)}); remove it or add images"
+                )
+    classes = sorted(p.name for p in (root / "train").iterdir() if p.is_dir())
+    unknown = sorted({p.name for p in (root / "val").iterdir() if p.is_dir()} - set(classes))
+    if unknown:
+        raise ValueError(f"{root / 'val'} has classes not in {root / 'train'}: {unknown[:5]}")
+    return classes

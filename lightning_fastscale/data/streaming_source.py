@@ -1,11 +1,6 @@
-"""Where converted streaming data lives: its metadata, its splits and the checks against them.
+"""Where converted streaming data lives (a folder, or a URL read through litdata's cache) and the checks against it.
 
-A folder written by ``fastscale-data convert`` (local, or an ``s3://`` / ``gs://`` ... URL read
-through litdata's size-limited local cache) holds ``dataset.json`` (classes, stored
-``max_side``, per-split sizes and, for rectangular validation, the validation image sizes)
-and one litdata split per subfolder. `StreamingSource` reads that metadata once and answers
-what the datamodule asks of it: where a split is and with which cache settings litdata opens
-it, whether a resolution fits the stored images, and the validation image sizes.
+Layout: ``docs/input_pipeline.md`` ("The converted format").
 """
 from __future__ import annotations
 
@@ -44,10 +39,7 @@ def read_source_metadata(root: str, cache_dir: str | None = None) -> StreamingMe
 class StreamingSource:
     """A converted streaming folder: its metadata, split locations and the checks against them.
 
-    Args:
-        root: folder or URL written by ``fastscale-data convert`` (``~`` expanded for a folder).
-        cache_dir: local cache for a remote ``root`` (litdata's default location if None).
-        max_cache_size: size limit of that cache, e.g. ``"50GB"``.
+    ``cache_dir`` and ``max_cache_size`` set litdata's local cache of a remote ``root``.
 
     Examples:
         >>> source = StreamingSource("/data/imagenet-512")  # doctest: +SKIP
@@ -96,12 +88,7 @@ class StreamingSource:
             )
 
     def val_image_sizes(self) -> list[list[int]]:
-        """``[height, width]`` of each validation sample in litdata order.
-
-        Read from ``dataset.json``; a folder converted before the sizes were recorded is still
-        served: they are then read once from the stored JPEG headers (one read of the split's
-        bytes, no decoding, cheaper than one validation pass), with a warning.
-        """
+        """``[height, width]`` of each validation sample in litdata order (read from the JPEG headers if not recorded)."""
         if self._val_sizes is None:
             sizes = self.metadata.extra.get(SIZES_KEY, {}).get("val")
             if sizes is None:

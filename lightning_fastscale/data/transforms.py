@@ -1,11 +1,6 @@
-"""Training and validation transforms in uint8: crop, resize, flip, batch assembly.
+"""Training and validation transforms in uint8: crop (Szegedy et al. 2015), resize, flip, batch assembly.
 
-`train_batch` decodes (simplejpeg; TorchCodec for what it refuses), random-resized-crops
-(Szegedy et al. 2015, as torchvision's ``RandomResizedCrop``) and flips a whole batch in uint8,
-in threads; `val_transform` resizes and centre-crops; `normalize_on_device` converts and
-normalises on the training device. Randomness comes from `sample_generator` (seed, epoch,
-sample), so a resumed run gets the same crops. Design and measurements: ``docs/input_pipeline.md``
-("The uint8 transforms").
+Design and measurements: ``docs/input_pipeline.md`` ("The uint8 transforms", "`train_batch` in detail").
 """
 from __future__ import annotations
 
@@ -57,12 +52,7 @@ def random_resized_crop_box(
     scale: tuple[float, float] = DEFAULT_SCALE,
     ratio: tuple[float, float] = DEFAULT_RATIO,
 ) -> tuple[int, int, int, int]:
-    """``(top, left, crop_height, crop_width)`` of an Inception-style random resized crop.
-
-    An area fraction in ``scale`` and a log-uniform aspect ratio in ``ratio`` are drawn up to
-    ten times until the box fits; otherwise the whole image is cropped to the nearest allowed
-    ratio (Szegedy et al. 2015; the same rule as torchvision's ``RandomResizedCrop``).
-    """
+    """``(top, left, crop_height, crop_width)`` of a random resized crop (Szegedy et al. 2015, as torchvision's)."""
     area = height * width
     log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
     for _ in range(10):
@@ -88,8 +78,7 @@ def random_resized_crop_box(
 def crop_resize_flip(
     image: torch.Tensor, box: tuple[int, int, int, int], size: int, flip: bool
 ) -> torch.Tensor:
-    """Crop ``box`` from a uint8 ``(C, H, W)`` image, resize it to ``size`` x ``size``
-    (bilinear, antialiased, still uint8) and mirror it if ``flip``."""
+    """Crop ``box`` from a uint8 ``(C, H, W)`` image, resize it to ``size`` (antialiased) and mirror it if ``flip``."""
     top, left, h, w = box
     out = F.resized_crop(image, top, left, h, w, [size, size], antialias=True)
     return out.flip(-1) if flip else out
@@ -108,18 +97,14 @@ def train_transform(
     data: torch.Tensor, size: int, generator: torch.Generator,
     scale: tuple[float, float] = DEFAULT_SCALE, ratio: tuple[float, float] = DEFAULT_RATIO,
 ) -> torch.Tensor:
-    """Decode, random-resized-crop to ``size`` and flip with probability 1/2; uint8 out.
-
-    The reference for one image; [`train_batch`][lightning_fastscale.data.transforms.train_batch]
-    does the same to a batch, faster.
-    """
+    """Decode, random-resized-crop to ``size`` and flip with probability 1/2; the one-image reference of `train_batch`."""
     image = decode_rgb(data)
     box, flip = draw_crop(image.shape[-2], image.shape[-1], generator, scale, ratio)
     return crop_resize_flip(image, box, size, flip)
 
 
 def _hwc(image: torch.Tensor) -> Any:
-    """The numpy ``(H, W, C)`` view of a ``(C, H, W)`` tensor stored pixel-interleaved, or None."""
+    """The numpy ``(H, W, C)`` view of a pixel-interleaved ``(C, H, W)`` tensor, or None."""
     c, h, w = image.shape
     if image.stride() != (1, w * c, c):
         return None
@@ -127,16 +112,13 @@ def _hwc(image: torch.Tensor) -> Any:
 
 
 def _pixels(image: torch.Tensor) -> Any:
-    """The ``(H, W, C)`` numpy pixels of a decoded ``(C, H, W)`` image: a view where it is stored
-    pixel-interleaved (as the decoders return it), else a copy."""
+    """The ``(H, W, C)`` numpy pixels of a ``(C, H, W)`` image: a view where possible, else a copy."""
     pixels = _hwc(image)
     return pixels if pixels is not None else image.permute(1, 2, 0).contiguous().numpy()
 
 
 def _upscale_linear(src: Any, size: tuple[int, int], dst: Any = None) -> Any:
-    """OpenCV's bilinear resize of an ``(H, W, C)`` uint8 array that is enlarged (or kept) on
-    both axes, where antialiasing does nothing: the result equals torchvision's antialiased
-    bilinear resize up to the rounding of their fixed-point weights (at most 1 apart, tested)."""
+    """OpenCV's bilinear resize of an enlarged ``(H, W, C)`` uint8 array: torchvision's to within 1 (tested)."""
     return cv2.resize(src, (size[1], size[0]), dst=dst, interpolation=cv2.INTER_LINEAR)
 
 
@@ -145,8 +127,7 @@ _DCT_REDUCTIONS = (8, 4, 2)
 
 
 def _dct_reduction(box: tuple[int, int, int, int], size: int) -> int:
-    """The largest of 8, 4, 2 by which the crop ``box`` still keeps at least ``size`` pixels on
-    both axes (1 where none does: decode at full scale)."""
+    """The largest of 8, 4, 2 by which the crop ``box`` keeps ``size`` pixels on both axes, else 1."""
     _, _, h, w = box
     return next((d for d in _DCT_REDUCTIONS if h >= d * size and w >= d * size), 1)
 
@@ -155,20 +136,9 @@ def _decode_for_crop(
     data: torch.Tensor, generator: torch.Generator, size: int,
     scale: tuple[float, float], ratio: tuple[float, float], dct_scaling: bool,
 ) -> tuple[Any, tuple[int, int, int, int] | None, bool]:
-    """``(pixels, box, flip)`` of one training sample: the crop and flip `draw_crop` draws for
-    ``data``'s size, and the decoded ``(H, W, 3)`` uint8 numpy pixels with ``box`` in their
-    coordinates; ``pixels`` is None where simplejpeg refused the data, which `train_batch` then
-    decodes with TorchCodec (``box`` is None where no crop is drawn yet).
+    """``(pixels, box, flip)`` of one sample decoded by simplejpeg (at 1/d scale with ``dct_scaling``).
 
-    simplejpeg decodes: the same libjpeg-turbo decode, accurate integer
-    IDCT, as TorchCodec (the same pixels, tested; CMYK JPEGs, which the converter never writes,
-    within 1 grey level) with less overhead per call. With
-    ``dct_scaling`` the crop is drawn from the header first and the image decoded at 1/2, 1/4 or
-    1/8 scale (libjpeg's DCT-domain scaling) where the crop keeps at least ``size`` pixels on
-    both axes at that scale; the box is scaled with it, its edges rounded outwards to the
-    reduced pixel grid (at most ``d - 1`` source pixels per edge at reduction ``d``).
-    simplejpeg refuses damage (where libjpeg only warns, it raises) and harmless warnings such as
-    an unknown JFIF revision alike.
+    ``pixels`` is None where simplejpeg refused the data (``box`` None where no crop was drawn yet).
     """
     if _simplejpeg is None:
         return _decode_full(data, generator, scale, ratio)
@@ -212,16 +182,9 @@ def _decode_full(
 def _crop_resize_flip_into(
     pixels: Any, box: tuple[int, int, int, int], size: int, flip: bool, slot: torch.Tensor, slot_pixels: Any = None
 ) -> None:
-    """`crop_resize_flip` of decoded ``(H, W, 3)`` numpy ``pixels`` written into ``slot``, a
-    ``(3, size, size)`` view of the batch; ``slot_pixels``: the slot's ``(size, size, 3)`` numpy
-    view where the batch is pixel-interleaved (written in place, else through a copy).
+    """`crop_resize_flip` of ``(H, W, 3)`` numpy ``pixels`` into ``slot`` (through ``slot_pixels``, its numpy view, if any).
 
-    A crop enlarged on both axes goes through OpenCV's bilinear resize of the crop region; a
-    crop reduced on either axis through the kernel of
-    torchvision's antialiased bilinear resize, as `crop_resize_flip`, in its variant that
-    writes into a given tensor (here ``(1, C, H, W)`` views of ``(H, W, C)`` memory: its
-    vectorised uint8 path). Numpy views throughout: each torch call made here from Python
-    releases and retakes the GIL, which the decode threads of a batch contend for.
+    Numpy views throughout: each torch call releases and retakes the GIL the decode threads contend for.
     """
     top, left, h, w = box
     crop = pixels[top : top + h, left : left + w]
@@ -238,20 +201,12 @@ def _crop_resize_flip_into(
 
 
 def val_transform(data: torch.Tensor, size: int, crop_ratio: float = 0.875) -> torch.Tensor:
-    """Decode, resize the short side to ``size / crop_ratio`` and centre-crop ``size``; uint8 out.
-
-    The same geometry as the ImageNet evaluation of Krizhevsky et al. 2012 / He et al. 2016
-    (resize 256, crop 224), as [`ImageFolderDataModule`][lightning_fastscale.data.ImageFolderDataModule] does it.
-    An image enlarged by the resize (stored smaller than ``size / crop_ratio``) goes through
-    OpenCV's bilinear resize: the same pixels up to rounding, since
-    antialiasing does nothing to an enlargement.
-    """
+    """Decode, resize the short side to ``size / crop_ratio`` and centre-crop ``size`` (He et al. 2016); uint8 out."""
     return resize_centre_crop(decode_rgb(data), size, crop_ratio)
 
 
 def resize_centre_crop(image: torch.Tensor, size: int, crop_ratio: float = 0.875) -> torch.Tensor:
-    """The geometry of [`val_transform`][lightning_fastscale.data.transforms.val_transform] on a
-    decoded uint8 ``(C, H, W)`` image."""
+    """The geometry of `val_transform` on a decoded uint8 ``(C, H, W)`` image."""
     short = round(size / crop_ratio)
     h, w = image.shape[-2:]
     new_h, new_w = _compute_resized_output_size((h, w), [short])  # torchvision's own rule
@@ -285,8 +240,7 @@ def _thread_pool(threads: int) -> ThreadPoolExecutor:
 
 
 def map_in_threads(fn: Callable[[int], Any], count: int, threads: int) -> list[BaseException | None]:
-    """``fn(i)`` for ``i < count``, in this process's pool of ``threads`` threads (the one
-    `train_batch` uses, reused across calls); each call's exception or None, by position."""
+    """``fn(i)`` for ``i < count`` in this process's pool of ``threads`` threads; each call's exception or None."""
 
     def guarded(i: int) -> BaseException | None:
         try:
@@ -317,15 +271,8 @@ def train_batch(
 ) -> torch.Tensor:
     """Decode, random-resized-crop and flip a whole batch: uint8 ``(N, 3, resolution, resolution)``.
 
-    Sample ``i`` gets exactly the crop box and flip that
-    [`train_transform`][lightning_fastscale.data.transforms.train_transform]``(jpegs[i],
-    resolution, generators[i], scale, ratio)`` draws, and its pixels up to OpenCV's rounding of
-    enlarged crops (at most 1 grey level). ``threads``: a pool of that many threads of this
-    process (reused across calls); ``out``: a preallocated uint8 tensor of that shape to fill;
-    ``dct_scaling``: decode at 1/2, 1/4 or 1/8 scale in the DCT domain where the crop allows.
-    The decode is strict: a sample that does not decode cleanly raises
-    [`SampleDecodeError`][lightning_fastscale.data.jpeg_decode.SampleDecodeError] with its
-    position. Details: ``docs/input_pipeline.md`` ("`train_batch` in detail").
+    Sample ``i`` gets the crop and flip `train_transform` draws from ``generators[i]``; a
+    damaged sample raises `SampleDecodeError`. Details: ``docs/input_pipeline.md``.
 
     Examples:
         >>> import io; from PIL import Image
@@ -382,8 +329,7 @@ def train_batch(
 
 
 def _raise_first_bad(jpegs: Sequence[torch.Tensor], errors: list[BaseException | None]) -> None:
-    """Decode the samples again one at a time, strictly (libjpeg warns only while decoding);
-    raise for the first that fails, or that failed in the batch."""
+    """Decode the samples again one at a time, strictly; raise for the first that fails here or failed in the batch."""
     for i, jpeg in enumerate(jpegs):
         try:
             strict_decode(decode_rgb, jpeg)
@@ -400,13 +346,7 @@ def normalize_on_device(
     channels_last: bool = False,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """uint8 ``(N, C, H, W)`` on any device -> normalised float ``(x / 255 - mean) / std``.
-
-    Computed in place on the converted copy, ``(x - 255 mean) * (1 / (255 std))``, on whatever
-    device ``images`` lives on (no further temporaries: on the CPU the allocation of each new
-    batch-sized tensor costs as much as the arithmetic); ``channels_last`` returns NHWC memory
-    layout, which convolutions on tensor cores prefer.
-    """
+    """uint8 ``(N, C, H, W)`` on any device -> normalised float ``(x / 255 - mean) / std``, in place on the copy."""
     if images.dtype != torch.uint8:
         raise TypeError(f"normalize_on_device expects a uint8 batch, got {images.dtype}")
     m = torch.tensor(mean, dtype=dtype, device=images.device).view(1, -1, 1, 1)

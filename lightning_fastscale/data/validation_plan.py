@@ -1,15 +1,7 @@
-"""Per-rank validation batches of a streaming split: square (centre crop) or rectangular.
+"""Per-rank validation batches of a streaming split: square (centre crop) or rectangular (Howard et al. 2018).
 
-Both plans give every rank the same number of batches (per-step ``sync_dist`` logging needs
-that) and every sample to exactly one rank, so a distributed validation measures the whole
-split as one process would; litdata's own loader would even ranks out by dropping the
-remainder, and Lightning's ``DistributedSampler`` by repeating samples.
-
-* `square_rank_batches`: each rank a contiguous range of the split (it reads its own
-  chunks), every image resized and centre-cropped to ``resolution`` squares;
-* `rect_rank_batches`: fast.ai's rectangles (Howard et al. 2018), the split sorted by aspect
-  ratio and cut into batches of one shape each (`rect_val`), rank ``r`` taking batches
-  ``r, r + W, ...``.
+Every rank gets the same number of batches and every sample goes to exactly one rank
+(``docs/input_pipeline.md``, "Rectangular validation").
 """
 from __future__ import annotations
 

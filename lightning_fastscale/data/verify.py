@@ -1,11 +1,6 @@
-"""Check converted streaming data: every chunk's structure, then every sample's JPEG, strictly.
+"""Check converted streaming data (``fastscale-data verify``): every chunk's structure, then every JPEG, strictly.
 
-Each problem is named by chunk file and sample index (``fastscale-data verify OUT``): a chunk
-whose size or header disagrees with ``index.json``
-([`check_split_files`][lightning_fastscale.data.stored_format.check_split_files]), a stored JPEG
-that does not decode cleanly ([`strict_decode`][lightning_fastscale.data.jpeg_decode.strict_decode]).
-Damage that leaves a valid entropy code (a flipped bit the format cannot detect) is not
-detectable without checksums.
+What it can and cannot find: ``docs/input_pipeline.md`` ("Damaged data").
 """
 from __future__ import annotations
 
@@ -21,8 +16,7 @@ from .stored_format import SPLITS, Problem, check_split_files, read_index
 
 
 def verify_split(split_dir: str | os.PathLike[str], decode: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[int, list[Problem]]:
-    """``(samples checked, problems)`` of one split: every chunk's structure, then every
-    sample of the sound chunks read through litdata and decoded strictly."""
+    """``(samples checked, problems)`` of one split: chunk structure, then the sound chunks' samples decoded."""
     decode = decode or decode_rgb
     split = Path(split_dir)
     chunks = read_index(split)

@@ -1,15 +1,6 @@
-"""``num_workers: auto``: pick the loader worker count by measuring, and remember the pick.
+"""``num_workers: auto``: pick the loader worker count by measuring, and remember the pick (Tencent Cloud 2020).
 
-Tencent Cloud 2020 tune the number of preprocessing threads automatically instead of asking the
-user. `probe_num_workers` times a few batches at each candidate worker count and picks
-the smallest count whose throughput reaches ``threshold`` (95%) of the best one measured: more
-workers than that only take cores and memory from the training processes. Each worker count
-comes with the decode threads that fill the cores of one training process
-(`threads_per_worker`: a batch is decoded in threads, in the worker or, with no workers, in
-the training process as FFCV does), so the probe compares (workers, threads) pairs whose
-product is the core budget (`resolve_num_workers`). The pick and its curve are stored in a
-small JSON file keyed by machine, dataset and resolution (`WorkerCountCache`), so later runs
-on the same machine skip the probe.
+More in ``docs/input_pipeline.md`` ("Worker auto-tuning").
 """
 from __future__ import annotations
 
@@ -30,10 +21,7 @@ CACHE_ENV = "FASTSCALE_CACHE_DIR"
 
 
 def candidate_worker_counts(max_workers: int) -> list[int]:
-    """0, 1, 2, 4, ... up to ``max_workers``, always including ``max_workers`` itself.
-
-    0 decodes in the training process, on a background thread a few batches ahead of the step
-    (`background_loader`), so like a worker count it overlaps the step the probe does not time.
+    """0 (decode in the training process, in the background), 1, 2, 4, ... up to and including ``max_workers``.
 
     Examples:
         >>> candidate_worker_counts(6)
@@ -48,11 +36,7 @@ def candidate_worker_counts(max_workers: int) -> list[int]:
 
 
 def images_per_second(loader: Iterable[Any], batches: int, warmup: int, batch_size: int) -> float:
-    """Samples per second over ``batches`` batches after ``warmup`` untimed ones.
-
-    A loader shorter than that is iterated again (its restart is then part of the timing,
-    as it is in training).
-    """
+    """Samples per second over ``batches`` batches after ``warmup`` untimed ones (a short loader restarts, timed)."""
     iterator = _cycle(loader)
     for _ in range(warmup):
         next(iterator)
@@ -87,11 +71,7 @@ def probe_num_workers(
     batches: int = 8,
     threshold: float = 0.95,
 ) -> tuple[int, dict[int, float]]:
-    """Measure images/s for each worker count in ``candidates``; return (pick, curve).
-
-    ``make_loader(n)`` builds a loader with ``n`` workers. Each count gets ``max(2, n)``
-    warm-up batches (worker start-up and the first prefetch), then ``batches`` timed ones.
-    """
+    """``(pick, curve)``: images/s of ``make_loader(n)`` for each ``n`` in ``candidates``, after ``max(2, n)`` warm-up batches."""
     curve: dict[int, float] = {}
     for n in candidates:
         curve[n] = images_per_second(make_loader(n), batches, warmup=max(2, n), batch_size=batch_size)
@@ -160,16 +140,13 @@ class WorkerCountCache:
         os.replace(tmp, self.path)
 
 
-
 def cores_per_rank(local_ranks: int = 1, max_workers: int | None = None) -> int:
     """The cores one training process's loader may use: ``max_workers``, else its share of this machine."""
     return max_workers or max(1, (os.cpu_count() or 1) // local_ranks)
 
 
 def threads_per_worker(cores: int, num_workers: int) -> int:
-    """Decode threads per loader process that fill ``cores`` with ``num_workers`` workers.
-
-    ``num_workers=0`` decodes in the training process, which then gets all ``cores`` threads.
+    """Decode threads per loader process (or the training process, for 0 workers) that fill ``cores``.
 
     Examples:
         >>> [threads_per_worker(8, w) for w in (0, 1, 2, 4, 8)]
@@ -188,14 +165,9 @@ def resolve_num_workers(
     max_workers: int | None = None,
     decode_threads: int | None = None,
 ) -> tuple[int, int, dict[str, Any]]:
-    """``(worker count, decode threads, probe record)``: cached, else measured and cached.
+    """``(worker count, decode threads, probe record)``: cached, else measured over `cores_per_rank` cores and cached.
 
-    ``make_loader(workers, threads)`` builds the loader. The probe spends at most
-    `cores_per_rank` cores (``max_workers``, default this machine's cores shared by its
-    ``local_ranks`` training processes): each candidate worker count gets the decode threads
-    that fill them (`threads_per_worker`), or ``decode_threads`` if given (then fewer workers
-    fit). The record holds the curve (images/s by worker count), the threads of each count
-    and whether it came from the cache; the pick is logged either way.
+    ``make_loader(workers, threads)`` builds the loader; ``decode_threads`` fixes the threads (fewer workers fit).
     """
     cores = cores_per_rank(local_ranks, max_workers)
     key = cache.key(dataset_id, resolution, batch_size, local_ranks, decode_threads or "auto")

@@ -1,10 +1,6 @@
 """Fault tolerance: a run that is killed, preempted or fed a bad checkpoint ends cleanly and resumes.
 
-One module per job: atomic checkpoint writes (`atomic_checkpoint_io`), finding and checking the
-checkpoint to resume from (`checkpoint_reading`, `checkpoint_check`), one run per run folder
-(`run_folder_lock`), exact mid-epoch resume (`exact_resume`), preemption signals
-(`preemption`) and stopping on non-finite steps (`non_finite_guard`). The callbacks are also
-exported from `lightning_fastscale.callbacks`; the guide is ``docs/faults.md``.
+One module per job; the callbacks are also exported from `lightning_fastscale.callbacks`. Guide: ``docs/faults.md``.
 """
 from lightning_fastscale.faults.atomic_checkpoint_io import AtomicCheckpointIO
 from lightning_fastscale.faults.checkpoint_check import CheckpointCheck

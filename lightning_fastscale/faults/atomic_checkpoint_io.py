@@ -36,11 +36,7 @@ def _fsync_folder(folder: Path) -> None:
 
 
 def save_atomically(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save(obj, path)`` such that ``path`` is either the old file or the whole new one.
-
-    The bytes go to a temporary file in ``path``'s folder, are flushed to disk, and the file is
-    renamed to ``path``. On any error (a full disk, a serialization error) the temporary file
-    is removed and the error raised; an existing ``path`` is left as it was.
+    """``torch.save(obj, path)`` such that ``path`` is either the old file or the whole new one (temporary file, fsync, rename).
 
     Examples:
         >>> import tempfile, torch
@@ -75,7 +71,7 @@ def save_atomically(obj: Any, path: str | os.PathLike) -> None:
 
 
 def partial_files(folders: Iterable[str | os.PathLike]) -> list[Path]:
-    """Temporary files of [`save_atomically`][lightning_fastscale.faults.atomic_checkpoint_io.save_atomically] left in ``folders`` by a killed writer."""
+    """Temporary files of `save_atomically` left in ``folders`` by a killed writer."""
     found: list[Path] = []
     for folder in folders:
         folder = Path(folder)
@@ -85,11 +81,7 @@ def partial_files(folders: Iterable[str | os.PathLike]) -> list[Path]:
 
 
 def remove_partial_files(folders: Iterable[str | os.PathLike]) -> list[Path]:
-    """Delete the leftovers [`partial_files`][lightning_fastscale.faults.atomic_checkpoint_io.partial_files] finds (with a warning naming each); return them.
-
-    Only for a run folder this process owns (see [`lightning_fastscale.faults.run_folder_lock`][lightning_fastscale.faults.run_folder_lock]): a
-    temporary file there is a write that a killed process never finished.
-    """
+    """Delete (with a warning each) and return the `partial_files` of run folders this process owns (`run_folder_lock`)."""
     removed = []
     for path in partial_files(folders):
         try:  # ranks of one run may clear the same folder at once
@@ -103,11 +95,7 @@ def remove_partial_files(folders: Iterable[str | os.PathLike]) -> list[Path]:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning's ``TorchCheckpointIO`` with atomic local writes ([`save_atomically`][lightning_fastscale.faults.atomic_checkpoint_io.save_atomically]).
-
-    Every checkpoint the Trainer writes (``ModelCheckpoint``, ``Trainer.save_checkpoint``,
-    [`PreemptionCheckpoint`][lightning_fastscale.faults.PreemptionCheckpoint]) goes through the strategy's
-    ``CheckpointIO``; ``fastscale-train`` installs this one. Loading is Lightning's.
+    """Lightning's ``TorchCheckpointIO`` with atomic local writes (`save_atomically`); ``fastscale-train`` installs it.
 
     Examples:
         >>> import lightning.pytorch as pl

@@ -66,12 +66,7 @@ class _CheckingCheckpointIO(CheckpointIO):
 class CheckpointCheck(Callback):
     """Check the checkpoint a fit resumes from (``ckpt_path``) before any step runs.
 
-    Errors are [`CheckpointError`][lightning_fastscale.faults.checkpoint_reading.CheckpointError], naming the file
-    and each difference: unreadable or truncated file; model tensors missing, extra or of
-    another shape; module hyper-parameters that differ; a schedule callback (batch-size ramp,
-    LR warmup/decay, progressive resizing) that is in one run and not the other, or whose
-    state the callback refuses; optimizer parameter groups of other sizes; LR scheduler
-    settings (``T_max``, milestones, base LRs, ...) that differ.
+    A `CheckpointError` names the file and each difference (``docs/faults.md``, "The checkpoint check").
 
     Examples:
         >>> import lightning.pytorch as pl

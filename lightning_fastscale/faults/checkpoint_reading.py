@@ -33,12 +33,7 @@ class CheckpointError(ValueError):
 
 
 def checkpoints_newest_first(folders: Iterable[str | Path]) -> list[Path]:
-    """The ``*.ckpt`` files in ``folders`` (not recursive), the most recently written first.
-
-    Newest means the latest modification time (a preemption checkpoint is written after the
-    last epoch's ``last.ckpt``); equal times are broken by the name, so the order is stable.
-    Symbolic links (``last.ckpt`` may be one) count by their target's time.
-    """
+    """The ``*.ckpt`` files in ``folders`` (not recursive), the latest modification time first, ties by name."""
     candidates = []
     for folder in folders:
         folder = Path(folder)
@@ -54,12 +49,7 @@ def newest_checkpoint(folders: Iterable[str | Path]) -> Path | None:
 
 
 def newest_complete_checkpoint(folders: Iterable[str | Path]) -> tuple[Path | None, list[CheckpointError]]:
-    """The newest checkpoint in ``folders`` that `read_checkpoint` accepts, and the newer ones it refused.
-
-    A file cut short by a kill or a full disk (written by a tool without atomic writes, or
-    copied in by hand) is skipped, so a requeued job resumes from the last complete state
-    instead of failing on the same file at every restart; the caller names the skipped files.
-    """
+    """The newest checkpoint in ``folders`` that `read_checkpoint` accepts, and the newer ones it refused."""
     skipped: list[CheckpointError] = []
     for path in checkpoints_newest_first(folders):
         try:
@@ -96,19 +86,14 @@ def unreadable(path: str | Path, err: BaseException) -> CheckpointError:
 
 
 def check_is_lightning_checkpoint(path: str | Path, checkpoint: Any) -> None:
-    """Raise [`CheckpointError`][lightning_fastscale.faults.checkpoint_reading.CheckpointError] unless ``checkpoint`` looks like a Lightning checkpoint."""
+    """Raise `CheckpointError` unless ``checkpoint`` looks like a Lightning checkpoint."""
     if not isinstance(checkpoint, Mapping) or "state_dict" not in checkpoint:
         found = sorted(checkpoint)[:_MAX_LISTED] if isinstance(checkpoint, Mapping) else type(checkpoint).__name__
         raise CheckpointError(path, f"is not a Lightning checkpoint (no 'state_dict'; found {found})")
 
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load a Lightning checkpoint on the CPU, or raise [`CheckpointError`][lightning_fastscale.faults.checkpoint_reading.CheckpointError] naming the file.
-
-    A truncated file (the writer was killed), an empty file, or a file that is not a
-    checkpoint all end here with the size found and what to do, before any training state
-    is touched.
-    """
+    """Load a Lightning checkpoint on the CPU, or raise `CheckpointError` naming the file, its size and what to do."""
     path = Path(path)
     if not path.is_file() or path.stat().st_size == 0:
         raise unreadable(path, FileNotFoundError(str(path)))
@@ -190,12 +175,7 @@ def scheduler_mismatches(saved_states: Sequence[Mapping[str, Any]], schedulers: 
 
 
 def optimizer_mismatches(saved_states: Sequence[Mapping[str, Any]], optimizers: Sequence[torch.optim.Optimizer]) -> list[str]:
-    """Structural differences of optimizers: how many, their parameter groups and sizes.
-
-    Hyper-parameters such as momentum are not compared: the checkpoint's values replace them
-    on load, as in plain Lightning; the learning-rate schedule is checked through the
-    schedulers and the callbacks' own state.
-    """
+    """Structural differences of optimizers: how many, their parameter groups and sizes (not hyper-parameters)."""
     if len(saved_states) != len(optimizers):
         return [f"the checkpoint has {len(saved_states)} optimizers, this run {len(optimizers)}"]
     problems = []
@@ -212,7 +192,7 @@ def optimizer_mismatches(saved_states: Sequence[Mapping[str, Any]], optimizers: 
 
 
 def raise_if_mismatched(path: str | Path, problems: Sequence[str], what: str) -> None:
-    """Raise [`CheckpointError`][lightning_fastscale.faults.checkpoint_reading.CheckpointError] listing ``problems`` (a no-op when there are none)."""
+    """Raise `CheckpointError` listing ``problems`` (a no-op when there are none)."""
     if problems:
         raise CheckpointError(
             path,
@@ -223,13 +203,7 @@ def raise_if_mismatched(path: str | Path, problems: Sequence[str], what: str) ->
 
 
 def resume_point(folders: Sequence[str | Path]) -> str | None:
-    """The checkpoint ``resume=auto`` continues from in ``folders``, or None for a fresh start.
-
-    Leftover temporary files of writes cut short by a kill are removed, incomplete or
-    unreadable checkpoints are skipped with a warning naming each, and the newest complete
-    one is chosen (`newest_complete_checkpoint`). Checkpoints none of which is complete
-    are an error naming them: a run is not started over on top of them without a word.
-    """
+    """The checkpoint ``resume=auto`` continues from in ``folders`` (skipping incomplete ones), or None for a fresh start."""
     from lightning_fastscale.faults.atomic_checkpoint_io import remove_partial_files
 
     remove_partial_files(folders)

@@ -38,10 +38,7 @@ class NonFiniteGuard(Callback):
     """Stop training on non-finite steps: at once without a loss scaler, after a budget with one.
 
     Args:
-        max_consecutive: with a loss scaler (fp16), how many consecutive skipped steps are
-            tolerated; one more raises [`NonFiniteStepsError`][lightning_fastscale.faults.NonFiniteStepsError]. A loss scaler that starts
-            at 2**16 needs a handful of skips to settle; 100 leaves room for that and for a rare
-            bad batch. Without a scaler (fp32, bf16) the first non-finite step raises.
+        max_consecutive: consecutive steps a loss scaler (fp16) may skip; one more raises `NonFiniteStepsError`.
 
     Examples:
         >>> import lightning.pytorch as pl
@@ -97,8 +94,7 @@ class NonFiniteGuard(Callback):
         plugin = trainer.precision_plugin
         scaler = getattr(plugin, "scaler", None)
         scale = float(scaler.get_scale()) if scaler is not None else None
-        losses, self._losses = self._losses, []
-        del losses  # decided before the step (no scaler); a scaler reports through the scale
+        self._losses = []  # decided before the step (no scaler); a scaler reports through the scale
         if hasattr(plugin, "consecutive_skipped_steps"):
             self.consecutive = int(plugin.consecutive_skipped_steps)
         elif scaler is not None:
@@ -173,5 +169,5 @@ class NonFiniteGuard(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what [`state_dict`][lightning_fastscale.faults.NonFiniteGuard.state_dict] saved."""
+        """Restore what `state_dict` saved."""
         self.consecutive = int(state_dict.get("consecutive", 0))

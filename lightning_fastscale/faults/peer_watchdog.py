@@ -1,12 +1,6 @@
-"""End a rank whose peers have failed, so a hung rank does not outlive its run.
+"""End a rank whose peers have failed, so a hung rank does not outlive its run (torch elastic's agent, inside the ranks).
 
-When one rank fails (a collective timed out, a peer vanished) the others raise and exit, but a
-rank stuck outside any collective (in a data loader, a hook, a driver call) never notices: an
-orphan holding its device until its own hang ends. gloo has no watchdog that aborts it, and
-Lightning's launcher stops its children only on Ctrl-C (and nothing stops the launching rank).
-Each rank polls the run's rendezvous store from a daemon thread: a failing rank writes its
-reason there, and a rank still running a few seconds after reading one (or after finding the
-store gone for ``grace_s``) exits with 76, a fault: retryable from the last periodic checkpoint.
+More in ``docs/faults.md`` ("The peer watchdog").
 """
 from __future__ import annotations
 
@@ -30,12 +24,8 @@ log = logging.getLogger(__name__)
 class PeerWatchdog:
     """Polls the rendezvous store at ``host:port``; ends this process once a peer has failed.
 
-    ``report_failure`` (on the rank that fails) writes the reason and stops this rank's own
-    watching: it ends on its own error. Another rank that reads a reason waits ``settle_s`` for
-    its own error path (a collective failing there too calls ``stop``), then calls ``exit``
-    with [`FAULT_EXIT_CODE`][lightning_fastscale.faults.peer_watchdog.FAULT_EXIT_CODE]; so does a rank that cannot reach the store for
-    ``grace_s``. The form of torch elastic's agent, which stops every worker once one fails,
-    kept inside the ranks so that it also holds under Lightning's launcher and SLURM's ``srun``.
+    A rank that reads a peer's `report_failure` waits ``settle_s`` for its own error path, then
+    exits with `FAULT_EXIT_CODE`; so does one that cannot reach the store for ``grace_s``.
 
     Examples:
         >>> watchdog = PeerWatchdog("127.0.0.1", 29500, rank=1)  # doctest: +SKIP

@@ -1,7 +1,4 @@
-"""Claim a run folder for one run at a time.
-
-More in ``docs/faults.md`` ("The run-folder lock").
-"""
+"""Claim a run folder for one run at a time. More in ``docs/faults.md`` ("The run-folder lock")."""
 from __future__ import annotations
 
 import atexit
@@ -30,12 +27,7 @@ class RunFolderInUseError(RuntimeError):
 
 
 def global_rank_from_env(environ: Mapping[str, str] | None = None) -> int:
-    """This process's global rank as the launchers set it (0 when nothing says otherwise).
-
-    ``RANK`` (torchrun), ``SLURM_PROCID`` (srun), ``JSM_NAMESPACE_RANK`` (LSF); otherwise
-    Lightning's launcher: ``NODE_RANK`` (or ``GROUP_RANK``) and ``LOCAL_RANK``, non-zero in
-    every process but the first of the first node.
-    """
+    """This process's global rank as torchrun, srun, LSF or Lightning's launcher set it (0 when nothing says otherwise)."""
     env = os.environ if environ is None else environ
     for key in ("RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
         if env.get(key, "").strip():
@@ -64,7 +56,7 @@ def _describe(holder: Mapping[str, Any]) -> str:
 
 
 class Claim:
-    """A held claim on a run folder; [`release`][lightning_fastscale.faults.run_folder_lock.Claim.release] (also run at exit) gives it up."""
+    """A held claim on a run folder; `release` (also run at exit) gives it up."""
 
     def __init__(self, folder: Path, fd: int | None) -> None:
         self.folder = folder
@@ -96,7 +88,7 @@ def _me() -> dict[str, Any]:
 
 
 def claim(folder: str | os.PathLike) -> Claim:
-    """Claim ``folder`` for this process, or raise [`RunFolderInUseError`][lightning_fastscale.faults.run_folder_lock.RunFolderInUseError] naming the holder.
+    """Claim ``folder`` for this process, or raise `RunFolderInUseError` naming the holder.
 
     Examples:
         >>> import tempfile
@@ -162,10 +154,7 @@ def claim(folder: str | os.PathLike) -> Claim:
 class ClaimRunFolder(Callback):
     """Hydra callback: claim ``hydra.run.dir`` before Hydra writes anything into it.
 
-    Registered in ``train.yaml`` under ``hydra.callbacks``. In a single run (not ``-m``) the
-    rank-0 process claims the folder at ``on_run_start``, before Hydra saves the config
-    there; a refused run exits with the message of [`RunFolderInUseError`][lightning_fastscale.faults.run_folder_lock.RunFolderInUseError] and status 1.
-    Multirun jobs each get their own sub-folder and are not claimed.
+    Registered in ``train.yaml``; rank 0 of a single run (not ``-m``) claims it, a refused run exits with status 1.
     """
 
     def __init__(self) -> None:
