@@ -125,9 +125,7 @@ def _median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else 0.0
 
 
-def summarize(
-    ranks: Sequence[RankTotals], first_step: int | None = None, last_step: int | None = None
-) -> BreakdownSummary:
+def summarize(ranks: Sequence[RankTotals], first_step: int | None = None, last_step: int | None = None) -> BreakdownSummary:
     """Median, slowest rank, straggler share and verdict of per-rank part totals.
 
     The scores are medians over the ranks other than the slowest; ``communication`` less the
@@ -192,10 +190,8 @@ def summarize(
     )
 
 
-def summarize_steps(
-    per_rank_steps: Sequence[Sequence[Mapping[str, float]]],
-    samples_per_step: Sequence[float] | None = None,
-) -> BreakdownSummary:
+def summarize_steps(per_rank_steps: Sequence[Sequence[Mapping[str, float]]],
+                    samples_per_step: Sequence[float] | None = None) -> BreakdownSummary:
     """`summarize` from per-step seconds ``per_rank_steps[rank][i][part]`` (``samples_per_step[rank]``: per step).
 
     Example:
@@ -306,10 +302,8 @@ def plot_breakdown(windows: Sequence[BreakdownSummary], path: str | Path, max_ba
     return path
 
 
-def write_report(
-    directory: str | Path, total: BreakdownSummary, windows: Sequence[BreakdownSummary],
-    stem: str = "step_breakdown", plot: bool = True, **extra: Any,
-) -> dict[str, Path]:
+def write_report(directory: str | Path, total: BreakdownSummary, windows: Sequence[BreakdownSummary],
+                 stem: str = "step_breakdown", plot: bool = True, **extra: Any) -> dict[str, Path]:
     """Write ``<stem>.json``, ``<stem>.md`` and (``plot``) ``<stem>.png`` into ``directory``, by kind.
 
     Existing files are never overwritten: the stem gets ``-1``, ``-2``, ... instead.

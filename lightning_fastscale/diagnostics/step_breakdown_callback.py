@@ -124,14 +124,10 @@ def _all_gather(t: torch.Tensor, device: torch.device, fallback: Callable[[torch
 
 
 def _metrics(summary: BreakdownSummary, prefix: str) -> dict[str, float]:
-    metrics = {f"{prefix}step_s": summary.step_s, f"{prefix}straggler_share": summary.straggler_share,
-               f"{prefix}slowest_rank": float(summary.slowest_rank)}
-    metrics.update({f"{prefix}{p}_s": summary.phases[p] for p in PHASES})
-    if summary.samples_per_s is not None:
-        metrics[f"{prefix}samples_per_s"] = summary.samples_per_s
-    if summary.images_per_s is not None:
-        metrics[f"{prefix}images_per_s"] = summary.images_per_s
-    return metrics
+    metrics = {"step_s": summary.step_s, "straggler_share": summary.straggler_share,
+               "slowest_rank": float(summary.slowest_rank), **{f"{p}_s": summary.phases[p] for p in PHASES},
+               "samples_per_s": summary.samples_per_s, "images_per_s": summary.images_per_s}
+    return {prefix + k: v for k, v in metrics.items() if v is not None}
 
 
 class InputTimingProfiler(Profiler):
@@ -207,17 +203,10 @@ class StepBreakdown(pl.Callback):
         'input'
     """
 
-    def __init__(
-        self,
-        every_n_steps: int | None = None,
-        dirpath: str | Path | None = None,
-        batch_size_fn: Callable[[Any], int | None] | None = None,
-        images_fn: Callable[[Any], int | None] | None = None,
-        warmup_steps: int = 1,
-        plot: bool = True,
-        print_table: bool = True,
-        log_prefix: str = "breakdown/",
-    ) -> None:
+    def __init__(self, every_n_steps: int | None = None, dirpath: str | Path | None = None,
+                 batch_size_fn: Callable[[Any], int | None] | None = None,
+                 images_fn: Callable[[Any], int | None] | None = None, warmup_steps: int = 1, plot: bool = True,
+                 print_table: bool = True, log_prefix: str = "breakdown/") -> None:
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"StepBreakdown(every_n_steps={every_n_steps}): must be at least 1 (or None "
                              "for the Trainer's log_every_n_steps)")
@@ -243,15 +232,6 @@ class StepBreakdown(pl.Callback):
         self._images: float | None = None
         self._report_dir = Path(".")
 
-    def _time_input(self, trainer: pl.Trainer) -> None:
-        profiler = trainer.profiler
-        if not isinstance(profiler, InputTimingProfiler):
-            profiler = InputTimingProfiler(trainer.profiler)
-            self._replaced_profiler = trainer.profiler
-            trainer.profiler = profiler  # the loop reads trainer.profiler at every action
-        profiler.on_input = self.timer.add_input if self.timer is not None else None
-        self._profiler = profiler
-
     def _untime_input(self, trainer: pl.Trainer) -> None:
         if self._profiler is not None:
             self._profiler.on_input = None
@@ -267,7 +247,13 @@ class StepBreakdown(pl.Callback):
         self.timer = StepTimer(pl_module.device)
         self.timer.attach(pl_module.parameters())
         self._agg = _Windows(self.warmup_steps)
-        self._time_input(trainer)
+        profiler = trainer.profiler
+        if not isinstance(profiler, InputTimingProfiler):
+            profiler = InputTimingProfiler(trainer.profiler)
+            self._replaced_profiler = trainer.profiler
+            trainer.profiler = profiler  # the loop reads trainer.profiler at every action
+        profiler.on_input = self.timer.add_input
+        self._profiler = profiler
         # on every rank: ``trainer.log_dir`` broadcasts, so rank zero alone at the end would hang
         self._report_dir = Path(self.dirpath if self.dirpath is not None else trainer.log_dir or trainer.default_root_dir)
 

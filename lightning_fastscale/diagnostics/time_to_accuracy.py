@@ -55,11 +55,9 @@ class CurvePoint:
 class AccuracyClock:
     """The clock, the crossing rule and the summary of one run (no Lightning, no process group).
 
-    `start` at fit start; `validation_started` / `validation_ended` around each validation;
-    `count` each batch's samples; `record` each validation's metric (True at the crossing);
-    `finish` at the end. ``gather`` maps this rank's float64 vector to ``(world, n)``: every rank
-    then holds rank zero's clock and metric and the samples summed over ranks. The arguments are
-    `TimeToAccuracy`'s; ``clock``: wall-clock seconds (``time.time`` holds across processes).
+    `start`, `validation_started` / `validation_ended`, `count` each batch's samples, `record` each
+    validation's metric (True at the crossing), `finish`. ``gather`` maps this rank's vector to
+    ``(world, n)``; then every rank holds rank zero's clock and metric and the summed samples.
 
     Example:
         >>> now = [0.0]
