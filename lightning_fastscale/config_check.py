@@ -53,7 +53,6 @@ class ConfigError(ValueError):
 def _leaves(node: Any, prefix: str) -> dict[str, tuple[str, Any]]:
     """Argument name -> (dotted Hydra key, value); the node's own keys before nested ones."""
     found: dict[str, tuple[str, Any]] = {}
-    nested: list[tuple[str, DictConfig]] = []
     if isinstance(node, DictConfig):
         for key in map(str, node.keys()):
             if key.startswith("_"):  # Hydra's _target_, _partial_
@@ -62,13 +61,11 @@ def _leaves(node: Any, prefix: str) -> dict[str, tuple[str, Any]]:
                 child = node[key]
             except Exception:  # noqa: BLE001 - an interpolation that cannot resolve here
                 child = None
-            path = f"{prefix}.{key}" if prefix else key
-            found[key] = (path, child)
-            if isinstance(child, DictConfig):
-                nested.append((path, child))
-    for path, child in nested:
-        for leaf, item in _leaves(child, path).items():
-            found.setdefault(leaf, item)
+            found[key] = (f"{prefix}.{key}" if prefix else key, child)
+    for path, child in list(found.values()):
+        if isinstance(child, DictConfig):
+            for leaf, item in _leaves(child, path).items():
+                found.setdefault(leaf, item)
     return found
 
 

@@ -60,15 +60,15 @@ class _Windows:
         self.windows: list[BreakdownSummary] = []
         self.totals: list[RankTotals] | None = None  # per rank, summed over flushes
 
-    def add(self, steps: list[StepTimes]) -> None:
+    def flush(self, steps: list[StepTimes], device: torch.device,
+              fallback: Callable[[torch.Tensor], torch.Tensor]) -> BreakdownSummary | None:
+        """Collective: add ``steps``, gather the window, append its summary, fold it into the run totals."""
         for s in steps:
             self.seen += 1
             for totals in (self.window, self.run) if self.seen > self.warmup_steps else (self.window,):
                 totals.add(s.seconds, s.samples, s.images, s.step)
-
-    def flush(self, gather: Callable[[torch.Tensor], torch.Tensor]) -> BreakdownSummary | None:
-        """Collective: gather the window, append its summary, fold it into the run totals."""
-        gathered = gather(torch.tensor([self.window.to_row(), self.run.to_row()], dtype=torch.float64))
+        gathered = _all_gather(torch.tensor([self.window.to_row(), self.run.to_row()], dtype=torch.float64), device,
+                               fallback)
         if gathered.dim() == 2:  # one process: the strategy returns the tensor unchanged
             gathered = gathered.unsqueeze(0)
         rows = gathered.to("cpu", torch.float64).tolist()
@@ -312,8 +312,7 @@ class StepBreakdown(pl.Callback):
 
     def _flush(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> BreakdownSummary | None:
         assert self.timer is not None and self._agg is not None
-        self._agg.add(self.timer.drain(block=True))
-        summary = self._agg.flush(lambda t: _all_gather(t, pl_module.device, trainer.strategy.all_gather))
+        summary = self._agg.flush(self.timer.drain(block=True), pl_module.device, trainer.strategy.all_gather)
         self.windows = self._agg.windows
         if summary is not None and trainer.is_global_zero:
             for logger in trainer.loggers:
@@ -407,8 +406,7 @@ class FabricStepBreakdown:
         return None
 
     def _flush(self) -> BreakdownSummary | None:
-        self._agg.add(self.timer.drain(block=True))
-        summary = self._agg.flush(lambda t: _all_gather(t, self.fabric.device, self.fabric.all_gather))
+        summary = self._agg.flush(self.timer.drain(block=True), self.fabric.device, self.fabric.all_gather)
         if summary is not None and self.log:
             self.fabric.log_dict(_metrics(summary, self.log_prefix), step=summary.last_step)
         return summary
