@@ -1,11 +1,8 @@
 """Refuse a bad setting of ``fastscale-train`` by its Hydra key, before the run has side effects.
 
-The library's classes validate their own arguments and name them as their signature does
-(``bucket_cap_mb=-5 must be ...``); torch's and Lightning's do the same in their words. The
-entry point builds every part of the composed config inside `setting_errors`, which turns
-such an error into a [`ConfigError`][lightning_fastscale.config_check.ConfigError] naming the Hydra key (``strategy.bucket_cap_mb=-5
-must be ...``). ``fastscale-train`` prints a ``ConfigError`` as one line and exits with status 2;
-any other exception is a bug and keeps its traceback.
+The entry point builds every part of the config inside `setting_errors`, which turns a library's
+refusal of an argument (``bucket_cap_mb=-5 must be ...``) into a `ConfigError` naming the Hydra
+key (``strategy.bucket_cap_mb=-5 must be ...``), printed as one line with exit status 2.
 """
 from __future__ import annotations
 
@@ -39,13 +36,7 @@ _TORCH_PHRASES: tuple[tuple[str, str, str], ...] = (
 
 
 class ConfigError(ValueError):
-    """A setting of the composed config is wrong: the message names its Hydra key, value and fix.
-
-    Raised by ``fastscale-train`` before any side effect (run folder contents, logger, process
-    group); its console entry point prints the message as one line, without a traceback.
-
-    Attributes:
-        key: the Hydra key, e.g. ``"strategy.bucket_cap_mb"`` (``None`` when no single key is at fault).
+    """A setting of the composed config is wrong: the message names its Hydra key (``key``, or None), value and fix.
 
     Examples:
         >>> raise ConfigError("optimizer.lr=-1: use a learning rate > 0", key="optimizer.lr")
@@ -62,7 +53,6 @@ class ConfigError(ValueError):
 def _leaves(node: Any, prefix: str) -> dict[str, tuple[str, Any]]:
     """Argument name -> (dotted Hydra key, value); the node's own keys before nested ones."""
     found: dict[str, tuple[str, Any]] = {}
-    nested: list[tuple[str, DictConfig]] = []
     if isinstance(node, DictConfig):
         for key in map(str, node.keys()):
             if key.startswith("_"):  # Hydra's _target_, _partial_
@@ -71,13 +61,11 @@ def _leaves(node: Any, prefix: str) -> dict[str, tuple[str, Any]]:
                 child = node[key]
             except Exception:  # noqa: BLE001 - an interpolation that cannot resolve here
                 child = None
-            path = f"{prefix}.{key}" if prefix else key
-            found[key] = (path, child)
-            if isinstance(child, DictConfig):
-                nested.append((path, child))
-    for path, child in nested:
-        for leaf, item in _leaves(child, path).items():
-            found.setdefault(leaf, item)
+            found[key] = (f"{prefix}.{key}" if prefix else key, child)
+    for path, child in list(found.values()):
+        if isinstance(child, DictConfig):
+            for leaf, item in _leaves(child, path).items():
+                found.setdefault(leaf, item)
     return found
 
 
@@ -101,17 +89,12 @@ def _root_error(error: BaseException) -> BaseException:
     return error
 
 
-_VALUE = r"""(?:'[^']*'|"[^"]*"|\[[^\]]*\]|[^\s,;:()\[\]`]+)"""
-"""A value as a message writes it after ``name=``: quoted, a list, or one word."""
+_VALUE = r"""(?:'[^']*'|"[^"]*"|\[[^\]]*\]|[^\s,;:()\[\]`]+)"""  # after ``name=``: quoted, a list, or a word
 
 
 def _mention(leaf: str, assigned: bool) -> str:
-    """Regex of ``leaf`` named in a message: ``leaf=value`` (``assigned``), else ``leaf`` alone.
-
-    ``Class.leaf`` counts as ``leaf``. Alone, only a name no prose uses counts: one with an
-    underscore or in backquotes (``max_steps``, `` `devices` ``), so ``model`` in "unknown model"
-    is not taken for the setting ``model``.
-    """
+    """Regex of ``leaf`` (or ``Class.leaf``) in a message: as ``leaf=value``, else alone where no prose
+    uses it: with an underscore or in backquotes (``model`` in "unknown model" is no setting)."""
     name = rf"(?<![\w.])(?:\w+\.)?{re.escape(leaf)}"
     if assigned:
         return rf"{name}={_VALUE}"
@@ -132,23 +115,13 @@ def _hydra_literal(written: str) -> str:
 
 
 def translate(error: BaseException, prefix: str, node: Any = None, also: dict[str, Any] | None = None) -> ConfigError:
-    """``error`` (a library's refusal of one of its arguments) re-worded with Hydra keys.
+    """``error`` (a library's refusal of one of its arguments, raised building group ``prefix``) re-worded with Hydra keys.
 
-    Args:
-        error: the exception the library raised (Hydra's instantiation wrapper is looked through).
-        prefix: the config group the object was built from, e.g. ``"strategy"``.
-        node: that group's config node; the argument named first in the message (as
-            ``name=value`` before a bare ``name``) is found among its keys (nested nodes too) and
-            replaced by its Hydra key and the configured value, e.g. ``bucket_cap_mb=-5`` (or
-            ``HierarchicalAllReduceStrategy.bucket_cap_mb``) by ``strategy.bucket_cap_mb=-5``.
-            Other arguments the message names as ``name=value`` get their keys too, their Python
-            values written as on the command line (``compile=True`` as ``model.compile=true``).
-        also: more groups whose keys the message may name after the first (``{"trainer": cfg.trainer}``
-            turns ``max_epochs=1`` into ``trainer.max_epochs=1``).
-
-    Returns:
-        A [`ConfigError`][lightning_fastscale.config_check.ConfigError] whose one-line message starts with ``<key>=<value>`` when the
-        key is known, else with the group's name.
+    The argument the message names first (``name=value`` before a bare ``name``) is looked up in
+    ``node`` (nested keys too) and written as its Hydra key and configured value
+    (``bucket_cap_mb=-5`` as ``strategy.bucket_cap_mb=-5``); other ``name=value`` get their keys,
+    in Hydra's literals. ``also``: more groups the message may name (``{"trainer": cfg.trainer}``).
+    Without a known key the message starts with the group's name.
     """
     error = _root_error(error)
     message = " ".join(str(error).split())  # one line
@@ -157,28 +130,23 @@ def translate(error: BaseException, prefix: str, node: Any = None, also: dict[st
     for group, extra in (also or {}).items():
         for leaf, item in _leaves(extra, group).items():
             others.setdefault(leaf, item)
-    best: tuple[int, str, bool] | None = None
-    for assigned in (True, False):  # name=value first, and the group's own keys before `also`'s
-        for names in (leaves, others):
-            for leaf in names:
-                match = re.search(_mention(leaf, assigned), message)
-                if match and (best is None or match.start() < best[0]):
-                    best = (match.start(), leaf, assigned)
-            if best is not None:
-                leaves = names
-                break
-        if best is not None:
+    best: tuple[str, bool] | None = None
+    # name=value first, and the group's own keys before `also`'s; the earliest mention wins
+    for assigned, names in ((a, n) for a in (True, False) for n in (leaves, others)):
+        hits = [(m.start(), leaf) for leaf in names if (m := re.search(_mention(leaf, assigned), message))]
+        if hits:
+            best, leaves = (min(hits, key=lambda hit: hit[0])[1], assigned), names
             break
     fix = ""
     if best is None:
         lowered = message.lower()
         for phrase, leaf, hint in _TORCH_PHRASES:
             if phrase in lowered and leaf in leaves:
-                best, fix = (0, leaf, False), hint
+                best, fix = (leaf, False), hint
                 break
     if best is None:
         return ConfigError(f"{prefix}: {message}")
-    _, leaf, assigned = best
+    leaf, assigned = best
     key, value = leaves[leaf]
     if assigned:
         message = re.sub(_mention(leaf, True), lambda _: f"{key}={show(value)}", message, count=1)
@@ -199,12 +167,10 @@ def translate(error: BaseException, prefix: str, node: Any = None, also: dict[st
 
 @contextlib.contextmanager
 def setting_errors(prefix: str, node: Any = None, also: dict[str, Any] | None = None) -> Iterator[None]:
-    """Turn a library's refusal of an argument, raised inside the block, into a [`ConfigError`][lightning_fastscale.config_check.ConfigError].
+    """Turn a library's refusal of an argument, raised inside the block, into a `ConfigError` (see `translate`).
 
-    ``ValueError`` (and Lightning's ``MisconfigurationException``) is the refusal of a value,
-    ``FileNotFoundError`` that of a path setting naming no file (``data.root``, ``model.pretrained``); a
-    ``TypeError`` counts only when it is about the arguments themselves (an unknown or missing
-    keyword), since elsewhere it marks a bug.
+    Refusals: ``ValueError``, ``MisconfigurationException``, ``FileNotFoundError`` (a path naming
+    no file), and a ``TypeError`` about the arguments themselves; any other error is a bug.
     """
     try:
         yield
@@ -222,9 +188,6 @@ def setting_errors(prefix: str, node: Any = None, also: dict[str, Any] | None = 
         raise translate(root, prefix, node, also) from root
 
 
-# -- the command line and the composed config, before anything is built -----------------------
-
-
 def config_names(config: str = "train") -> list[str]:
     """The top-level names a ``fastscale-train`` override may set: the config groups, the keys of
     ``<config>.yaml`` and those a global preset adds (``objective`` of ``hparams_search=time_to_target``)."""
@@ -239,9 +202,8 @@ def config_names(config: str = "train") -> list[str]:
 def check_group_names(overrides: Sequence[str], known: Sequence[str]) -> None:
     """Refuse an override whose top-level name is no group or key (``precison=...``), naming the nearest.
 
-    Hydra's own message for it advises appending the unknown key with ``+``, which would only
-    add an unused setting. Overrides that add (``+``) or delete (``~``) keys, flags and
-    ``hydra.*`` are left to Hydra.
+    Hydra's own message would advise ``+precison=...``, an unused setting; ``+``/``~`` overrides,
+    flags and ``hydra.*`` are left to Hydra.
     """
     for override in overrides:
         if override.startswith(("-", "+", "~")) or "=" not in override:
@@ -302,9 +264,6 @@ def _check_number_types(prefix: str, node: DictConfig) -> None:
             _check_number_types(f"{prefix}.{key}", child)
 
 
-# -- the built parts against each other, before any side effect --------------------------------
-
-
 def taken_by(node: DictConfig, links: dict[str, Any]) -> dict[str, Any]:
     """The ``links`` the class of ``node`` accepts (all of them if it takes ``**kwargs``); refuses a missing ``num_classes``."""
     from hydra.utils import get_method
@@ -321,13 +280,11 @@ def taken_by(node: DictConfig, links: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_parts(cfg: DictConfig, module: Any, trainer: pl.Trainer, datamodule: Any = None) -> None:
-    """What only the built parts together can refuse: raises [`ConfigError`][lightning_fastscale.config_check.ConfigError] by Hydra key.
+    """What only the built parts together can refuse (a `ConfigError` by Hydra key); warns about fp16 on a CPU.
 
-    The optimizer is built once on a stand-in parameter (torch checks its arguments there), the
-    Trainer's clipping and accumulation, the training length against what needs one (an LR
-    schedule), each recipe callback's ``check_trainer`` (all of their refusals at once), the
-    data against one batch, the strategy's settings against the Trainer's devices and nodes, and
-    ``model.bn_span`` against the batch and ranks. Warns (does not refuse) about fp16 on a CPU.
+    The optimizer on a stand-in parameter, clipping and accumulation, the training length an LR
+    schedule needs, each recipe callback's ``check_trainer``, one batch of data, the strategy
+    against the devices and nodes, and ``model.bn_span``.
     """
     import torch
 
@@ -441,11 +398,12 @@ def _warn_fp16_on_cpu(cfg: DictConfig, trainer: pl.Trainer) -> None:
     from lightning.pytorch.accelerators import CPUAccelerator
 
     if isinstance(trainer.accelerator, CPUAccelerator) and str(trainer.precision).startswith("16"):
-        choice = _choice("precision", cfg) if cfg.get("precision") else f"trainer.precision={trainer.precision}"
+        if cfg.get("precision"):
+            choice = f"precision={_choice('precision', cfg)}"
+        else:
+            choice = f"trainer.precision={trainer.precision}"
         bf16 = choice.replace("fp16", "bf16") if "fp16" in choice else "precision=bf16_mixed"
-        log.warning("%s on a CPU: fp16 runs emulated there, many times slower than bf16; use %s",
-                    f"precision={choice}" if cfg.get("precision") else choice,
-                    f"precision={bf16}" if "=" not in bf16 else bf16)
+        log.warning("%s on a CPU: fp16 runs emulated there, many times slower than bf16; use %s", choice, bf16)
 
 
 def _choice(group: str, cfg: DictConfig) -> str:

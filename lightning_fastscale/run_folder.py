@@ -1,11 +1,8 @@
 """The run folder: the checkpoint a run starts from, its log, its loggers, the last line of a failure.
 
-`resolve_resume` picks the checkpoint (``resume`` / ``ckpt_path``) and refuses to overwrite a
-used folder. Hydra writes the root logger to ``<run folder>/<job name>.log``; Lightning's
-loggers do not propagate and warnings go to stderr only, so `log_to_run_folder` sends both to
-the file too. `end_run` turns an exception into the exit status of its kind (see
-`lightning_fastscale.exit_codes`) and one line on stderr naming the log; a refused run's
-folder, holding only what Hydra wrote, is removed.
+`resolve_resume` picks the checkpoint; `log_to_run_folder` sends Lightning's records and Python's
+warnings to Hydra's ``<job>.log`` too; `end_run` turns an exception into its kind's exit status
+(`lightning_fastscale.exit_codes`) and one line on stderr.
 """
 from __future__ import annotations
 
@@ -33,11 +30,10 @@ log = logging.getLogger("lightning_fastscale.train")
 __all__ = ["HYDRA_FILES", "RESUME_MODES", "build_logger", "end_run", "finish_wandb", "log_to_run_folder",
            "remove_run_folder_if_unused", "report", "report_metric_locations", "resolve_resume", "run_in_folder"]
 
+# Lightning's loggers keep their own console handler and do not propagate to the root logger
 _LIBRARY_LOGGERS = ("lightning.pytorch", "lightning.fabric")
-"""Lightning's loggers keep their own console handler and do not propagate to the root logger."""
-
+# what a run writes into its folder before training starts: Hydra's config and the run's claim
 HYDRA_FILES = frozenset({".hydra", LOCK_NAME})
-"""What a run writes into its folder before training starts: Hydra's config and the run's claim."""
 
 
 def _check_output_dir_is_fresh(cfg: DictConfig) -> None:
@@ -62,22 +58,15 @@ RESUME_MODES = ("never", "auto")
 def _checkpoint_folders(cfg: DictConfig) -> list[Path]:
     """The folders the configured checkpoint callbacks write into."""
     callbacks = cfg.get("callbacks") or {}
-    folders = []
-    for name in ("model_checkpoint", "last_checkpoint", "preemption"):
-        node = callbacks.get(name)
-        if node and node.get("dirpath"):
-            folders.append(Path(node.dirpath))
-    return list(dict.fromkeys(folders))
+    nodes = [callbacks.get(name) for name in ("model_checkpoint", "last_checkpoint", "preemption")]
+    return list(dict.fromkeys(Path(node.dirpath) for node in nodes if node and node.get("dirpath")))
 
 
 def resolve_resume(cfg: DictConfig) -> str | None:
     """The checkpoint this run starts from, following ``resume`` and ``ckpt_path``.
 
-    ``resume=never`` (the default): a fresh run, or ``ckpt_path``; a run folder that already
-    holds checkpoints is refused. ``resume=auto`` (requeued or restarted jobs, with a fixed
-    ``hydra.run.dir``): continue from the newest checkpoint in the run's checkpoint folder,
-    or start fresh when there is none yet; an incomplete or unreadable file is skipped with a
-    warning naming it (see `resume_point`).
+    ``resume=never`` (default): ``ckpt_path`` or none, refusing a folder that holds checkpoints;
+    ``resume=auto``: the newest readable checkpoint of the run's folders (`resume_point`), if any.
     """
     mode = cfg.get("resume", "never")
     if mode not in RESUME_MODES:
@@ -109,10 +98,9 @@ def build_logger(cfg: DictConfig) -> Any:
 
 
 def without_unset_anonymous(logger: Any) -> Any:
-    """Drop the ``anonymous=None`` that Lightning's ``WandbLogger`` always hands to ``wandb.init``.
+    """Drop the ``anonymous=None`` that Lightning's ``WandbLogger`` hands to ``wandb.init``.
 
-    wandb >= 0.19 deprecated the setting and warns on every run whenever it is passed at all,
-    even as None; left out it keeps wandb's default, which is what None meant.
+    wandb >= 0.19 warns whenever it is passed, even as None; left out it keeps the same default.
     """
     init_kwargs = getattr(logger, "_wandb_init", None)
     if isinstance(init_kwargs, dict) and init_kwargs.get("anonymous", False) is None:
@@ -157,10 +145,9 @@ def finish_wandb(trainer: pl.Trainer) -> None:
 
 
 def log_to_run_folder() -> list[logging.FileHandler]:
-    """Send Lightning's log records and Python warnings to the run folder's log file too (Hydra's ``<job>.log``).
+    """Send Lightning's log records and Python warnings to the run folder's log file too; returns its handlers.
 
-    Warnings still print to the console as before. Returns the file handlers found (none when
-    Hydra's job logging is off).
+    Warnings still print to the console; no handler is found when Hydra's job logging is off.
     """
     files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
     for name in _LIBRARY_LOGGERS:
@@ -190,12 +177,7 @@ def _log_to_file_only(files: list[logging.FileHandler], level: int, message: str
 
 
 def remove_run_folder_if_unused(run_dir: Path, log_files: list[logging.FileHandler], log_was_empty: bool) -> bool:
-    """Delete ``run_dir`` when it holds only what Hydra wrote for this very run; True if deleted.
-
-    A run refused for a bad setting has written nothing; its timestamped folder (Hydra's
-    ``.hydra/`` and an empty-at-start log) would only clutter ``outputs/``. A folder holding
-    anything else, or a log with lines from an earlier run, is left as it is.
-    """
+    """Delete ``run_dir`` when it holds only what Hydra wrote for this very run (a refused run's); True if deleted."""
     if not run_dir.is_dir() or not log_was_empty:
         return False
     log_names = {Path(h.baseFilename).name for h in log_files if Path(h.baseFilename).parent == run_dir}
@@ -216,10 +198,9 @@ def log_is_empty(files: list[logging.FileHandler]) -> bool:
 
 def end_run(error: BaseException, files: list[logging.FileHandler], log_was_empty: bool, run_dir: Path | None,
             program: str = "fastscale-train") -> NoReturn:
-    """End the process for ``error``: its kind's exit status and one line on stderr naming the log.
+    """Raise ``SystemExit`` for ``error``: its kind's status (a bug: 1, traceback in the log) and one line on stderr.
 
-    A bad setting (exit 2) removes a run folder holding only Hydra's files; a bug (no kind) keeps
-    its traceback in the log and exits 1. Raises ``SystemExit``.
+    A bad setting (exit 2) removes a run folder holding only Hydra's files.
     """
     code = exit_code_for(error)
     message = " ".join(str(error).split()) or type(error).__name__

@@ -1,12 +1,8 @@
 """``fastscale-train``: the Hydra entry point.
 
-Composes ``lightning_fastscale/conf/train.yaml`` (shipped inside the package, found through
-Hydra's package search path) with its groups (model, data, optimizer, scheduler, trainer,
-strategy, precision, callbacks, logger, experiment, hparams_search), instantiates them with
-``hydra.utils.instantiate`` and fits an [`ImageClassifier`][lightning_fastscale.ImageClassifier].
-Returns the monitored metric, so sweepers (Optuna) can optimise it. The checks live in
-`lightning_fastscale.config_check`, the run folder (resume point, log, failures) in
-`lightning_fastscale.run_folder`.
+Composes ``lightning_fastscale/conf/train.yaml`` with its groups, instantiates them and fits an
+[`ImageClassifier`][lightning_fastscale.ImageClassifier]; returns the monitored metric for sweepers.
+The checks are in `lightning_fastscale.config_check`, the run folder in `lightning_fastscale.run_folder`.
 """
 from __future__ import annotations
 
@@ -49,9 +45,8 @@ def cluster_launches_ranks() -> bool:
 def build_strategy(cfg: DictConfig, devices: Any) -> Any:
     """The strategy the ``strategy`` group describes, or ``"auto"`` (Lightning's default) for an empty node.
 
-    Lightning's DDP launcher re-executes the script once per extra rank, and each child would
-    start a Hydra multirun's whole sweep again: in a multirun with several devices the ranks are
-    spawned in-process instead, unless a cluster launcher already runs one process per rank.
+    In a multirun on several devices the ranks are spawned, unless a cluster launcher runs them:
+    Lightning's launcher re-executes the script, and each child would start the whole sweep again.
     """
     node = cfg.get("strategy")
     if not node:
@@ -65,9 +60,8 @@ def build_strategy(cfg: DictConfig, devices: Any) -> Any:
 def build(cfg: DictConfig) -> tuple[pl.LightningDataModule, ImageClassifier, pl.Trainer]:
     """Instantiate the datamodule, module and Trainer that ``cfg`` describes (no fitting).
 
-    Every part is built, and the parts checked against each other (`check_parts`), before
-    anything is written or started: a bad setting raises [`ConfigError`][lightning_fastscale.config_check.ConfigError]
-    naming its Hydra key, its value and the fix.
+    Every part is built and checked (`check_parts`) before anything is written or started: a bad
+    setting raises a `ConfigError` naming its Hydra key, its value and the fix.
     """
     config_check.check_composed(cfg)
     with setting_errors("data", cfg.data):
@@ -148,10 +142,8 @@ def _hydra_main(cfg: DictConfig) -> float | None:
 def main() -> float | None:
     """Console entry point: ``fastscale-train [group=option ...] [key=value ...] [-m]``.
 
-    A misspelt group is refused before Hydra starts. A failure ends the process with one line
-    on stderr (the run folder's log keeps the traceback) and the exit status of its kind
-    (`lightning_fastscale.exit_codes`): 2 for a wrong setting, the run folder removed if nothing
-    was written to it. ``HYDRA_FULL_ERROR=1`` shows the traceback instead.
+    A misspelt group is refused before Hydra starts; a failure ends with one line on stderr and its
+    kind's exit status (`run_folder.end_run`); ``HYDRA_FULL_ERROR=1`` shows the traceback instead.
     """
     try:
         config_check.check_group_names(sys.argv[1:], config_check.config_names())

@@ -25,26 +25,7 @@ from lightning_fastscale.diagnostics.time_to_accuracy import (
     write_summary,
 )
 
-__all__ = [
-    "MARKS",
-    "PHASES",
-    "VERDICTS",
-    "AccuracyClock",
-    "BreakdownSummary",
-    "FabricStepBreakdown",
-    "FabricTimeToAccuracy",
-    "InputTimingProfiler",
-    "RankTotals",
-    "StepBreakdown",
-    "StepTimer",
-    "StepTimes",
-    "TimeToAccuracy",
-    "breakdown_report",
-    "breakdown_table",
-    "plot_breakdown",
-    "summarize",
-    "summarize_steps",
-    "summary_line",
-    "write_report",
-    "write_summary",
-]
+__all__ = ["MARKS", "PHASES", "VERDICTS", "AccuracyClock", "BreakdownSummary", "FabricStepBreakdown",
+           "FabricTimeToAccuracy", "InputTimingProfiler", "RankTotals", "StepBreakdown", "StepTimer", "StepTimes",
+           "TimeToAccuracy", "breakdown_report", "breakdown_table", "plot_breakdown", "summarize", "summarize_steps",
+           "summary_line", "write_report", "write_summary"]

@@ -1,88 +1,29 @@
 """``fastscale-doctor``'s pure core: from measurements to a verdict, fixes and their predicted gains.
 
-The measurements (taken on the user's own cluster by `doctor_probe`) are plain numbers:
-the step split per rank into input, compute, exposed communication, optimizer and the rest
-(from the step breakdown), the all-reduce at the model's gradient size by every algorithm and
-wire dtype (the flat one as DDP runs it is the baseline), compute alone on a device-resident
-batch, and the loader's images/s per rank at its worker count and at more workers. Nothing
-here touches torch or a process group, so every rule is unit-tested on synthetic numbers.
-
-Verdict: the step breakdown's own ([`summarize`][lightning_fastscale.diagnostics.step_breakdown.summarize]),
-which prices four candidate causes in seconds per step and names the largest: ``input`` (waiting
-for the next batch), ``compute`` (forward, backward and optimizer), ``communication`` (exposed
-all-reduce not caused by a slow rank) and ``straggler`` (how much longer the slowest rank is busy
-than the median of the others, naming that rank; the doctor adds its host).
-
-Fixes are Hydra overrides (or a ``fastscale-data`` command), each with a predicted speed-up
-computed from the measurements by a stated rule ([`propose_fixes`][lightning_fastscale.diagnostics.doctor.propose_fixes]); ``--verify`` then
-measures it. The rules follow from how a data-parallel step overlaps: loader workers prefetch
-while the model computes, so with workers the step is the larger of the loader's time per batch
-and everything else; a faster all-reduce saves at most the communication that was exposed.
+The measurements (taken by `doctor_probe`) are plain numbers, so every rule is unit-tested on
+synthetic ones. The verdict is the step breakdown's
+([`summarize`][lightning_fastscale.diagnostics.step_breakdown.summarize]); each fix is a Hydra
+override with a speed-up predicted by a stated rule. The rules: ``docs/doctor.md``.
 """
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from lightning_fastscale.diagnostics.step_breakdown import (
-    PHASES,
-    VERDICTS,
-    BreakdownSummary,
-    RankTotals,
-    summarize,
-)
+from lightning_fastscale.diagnostics.step_breakdown import PHASES, VERDICTS, BreakdownSummary, RankTotals, summarize
 
-__all__ = [
-    "Diagnosis",
-    "Fix",
-    "Measurements",
-    "Verdict",
-    "algorithm_overrides",
-    "diagnosis_of",
-    "large_batch_bound",
-    "propose_fixes",
-    "verdict_of",
-    "verify_fixes",
-]
+__all__ = ["Diagnosis", "Fix", "Measurements", "Verdict", "algorithm_overrides", "diagnosis_of", "large_batch_bound",
+           "propose_fixes", "verdict_of", "verify_fixes"]
 
-FLAT = "flat/fp32"
-"""Label of the baseline all-reduce: one all-reduce over every rank in fp32, what DDP runs."""
+FLAT = "flat/fp32"  # the baseline all-reduce: one over every rank in fp32, what DDP runs
 
 
 @dataclass
 class Measurements:
-    """Everything the doctor measured, as plain numbers (seconds, images/s, bytes).
-
-    Args:
-        parts: per rank, seconds per step of each of `step_breakdown.PHASES` (median over the timed steps).
-        batch_size: samples per rank per step.
-        hosts: host name of each rank (to name a straggler's machine).
-        grad_bytes: bytes of the model's gradient (fp32).
-        allreduce_s: seconds of one all-reduce of ``grad_bytes`` by each ``"algorithm/wire"``
-            label (e.g. ``"flat/fp32"``, ``"hier/bf16"``); ``"flat/fp32"`` is the baseline.
-        configured_allreduce: the label the configured strategy runs.
-        planner: the planner's view of the same all-reduces on the calibrated link
-            (``predicted_s`` per label, ``plain_ddp``: whether plain DDP is within its
-            ``tolerance`` of the best measured), or None where the calibration failed.
-        compute_alone_s: forward + backward + optimizer on a device-resident batch, per step.
-        loader_images_per_s: images/s per rank (slowest rank) at each measured worker count.
-        num_workers: the configured worker count.
-        stored_max_side: the streaming data's stored longer side (None for other datamodules).
-        resolution: the training crop side.
-        crop_ratio: the datamodule's validation crop ratio (the stored side must cover resolution / crop_ratio).
-        compute_variants: seconds of compute alone with other settings, keyed by their overrides.
-        num_nodes, ranks_per_node: the job's shape.
-        backend: ``nccl`` or ``gloo``.
-        compute_alone_runs_s: each repeat of compute alone (``compute_alone_s`` is their median).
-        window_scores: the verdict's scores (seconds per step per cause) of each window of the run
-            after the warm-up: their spread decides whether input and compute are too close to call.
-        threads: torch threads per rank in the run (the probes run with the same).
-        compute_alone_one_thread_s: compute alone on one torch thread (CPU, where the run uses
-            more), interleaved with the repeats of ``compute_alone_s``: much faster there means
-            the cores are oversubscribed.
+    """Everything the doctor measured, as plain numbers (seconds, images/s, bytes); each field in ``docs/doctor.md``.
 
     Examples:
         >>> m = Measurements(parts=[dict(input=0.01, compute=0.1, communication=0.0, optimizer=0.01, rest=0.0)],
@@ -140,8 +81,7 @@ class Measurements:
         """Inverse of `dataclasses.asdict` (JSON turns the worker-count keys into strings)."""
         data = dict(data)
         data["loader_images_per_s"] = {int(k): float(v) for k, v in data.get("loader_images_per_s", {}).items()}
-        known = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
 
 @dataclass
@@ -160,10 +100,8 @@ class Verdict:
 class Fix:
     """One proposed change: Hydra overrides (or a command), why, and its predicted speed-up.
 
-    ``basis`` says which measurements the prediction comes from; ``measured_speedup`` is filled
-    by ``--verify`` (baseline and fix runs interleaved in the same job). ``decides``: settings
-    the fix fixes even where its overrides leave them at the option's default (the command
-    line's values of those are dropped when the fix runs).
+    ``basis``: the measurements behind the prediction; ``measured_speedup``: filled by ``--verify``;
+    ``decides``: settings the fix leaves at their default, whose command-line values it drops.
     """
 
     overrides: list[str]
@@ -227,20 +165,18 @@ def verdict_of(m: Measurements) -> Verdict:
                   f"{seconds['straggler']:.4f} s more than the other ranks' median "
                   f"(in {summary.straggler_phase}); they wait for it in every all-reduce")
         return Verdict(bottleneck, seconds, reason, slow, host)
+    close, contention = None, _contention(m)
     if bottleneck in ("input", "compute") and _input_or_compute_flips(m):
-        reason = (f"input or compute: too close to call on this machine (input {seconds['input']:.4f} s, compute "
-                  f"{seconds['compute']:.4f} s per step; which is larger changes between the {len(m.window_scores)} "
-                  "measured windows)")
-        return Verdict(bottleneck, seconds, reason, too_close_to_call=True)
-    contention = _contention(m)
-    if bottleneck in ("input", "compute") and contention:
+        close = f"which is larger changes between the {len(m.window_scores)} measured windows"
+    elif bottleneck in ("input", "compute") and contention:
         compute_one = seconds["compute"] / contention
         if (seconds["input"] > compute_one) != (bottleneck == "input"):
-            reason = (f"input or compute: too close to call on this machine (input {seconds['input']:.4f} s, compute "
-                      f"{seconds['compute']:.4f} s per step; compute alone ran {contention:.1f}x faster on 1 thread "
-                      f"than on the run's {m.threads}, so the cores are oversubscribed, and at that rate compute would "
-                      f"take {compute_one:.4f} s)")
-            return Verdict(bottleneck, seconds, reason, too_close_to_call=True)
+            close = (f"compute alone ran {contention:.1f}x faster on 1 thread than on the run's {m.threads}, so the "
+                     f"cores are oversubscribed, and at that rate compute would take {compute_one:.4f} s")
+    if close:
+        reason = (f"input or compute: too close to call on this machine (input {seconds['input']:.4f} s, compute "
+                  f"{seconds['compute']:.4f} s per step; {close})")
+        return Verdict(bottleneck, seconds, reason, too_close_to_call=True)
     reasons = {
         "input": f"waiting for the next batch takes {seconds['input']:.4f} s of the {step:.4f} s step ({share:.0%})",
         "compute": f"forward, backward and optimizer take {seconds['compute']:.4f} s of the {step:.4f} s step ({share:.0%})",
@@ -251,36 +187,28 @@ def verdict_of(m: Measurements) -> Verdict:
 
 
 def _input_or_compute_flips(m: Measurements) -> bool:
-    """Whether the margin between input and compute is inside their spread: the larger one differs between windows."""
+    """Whether the larger of input and compute differs between windows (the margin is inside their spread)."""
     margins = [w["input"] - w["compute"] for w in m.window_scores]
     return len(margins) >= 2 and min(margins) < 0 < max(margins)
 
 
 def _contention(m: Measurements) -> float | None:
-    """How many times faster compute alone ran on one thread than on the run's threads, where beyond `CONTENTION`."""
+    """How many times faster compute alone ran on one thread than on the run's, where beyond `CONTENTION`."""
     one, many = m.compute_alone_one_thread_s, m.compute_alone_s
     if not one or not many or (m.threads or 1) <= 1 or many / one <= CONTENTION:
         return None
     return many / one
 
 
+# compute alone this many times faster on one thread than on several: the cores are
+# oversubscribed (on free cores more threads are never slower than one by this much)
 CONTENTION = 1.5
-"""Compute alone this many times faster on one thread than on several: the cores are oversubscribed
-(on free cores more threads are never slower than one by this much)."""
-
-WINDOWS = 4
-"""Windows the measured steps are split into (each summarised on its own, for the verdict's spread)."""
-
-DISAGREEMENT = 2.0
-"""A probe and the run disagreeing by more than this factor points at load from other processes."""
+WINDOWS = 4  # windows of the measured steps, each summarised on its own, for the verdict's spread
+DISAGREEMENT = 2.0  # a probe and the run this many times apart: load from other processes
 
 
 def cross_checks(m: Measurements) -> list[str]:
-    """The probes against the run's own breakdown; a disagreement beyond `DISAGREEMENT` is named as outside load.
-
-    Compute alone against compute (and optimizer) inside the run; without loader workers, the
-    loader's rate against the rate the run's input wait implies; compute alone on one thread
-    against the run's threads (beyond `CONTENTION`: the cores are oversubscribed).
+    """Notes where the probes disagree with the run's own breakdown (outside load, oversubscribed cores).
 
     Examples:
         >>> m = Measurements(parts=[dict(input=0.0, compute=0.5, communication=0.0, optimizer=0.0, rest=0.0)],
@@ -341,23 +269,15 @@ ALLREDUCE_SETTINGS = ["strategy.algorithm", "strategy.wire_dtype", "strategy.com
 MIN_SPEEDUP = 1.05
 
 
-def _loader_s(m: Measurements, workers: int) -> float:
-    return m.batch_size / m.loader_images_per_s[workers]
-
-
 def _input_fixes(m: Measurements) -> list[Fix]:
-    """More loader workers, and for streaming data a smaller stored image side.
-
-    With workers the loader prefetches while the rank computes, so the predicted step is
-    ``max(step - input wait, batch / loader images/s)``.
-    """
+    """More loader workers (step = max(step - input wait, batch / loader rate)), and for streaming data a smaller stored side."""
     fixes = []
     step, wait = m.step_s, m.median_part("input")
     rest = step - wait
     more = [w for w in m.loader_images_per_s if w > m.num_workers]
     if more:
         best = max(more, key=lambda w: (m.loader_images_per_s[w], -w))
-        predicted = max(rest, _loader_s(m, best))
+        predicted = max(rest, m.batch_size / m.loader_images_per_s[best])
         need = m.batch_size / rest if rest > 0 else float("inf")
         fixes.append(Fix(
             [f"data.num_workers={best}"],
@@ -388,11 +308,7 @@ def _input_fixes(m: Measurements) -> list[Fix]:
 
 
 def _communication_fixes(m: Measurements) -> list[Fix]:
-    """Every measured all-reduce faster than the configured one, best first.
-
-    A faster all-reduce saves at most what was exposed: predicted step =
-    ``step - min(exposed, t_configured - t_alternative)``.
-    """
+    """Every measured all-reduce faster than the configured one: step - min(exposed, t_configured - t_alternative)."""
     current = m.allreduce_s.get(m.configured_allreduce)
     if current is None:
         return []
@@ -455,10 +371,9 @@ def _straggler_fixes(m: Measurements, verdict: Verdict) -> list[Fix]:
 
 
 def propose_fixes(m: Measurements, verdict: Verdict) -> list[Fix]:
-    """Fixes for the bottleneck (and any other promising one), predicted speed-up first.
+    """The bottleneck's fixes, then the others', each by predicted speed-up, those under `MIN_SPEEDUP` left out.
 
-    Only fixes predicted to gain at least `MIN_SPEEDUP` are kept; a straggler's fix is
-    kept whatever its size, since it names the machine.
+    A straggler's fix is kept whatever its size, since it names the machine.
     """
     found = {
         "input": _input_fixes(m),
@@ -466,11 +381,12 @@ def propose_fixes(m: Measurements, verdict: Verdict) -> list[Fix]:
         "compute": _compute_fixes(m),
         "straggler": _straggler_fixes(m, verdict),
     }
-    ordered = found[verdict.bottleneck] + [f for b in VERDICTS if b != verdict.bottleneck for f in found[b]]
-    kept = [f for f in ordered if f.predicted_speedup >= MIN_SPEEDUP or (not f.overrides and f.command is None)]
-    head = [f for f in kept if f in found[verdict.bottleneck]]
-    tail = sorted((f for f in kept if f not in head), key=lambda f: -f.predicted_speedup)
-    return sorted(head, key=lambda f: -f.predicted_speedup) + tail
+
+    def ranked(fixes: Iterable[Fix]) -> list[Fix]:
+        kept = [f for f in fixes if f.predicted_speedup >= MIN_SPEEDUP or (not f.overrides and f.command is None)]
+        return sorted(kept, key=lambda f: -f.predicted_speedup)
+
+    return ranked(found[verdict.bottleneck]) + ranked(f for b in VERDICTS if b != verdict.bottleneck for f in found[b])
 
 
 def diagnosis_of(m: Measurements) -> Diagnosis:
@@ -482,9 +398,8 @@ def diagnosis_of(m: Measurements) -> Diagnosis:
 def verify_fixes(diagnosis: Diagnosis, fixes: Sequence[Fix], runs: Sequence[Callable[[], float]], rounds: int) -> None:
     """``--verify``: time the baseline (``runs[0]``) and each fix (``runs[i + 1]``), interleaved ``rounds`` times.
 
-    Each run returns its seconds per step; interleaving spreads the machine's slow spells over
-    all of them. Fills ``diagnosis.baseline_step_s`` and each fix's ``verified_step_s`` (medians)
-    and ``measured_speedup`` (median baseline step / median fix step).
+    Interleaving spreads the machine's slow spells over all runs; fills the medians and each
+    fix's ``measured_speedup``.
 
     Examples:
         >>> d = Diagnosis(Measurements(parts=[], batch_size=1), Verdict("input", {}, ""), [Fix(["a=1"], "", 2.0, "")])
@@ -502,18 +417,16 @@ def verify_fixes(diagnosis: Diagnosis, fixes: Sequence[Fix], runs: Sequence[Call
         fix.measured_speedup = diagnosis.baseline_step_s / fix.verified_step_s
 
 
+# below this per-sample bound a larger batch does not pay for the epochs it costs (MLPerf's
+# ResNet-50 reference points: 1.19x the epochs from a global batch of 3,264 to 8,192)
 LARGE_BATCH_PAYS = 1.2
-"""Below this per-sample bound a larger batch does not pay for the epochs it costs (MLPerf's ResNet-50
-reference points: 1.19x the epochs from a global batch of 3,264 to 8,192, 1.6x to 32,768)."""
 
 
 def large_batch_bound(m: Measurements) -> float:
     """The most a larger per-device batch can speed up each sample: ``step / (input + compute)``.
 
-    A K-times larger batch takes K times a step's input and compute but still one all-reduce and
-    one optimizer step, so as K grows the time per sample falls at most to (input + compute) / B.
-    The extra epochs a larger batch needs to reach the same accuracy are not counted: the bound
-    has to exceed them for the larger batch to pay (Goyal et al. 2017; MLPerf Training).
+    The extra epochs it costs are not counted (Goyal et al. 2017; MLPerf Training); the derivation
+    is in ``docs/doctor.md``.
 
     Examples:
         >>> m = Measurements(parts=[dict(input=0.01, compute=0.09, communication=0.1, optimizer=0.0, rest=0.0)],
@@ -535,8 +448,7 @@ def large_batch_note(m: Measurements) -> str:
             f"(step over input + compute); {verdict}")
 
 
-PLAIN_DDP_TOLERANCE = 0.05
-"""Plain DDP is kept where its all-reduce is within this fraction of the best (the planner's default)."""
+PLAIN_DDP_TOLERANCE = 0.05  # plain DDP is kept within this fraction of the best all-reduce (the planner's)
 
 
 def plain_ddp_within(m: Measurements) -> bool:

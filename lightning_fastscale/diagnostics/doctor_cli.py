@@ -1,16 +1,9 @@
 """``fastscale-doctor``: why is this training job slow, and which setting fixes it (measured).
 
-Takes the same Hydra config and overrides as ``fastscale-train`` (``conf/doctor.yaml`` is
-``conf/train.yaml`` plus a ``doctor`` block) and runs under the same launchers: Lightning's own
-(``trainer.devices=N``), ``torchrun``, SLURM. It builds the job with
-`lightning_fastscale.train.build` and fits it for a few steps with
-[`DoctorProbe`][lightning_fastscale.diagnostics.doctor_probe.DoctorProbe], which measures on every rank; the verdict and the fixes come
-from [`doctor`][lightning_fastscale.diagnostics.doctor]. ``--verify`` then fits a few steps with each proposed fix and with the
-baseline, interleaved, in the same processes (the process group stays up between fits).
-
-``--verify`` and ``--json`` are sugar for the overrides ``doctor.verify=true`` and
-``doctor.json=true``: they are rewritten before Hydra parses the command line, so Lightning's
-launcher, which re-runs the command line once per extra rank, hands them on.
+Builds the job of ``fastscale-train``'s config with `lightning_fastscale.train.build` and fits it
+for a few steps with [`DoctorProbe`][lightning_fastscale.diagnostics.doctor_probe.DoctorProbe];
+``--verify`` then fits the baseline and each fix, interleaved, in the same processes. ``--verify``
+and ``--json`` are rewritten to overrides before Hydra reads the command line (``docs/doctor.md``).
 """
 from __future__ import annotations
 
@@ -28,10 +21,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_fastscale.config_check import ConfigError, check_group_names, config_names
-from lightning_fastscale.diagnostics.doctor import WINDOWS, Diagnosis, diagnosis_of, verify_fixes
-from lightning_fastscale.diagnostics.doctor_probe import DoctorProbe
+from lightning_fastscale.diagnostics.doctor import Diagnosis, Measurements, diagnosis_of, verify_fixes
+from lightning_fastscale.diagnostics.doctor_probe import DoctorProbe, measured_fit
 from lightning_fastscale.diagnostics.doctor_report import dumps, plot_report, render_report
-from lightning_fastscale.diagnostics.step_breakdown_callback import StepBreakdown
 from lightning_fastscale.train import build
 
 log = logging.getLogger(__name__)
@@ -52,10 +44,8 @@ def _key(override: str) -> str:
 def merge_overrides(base: list[str], fix: list[str], decides: Iterable[str] = ()) -> list[str]:
     """The command line's overrides with a fix's on top.
 
-    A fix's key replaces the same key of ``base``; a fix that switches a config group (e.g.
-    ``strategy=hier_ring``) to another option also drops ``base``'s settings inside that group
-    (they belong to the old option); ``decides`` names more keys of ``base`` to drop (settings
-    the fix leaves at the option's default).
+    A fix's key replaces the same key of ``base``; switching a group to another option drops
+    ``base``'s settings inside it; ``decides`` names more keys of ``base`` to drop.
 
     Examples:
         >>> merge_overrides(["strategy=ddp", "strategy.process_group_backend=gloo", "data.num_workers=0"],
@@ -67,40 +57,24 @@ def merge_overrides(base: list[str], fix: list[str], decides: Iterable[str] = ()
     """
     fix_keys = {_key(o) for o in fix} | set(decides)
     base_values = {_key(o): o.split("=", 1)[-1] for o in base}
-    switched = {k for k in fix_keys if "." not in k and any(_key(o) == k and o.split("=", 1)[-1] != base_values.get(k)
-                                                             for o in fix)}
+    switched = {_key(o) for o in fix if "." not in _key(o) and o.split("=", 1)[-1] != base_values.get(_key(o))}
     kept = [o for o in base if _key(o) not in fix_keys and _key(o).split(".")[0] not in switched]
     return kept + list(fix)
 
 
-def _for_measuring(cfg: DictConfig, warmup: int, steps: int) -> DictConfig:
-    """``cfg`` set up for a short measured fit: no validation, checkpoints, logger or progress bar."""
+def _fit(cfg: DictConfig, probe: DoctorProbe, warmup: int, steps: int, report_dir: Path, plot: bool) -> Measurements:
+    """Build the job of ``cfg`` without validation, checkpoints, logger or progress bar, and fit it with the probe."""
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
     with open_dict(cfg):
-        cfg.trainer.max_steps = warmup + steps
-        cfg.trainer.max_epochs = -1
-        cfg.trainer.limit_val_batches = 0
-        cfg.trainer.num_sanity_val_steps = 0
-        cfg.trainer.enable_checkpointing = False
-        cfg.trainer.enable_progress_bar = False
-        cfg.trainer.enable_model_summary = False
+        cfg.trainer.update(max_steps=warmup + steps, max_epochs=-1, limit_val_batches=0, num_sanity_val_steps=0,
+                           enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
         cfg.logger = None
         for name in _REPLACED:
             if cfg.get("callbacks") and name in cfg.callbacks:
                 cfg.callbacks[name] = None
-    return cfg
-
-
-def _fit(cfg: DictConfig, probe: DoctorProbe, warmup: int, steps: int, report_dir: Path, plot: bool) -> DoctorProbe:
-    """Build the job of ``cfg`` with `build` and fit it with the probe."""
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule, module, trainer = build(cfg)
-    # several windows after the warm-up: their spread tells a clear verdict from a close call
-    breakdown = StepBreakdown(every_n_steps=max(1, steps // WINDOWS), dirpath=report_dir, warmup_steps=warmup,
-                              plot=plot, print_table=False)
-    trainer.callbacks.extend([breakdown, probe])
-    trainer.fit(module, datamodule=datamodule)
-    return probe
+    return measured_fit(trainer, module, datamodule, probe, warmup, steps, report_dir, plot)
 
 
 def _compose(overrides: list[str]) -> DictConfig:
@@ -137,9 +111,7 @@ def run_doctor(cfg: DictConfig) -> Diagnosis:
     opts = cfg.doctor
     check_settings(opts)
     probe = DoctorProbe(True, opts.compute_steps, opts.loader_batches, opts.allreduce_reps, opts.get("max_workers"))
-    _fit(_for_measuring(cfg, opts.warmup_steps, opts.steps), probe, opts.warmup_steps, opts.steps, _run_dir(), True)
-    assert probe.measurements is not None
-    diagnosis = diagnosis_of(probe.measurements)
+    diagnosis = diagnosis_of(_fit(cfg, probe, opts.warmup_steps, opts.steps, _run_dir(), True))
     if opts.verify:
         _verify(cfg, diagnosis)
     return diagnosis
@@ -153,10 +125,8 @@ def _verify(cfg: DictConfig, diagnosis: Diagnosis) -> None:
     configs = [cfg] + [_compose(merge_overrides(base_overrides, f.overrides, f.decides)) for f in fixes]
 
     def step_s(run_cfg: DictConfig) -> float:
-        probe = _fit(_for_measuring(run_cfg, opts.verify_warmup_steps, opts.verify_steps), DoctorProbe(measure=False),
-                     opts.verify_warmup_steps, opts.verify_steps, _run_dir() / "verify", False)
-        assert probe.measurements is not None
-        return probe.measurements.step_s
+        return _fit(run_cfg, DoctorProbe(measure=False), opts.verify_warmup_steps, opts.verify_steps,
+                    _run_dir() / "verify", False).step_s
 
     verify_fixes(diagnosis, fixes, [functools.partial(step_s, c) for c in configs], opts.verify_rounds)
 
@@ -180,16 +150,12 @@ def _write(cfg: DictConfig, diagnosis: Diagnosis) -> None:
 
 @hydra.main(version_base="1.3", config_path="pkg://lightning_fastscale.conf", config_name="doctor")
 def _hydra_main(cfg: DictConfig) -> Any:
-    diagnosis = run_doctor(cfg)
-    if _is_global_zero():
-        _write(cfg, diagnosis)
-    return diagnosis.verdict.bottleneck
-
-
-def _is_global_zero() -> bool:
     import torch.distributed as dist
 
-    return not dist.is_initialized() or dist.get_rank() == 0
+    diagnosis = run_doctor(cfg)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        _write(cfg, diagnosis)
+    return diagnosis.verdict.bottleneck
 
 
 def main() -> None:

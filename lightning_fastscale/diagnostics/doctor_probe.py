@@ -1,23 +1,10 @@
 """The doctor's measurements, taken inside Lightning's fit by a callback so every rank takes part.
 
-Whatever launched the job (Lightning's own launcher, torchrun, SLURM), by ``on_train_start``
-every rank runs in one process group on its device. [`DoctorProbe`][lightning_fastscale.diagnostics.doctor_probe.DoctorProbe] then measures, on
-every rank at once:
-
-1. the links (the planner's calibration) and the all-reduce at the model's gradient size: the
-   flat one on the world group as DDP runs it, then each algorithm and wire dtype of the
-   hierarchical strategy;
-2. the configured datamodule's loader, images/s per rank at its worker count and at more
-   workers (all ranks of a machine load at the same time, as in training);
-3. compute alone: forward, backward and optimizer step on a device-resident batch of the
-   configured shape, on a copy of the model (no gradient synchronisation, the real weights
-   untouched); on the CPU also on one thread where the job has more (oversubscribed cores run
-   it much faster); on CUDA also with bf16 autocast and channels-last where the job has neither;
-
-and then lets the fit run its short real run, whose steps the
-[`StepBreakdown`][lightning_fastscale.diagnostics.StepBreakdown] callback splits into parts per rank. At
-the end of fit every rank holds every rank's numbers (all-gathered), so all ranks reach the same
-verdict and run the same ``--verify`` sequence.
+[`DoctorProbe`][lightning_fastscale.diagnostics.doctor_probe.DoctorProbe] measures, at the start of
+fit on every rank, the all-reduce at the gradient's size by each algorithm, the loader at more
+workers and compute alone; the short real run's steps are then split by the step breakdown, and
+every rank's numbers all-gathered. What each probe does: ``docs/doctor.md``. `diagnose` runs it
+on a user's own Trainer.
 """
 from __future__ import annotations
 
@@ -29,6 +16,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -46,7 +34,7 @@ from lightning_fastscale.lightning_internals import copy_without_trainer, transf
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DoctorProbe", "diagnose", "measure_allreduce", "measure_compute", "measure_loader"]
+__all__ = ["DoctorProbe", "diagnose", "measure_allreduce", "measure_compute", "measure_loader", "measured_fit"]
 
 
 def _sync(device: torch.device) -> None:
@@ -60,16 +48,10 @@ def measure_allreduce(
 ) -> tuple[dict[str, float], dict[str, Any] | None]:
     """Each ``"algorithm/wire"``'s seconds for one all-reduce of ``numel`` fp32 numbers, and the planner's view.
 
-    Collective. First the planner's calibration on the strategy's process groups, at the
-    gradient's size and a quarter of it, which also times plain DDP's all-reduce (``flat/fp32``:
-    ``dist.all_reduce`` on the world group with the job's backend) at the gradient's size. Then
-    the strategy's own algorithms (``strategies/allreduce.py``, hierarchical and torus only
-    with several nodes) in each wire dtype, with its default pipeline chunking. The planner's
-    view ([`compare_algorithms`][lightning_fastscale.planner.compare_algorithms] on the fitted link and
-    these measurements) has its predicted seconds per algorithm and whether plain DDP is within
-    its tolerance of the best; ``None`` where the link fit failed (timings that do not grow
-    with size, e.g. a tiny gradient), in which case plain DDP's time comes from
-    [`measure_flat_allreduce`][lightning_fastscale.planner.measure_flat_allreduce] alone.
+    Collective: the planner's calibration (which times plain DDP's ``flat/fp32``), then the
+    strategy's algorithms in each wire dtype. The view
+    ([`compare_algorithms`][lightning_fastscale.planner.compare_algorithms]) is ``None`` where the
+    link fit failed (timings that do not grow with size, e.g. a tiny gradient).
     """
     from lightning_fastscale.planner.baseline import compare_algorithms
     from lightning_fastscale.planner.calibrate import _on_cuda, _time, calibrate_process_groups, measure_flat_allreduce
@@ -140,9 +122,8 @@ def measure_compute(trainer: pl.Trainer, module: pl.LightningModule, batch: Any,
                     channels_last: bool = False, precision: str | None = None) -> float:
     """Seconds per step of forward, backward and optimizer on a copy of ``module`` on ``batch``.
 
-    The copy has no DDP around it, so nothing is communicated, and the optimizer is a new one of
-    the configured class and settings over the copy's parameters. ``precision="bf16-mixed"``
-    times that autocast instead of the configured precision.
+    The copy has no DDP (nothing is communicated) and a new optimizer of the configured class;
+    ``precision="bf16-mixed"`` times that autocast instead of the configured precision.
     """
     clone = copy_without_trainer(module)
     if channels_last:
@@ -186,21 +167,11 @@ def _cores_per_rank(trainer: pl.Trainer) -> int:
 
 
 class DoctorProbe(Callback):
-    """Measures what ``fastscale-doctor`` needs during one short fit (see the module docstring).
+    """Measures what ``fastscale-doctor`` needs during one short fit; after it `measurements` holds every rank's.
 
-    Needs a [`StepBreakdown`][lightning_fastscale.diagnostics.StepBreakdown] among the Trainer's callbacks,
-    before this one (its summary of the run's steps is read at the end of fit).
-
-    Args:
-        measure: False: only read the step breakdown (the ``--verify`` runs).
-        compute_steps: timed steps of compute alone.
-        loader_batches: timed batches per worker count.
-        allreduce_reps: timed repetitions of each all-reduce.
-        repeats: repeats of compute alone and of the loader (medians are used; compute's spread is reported).
-        max_workers: the most loader workers per rank to measure; None: the cores per rank
-            (usable cores of the machine / ranks on it).
-
-    After fit, `measurements` (on every rank) holds every rank's numbers.
+    Needs a [`StepBreakdown`][lightning_fastscale.diagnostics.StepBreakdown] before it among the
+    Trainer's callbacks. ``measure=False``: only read the step breakdown (the ``--verify`` runs);
+    ``max_workers``: None for the cores per rank; the rest are the ``doctor.*`` settings of ``docs/doctor.md``.
 
     Example::
 
@@ -242,7 +213,6 @@ class DoctorProbe(Callback):
         algorithm = getattr(trainer.strategy, "resolved_algorithm", None) or "flat"
         local["configured_allreduce"] = f"{algorithm}/{getattr(trainer.strategy, 'wire_dtype', 'fp32')}"
         batch_size = getattr(dm, "train_batch_size", None) or getattr(dm, "batch_size", None)
-        batch = None
         if dm is not None and hasattr(dm, "num_workers") and isinstance(dm.num_workers, int) and batch_size:
             configured = dm.num_workers
             cores = self.max_workers if self.max_workers is not None else _cores_per_rank(trainer)
@@ -253,8 +223,7 @@ class DoctorProbe(Callback):
         else:
             batch = next(iter(trainer.train_dataloader))
         local["batch_size"] = int(batch_size or len(batch[0]))
-        metadata = getattr(dm, "metadata", None)
-        local["stored_max_side"] = getattr(metadata, "max_side", None)
+        local["stored_max_side"] = getattr(getattr(dm, "metadata", None), "max_side", None)
         local["resolution"] = getattr(dm, "train_resolution", None)
         local["crop_ratio"] = float(getattr(dm, "crop_ratio", 0.875))
         batch = transfer_batch(pl_module, batch)
@@ -287,11 +256,10 @@ class DoctorProbe(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        summary = _breakdown_of(trainer).summary
-        if summary is None:
-            raise RuntimeError("the step breakdown timed no step: raise doctor.steps (or +trainer.limit_train_batches)")
-        parts = [dict(rank["phases"]) for rank in sorted(summary.per_rank, key=lambda r: r["rank"])]
         breakdown = _breakdown_of(trainer)
+        if breakdown.summary is None:
+            raise RuntimeError("the step breakdown timed no step: raise doctor.steps (or +trainer.limit_train_batches)")
+        parts = [dict(rank["phases"]) for rank in sorted(breakdown.summary.per_rank, key=lambda r: r["rank"])]
         self._local["window_scores"] = [dict(w.scores) for w in breakdown.windows
                                         if w.first_step is not None and w.first_step >= breakdown.warmup_steps]
         gathered = [self._local]
@@ -306,41 +274,26 @@ def _breakdown_of(trainer: pl.Trainer) -> StepBreakdown | None:
 
 
 def _combine(per_rank: list[dict[str, Any]], parts: list[dict[str, float]]) -> Measurements:
-    """One [`Measurements`][lightning_fastscale.diagnostics.doctor.Measurements] from every rank's numbers (the loader: its slowest rank)."""
+    """One `Measurements` from every rank's numbers (the loader: its slowest rank)."""
     first = per_rank[0]
     loader: dict[int, float] = {}
     for rank in per_rank:
         for w, rate in rank.get("loader_images_per_s", {}).items():
             loader[w] = min(loader.get(w, rate), rate)
-    computes = [r["compute_alone_s"] for r in per_rank if r.get("compute_alone_s") is not None]
     slowest = max((r for r in per_rank if r.get("compute_alone_s") is not None), key=lambda r: r["compute_alone_s"],
                   default={})
-    variants: dict[str, float] = {}
-    for key in first.get("compute_variants", {}):
-        variants[key] = statistics.median(r["compute_variants"][key] for r in per_rank)
-    return Measurements(
-        parts=parts,
-        batch_size=first.get("batch_size", 0),
-        hosts=[r.get("host", "") for r in per_rank],
-        grad_bytes=first.get("grad_bytes", 0),
-        allreduce_s=first.get("allreduce_s", {}),
-        planner=first.get("planner"),
-        configured_allreduce=first.get("configured_allreduce", FLAT),
-        compute_alone_s=statistics.median(computes) if computes else None,
-        loader_images_per_s=loader,
-        num_workers=first.get("num_workers", 0),
-        stored_max_side=first.get("stored_max_side"),
-        resolution=first.get("resolution"),
-        crop_ratio=first.get("crop_ratio", 0.875),
-        compute_variants=variants,
-        num_nodes=first.get("num_nodes", 1),
-        ranks_per_node=first.get("ranks_per_node", 1),
-        backend=first.get("backend", "none"),
-        compute_alone_runs_s=slowest.get("compute_alone_runs_s", []),
-        window_scores=first.get("window_scores", []),
-        threads=first.get("threads"),
-        compute_alone_one_thread_s=_median([r.get("compute_alone_one_thread_s") for r in per_rank]),
-    )
+    combined = {
+        "hosts": [r.get("host", "") for r in per_rank],
+        "loader_images_per_s": loader,
+        "compute_variants": {k: statistics.median(r["compute_variants"][k] for r in per_rank)
+                             for k in first.get("compute_variants", {})},
+        "compute_alone_s": _median([r.get("compute_alone_s") for r in per_rank]),
+        "compute_alone_runs_s": slowest.get("compute_alone_runs_s", []),
+        "compute_alone_one_thread_s": _median([r.get("compute_alone_one_thread_s") for r in per_rank]),
+    }
+    # the rest is the same on every rank: rank zero's (the dataclass's defaults where not measured)
+    shared = {k: v for k, v in first.items() if k in Measurements.__dataclass_fields__ and k not in combined}
+    return Measurements(**{"batch_size": 0, "backend": "none", **shared}, parts=parts, **combined)
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -353,22 +306,12 @@ def diagnose(trainer: pl.Trainer, model: pl.LightningModule, datamodule: pl.Ligh
              **probe_args: Any) -> Diagnosis:
     """``fastscale-doctor`` on your own module and Trainer, without Hydra: measure, name the bottleneck, propose fixes.
 
-    Fits ``model`` for ``warmup_steps + steps`` optimizer steps on ``trainer`` (no validation)
-    with a [`StepBreakdown`][lightning_fastscale.diagnostics.StepBreakdown] and a
-    [`DoctorProbe`][lightning_fastscale.diagnostics.doctor_probe.DoctorProbe] added to its callbacks,
-    under whatever launched it (the Trainer's own launcher re-runs the script on every rank, so
-    call it where you would call ``trainer.fit``). Returns, on every rank, the same
-    [`Diagnosis`][lightning_fastscale.diagnostics.doctor.Diagnosis] that ``fastscale-doctor`` writes as
-    ``doctor.json`` (``dumps(diagnosis)``). The Trainer has then been fitted: use a fresh one to train.
-
-    ``verify=True`` does what ``fastscale-doctor --verify`` does
-    ([`verify_fixes`][lightning_fastscale.diagnostics.doctor.verify_fixes]): the baseline and each fix
-    fitted for ``warmup_steps + steps`` more steps on the same Trainer, interleaved
-    ``verify_rounds`` times, filling each fix's ``measured_speedup``. A fix is applied to your
-    objects where its overrides set attributes they have (``data.num_workers=4`` sets
-    ``datamodule.num_workers``, ``model.X`` sets ``model.X``), restored after its runs; a fix that
-    changes the Trainer (``strategy=...``, ``precision=...``) is left unmeasured, with a note.
-    ``probe_args`` go to `DoctorProbe` (``compute_steps``, ``loader_batches``, ``repeats``, ...).
+    Fits ``warmup_steps + steps`` steps (no validation; call it where you would call
+    ``trainer.fit``) and returns, on every rank, the
+    [`Diagnosis`][lightning_fastscale.diagnostics.doctor.Diagnosis] ``fastscale-doctor`` writes. Use a
+    fresh Trainer to train. ``verify=True`` also fits the baseline and each fix that sets attributes
+    of ``model`` / ``datamodule``, interleaved ``verify_rounds`` times (``docs/doctor.md``);
+    ``probe_args`` go to `DoctorProbe`.
 
     Example:
         >>> from lightning_fastscale import diagnose
@@ -382,7 +325,7 @@ def diagnose(trainer: pl.Trainer, model: pl.LightningModule, datamodule: pl.Ligh
     trainer.limit_val_batches = 0
     trainer.num_sanity_val_steps = 0
     trainer.fit_loop.max_epochs = -1
-    diagnosis = diagnosis_of(_measured_fit(trainer, model, datamodule, DoctorProbe(**probe_args), warmup_steps, steps))
+    diagnosis = diagnosis_of(measured_fit(trainer, model, datamodule, DoctorProbe(**probe_args), warmup_steps, steps))
     if verify:
         targets = {"model": model, "data": datamodule}
         candidates = [(f, _attributes(f.overrides, targets)) for f in diagnosis.fixes if f.overrides]
@@ -393,7 +336,7 @@ def diagnose(trainer: pl.Trainer, model: pl.LightningModule, datamodule: pl.Ligh
         def step_s(setting: dict[tuple[str, str], Any]) -> float:
             saved = _set(setting, targets)
             try:
-                return _measured_fit(trainer, model, datamodule, DoctorProbe(measure=False), warmup_steps, steps).step_s
+                return measured_fit(trainer, model, datamodule, DoctorProbe(measure=False), warmup_steps, steps).step_s
             finally:
                 _set(saved, targets)
 
@@ -402,11 +345,13 @@ def diagnose(trainer: pl.Trainer, model: pl.LightningModule, datamodule: pl.Ligh
     return diagnosis
 
 
-def _measured_fit(trainer: pl.Trainer, model: pl.LightningModule, datamodule: pl.LightningDataModule | None,
-                  probe: DoctorProbe, warmup_steps: int, steps: int) -> Measurements:
-    """Fit ``warmup_steps + steps`` more steps with a step breakdown and ``probe`` among the callbacks (only then)."""
-    added = [StepBreakdown(every_n_steps=max(1, steps // WINDOWS), warmup_steps=warmup_steps, plot=False,
-                           print_table=False), probe]
+def measured_fit(trainer: pl.Trainer, model: pl.LightningModule, datamodule: pl.LightningDataModule | None,
+                 probe: DoctorProbe, warmup_steps: int, steps: int, dirpath: Path | None = None,
+                 plot: bool = False) -> Measurements:
+    """Fit ``warmup_steps + steps`` more steps with a step breakdown and ``probe`` added for the fit."""
+    # several windows after the warm-up: their spread tells a clear verdict from a close call
+    added = [StepBreakdown(every_n_steps=max(1, steps // WINDOWS), dirpath=dirpath, warmup_steps=warmup_steps,
+                           plot=plot, print_table=False), probe]
     trainer.callbacks.extend(added)
     trainer.fit_loop.epoch_loop.max_steps = trainer.global_step + warmup_steps + steps
     try:

@@ -1,26 +1,9 @@
-"""Step breakdown: where the time of an optimizer step goes, across ranks, and what bounds it.
+"""Step breakdown's pure core (no Lightning, no process group): part totals to a summary and a verdict.
 
-Pure core, no Lightning and no process group: given the seconds each rank spent per optimizer
-step in each part of the step, [`summarize`][lightning_fastscale.diagnostics.step_breakdown.summarize] returns a [`BreakdownSummary`][lightning_fastscale.diagnostics.step_breakdown.BreakdownSummary] (plain,
-JSON-serialisable data) with the median over ranks, the slowest rank, the straggler share and
-a verdict naming the bottleneck. [`breakdown_table`][lightning_fastscale.diagnostics.step_breakdown.breakdown_table] renders it as a Markdown table and
-[`plot_breakdown`][lightning_fastscale.diagnostics.step_breakdown.plot_breakdown] draws stacked bars of a run's windows. The timing itself lives in
-[`lightning_fastscale.diagnostics.step_timer`][lightning_fastscale.diagnostics.step_timer], the Lightning callback in
-`lightning_fastscale.diagnostics.step_breakdown_callback`.
-
-Parts of a step (`PHASES`):
-
-- ``input``: waiting for the next batch (loader fetch) and moving it to the device;
-- ``compute``: forward and backward until the last gradient is ready;
-- ``communication``: from the last gradient to the end of backward, i.e. the gradient
-  all-reduce that computation did not hide (DDP's reducer waiting on the buckets' futures);
-- ``optimizer``: gradient clipping and the optimizer step;
-- ``rest``: everything else (other callbacks, logging, Python between the hooks).
-
-Verdicts (`VERDICTS`): ``input``, ``compute`` (forward, backward and optimizer),
-``communication`` (exposed all-reduce not caused by a slow rank) and ``straggler`` (one
-rank's own work, i.e. its step minus its exposed communication, exceeds the median of the
-others; the others then wait for it inside their all-reduce).
+[`summarize`][lightning_fastscale.diagnostics.step_breakdown.summarize] turns each rank's seconds
+in the parts of a step (`PHASES`) into the median over ranks, the slowest rank, the straggler
+share and the bottleneck (`VERDICTS`); `breakdown_table`, `plot_breakdown` and `write_report`
+render it. What each part and verdict means: ``docs/step_breakdown.md``.
 
 Example:
     >>> ranks = [RankTotals(0, steps=10, seconds={"input": 0.5, "compute": 2.0, "communication": 0.3}),
@@ -42,18 +25,14 @@ from typing import Any
 PHASES: tuple[str, ...] = ("input", "compute", "communication", "optimizer", "rest")
 VERDICTS: tuple[str, ...] = ("input", "compute", "communication", "straggler")
 
+# one colour per part in every plot (the step breakdown's and the doctor's)
 PHASE_COLORS: dict[str, str] = {"input": "#d62728", "compute": "#1f77b4", "communication": "#ff7f0e",
                                 "optimizer": "#2ca02c", "rest": "#7f7f7f"}
-"""One colour per part in every plot (the step breakdown's and the doctor's)."""
 
 
 @dataclass
 class RankTotals:
-    """Seconds one rank spent in each part over ``steps`` optimizer steps (sums, not means).
-
-    ``samples`` / ``images``: samples and images this rank processed in those steps
-    (``images=None`` where batches hold no images).
-    """
+    """Seconds one rank spent in each part over ``steps`` optimizer steps (sums), with its samples and images."""
 
     rank: int
     steps: int
@@ -70,18 +49,12 @@ class RankTotals:
 
     def add(self, seconds: dict[str, float], samples: float, images: float | None, step: int) -> None:
         """Fold one optimizer step in (``images=None``: its batches held no images, so neither do the totals)."""
-        for p in PHASES:
-            self.seconds[p] += seconds.get(p, 0.0)
-        self.images = None if images is None or (self.steps and self.images is None) else (self.images or 0.0) + images
-        self.steps += 1
-        self.samples += samples
-        self.first_step = step if self.first_step is None else min(self.first_step, step)
-        self.last_step = step if self.last_step is None else max(self.last_step, step)
+        self.merge(RankTotals(self.rank, 1, seconds, samples, images, step, step))
 
     def merge(self, other: RankTotals) -> None:
         """Fold ``other`` (the same rank, later steps) in."""
         for p in PHASES:
-            self.seconds[p] += other.seconds[p]
+            self.seconds[p] += other.seconds.get(p, 0.0)
         if other.steps:
             self.images = None if other.images is None or (self.steps and self.images is None) else \
                 (self.images or 0.0) + other.images
@@ -119,15 +92,10 @@ class RankTotals:
 class BreakdownSummary:
     """The breakdown of ``steps`` optimizer steps on ``world_size`` ranks (plain data).
 
-    Fields: ``step_s`` (median over ranks of the mean step time), ``phases`` (median over ranks
-    of the mean seconds per step of each part), ``shares`` (``phases`` / ``step_s``),
-    ``per_rank`` (each rank's ``step_s``, ``busy_s`` = step minus exposed communication, and
-    ``phases``), ``slowest_rank`` (largest ``busy_s``), ``straggler_s`` (its ``busy_s`` minus
-    the median of the others'), ``straggler_share`` (``straggler_s / step_s``),
-    ``straggler_phase`` (the part in which the slowest rank exceeds the others most),
-    ``scores`` (seconds per step charged to each verdict), ``bottleneck`` (the verdict with the
-    largest score), ``samples_per_s`` / ``images_per_s`` (all ranks together; ``None`` when
-    unknown), ``first_step`` / ``last_step`` (global step numbers covered, when known).
+    Seconds are per step, medians over ranks; ``busy_s`` is a rank's step minus its exposed
+    communication, the slowest rank has the largest, ``straggler_s`` is its excess over the
+    others' median; ``scores`` are the seconds charged to each verdict. Every field is
+    described in ``docs/step_breakdown.md``.
     """
 
     steps: int
@@ -157,16 +125,11 @@ def _median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else 0.0
 
 
-def summarize(
-    ranks: Sequence[RankTotals], first_step: int | None = None, last_step: int | None = None
-) -> BreakdownSummary:
+def summarize(ranks: Sequence[RankTotals], first_step: int | None = None, last_step: int | None = None) -> BreakdownSummary:
     """Median, slowest rank, straggler share and verdict of per-rank part totals.
 
-    The scores the verdict compares, in seconds per step: ``input`` and ``compute``
-    (compute + optimizer) are medians over the ranks other than the slowest one (over all
-    ranks on one rank), ``straggler`` is ``straggler_s``, and ``communication`` is the median
-    exposed communication of the other ranks minus ``straggler_s`` (the part of their wait
-    that is waiting for the slowest rank, not for the network).
+    The scores are medians over the ranks other than the slowest; ``communication`` less the
+    straggler's excess, which the others spend waiting for it, not for the network.
     """
     if not ranks:
         raise ValueError("summarize() needs the totals of at least one rank")
@@ -227,13 +190,9 @@ def summarize(
     )
 
 
-def summarize_steps(
-    per_rank_steps: Sequence[Sequence[Mapping[str, float]]],
-    samples_per_step: Sequence[float] | None = None,
-) -> BreakdownSummary:
-    """[`summarize`][lightning_fastscale.diagnostics.step_breakdown.summarize] from per-step times: ``per_rank_steps[rank][i][part]`` in seconds.
-
-    ``samples_per_step[rank]``: samples of one step on that rank (for ``samples_per_s``).
+def summarize_steps(per_rank_steps: Sequence[Sequence[Mapping[str, float]]],
+                    samples_per_step: Sequence[float] | None = None) -> BreakdownSummary:
+    """`summarize` from per-step seconds ``per_rank_steps[rank][i][part]`` (``samples_per_step[rank]``: per step).
 
     Example:
         >>> steps = [[{"input": 0.01, "compute": 0.1}] * 4, [{"input": 0.01, "compute": 0.3}] * 4]
@@ -284,11 +243,7 @@ def breakdown_table(summary: BreakdownSummary | Mapping[str, Any]) -> str:
 
 
 def breakdown_report(total: BreakdownSummary, windows: Sequence[BreakdownSummary], **extra: Any) -> dict[str, Any]:
-    """The JSON document written to ``step_breakdown.json``: ``summary``, ``windows`` and ``extra`` keys.
-
-    ``summary`` is ``total.to_dict()`` (its ``bottleneck``, ``phases``, ``step_s``, ... are what
-    a tool reading the file wants); ``windows`` the per-window summaries in step order.
-    """
+    """The JSON document written to ``step_breakdown.json``: ``summary``, ``windows`` (in step order) and ``extra``."""
     return {"phases": list(PHASES), "verdicts": list(VERDICTS), "summary": total.to_dict(),
             "windows": [w.to_dict() for w in windows], **extra}
 
@@ -305,6 +260,16 @@ def _merge_windows(windows: Sequence[BreakdownSummary], max_bars: int) -> list[t
         label = f"{first}-{last}" if first is not None else str(i)
         bars.append((label, phases))
     return bars
+
+
+def free_stem(directory: Path, stem: str, exts: Sequence[str]) -> str:
+    """``stem``, or ``stem-1``, ``stem-2``, ... : the first with no file of ``exts`` in ``directory`` (created)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    base, n = stem, 0
+    while any((directory / f"{base}.{ext}").exists() for ext in exts):
+        n += 1
+        base = f"{stem}-{n}"
+    return base
 
 
 def plot_breakdown(windows: Sequence[BreakdownSummary], path: str | Path, max_bars: int = 40) -> Path:
@@ -337,21 +302,14 @@ def plot_breakdown(windows: Sequence[BreakdownSummary], path: str | Path, max_ba
     return path
 
 
-def write_report(
-    directory: str | Path, total: BreakdownSummary, windows: Sequence[BreakdownSummary],
-    stem: str = "step_breakdown", plot: bool = True, **extra: Any,
-) -> dict[str, Path]:
-    """Write ``<stem>.json``, ``<stem>.md`` and (``plot``) ``<stem>.png`` into ``directory``.
+def write_report(directory: str | Path, total: BreakdownSummary, windows: Sequence[BreakdownSummary],
+                 stem: str = "step_breakdown", plot: bool = True, **extra: Any) -> dict[str, Path]:
+    """Write ``<stem>.json``, ``<stem>.md`` and (``plot``) ``<stem>.png`` into ``directory``, by kind.
 
-    Existing files are never overwritten: the stem gets ``-1``, ``-2``, ... instead. Returns the
-    paths written by kind (``json``, ``md``, ``png``).
+    Existing files are never overwritten: the stem gets ``-1``, ``-2``, ... instead.
     """
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    base, n = stem, 0
-    while any((directory / f"{base}.{ext}").exists() for ext in ("json", "md", "png")):
-        n += 1
-        base = f"{stem}-{n}"
+    base = free_stem(directory, stem, ("json", "md", "png"))
     paths = {"json": directory / f"{base}.json", "md": directory / f"{base}.md"}
     paths["json"].write_text(json.dumps(breakdown_report(total, windows, **extra), indent=2) + "\n")
     md = ["# Step breakdown", "", breakdown_table(total), ""]

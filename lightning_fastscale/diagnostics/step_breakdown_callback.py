@@ -1,10 +1,7 @@
-"""``StepBreakdown`` (Lightning callback) and ``FabricStepBreakdown``: the step breakdown in a run.
-
-Thin adapters over [`StepTimer`][lightning_fastscale.diagnostics.step_timer.StepTimer] (the marks)
-and [`summarize`][lightning_fastscale.diagnostics.step_breakdown.summarize] (the verdict). Every N
-optimizer steps each rank sends its sums over the window (a few floats) in one all-gather;
-rank zero logs the median over ranks, the slowest rank and the verdict, and at the end of fit
-prints a table and writes ``step_breakdown.json`` / ``.md`` / ``.png`` into the run folder.
+"""``StepBreakdown`` (Lightning callback) and ``FabricStepBreakdown``: thin adapters over
+[`StepTimer`][lightning_fastscale.diagnostics.step_timer.StepTimer] (the marks) and
+[`summarize`][lightning_fastscale.diagnostics.step_breakdown.summarize] (the verdict): every N steps
+the ranks all-gather their window sums, rank zero logs them and at the end writes the report.
 """
 from __future__ import annotations
 
@@ -54,7 +51,7 @@ def samples_in_batch(batch: Any) -> int | None:
 
 
 class _Windows:
-    """One rank's sums over the current window and over the run after the warm-up, gathered across ranks on `flush`."""
+    """One rank's sums over the window and over the run after the warm-up, gathered across ranks on `flush`."""
 
     def __init__(self, warmup_steps: int) -> None:
         self.warmup_steps = warmup_steps
@@ -63,15 +60,15 @@ class _Windows:
         self.windows: list[BreakdownSummary] = []
         self.totals: list[RankTotals] | None = None  # per rank, summed over flushes
 
-    def add(self, steps: list[StepTimes]) -> None:
+    def flush(self, steps: list[StepTimes], device: torch.device,
+              fallback: Callable[[torch.Tensor], torch.Tensor]) -> BreakdownSummary | None:
+        """Collective: add ``steps``, gather the window, append its summary, fold it into the run totals."""
         for s in steps:
             self.seen += 1
             for totals in (self.window, self.run) if self.seen > self.warmup_steps else (self.window,):
                 totals.add(s.seconds, s.samples, s.images, s.step)
-
-    def flush(self, gather: Callable[[torch.Tensor], torch.Tensor]) -> BreakdownSummary | None:
-        """Collective: gather the window, append its summary, fold it into the run totals."""
-        gathered = gather(torch.tensor([self.window.to_row(), self.run.to_row()], dtype=torch.float64))
+        gathered = _all_gather(torch.tensor([self.window.to_row(), self.run.to_row()], dtype=torch.float64), device,
+                               fallback)
         if gathered.dim() == 2:  # one process: the strategy returns the tensor unchanged
             gathered = gathered.unsqueeze(0)
         rows = gathered.to("cpu", torch.float64).tolist()
@@ -112,10 +109,9 @@ def _span(ranks: list[RankTotals]) -> tuple[int | None, int | None]:
 
 
 def _all_gather(t: torch.Tensor, device: torch.device, fallback: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``(world, *t.shape)`` from every rank of the default group; ``fallback`` without a group.
+    """``(world, *t.shape)`` from every rank, on ``device`` for NCCL; ``fallback`` without a process group.
 
-    A plain ``all_gather`` (no autograd, which the strategies' ``all_gather`` adds), on the
-    module's device so that NCCL can carry it.
+    A plain ``all_gather``: the strategies' own adds autograd.
     """
     import torch.distributed as dist
 
@@ -128,24 +124,17 @@ def _all_gather(t: torch.Tensor, device: torch.device, fallback: Callable[[torch
 
 
 def _metrics(summary: BreakdownSummary, prefix: str) -> dict[str, float]:
-    metrics = {f"{prefix}step_s": summary.step_s, f"{prefix}straggler_share": summary.straggler_share,
-               f"{prefix}slowest_rank": float(summary.slowest_rank)}
-    metrics.update({f"{prefix}{p}_s": summary.phases[p] for p in PHASES})
-    if summary.samples_per_s is not None:
-        metrics[f"{prefix}samples_per_s"] = summary.samples_per_s
-    if summary.images_per_s is not None:
-        metrics[f"{prefix}images_per_s"] = summary.images_per_s
-    return metrics
+    metrics = {"step_s": summary.step_s, "straggler_share": summary.straggler_share,
+               "slowest_rank": float(summary.slowest_rank), **{f"{p}_s": summary.phases[p] for p in PHASES},
+               "samples_per_s": summary.samples_per_s, "images_per_s": summary.images_per_s}
+    return {prefix + k: v for k, v in metrics.items() if v is not None}
 
 
 class InputTimingProfiler(Profiler):
     """A Lightning profiler that times the training loop's batch fetch and transfer, around another profiler.
 
-    Every action is passed on to ``inner`` (Lightning's ``PassThroughProfiler`` by default), so
-    a configured profiler keeps working; the seconds of each fetch (``train_dataloader_next``)
-    and transfer (``batch_to_device`` and the batch-transfer hooks) go to ``on_input``.
-    `StepBreakdown` sets ``on_input``; pass one as ``pl.Trainer(profiler=InputTimingProfiler(...))``
-    to choose the inner profiler yourself.
+    Every action goes on to ``inner`` (default ``PassThroughProfiler``); the seconds of each
+    fetch and transfer go to ``on_input``, which `StepBreakdown` sets.
 
     Example:
         >>> seen = []
@@ -199,30 +188,12 @@ class InputTimingProfiler(Profiler):
 class StepBreakdown(pl.Callback):
     """Per optimizer step and rank: input, compute, exposed communication, optimizer and the rest.
 
-    Works on any ``LightningModule`` with automatic optimization, on any strategy. Every
-    ``every_n_steps`` optimizer steps (default: the Trainer's ``log_every_n_steps``) the ranks
-    all-gather their sums over the window; rank zero logs ``breakdown/<part>_s`` (median seconds
-    per step over ranks), ``breakdown/step_s``, ``breakdown/straggler_share``,
-    ``breakdown/slowest_rank``, ``breakdown/samples_per_s`` and ``breakdown/images_per_s`` (from
-    each batch's real size, so a growing batch is counted right) to every logger. At the end of
-    fit it prints the table and writes ``step_breakdown.json`` / ``.md`` / ``.png`` into
-    ``dirpath`` (default: the Trainer's ``log_dir``). The first ``warmup_steps`` steps (DDP's
-    bucket rebuild, loader start-up) appear in the windows but not in the final summary.
-
-    What is timed: the loader fetch and ``batch_to_device`` (with the batch-transfer hooks)
-    through the Trainer's profiler actions (an [`InputTimingProfiler`][lightning_fastscale.diagnostics.step_breakdown_callback.InputTimingProfiler]:
-    the Trainer's own if it is one, else one around the Trainer's profiler for the fit), the step's boundaries through the callback hooks,
-    and the last gradient through a post-accumulate-grad hook on every parameter (see
-    [`step_timer`][lightning_fastscale.diagnostics.step_timer]). On CUDA the parts come from CUDA events
-    read at each window, so no step is synchronised.
-
-    Args:
-        every_n_steps: optimizer steps per window (one all-gather and one log per window).
-        dirpath: folder for the report files; ``None``: ``trainer.log_dir``.
-        batch_size_fn: samples in a batch (default: Lightning's ``extract_batch_size``).
-        images_fn: images in a batch (default: leading size of the first 4-D tensor).
-        warmup_steps: first optimizer steps left out of the final summary.
-        plot: write the PNG; print_table: print the table on rank zero at the end of fit.
+    Every ``every_n_steps`` optimizer steps (default: the Trainer's ``log_every_n_steps``) rank
+    zero logs ``breakdown/*`` (medians over ranks) to every logger; at the end of fit it prints
+    the table and writes ``step_breakdown.json`` / ``.md`` / ``.png`` into ``dirpath`` (default
+    ``trainer.log_dir``). The first ``warmup_steps`` are left out of the final summary. Input is
+    timed through an [`InputTimingProfiler`][lightning_fastscale.diagnostics.step_breakdown_callback.InputTimingProfiler]
+    (the Trainer's own, or one around its profiler during fit). How: ``docs/step_breakdown.md``.
 
     Example:
         >>> import lightning.pytorch as pl
@@ -232,17 +203,10 @@ class StepBreakdown(pl.Callback):
         'input'
     """
 
-    def __init__(
-        self,
-        every_n_steps: int | None = None,
-        dirpath: str | Path | None = None,
-        batch_size_fn: Callable[[Any], int | None] | None = None,
-        images_fn: Callable[[Any], int | None] | None = None,
-        warmup_steps: int = 1,
-        plot: bool = True,
-        print_table: bool = True,
-        log_prefix: str = "breakdown/",
-    ) -> None:
+    def __init__(self, every_n_steps: int | None = None, dirpath: str | Path | None = None,
+                 batch_size_fn: Callable[[Any], int | None] | None = None,
+                 images_fn: Callable[[Any], int | None] | None = None, warmup_steps: int = 1, plot: bool = True,
+                 print_table: bool = True, log_prefix: str = "breakdown/") -> None:
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"StepBreakdown(every_n_steps={every_n_steps}): must be at least 1 (or None "
                              "for the Trainer's log_every_n_steps)")
@@ -268,16 +232,6 @@ class StepBreakdown(pl.Callback):
         self._images: float | None = None
         self._report_dir = Path(".")
 
-    # -- input timing through a profiler around the Trainer's own ---------------------------------
-    def _time_input(self, trainer: pl.Trainer) -> None:
-        profiler = trainer.profiler
-        if not isinstance(profiler, InputTimingProfiler):
-            profiler = InputTimingProfiler(trainer.profiler)
-            self._replaced_profiler = trainer.profiler
-            trainer.profiler = profiler  # the loop reads trainer.profiler at every action
-        profiler.on_input = self.timer.add_input if self.timer is not None else None
-        self._profiler = profiler
-
     def _untime_input(self, trainer: pl.Trainer) -> None:
         if self._profiler is not None:
             self._profiler.on_input = None
@@ -286,7 +240,6 @@ class StepBreakdown(pl.Callback):
             trainer.profiler = self._replaced_profiler
             self._replaced_profiler = None
 
-    # -- Lightning hooks ----------------------------------------------------------------------
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not pl_module.automatic_optimization:
@@ -294,7 +247,13 @@ class StepBreakdown(pl.Callback):
         self.timer = StepTimer(pl_module.device)
         self.timer.attach(pl_module.parameters())
         self._agg = _Windows(self.warmup_steps)
-        self._time_input(trainer)
+        profiler = trainer.profiler
+        if not isinstance(profiler, InputTimingProfiler):
+            profiler = InputTimingProfiler(trainer.profiler)
+            self._replaced_profiler = trainer.profiler
+            trainer.profiler = profiler  # the loop reads trainer.profiler at every action
+        profiler.on_input = self.timer.add_input
+        self._profiler = profiler
         # on every rank: ``trainer.log_dir`` broadcasts, so rank zero alone at the end would hang
         self._report_dir = Path(self.dirpath if self.dirpath is not None else trainer.log_dir or trainer.default_root_dir)
 
@@ -353,8 +312,7 @@ class StepBreakdown(pl.Callback):
 
     def _flush(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> BreakdownSummary | None:
         assert self.timer is not None and self._agg is not None
-        self._agg.add(self.timer.drain(block=True))
-        summary = self._agg.flush(lambda t: _all_gather(t, pl_module.device, trainer.strategy.all_gather))
+        summary = self._agg.flush(self.timer.drain(block=True), pl_module.device, trainer.strategy.all_gather)
         self.windows = self._agg.windows
         if summary is not None and trainer.is_global_zero:
             for logger in trainer.loggers:
@@ -387,15 +345,11 @@ class StepBreakdown(pl.Callback):
 
 
 class FabricStepBreakdown:
-    """The step breakdown in a Lightning Fabric loop: mark the parts with [`phase`][lightning_fastscale.diagnostics.FabricStepBreakdown.phase].
+    """The step breakdown in a Lightning Fabric loop: mark the parts with `phase`, then `step_end`.
 
-    ``phase("input")`` around fetching (and moving) the batch, ``phase("compute")`` around
-    forward and ``fabric.backward`` (the exposed communication inside backward is split off by
-    the gradient hooks), ``phase("optimizer")`` around ``optimizer.step()`` and ``zero_grad``;
-    [`step_end`][lightning_fastscale.diagnostics.FabricStepBreakdown.step_end] after each optimizer step. Every ``every_n_steps`` steps the ranks
-    all-gather their window sums (collective: every rank must call [`step_end`][lightning_fastscale.diagnostics.FabricStepBreakdown.step_end] equally
-    often) and ``fabric.log_dict`` receives the ``breakdown/*`` metrics. [`finish`][lightning_fastscale.diagnostics.FabricStepBreakdown.finish]
-    (collective) returns the [`BreakdownSummary`][lightning_fastscale.diagnostics.step_breakdown.BreakdownSummary]; [`save`][lightning_fastscale.diagnostics.FabricStepBreakdown.save] writes the report.
+    `step_end` after each optimizer step (collective every ``every_n_steps``: the ranks gather
+    and ``fabric.log_dict`` gets ``breakdown/*``); `finish` (collective) returns the summary,
+    `save` writes the report.
 
     Example:
         >>> bd = FabricStepBreakdown(fabric, model, every_n_steps=20)  # doctest: +SKIP
@@ -452,8 +406,7 @@ class FabricStepBreakdown:
         return None
 
     def _flush(self) -> BreakdownSummary | None:
-        self._agg.add(self.timer.drain(block=True))
-        summary = self._agg.flush(lambda t: _all_gather(t, self.fabric.device, self.fabric.all_gather))
+        summary = self._agg.flush(self.timer.drain(block=True), self.fabric.device, self.fabric.all_gather)
         if summary is not None and self.log:
             self.fabric.log_dict(_metrics(summary, self.log_prefix), step=summary.last_step)
         return summary
@@ -471,7 +424,7 @@ class FabricStepBreakdown:
         return self.summary
 
     def save(self, dirpath: str | Path, plot: bool = True) -> dict[str, Path]:
-        """On rank zero write ``step_breakdown.json`` / ``.md`` / ``.png`` (after [`finish`][lightning_fastscale.diagnostics.FabricStepBreakdown.finish])."""
+        """On rank zero write ``step_breakdown.json`` / ``.md`` / ``.png`` (after `finish`)."""
         if self.summary is None:
             raise RuntimeError("FabricStepBreakdown.save(): call finish() first (on every rank)")
         if not self.fabric.is_global_zero:

@@ -1,29 +1,9 @@
 """Per-rank timing of optimizer steps, split into the parts of `PHASES`.
 
-[`StepTimer`][lightning_fastscale.diagnostics.step_timer.StepTimer] takes time stamps ("marks") at the boundaries of a step and turns each
-finished step into seconds per part. It is shared by the Lightning callback and the Fabric
-API; neither forces a device synchronisation per step.
-
-Marks, in step order (any may be missing): the step's origin (end of the previous step),
-``batch_start`` (the batch is on the device), ``before_backward``, ``last_grad`` (taken by a
-post-accumulate-grad hook on every parameter: the time the last gradient was accumulated),
-``after_backward`` (``loss.backward()`` returned), ``before_optimizer`` and ``end``.
-
-Why a gradient hook for the exposed communication: DDP launches each bucket's all-reduce from
-autograd hooks while backward runs and waits for all of them in the autograd engine's final
-callback, inside ``loss.backward()``. ``after_backward`` therefore comes after the wait, and
-the time from the last accumulated gradient to it is the all-reduce that backward did not
-hide (plus the launch of the last bucket). A parameter's post-accumulate-grad hook runs before
-DDP's own hook on the same gradient accumulator, so the last bucket's communication is never
-counted as compute.
-
-On CUDA each mark also records a CUDA event on the current stream, and the parts of a step
-are the event intervals (the GPU's timeline); the events are read only when `drain`
-is called (every N steps), never per step. The ``input`` part is then the GPU's gap between
-the previous step and this batch, capped by the host time spent fetching and copying it. Only
-one gradient hook records an event: the parameter whose gradient came last in the previous
-step (gradient order is the same from step to step); without that event backward counts as
-compute.
+[`StepTimer`][lightning_fastscale.diagnostics.step_timer.StepTimer] takes time stamps ("marks")
+at a step's boundaries and a post-accumulate-grad hook marks the last gradient, so the time
+from it to the end of backward is the exposed all-reduce; on CUDA the parts are CUDA event
+intervals read every N steps, never per step. Why and how: ``docs/step_breakdown.md``.
 """
 from __future__ import annotations
 
@@ -58,8 +38,6 @@ class StepTimes:
 @dataclass
 class _Pending:
     step: int
-    origin_t: float
-    times: dict[str, float]
     events: dict[str, Any]
     origin_event: Any
     input_s: float
@@ -94,12 +72,9 @@ def _split(times: dict[str, float], origin: float, input_s: float, out: dict[str
 class StepTimer:
     """Marks step boundaries on one rank and yields [`StepTimes`][lightning_fastscale.diagnostics.step_timer.StepTimes] per optimizer step.
 
-    Use: [`attach`][lightning_fastscale.diagnostics.step_timer.StepTimer.attach] the model's parameters once; per step call [`mark`][lightning_fastscale.diagnostics.step_timer.StepTimer.mark] at each
-    boundary (`MARKS`), [`add_input`][lightning_fastscale.diagnostics.step_timer.StepTimer.add_input] with host seconds spent fetching / copying the
-    batch, and [`end_batch`][lightning_fastscale.diagnostics.step_timer.StepTimer.end_batch] after each batch (``optimizer_stepped=False`` for
-    gradient-accumulation batches, which join the next step); [`reset_origin`][lightning_fastscale.diagnostics.step_timer.StepTimer.reset_origin] after
-    anything that is not training (validation, an epoch boundary). [`drain`][lightning_fastscale.diagnostics.step_timer.StepTimer.drain] returns the
-    finished steps (on CUDA, those whose events completed; ``block=True`` waits for all).
+    `attach` the parameters once; per step `mark` each boundary (`MARKS`), `add_input` the host's
+    fetch / copy seconds and `end_batch`; `reset_origin` after anything that is not training.
+    `drain` returns the finished steps.
 
     Example:
         >>> timer = StepTimer(torch.device("cpu"))
@@ -118,7 +93,7 @@ class StepTimer:
         self._handles: list[Any] = []
         self._pending: list[_Pending] = []
         self._done: list[StepTimes] = []
-        self._steps = 0
+        self.steps = 0  # optimizer steps finished so far
         self._last_param: nn.Parameter | None = None
         self._grad_t = 0.0
         self._grad_index = -1
@@ -127,12 +102,6 @@ class StepTimer:
         self._params: list[nn.Parameter] = []
         self.reset_origin()
 
-    @property
-    def steps(self) -> int:
-        """Optimizer steps finished so far."""
-        return self._steps
-
-    # -- set-up -------------------------------------------------------------------------------
     def attach(self, parameters: Iterable[nn.Parameter]) -> None:
         """Put a post-accumulate-grad hook on every parameter that requires a gradient."""
         self.detach()
@@ -142,15 +111,6 @@ class StepTimer:
         for index, p in enumerate(params):
             self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(index)))
         self._params = params
-
-    def _keep_one_hook(self, index: int) -> None:
-        """Keep only the hook of the parameter whose gradient came last (the order repeats every step).
-
-        A Python hook on every parameter costs each backward one call per parameter from
-        autograd; the mark needs only the last one.
-        """
-        self.detach()
-        self._handles.append(self._params[index].register_post_accumulate_grad_hook(self._grad_hook(index)))
 
     def detach(self) -> None:
         """Remove the gradient hooks."""
@@ -166,7 +126,6 @@ class StepTimer:
                 self._grad_event = self._event()
         return hook
 
-    # -- marks --------------------------------------------------------------------------------
     def _event(self) -> Any:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
@@ -203,20 +162,15 @@ class StepTimer:
 
     def end_batch(self, samples: float = 0.0, images: float | None = None, optimizer_stepped: bool = True,
                   step: int | None = None) -> None:
-        """Close the current batch; the step finishes with the batch whose optimizer stepped.
-
-        ``step``: the step's number to report (e.g. the Trainer's global step); default: the
-        count of steps this timer finished before it.
-        """
+        """Close the batch; the step ends with the batch whose optimizer stepped (``step``: its number to report)."""
         if "end" not in self._times:
             self.mark("end")
         batch = {"origin": self._origin_t, "input_s": self._input_s, **self._times}
         if self._open is None:
-            self._open = _Pending(self._steps, self._origin_t, {}, {}, self._origin_event, 0.0, 0.0, None)
+            self._open = _Pending(self.steps, {}, self._origin_event, 0.0, 0.0, None)
         pending = self._open
         pending.batches.append(batch)
         pending.events = dict(self._events)  # CUDA: the step's GPU interval is origin -> last end
-        pending.times = dict(self._times)
         pending.input_s += self._input_s
         pending.samples += samples
         if images is not None:
@@ -224,33 +178,32 @@ class StepTimer:
         end_t, end_event = self._times["end"], self._events.get("end")
         if self._grad_index >= 0 and self._params:
             self._last_param = self._params[self._grad_index]  # the last gradient of this step
-            if optimizer_stepped and len(self._handles) > 1:
-                self._keep_one_hook(self._grad_index)
+            if optimizer_stepped and len(self._handles) > 1:  # keep one hook: one per parameter costs every backward
+                self.detach()
+                hook = self._grad_hook(self._grad_index)
+                self._handles.append(self._last_param.register_post_accumulate_grad_hook(hook))
         self._start(end_t, end_event)  # the next batch starts where this one ended
         if optimizer_stepped:
             if step is not None:
                 pending.step = step
             self._pending.append(pending)
             self._open = None
-            self._steps += 1
+            self.steps += 1
 
-    # -- results ------------------------------------------------------------------------------
     def _finish(self, p: _Pending) -> StepTimes:
         seconds = dict.fromkeys(PHASES, 0.0)
         for batch in p.batches:
             times = {k: v for k, v in batch.items() if k in MARKS}
             _split(times, batch["origin"], batch["input_s"], seconds)
         if self.cuda and len(p.batches) == 1 and p.origin_event is not None:
-            seconds = self._gpu_seconds(p, seconds)
+            seconds = self._gpu_seconds(p)
         return StepTimes(p.step, seconds, p.samples, p.images)
 
-    def _gpu_seconds(self, p: _Pending, host: dict[str, float]) -> dict[str, float]:
+    def _gpu_seconds(self, p: _Pending) -> dict[str, float]:
         """Parts from the events (GPU timeline); ``input`` capped by the host's fetch time."""
-        times = {"__origin": 0.0}
-        for mark, event in p.events.items():
-            times[mark] = p.origin_event.elapsed_time(event) / 1e3
         seconds = dict.fromkeys(PHASES, 0.0)
-        _split({k: v for k, v in times.items() if k in MARKS}, 0.0, p.input_s, seconds)
+        _split({k: p.origin_event.elapsed_time(e) / 1e3 for k, e in p.events.items() if k in MARKS}, 0.0, p.input_s,
+               seconds)
         return seconds
 
     def drain(self, block: bool = False) -> list[StepTimes]:

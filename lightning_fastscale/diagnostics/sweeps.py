@@ -1,12 +1,9 @@
 """Sweeps ranked by time to accuracy: one table per Hydra multirun, and the Optuna objective.
 
-[`sweep_rows`][lightning_fastscale.diagnostics.sweeps.sweep_rows] reads each job folder of a sweep (its ``.hydra/overrides.yaml``,
-``time_to_accuracy.json`` and ``step_breakdown.json``) and ranks the jobs: those that reached the
-target first, by time to it, then the rest by their best value. [`write_sweep_table`][lightning_fastscale.diagnostics.sweeps.write_sweep_table] writes
-``sweep_summary.csv`` and ``.md`` beside the job folders; [`SweepSummary`][lightning_fastscale.diagnostics.sweeps.SweepSummary] is the Hydra callback
-that does it at the end of every multirun. [`time_to_target_objective`][lightning_fastscale.diagnostics.sweeps.time_to_target_objective] is what
-``fastscale-train`` returns to the sweeper under ``hparams_search=time_to_target`` (MLPerf's
-measure as the objective; a run that misses the target scores its whole time times a penalty).
+`sweep_rows` reads and ranks a sweep's job folders, `write_sweep_table` writes
+``sweep_summary.csv`` / ``.md`` (the `SweepSummary` Hydra callback, at every multirun's end), and
+`time_to_target_objective` is MLPerf's measure as the sweeper's objective
+(``hparams_search=time_to_target``). Columns and ranking: ``docs/time_to_accuracy.md``.
 """
 from __future__ import annotations
 
@@ -39,9 +36,7 @@ def latest_report(folder: str | Path, stem: str) -> dict[str, Any] | None:
         return -1 if match is None else int(match.group(1) or 0)
 
     paths = [p for p in Path(folder).glob(f"{stem}*.json") if number(p) >= 0]
-    if not paths:
-        return None
-    return json.loads(max(paths, key=number).read_text())
+    return json.loads(max(paths, key=number).read_text()) if paths else None
 
 
 def _job_row(folder: Path) -> dict[str, Any]:
@@ -63,11 +58,9 @@ def _job_row(folder: Path) -> dict[str, Any]:
 
 
 def sweep_rows(sweep_dir: str | Path) -> list[dict[str, Any]]:
-    """One row per job folder of ``sweep_dir``, ranked (reached first by time, then by best value).
+    """One row per job folder of ``sweep_dir``, ranked: reached first by time, then by best value, then no report.
 
-    ``overrides`` keeps only what differs between the jobs (the rest is common to the sweep); a
-    job that wrote no ``time_to_accuracy.json`` (failed, or without the callback) is ranked last
-    with empty values.
+    ``overrides`` keeps only what differs between the jobs.
     """
     folders = sorted((p.parent.parent for p in Path(sweep_dir).glob("*/.hydra/overrides.yaml")),
                      key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name))
@@ -140,11 +133,7 @@ def write_sweep_table(sweep_dir: str | Path) -> dict[str, Path]:
 
 
 class SweepSummary(Callback):
-    """Hydra callback: at the end of a multirun, write the ranked table beside the job folders.
-
-    Registered in ``fastscale-train``'s config (``hydra.callbacks.sweep_summary``); a single run
-    does nothing.
-    """
+    """Hydra callback (``hydra.callbacks.sweep_summary``): at the end of a multirun, write the ranked table."""
 
     @override
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
@@ -155,7 +144,6 @@ class SweepSummary(Callback):
         log.info("sweep summary written to %s\n%s", paths["md"], paths["md"].read_text())
 
 
-# -- the Optuna objective -----------------------------------------------------------------------
 OBJECTIVES = ("time_to_target",)
 
 
@@ -184,8 +172,7 @@ def time_to_target_objective(summary: Mapping[str, Any], penalty: float) -> floa
 
 
 def objective_value(cfg: DictConfig, trainer: Any, value: float | None) -> float | None:
-    """What ``fastscale-train`` returns to a sweeper: ``value`` (the monitored metric) or, with
-    ``objective.name=time_to_target``, [`time_to_target_objective`][lightning_fastscale.diagnostics.sweeps.time_to_target_objective]."""
+    """What ``fastscale-train`` returns to a sweeper: ``value``, or with an ``objective`` `time_to_target_objective`."""
     node = cfg.get("objective")
     if not node:
         return value

@@ -1,12 +1,9 @@
 """Time to accuracy: wall time from the start of fit to the end of the first validation at a target.
 
-The measure every large-batch record reports (Goyal et al. 2017; Jia et al. 2018; Mikami et al.
-2018; fast.ai's DAWNBench entry, time and cost to 93 % top-5) and MLPerf Training's rule: the
-clock runs from the start of fit, validations included, and stops at the end of the first
-validation whose metric is at or above the target. Pure core: [`AccuracyClock`][lightning_fastscale.diagnostics.time_to_accuracy.AccuracyClock] (an injected
-``clock``), [`summary_line`][lightning_fastscale.diagnostics.time_to_accuracy.summary_line], [`write_summary`][lightning_fastscale.diagnostics.time_to_accuracy.write_summary] and [`plot_curve`][lightning_fastscale.diagnostics.time_to_accuracy.plot_curve]. Adapters:
-[`TimeToAccuracy`][lightning_fastscale.diagnostics.TimeToAccuracy] (Lightning callback) and [`FabricTimeToAccuracy`][lightning_fastscale.diagnostics.FabricTimeToAccuracy]. What is counted,
-and what is reported beside it, is described in ``docs/time_to_accuracy.md``.
+MLPerf Training's rule and the measure of the large-batch records (Goyal et al. 2017; Jia et al.
+2018; Mikami et al. 2018; DAWNBench). Pure core: `AccuracyClock`, `summary_line`, `write_summary`,
+`plot_curve`; adapters: `TimeToAccuracy` (Lightning callback) and `FabricTimeToAccuracy`. What is
+counted and reported: ``docs/time_to_accuracy.md``.
 """
 from __future__ import annotations
 
@@ -26,6 +23,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_fastscale.diagnostics.step_breakdown import free_stem
 from lightning_fastscale.diagnostics.step_breakdown_callback import _all_gather, samples_in_batch
 
 STEM = "time_to_accuracy"
@@ -57,22 +55,9 @@ class CurvePoint:
 class AccuracyClock:
     """The clock, the crossing rule and the summary of one run (no Lightning, no process group).
 
-    [`start`][lightning_fastscale.diagnostics.time_to_accuracy.AccuracyClock.start] at the start of fit; [`validation_started`][lightning_fastscale.diagnostics.time_to_accuracy.AccuracyClock.validation_started] / [`validation_ended`][lightning_fastscale.diagnostics.time_to_accuracy.AccuracyClock.validation_ended] around
-    each validation; [`count`][lightning_fastscale.diagnostics.time_to_accuracy.AccuracyClock.count] each training batch's samples; [`record`][lightning_fastscale.diagnostics.time_to_accuracy.AccuracyClock.record] the metric at the end
-    of each validation (True at the first value at or above ``target``, the crossing);
-    [`finish`][lightning_fastscale.diagnostics.time_to_accuracy.AccuracyClock.finish] at the end of fit. ``gather`` (optional, for several ranks) maps this rank's
-    float64 vector to ``(world, n)``: the seconds, the metric and the validation time are then
-    rank zero's and the samples the sum over ranks, so every rank holds the same numbers.
-    Across a resume the elapsed time is carried by [`state_dict`][lightning_fastscale.diagnostics.time_to_accuracy.AccuracyClock.state_dict]; the time between the
-    checkpoint's save and the new start is ``downtime_seconds``, not counted.
-
-    Args:
-        metric: the metric's name (for the summary and the console line).
-        target: the value to reach; ``None``: only the curve is recorded.
-        mode: ``"max"`` (reached at or above the target) or ``"min"`` (at or below).
-        price_per_device_hour: price of one device for one hour; ``None``: no cost.
-        clock: wall-clock seconds (default ``time.time``: comparable across processes, nodes
-            and restarts).
+    `start`, `validation_started` / `validation_ended`, `count` each batch's samples, `record` each
+    validation's metric (True at the crossing), `finish`. ``gather`` maps this rank's vector to
+    ``(world, n)``; then every rank holds rank zero's clock and metric and the summed samples.
 
     Example:
         >>> now = [0.0]
@@ -113,7 +98,6 @@ class AccuracyClock:
         self._local_samples = 0.0  # this rank's since then
         self._startup: float | None = None
 
-    # -- the clock ------------------------------------------------------------------------------
     def start(self, at: float | None = None) -> None:
         """Start a new measurement at ``at`` (default: now); `load_state_dict` may continue an earlier one."""
         self.started_at = self.clock() if at is None else at
@@ -148,10 +132,7 @@ class AccuracyClock:
         self._local_samples += samples
 
     def reaches(self, value: float) -> bool:
-        """Whether ``value`` is at the target (``False`` without a target or for NaN).
-
-        Compared at float32 precision, in which Lightning logs metrics: a logged 0.9 is 0.89999998.
-        """
+        """Whether ``value`` is at the target, compared in float32 as Lightning logs it (a logged 0.9 is 0.89999998)."""
         if self.target is None or math.isnan(value):
             return False
         target = torch.tensor(self.target, dtype=torch.float32).item()
@@ -187,7 +168,6 @@ class AccuracyClock:
         self.end = CurvePoint(seconds, float("nan"), epochs, steps, self._samples, self.validation_seconds)
         return self.summary()
 
-    # -- the result -----------------------------------------------------------------------------
     def best(self) -> CurvePoint | None:
         """The validation with the best value so far (the earliest among equals)."""
         scored = [p for p in self.points if not math.isnan(p.value)]
@@ -197,13 +177,7 @@ class AccuracyClock:
         return max(scored, key=lambda p: (sign * p.value, -p.seconds))
 
     def summary(self) -> dict[str, Any]:
-        """Plain data (JSON): at the crossing if ``reached``, else at the end of fit (or last validation).
-
-        ``seconds`` / ``epochs`` / ``steps`` / ``samples`` / ``device_hours`` / ``cost`` and
-        ``validation_seconds`` (the part of ``seconds`` spent validating) are at that point;
-        ``run_seconds`` is the whole fit; ``startup_seconds`` (process start to fit start) and
-        ``downtime_seconds`` (between the runs of a resumed run) are not part of ``seconds``.
-        """
+        """Plain data (JSON, keys in ``docs/time_to_accuracy.md``): at the crossing if ``reached``, else at the end."""
         last = self.points[-1] if self.points else None
         at = self.crossing or self.end or last or CurvePoint(self.elapsed(), float("nan"), 0, 0, self._samples, 0.0)
         device_hours = at.seconds * self.world_size / 3600
@@ -222,7 +196,6 @@ class AccuracyClock:
             "curve": [[p.seconds, None if math.isnan(p.value) else p.value] for p in self.points],
         }
 
-    # -- resume ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint carries: the elapsed time, when it was saved, the curve, the samples."""
         return {
@@ -246,7 +219,6 @@ class AccuracyClock:
         self.crossing = None if state["crossing"] is None else self.points[state["crossing"]]
 
 
-# -- rendering ----------------------------------------------------------------------------------
 def format_duration(seconds: float) -> str:
     """``17 min 58 s``, ``1 h 02 min 03 s``, ``12.3 s``."""
     if seconds < 60:
@@ -296,24 +268,11 @@ def counted_line(summary: Mapping[str, Any]) -> str:
     return line
 
 
-def _free_stem(directory: Path, stem: str) -> str:
-    base, n = stem, 0
-    while any((directory / f"{base}.{ext}").exists() for ext in ("json", "png")):
-        n += 1
-        base = f"{stem}-{n}"
-    return base
-
-
 def write_summary(directory: str | Path, summary: Mapping[str, Any], plot: bool = True,
                   stem: str = STEM) -> dict[str, Path]:
-    """Write ``<stem>.json`` (and, with ``plot``, ``<stem>.png``) into ``directory``.
-
-    Existing files are never overwritten: the stem gets ``-1``, ``-2``, ... instead (a resumed
-    run in the same folder). Returns the paths written by kind.
-    """
+    """Write ``<stem>.json`` (and, with ``plot``, ``<stem>.png``) into ``directory``, never over a file (``-1``, ...)."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    base = _free_stem(directory, stem)
+    base = free_stem(directory, stem, ("json", "png"))
     paths = {"json": directory / f"{base}.json"}
     paths["json"].write_text(json.dumps(dict(summary), indent=2) + "\n")
     if plot and summary["curve"]:
@@ -350,34 +309,16 @@ def plot_curve(summary: Mapping[str, Any], path: str | Path) -> Path:
     return Path(path)
 
 
-# -- Lightning adapter --------------------------------------------------------------------------
 class TimeToAccuracy(pl.Callback):
     """Time to accuracy of a fit: when the metric first reached the target, at what cost; optionally stop there.
 
-    The clock starts in the ``setup`` hook of fit, which Lightning calls after the processes and
-    the process group are up and before the strategy sets up (model to device, DDP wrapping, a
-    planner's calibration), so sanity validation and every validation count; call
-    [`start`][lightning_fastscale.diagnostics.TimeToAccuracy.start] just before ``trainer.fit`` to count the launch too (``fastscale-train`` does).
-    At the end of each validation (not the sanity check) the metric as Lightning logged it
-    (``trainer.callback_metrics``) is taken from rank zero, with rank zero's clock and the
-    samples summed over ranks, so every rank records the same curve and decides the same.
-    ``stop=True`` sets ``trainer.should_stop`` at the crossing, on every rank (the fit then
-    ends as any fit does: checkpoints written, loggers finalized; ``min_epochs`` and
-    ``min_steps`` still apply). At the end of fit rank zero prints
-    [`summary_line`][lightning_fastscale.diagnostics.time_to_accuracy.summary_line], writes ``time_to_accuracy.json`` and ``.png`` into ``dirpath`` (default:
-    ``trainer.log_dir``, resolved on every rank), puts the same values into the W&B run summary
-    (``time_to_accuracy/<key>``) and writes the JSON beside a ``CSVLogger``'s ``metrics.csv``.
-
-    Args:
-        metric: the logged metric (e.g. ``val/top1``).
-        target: the value to reach; ``None``: the curve and the best value are still reported.
-        stop: end the fit at the validation that first reaches the target (MLPerf's rule).
-        price_per_device_hour: price of one device-hour (e.g. a cloud GPU's); ``None``: no cost.
-        mode: ``"max"``: reached at or above the target; ``"min"``: at or below (a loss).
-        dirpath: folder for the files; ``None``: ``trainer.log_dir``.
-        batch_size_fn: samples in a batch (default: Lightning's ``extract_batch_size``).
-        plot: write the PNG; verbose: print the line at the end of fit on rank zero.
-        clock: wall-clock seconds (tests inject one).
+    The clock starts in the ``setup`` hook of fit, or at `start` (``fastscale-train`` calls it just
+    before ``trainer.fit``). Each validation's metric is rank zero's, so every rank decides alike;
+    ``stop=True`` ends the fit at the crossing (MLPerf's rule). At the end rank zero prints
+    `summary_line` and writes ``time_to_accuracy.json`` / ``.png`` into ``dirpath`` (default
+    ``trainer.log_dir``), the W&B run summary and beside a ``CSVLogger``'s ``metrics.csv``.
+    Arguments and what is counted: ``docs/time_to_accuracy.md``; besides: ``batch_size_fn`` (default
+    Lightning's ``extract_batch_size``), ``plot`` / ``verbose`` (the PNG / the line), ``clock`` (tests).
 
     Example:
         >>> import lightning.pytorch as pl
@@ -508,14 +449,12 @@ class TimeToAccuracy(pl.Callback):
         self.clock.load_state_dict(state_dict)
 
 
-# -- Fabric adapter -----------------------------------------------------------------------------
 class FabricTimeToAccuracy:
     """Time to accuracy in a Lightning Fabric loop; the clock starts at construction.
 
-    [`count`][lightning_fastscale.diagnostics.FabricTimeToAccuracy.count] each batch's samples, run validation inside [`validating`][lightning_fastscale.diagnostics.FabricTimeToAccuracy.validating],
-    then [`record`][lightning_fastscale.diagnostics.FabricTimeToAccuracy.record] its metric (collective: every rank calls it; True on every rank at the
-    crossing). [`finish`][lightning_fastscale.diagnostics.FabricTimeToAccuracy.finish] (collective) returns the summary and prints the line on rank zero;
-    [`save`][lightning_fastscale.diagnostics.FabricTimeToAccuracy.save] writes ``time_to_accuracy.json`` / ``.png``.
+    `count` each batch's samples, validate inside `validating`, then `record` the metric
+    (collective; True on every rank at the crossing); `finish` (collective) returns the summary,
+    `save` writes it.
 
     Example:
         >>> tta = FabricTimeToAccuracy(fabric, "val/top1", target=0.93)  # doctest: +SKIP
@@ -566,7 +505,7 @@ class FabricTimeToAccuracy:
         return self.summary
 
     def save(self, dirpath: str | Path, plot: bool = True) -> dict[str, Path]:
-        """On rank zero write ``time_to_accuracy.json`` / ``.png`` (after [`finish`][lightning_fastscale.diagnostics.FabricTimeToAccuracy.finish])."""
+        """On rank zero write ``time_to_accuracy.json`` / ``.png`` (after `finish`)."""
         if self.summary is None:
             raise RuntimeError("FabricTimeToAccuracy.save(): call finish() first (on every rank)")
         if not self.fabric.is_global_zero:
