@@ -20,8 +20,6 @@ from lightning_fastscale.planner.scaling import allreduce_cost
 from lightning_fastscale.strategies.options import PLAIN_DDP, CommSetting, check_algorithms
 from lightning_fastscale.strategies.planning import CommPlan, PlanRequest
 
-__all__ = ["CHUNK_CANDIDATES_MB", "AutoPlan", "CostModelPlanner", "auto_plan", "best_chunk_plan", "module_profile"]
-
 CHUNK_CANDIDATES_MB: tuple[float | None, ...] = (None, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 """Pipeline chunk sizes (MiB; ``None`` = unchunked) [`best_chunk_plan`][lightning_fastscale.planner.best_chunk_plan] compares."""
 

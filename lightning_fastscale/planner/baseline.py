@@ -21,19 +21,6 @@ from lightning_fastscale.strategies.options import (
     wire_bytes_per_element,
 )
 
-__all__ = [
-    "CROSSOVER_ASSUMPTIONS",
-    "CROSSOVER_GBIT_S",
-    "CROSSOVER_MODELS",
-    "CROSSOVER_NODES",
-    "PLAIN_DDP_TOLERANCE",
-    "candidate_label",
-    "compare_algorithms",
-    "crossover_params",
-    "crossover_table",
-    "format_crossover",
-]
-
 PLAIN_DDP_TOLERANCE = 0.05
 """Plain DDP (no hook) is kept where its flat all-reduce is within this fraction of the best."""
 

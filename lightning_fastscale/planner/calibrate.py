@@ -26,11 +26,6 @@ from lightning_fastscale.planner.cost_model import (
 )
 from lightning_fastscale.strategies.options import wire_torch_dtype
 
-__all__ = [
-    "CalibrationResult", "LinkFit", "calibrate", "calibrate_process_groups", "fit_calibration", "fit_link",
-    "intra_primitives", "measure_flat_allreduce",
-]
-
 # Gradient buckets are MBs to 100s of MBs; small sizes would mostly measure start-up effects.
 DEFAULT_SIZES = (1 << 20, 4 << 20, 16 << 20, 64 << 20)
 

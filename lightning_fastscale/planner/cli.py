@@ -1,12 +1,9 @@
 """``fastscale-plan``: predicted all-reduce times, algorithm, fusion plan and scaling for a cluster.
 
     fastscale-plan resnet50 tencent_p40_100g
-    fastscale-plan bert_large horovod_torus_10gbe --json
-    fastscale-plan resnet50 my_cluster.yaml --gpus 512 --plot scaling.png
     fastscale-plan --crossover
 
-Every algorithm is held against the flat all-reduce plain DDP runs (`baseline`); ``--crossover``
-prints where ``hier``, ``torus2d``, a 16-bit wire and top-k beat NCCL's own ring and tree.
+Commands and output are described in ``docs/planner.md`` ("Command line").
 """
 from __future__ import annotations
 
@@ -36,8 +33,6 @@ from lightning_fastscale.strategies.options import (
     CommSetting,
     resolve_chunk_mb,
 )
-
-__all__ = ["build_report", "main"]
 
 
 def _pipeline_chunk_mb(text: str) -> float | str:

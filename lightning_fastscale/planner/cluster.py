@@ -19,16 +19,6 @@ from lightning_fastscale.planner.cost_model import (
     wire_bytes_per_element,
 )
 
-__all__ = [
-    "Cluster",
-    "ClusterConfigError",
-    "Device",
-    "Link",
-    "Workload",
-    "available_clusters",
-    "load_cluster",
-]
-
 CLUSTER_DIR = Path(__file__).with_name("clusters")
 
 

@@ -230,19 +230,13 @@ def nccl_ring_time(topology: Topology, nbytes, params: CommParams):
     return _nccl_time(topology, nbytes, params, latency, load if nodes > 1 else 0.0, load)
 
 
-def _tree_link_load(nodes: int) -> float:
-    """Bytes each way on the busiest node link per byte all-reduced by NCCL's double binary tree."""
-    if nodes <= 1:
-        return 0.0
-    return {2: 1.0, 3: 1.5}.get(nodes, 2.0)
-
-
 def nccl_tree_time(topology: Topology, nbytes, params: CommParams):
     """NCCL's tree all-reduce (chain in node, double binary tree between nodes) of ``nbytes`` on the wire."""
     nodes = topology.num_nodes
     hops = int(math.log2(nodes)) if nodes > 1 else 0
     latency = 2 * ((topology.ranks_per_node - 1) * params.alpha_intra + hops * params.alpha_inter)
-    return _nccl_time(topology, nbytes, params, latency, _tree_link_load(nodes), 1.0)
+    node_load = {1: 0.0, 2: 1.0, 3: 1.5}.get(nodes, 2.0)  # busiest node link, bytes per byte (docs/planner.md)
+    return _nccl_time(topology, nbytes, params, latency, node_load, 1.0)
 
 
 def flat_allreduce_detail(numel: float, topology: Topology, params: CommParams, wire_dtype: str = "fp32") -> dict:

@@ -14,15 +14,6 @@ import torch.distributed as dist
 
 from lightning_fastscale.strategies.options import MB
 
-__all__ = [
-    "FusionPlan",
-    "best_uniform_cap",
-    "ddp_buckets",
-    "ddp_supports_bucket_list",
-    "plan_fusion",
-    "simulate",
-]
-
 CostFn = Callable[[np.ndarray], np.ndarray]
 """Seconds to all-reduce buckets of the given sizes in bytes (vectorised over a numpy array)."""
 

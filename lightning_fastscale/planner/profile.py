@@ -13,8 +13,6 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["GradientProfile", "build_model", "measure_backward_profile", "profile_model", "profile_module"]
-
 
 @dataclass(frozen=True)
 class GradientProfile:

@@ -14,8 +14,6 @@ from lightning_fastscale.planner.fusion import FusionPlan, ddp_buckets, plan_fus
 from lightning_fastscale.planner.profile import GradientProfile
 from lightning_fastscale.strategies.options import MB, CommSetting, check_algorithm
 
-__all__ = ["StepPrediction", "allreduce_cost", "default_gpu_counts", "predict_step", "scaling_curve", "topology_for"]
-
 
 def allreduce_cost(
     algorithm: str, topology: Topology, params: CommParams, setting: CommSetting = CommSetting(),

@@ -108,15 +108,7 @@ def _cast_dtype(wire_dtype: str) -> torch.dtype | None:
 
 
 def _to_wire(tensor: Tensor, wire_dtype: torch.dtype | None) -> Tensor:
-    if wire_dtype is None or wire_dtype == tensor.dtype:
-        return tensor
-    return tensor.to(wire_dtype)
-
-
-def _finish(tensor: Tensor, wire: Tensor) -> Tensor:
-    if wire is not tensor:
-        tensor.copy_(wire)
-    return tensor
+    return tensor if wire_dtype is None else tensor.to(wire_dtype)  # ``to`` returns ``tensor`` if it has the dtype
 
 
 def _chunks(wire: Tensor, chunk_numel: int | None) -> list[Tensor]:
@@ -125,11 +117,6 @@ def _chunks(wire: Tensor, chunk_numel: int | None) -> list[Tensor]:
     if chunk_numel < 1:
         raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}.")
     return list(wire.split(chunk_numel))
-
-
-def _shard_sizes(numel: int, parts: int) -> list[int]:
-    base, extra = divmod(numel, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
 def _sparse_allreduce_(
@@ -194,7 +181,9 @@ def _one_allreduce(tensor: Tensor, group: dist.ProcessGroup, stage: str, cast: t
                    chunk_numel: int | None) -> Tensor:
     wire = _to_wire(tensor, cast)
     _wait([_issue(stage, dist.all_reduce, piece, group=group, async_op=True) for piece in _chunks(wire, chunk_numel)])
-    return _finish(tensor, wire)
+    if wire is not tensor:
+        tensor.copy_(wire)
+    return tensor
 
 
 def flat_allreduce_(
@@ -267,7 +256,7 @@ def _torus_per_shard(
 ) -> None:
     parts = groups.topology.ranks_per_node
     me = groups.local_rank
-    shards = [piece.split(_shard_sizes(piece.numel(), parts)) for piece in pieces]
+    shards = [piece.tensor_split(parts) for piece in pieces]  # the first numel % parts shards one longer
     inbound: list[list[_Pending | None]] = []
     for piece_shards in shards:
         works: list[_Pending | None] = []

@@ -24,23 +24,12 @@ class HierarchicalAllReduceStrategy(HierarchicalAllReduceMixin, DDPStrategy):
     Args:
         algorithm: ``"hier"``, ``"torus2d"``, ``"flat"`` or ``"auto"`` (the planner chooses).
         ranks_per_node: ranks forming one node (default: the launcher's devices per node).
-        wire_dtype: ``"fp32"``, ``"fp16"`` or ``"bf16"`` on the inter-node wire.
-        bucket_cap_mb: DDP's uniform bucket cap (default 25 MB).
-        fusion_plan: DDP bucket caps in MB, gradient-ready order (``bucket_cap_mb_list``).
-        two_segment_split: the fusion plan of two buckets split before this trainable
-            parameter (Jia et al. 2018). At most one of the three fusion options.
-        compression: ``None`` or ``"topk"`` (top-k with error feedback between nodes).
-        topk_ratio: fraction of each inter-node shard sent with ``compression="topk"``.
-        topk_start_iter: iterations sent uncompressed first (DDP rebuilds buckets after one).
-        pipeline_chunk_mb: MiB per chunk pipelined through the stages; ``"auto"`` (2 MiB per
-            node) or ``None`` (one piece).
-        planner: a [`CommPlanner`][lightning_fastscale.strategies.planning.CommPlanner] such as
-            [`CostModelPlanner`][lightning_fastscale.planner.CostModelPlanner], asked once at setup
-            (`plan_request`) for the algorithm (``"auto"``) and the fusion plan.
-        ddp_comm_hook: a torch DDP communication hook run as the inter-node stage of ``"hier"``
-            (the whole all-reduce on one node); see `lightning_fastscale.strategies.user_hooks`.
-        ddp_comm_state: the hook's state, with its process group left ``None``.
-        ddp_comm_wrapper: e.g. ``fp16_compress_wrapper``, around the user's or the strategy's hook.
+        fusion_plan: DDP bucket caps in MB, gradient-ready order (``bucket_cap_mb_list``);
+            ``two_segment_split``: two buckets split before this trainable parameter.
+        pipeline_chunk_mb: MiB per chunk pipelined through the stages; ``"auto"``: 2 MiB per node.
+        planner: a `CommPlanner` such as `CostModelPlanner`, asked once at setup.
+        ddp_comm_hook: a torch DDP hook run as the inter-node stage of ``"hier"``, with
+            ``ddp_comm_state`` (process group ``None``) and ``ddp_comm_wrapper``.
         **kwargs: passed to `DDPStrategy` (and DDP).
 
     Examples:
