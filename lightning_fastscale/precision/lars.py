@@ -144,8 +144,6 @@ class LARS(torch.optim.Optimizer):
     ``lars=False`` is plain SGD. Under Lightning, prefer `LARSMixedPrecision`.
 
     Args:
-        params: parameters or parameter groups.
-        lr: global learning rate.
         momentum, dampening, weight_decay, nesterov: as in ``torch.optim.SGD``.
         eta: trust coefficient (0.001 in You et al. and MLPerf).
         eps: added to the ratio's denominator.

@@ -35,12 +35,9 @@ class LARSMixedPrecision(LARSStepMixin, MixedPrecision):
     Use with a plain optimizer (momentum SGD); the step order is in ``docs/methods/lars_mixed_precision.md``.
 
     Args:
-        precision: ``"16-mixed"`` (fp16 autocast + dynamic loss scaling), ``"bf16-mixed"``
-            (bf16 autocast) or ``"32-true"``/``"32"`` (no autocast).
+        precision: ``"16-mixed"`` (with loss scaling), ``"bf16-mixed"`` or ``"32-true"``/``"32"`` (no autocast).
         device: autocast device type, ``"cuda"`` or ``"cpu"`` (default: ``"cuda"`` if available).
-        eta: trust coefficient (0.001 in You et al. 2017 and the MLPerf reference).
-        eps: added to the ratio's denominator.
-        trust_clip: LARC clip mode (a layer's effective lr is ``min(local_lr, lr)``).
+        eta, eps, trust_clip: as for `LARS` (eta 0.001 in You et al. 2017 and the MLPerf reference).
         exclude: extra glob patterns on parameter names that LARS leaves alone.
         scaler: a ``torch.amp.GradScaler`` for ``"16-mixed"`` (one is made otherwise).
 
