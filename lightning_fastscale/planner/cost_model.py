@@ -13,36 +13,9 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from lightning_fastscale.strategies.options import (
-    ALGORITHMS,
-    CommSetting,
-    check_algorithm,
-    wire_bytes_per_element,
-)
+from lightning_fastscale.strategies.options import ALGORITHMS as ALGORITHMS  # re-exported for the planner
+from lightning_fastscale.strategies.options import CommSetting, check_algorithm, wire_bytes_per_element
 from lightning_fastscale.strategies.topology import Topology
-
-__all__ = [
-    "ALGORITHMS",
-    "BACKENDS",
-    "CommParams",
-    "CommSetting",
-    "FlatMeasurement",
-    "Topology",
-    "allgather_time",
-    "allreduce_time",
-    "bandwidth_bound",
-    "broadcast_time",
-    "choose_algorithm",
-    "flat_allreduce_detail",
-    "nccl_ring_time",
-    "nccl_tree_time",
-    "predict_allreduce",
-    "reduce_scatter_time",
-    "reduce_time",
-    "ring_allreduce_time",
-    "stage_times",
-    "wire_bytes_per_element",
-]
 
 _INDEX_BYTES = 4  # top-k sends an int32 index with every value
 _GRAD_BYTES = 4  # gradients (and the sums inside a node) are fp32

@@ -3,6 +3,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -99,10 +100,8 @@ class HierarchicalAllReduceStrategy(HierarchicalAllReduceMixin, DDPStrategy):
         """Remove the checkpoint and this rank's top-k residuals beside it."""
         super().remove_checkpoint(filepath)
         if self.compression == "topk":
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 self.checkpoint_io.remove_checkpoint(residual_path(filepath, self.global_rank))
-            except FileNotFoundError:
-                pass
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
