@@ -22,6 +22,11 @@ from ..param_groups import is_excluded, split_parameters, validate_patterns
 _CPU_SLICE = 1 << 18
 
 
+def _batch_size(device: torch.device) -> int | None:
+    """Values per slice on ``device``; None: multi-tensor operations (the tests' seam)."""
+    return _CPU_SLICE if device.type == "cpu" else None
+
+
 def _slices(columns: Sequence[Sequence[Tensor]], size: int) -> Iterator[tuple[int, list[Tensor]]]:
     """Matching slices of at most ``size`` values of equally shaped tensors, with their tensors' index."""
     for i, row in enumerate(zip(*columns)):
@@ -68,7 +73,7 @@ def lars_update_(
     if trust_clip:  # clipping is part of LARS: parameters it does not adapt keep ratio 1
         ratio = torch.where(adapt, (ratio / lr).clamp(max=1.0), ratio)
     r = ratio.tolist()  # one copy to the host
-    size = _CPU_SLICE if params[0].device.type == "cpu" else None  # None: multi-tensor operations
+    size = _batch_size(params[0].device)
     if bufs is None:  # the rescale alone, in place
         if size is None:
             if weight_decay:
