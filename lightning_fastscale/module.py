@@ -51,8 +51,8 @@ class ImageClassifier(pl.LightningModule):
         optimizer: a factory ``params -> Optimizer``; SGD with Nesterov momentum when omitted.
         scheduler: a factory ``optimizer -> LRScheduler`` (optionally taking ``total_steps``) or None.
         pretrained: ``False`` (random), ``True`` (the library's weights) or a local weights file.
-        channels_last, compile, compile_mode, no_weight_decay_on_bias_norm,
-            no_weight_decay_patterns: the ``model.*`` options of ``docs/hydra.md``.
+        channels_last, compile, compile_mode, no_weight_decay_on_bias_norm, no_weight_decay_patterns: the
+            ``model.*`` options of ``docs/hydra.md``.
 
     Examples:
         >>> import torch
