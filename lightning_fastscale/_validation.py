@@ -1,26 +1,11 @@
-"""Argument checks shared across the package, so every setting is refused with the same wording.
-
-Private: the public API validates its own arguments through these helpers; users meet only
-the ``ValueError`` they raise, which names the setting, the value and (through ``hint``) the fix.
-"""
+"""Argument checks shared across the package, so every setting is refused with the same wording."""
 from __future__ import annotations
 
 from typing import Any
 
 
 def positive_int(setting: str, value: Any, *, minimum: int = 1, hint: str = "") -> int:
-    """Return ``value`` if it is an integer (not a bool) of at least ``minimum``, else raise.
-
-    Args:
-        setting: the name the user wrote, e.g. ``"BatchSizeRamp.max_per_device_batch"``.
-        value: what they gave.
-        minimum: the smallest accepted value (1 for "positive").
-        hint: appended to the message after ``"; "``, e.g. what the setting means or
-            what ``None`` would do.
-
-    Raises:
-        ValueError: ``"<setting>=<value> must be a positive integer[; hint]"`` (or
-            ``"an integer >= <minimum>"`` when ``minimum`` is not 1).
+    """Return ``value`` if it is an integer (not a bool) of at least ``minimum``, else ``ValueError`` (with ``hint``).
 
     Examples:
         >>> positive_int("data.batch_size", 32)

@@ -1,9 +1,5 @@
-"""How a ``fastscale-train`` run ends, as one exit status per kind, so a launcher knows whether to retry.
-
-``torchrun --max-restarts`` and SLURM's requeue should restart a preempted or faulted run
-(it resumes from its last checkpoint with ``resume=auto``) and never a bad setting, bad data
-or a divergence, which would fail the same way again. 75 is ``EX_TEMPFAIL`` of BSD's
-``sysexits.h``; the table is in ``docs/hydra.md``.
+"""How a ``fastscale-train`` run ends, as one exit status per kind, so a launcher knows whether to retry
+(the table is in ``docs/hydra.md``).
 """
 from __future__ import annotations
 

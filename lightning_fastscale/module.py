@@ -1,8 +1,5 @@
-"""``ImageClassifier``: an ordinary LightningModule for image classification.
-
-Nothing in it is specific to large batches: the techniques of this package attach from the
-outside (strategy, precision plugin, callbacks), which is the point. It is what
-``fastscale-train`` trains, and a template for users' own modules.
+"""``ImageClassifier``: an ordinary LightningModule for image classification; the large-batch
+techniques attach from the outside (strategy, precision plugin, callbacks).
 """
 from __future__ import annotations
 
@@ -46,43 +43,16 @@ COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotu
 class ImageClassifier(pl.LightningModule):
     """Classify images with a model chosen by name, cross-entropy loss and top-1/top-5 metrics.
 
-    ``val/top1`` and ``val/top5`` are the fraction of correctly classified samples (micro
-    accuracy, as reported by He et al. 2016 and every ImageNet leaderboard);
-    ``val/per_class_top1`` is the mean of the per-class recalls (macro accuracy).
+    ``val/top1``, ``val/top5``: micro accuracy (He et al. 2016); ``val/per_class_top1``: macro.
+    The loss is the ``criterion`` attribute, for callbacks such as ``LabelSmoothing``.
 
     Args:
-        model: a model name for [`lightning_fastscale.models.create_model`][lightning_fastscale.models.create_model] (this
-            package's models, timm, torchvision) or an ``nn.Module``.
-        num_classes: number of classes.
-        optimizer: a factory ``params -> Optimizer`` (a Hydra ``_partial_``, or a class path
-            in LightningCLI: both factories use Lightning's own callable types so that
-            jsonargparse can build them); SGD with Nesterov momentum when omitted.
-        scheduler: a factory ``optimizer -> LRScheduler`` or None. It may also accept a
-            ``total_steps`` keyword, which receives the Trainer's estimated optimizer steps.
-        scheduler_interval: ``"step"`` or ``"epoch"``: when the scheduler steps.
-        model_kwargs: extra arguments for the model factory.
-        pretrained: initial weights of a model given by name: ``False`` (random), ``True``
-            (timm's / torchvision's published weights) or a local weights file; see
-            [`create_model`][lightning_fastscale.models.create_model].
-        channels_last: keep the network's weights and each batch in the NHWC memory format,
-            which cuDNN's tensor-core convolutions use without transposing (as timm's
-            ``--channels-last``). Numerically the same network.
-        compile: ``torch.compile`` the network (``nn.Module.compile``, in place, so
-            checkpoints keep their parameter names) when the Trainer configures the model.
-        compile_mode: ``torch.compile``'s ``mode`` (``None``: torch's default,
-            ``"reduce-overhead"``, ``"max-autotune"``, ...).
-        no_weight_decay_on_bias_norm: give bias and normalisation parameters weight decay 0
-            (Jia et al. 2018; Goyal et al. 2017 for BN): the optimizer is built over the two
-            groups of [`param_groups_without_decay`][lightning_fastscale.param_groups.param_groups_without_decay], the first with the optimizer's own
-            weight decay. The rule is the one LARS uses to skip adaptation.
-        no_weight_decay_patterns: glob patterns on parameter names (as ``named_parameters()``
-            gives them, e.g. ``"model.fc.*"``) that also get weight decay 0; needs
-            ``no_weight_decay_on_bias_norm``.
-
-    The loss is the ``criterion`` attribute (an ``nn.CrossEntropyLoss``) so that callbacks such
-    as ``LabelSmoothing`` can act on it. ``flops_per_batch`` (training FLOPs of the last batch's
-    shape, counted with Lightning's ``measure_flops`` on a meta-device copy) feeds Lightning's
-    ``ThroughputMonitor``.
+        model: a model name for `create_model` or an ``nn.Module``.
+        optimizer: a factory ``params -> Optimizer``; SGD with Nesterov momentum when omitted.
+        scheduler: a factory ``optimizer -> LRScheduler`` (optionally taking ``total_steps``) or None.
+        pretrained: ``False`` (random), ``True`` (the library's weights) or a local weights file.
+        channels_last, compile, compile_mode, no_weight_decay_on_bias_norm, no_weight_decay_patterns: the
+            ``model.*`` options of ``docs/hydra.md``.
 
     Examples:
         >>> import torch
@@ -152,9 +122,7 @@ class ImageClassifier(pl.LightningModule):
         self.optimizer_factory = optimizer or default_optimizer
         self.scheduler_factory = scheduler
         self.scheduler_interval = scheduler_interval
-        # top-1/top-5 as papers and leaderboards report them: the fraction of correct samples
-        # (micro). torchmetrics' default ("macro", the mean of per-class recalls) differs
-        # whenever classes are unbalanced; it is kept as its own metric, val/per_class_top1.
+        # micro, as papers report top-1/top-5; torchmetrics' default (macro) is val/per_class_top1
         self.train_top1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
         self.val_top1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
         self.val_top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro")
@@ -173,8 +141,7 @@ class ImageClassifier(pl.LightningModule):
 
     @property
     def flops_per_batch(self) -> int | None:
-        """FLOPs of one batch of the last seen shape: forward + backward in training mode,
-        forward only in evaluation (None before the first batch)."""
+        """FLOPs of one batch of the last seen shape (forward + backward in training), for ``ThroughputMonitor``."""
         if self._last_batch_shape is None:
             return None
         batch, *sample = self._last_batch_shape
@@ -184,14 +151,12 @@ class ImageClassifier(pl.LightningModule):
         return batch * self._flops_per_sample[key]
 
     def _count_flops(self, sample_shape: tuple[int, ...], training: bool) -> int:
-        # Hooks may run under no_grad / inference mode; the count needs autograd on ordinary tensors.
+        # hooks may run under inference mode; a meta-device copy leaves the real network untouched
         with torch.inference_mode(False), torch.enable_grad():
-            # a meta-device copy: no memory, no compute, the real weights and statistics untouched
             network = copy.deepcopy(self.model).to("meta")
             network._compiled_call_impl = None  # the copy shares the compiled callable of the original
             network.train(training)
-            # Two samples, not one: BatchNorm in training mode refuses a single value per channel
-            # (a 1x1 feature map, as AlexNet-BN's at 64 px). The count is linear in the batch.
+            # two samples: training BatchNorm refuses one value per channel (AlexNet-BN at 64 px)
             x = torch.empty(2, *sample_shape, device="meta")
             flops = measure_flops(network, lambda: network(x), loss_fn=torch.Tensor.sum if training else None)
             return flops // 2
@@ -224,12 +189,7 @@ class ImageClassifier(pl.LightningModule):
 
     @override
     def setup(self, stage: str) -> None:
-        """Take one per-device training batch as ``example_input_array`` from the datamodule.
-
-        Only when none is set and the datamodule says its batch size and resolution
-        (``train_batch_size``, ``train_resolution``): the model summary and the communication
-        planner (FLOPs of backward) run the network on it; this hook runs before both.
-        """
+        """Take ``example_input_array`` (for the model summary and the planner) from the datamodule's batch and resolution."""
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if self.example_input_array is None and datamodule is not None:
             batch = getattr(datamodule, "train_batch_size", None)

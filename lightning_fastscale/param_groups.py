@@ -36,14 +36,7 @@ def is_excluded(
     in_norm_layer: bool = False,
     extra_patterns: Sequence[str] = (),
 ) -> bool:
-    """Whether ``param`` (qualified ``name``) gets no weight decay and no LARS adaptation.
-
-    Args:
-        name: the parameter's qualified name, as ``named_parameters()`` gives it.
-        param: the parameter itself.
-        in_norm_layer: whether it belongs to a normalisation layer.
-        extra_patterns: glob patterns on the name (``fnmatch``) that also exclude.
-    """
+    """Whether ``param`` (qualified ``name``) gets no weight decay and no LARS adaptation: 0-D/1-D, norm or pattern."""
     if param.ndim <= 1 or in_norm_layer:
         return True
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in extra_patterns)
@@ -52,11 +45,7 @@ def is_excluded(
 def split_parameters(
     module: nn.Module, extra_patterns: Sequence[str] = ()
 ) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
-    """Split ``module``'s trainable parameters into (adapted, excluded) by the shared rule.
-
-    Order within each list follows ``module.named_parameters()``, so the split is
-    deterministic and a checkpoint's optimizer state lines up on resume.
-    """
+    """Split ``module``'s trainable parameters into (adapted, excluded), in ``named_parameters()`` order."""
     norm_ids = _norm_parameter_ids(module)
     adapted: list[tuple[str, nn.Parameter]] = []
     excluded: list[tuple[str, nn.Parameter]] = []
@@ -87,26 +76,9 @@ def param_groups_without_decay(
     weight_decay: float | None = None,
     extra_patterns: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
-    """Optimizer parameter groups where bias/normalisation parameters get no weight decay.
+    """Optimizer groups ``decay`` and ``no_decay`` (weight decay 0 on bias/norm), as Jia et al. 2018 and timm.
 
-    Jia et al. 2018 removed weight decay from biases and batch-norm beta/gamma (+1.3% top-1 for
-    AlexNet at batch 64K); Goyal et al. 2017 likewise leave BN parameters undecayed. The groups
-    are built where the optimizer is built, as timm's ``param_groups_weight_decay`` does, so an
-    LR scheduler built on the optimizer schedules both and a checkpoint's optimizer state
-    resumes into the same layout.
-
-    Args:
-        module: the model whose trainable parameters are grouped (frozen ones are left out).
-        weight_decay: weight decay of the first group; ``None`` leaves it unset so that the
-            optimizer's own ``weight_decay`` argument applies.
-        extra_patterns: glob patterns on qualified parameter names (``fnmatch``, e.g.
-            ``"head.*"``) that also go to the no-decay group.
-
-    Returns:
-        ``[{"name": "decay", "params": [...]}, {"name": "no_decay", "params": [...],
-        "weight_decay": 0.0}]`` in ``named_parameters()`` order, ready for any
-        ``torch.optim`` optimizer; an empty group is omitted. The split is the shared rule
-        of [`split_parameters`][lightning_fastscale.param_groups.split_parameters].
+    ``weight_decay``: of the first group (``None``: the optimizer's own); an empty group is omitted.
 
     Examples:
         >>> model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Flatten(), nn.Linear(8, 2))

@@ -1,11 +1,6 @@
-"""AlexNet-BN: AlexNet with batch normalisation after every conv layer and after pool5.
+"""AlexNet-BN: AlexNet with BN after every conv (You et al. 2017) and after pool5 (Jia et al. 2018).
 
-Krizhevsky et al. 2012's AlexNet does not train at very large batches; You et al. 2017 (LARS)
-replaced its local response normalisation by BN after each convolution ("AlexNet-BN") to
-reach batch 8K-32K, and Jia et al. 2018 (Tencent, "Training ImageNet in Four Minutes") added
-one more BN layer after pool5 so that batch 64K converges (58.7% top-1 in 95 epochs).
-
-More in ``docs/methods/alexnet_bn.md`` ("In code").
+More in ``docs/methods/alexnet_bn.md``.
 """
 from __future__ import annotations
 
@@ -29,13 +24,7 @@ def _conv_bn_relu(
 
 
 class AlexNetBN(nn.Module):
-    """AlexNet with BN after each conv and after pool5 (You et al. 2017; Jia et al. 2018).
-
-    Args:
-        num_classes: outputs of fc8.
-        dropout: dropout probability before fc6 and fc7 (0.5 as in Krizhevsky et al. 2012).
-        in_channels: input image channels.
-    """
+    """AlexNet with BN after each conv and after pool5 (You et al. 2017; Jia et al. 2018); ``dropout`` before fc6, fc7."""
 
     def __init__(self, num_classes: int = 1000, dropout: float = 0.5, in_channels: int = 3) -> None:
         super().__init__()

@@ -1,10 +1,4 @@
-"""Initial weights from a local file: a ``state_dict`` or a Lightning checkpoint.
-
-Fine-tuning with a large batch (Goyal et al. 2017 transfer their ImageNet ResNet-50 to
-detection) starts from trained weights. This loads them into a freshly built model; a
-classifier head whose shape does not match (a different ``num_classes``) keeps its fresh
-initialisation, which is what fine-tuning wants.
-"""
+"""Initial weights from a local file (a ``state_dict`` or a Lightning checkpoint), for fine-tuning."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -16,8 +10,7 @@ from torch import nn
 
 __all__ = ["load_pretrained_weights"]
 
-# where a LightningModule keeps the network: ImageClassifier's ``model``, and the prefixes
-# torch.compile / DDP add to names
+# ImageClassifier's ``model``, and the prefixes torch.compile / DDP add to names
 _PREFIXES = ("model.", "_orig_mod.", "module.")
 
 
@@ -35,14 +28,9 @@ def _network_state(state: Mapping[str, torch.Tensor], own: set[str]) -> dict[str
 
 
 def load_pretrained_weights(model: nn.Module, path: str | Path) -> nn.Module:
-    """Load the weights in ``path`` into ``model`` (in place) and return it.
+    """Load the weights in ``path`` (a ``state_dict`` or checkpoint) into ``model`` in place and return it.
 
-    ``path`` holds a ``state_dict`` (``torch.save(model.state_dict(), path)``), a dict with a
-    ``"state_dict"`` or ``"model"`` entry, or a Lightning checkpoint of an
-    [`ImageClassifier`][lightning_fastscale.ImageClassifier] (its ``model.`` prefix is removed).
-    Tensors whose shape differs from the model's (the classifier head when ``num_classes``
-    changed) are left at their fresh initialisation and named in the log; any other missing
-    or unexpected name is an error.
+    Tensors of another shape (a new head) keep their fresh initialisation; ``docs/hydra.md``.
     """
     file = Path(path).expanduser()
     if not file.is_file():

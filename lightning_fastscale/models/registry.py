@@ -1,12 +1,4 @@
-"""Model factory: this package's own models by name, then timm, then torchvision.
-
-Modelled on timm's ``create_model``: one call builds any supported architecture with a given
-number of classes, so Hydra configs and scripts name models instead of importing them. Models
-start from random weights by default: training from scratch is what the large-batch recipes
-(Goyal et al. 2017; Jia et al. 2018) measure, and the default job must work offline.
-``pretrained`` asks for the library's weights (fetched by timm / torchvision, or read from their
-cache) or reads a local file, for fine-tuning.
-"""
+"""Model factory modelled on timm's ``create_model``: this package's models, then timm, then torchvision."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -40,16 +32,9 @@ def own_model_names() -> list[str]:
 
 
 def create_model(name: str, num_classes: int, pretrained: bool | str | Path = False, **kwargs: Any) -> nn.Module:
-    """Build model ``name`` with ``num_classes`` outputs.
+    """Build model ``name`` with ``num_classes`` outputs (``docs/hydra.md``, "Model options").
 
-    Lookup order: this package's registry, timm (``timm.create_model``), torchvision
-    (``torchvision.models.get_model``; a ``torchvision.`` prefix forces it). An unknown name
-    raises ``ValueError`` listing where it was looked for.
-
-    ``pretrained``: ``False`` (random initialisation), ``True`` (timm's or torchvision's
-    published weights; a head of another ``num_classes`` is freshly initialised by timm, and
-    torchvision's need its own class count), or a path to a local ``state_dict`` / Lightning
-    checkpoint (`load_pretrained_weights`).
+    ``pretrained``: ``False`` (random), ``True`` (timm's or torchvision's weights) or a local file.
     """
     positive_int("num_classes", num_classes)
     from_file = not isinstance(pretrained, bool)

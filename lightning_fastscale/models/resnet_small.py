@@ -1,11 +1,4 @@
-"""A small pre-activation-free ResNet for low-resolution images (He et al. 2016, CIFAR variant).
-
-The built-in dataset and the CPU-sized studies need a real residual network that trains in
-minutes on two cores: a 3x3 stem (no max-pool), three stages of basic blocks, global average
-pooling. Blocks follow timm's convention of a ``zero_init_last()`` method, so the
-zero-init-residual-BN technique (Goyal et al. 2017) finds their last BN the same way it does
-in timm models.
-"""
+"""A small ResNet for low-resolution images (He et al. 2016, CIFAR variant) that trains in minutes on a CPU."""
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -1,9 +1,5 @@
-"""Communication planner: alpha-beta-gamma cost model, fusion planning, scaling prediction.
-
-Answers before a run which all-reduce algorithm (flat, hierarchical, 2D torus) and which
-gradient buckets to use on a cluster, and how training will scale (``fastscale-plan``), every
-algorithm held against the flat all-reduce plain DDP really runs (measured, or NCCL's ring and
-tree priced): [`compare_algorithms`][lightning_fastscale.planner.compare_algorithms], [`measure_flat_allreduce`][lightning_fastscale.planner.measure_flat_allreduce].
+"""Communication planner: alpha-beta-gamma cost model (Thakur et al. 2005), fusion planning (Jia et al.
+2018) and scaling prediction, every algorithm held against the flat all-reduce plain DDP really runs.
 """
 from lightning_fastscale.planner.auto import AutoPlan, CostModelPlanner, auto_plan, best_chunk_plan, module_profile
 from lightning_fastscale.planner.baseline import (

@@ -1,10 +1,7 @@
-"""The algorithm and fusion plan of a run: one call for a strategy's ``algorithm="auto"``.
+"""The algorithm and fusion plan of a run, for a strategy's ``algorithm="auto"`` (Jia et al. 2018).
 
-For each candidate algorithm the fusion plan is optimised ([`plan_fusion`][lightning_fastscale.planner.plan_fusion])
-under that algorithm's cost, and the plan that ends communication earliest wins (Jia et al.
-2018). Plain DDP's flat fp32 all-reduce, planned the same way, is the baseline: where it ends
-within ``plain_ddp_tolerance`` (5 %) of the best, [`AutoPlan`][lightning_fastscale.planner.AutoPlan]
-keeps it (``plain_ddp``) and the strategy installs no hook.
+Each candidate's buckets are planned under its cost; the earliest end of communication wins,
+plain DDP kept where it is within ``plain_ddp_tolerance`` of the best (``docs/planner.md``).
 """
 from __future__ import annotations
 
@@ -23,8 +20,6 @@ from lightning_fastscale.planner.scaling import allreduce_cost
 from lightning_fastscale.strategies.options import PLAIN_DDP, CommSetting, check_algorithms
 from lightning_fastscale.strategies.planning import CommPlan, PlanRequest
 
-__all__ = ["CHUNK_CANDIDATES_MB", "AutoPlan", "CostModelPlanner", "auto_plan", "best_chunk_plan", "module_profile"]
-
 CHUNK_CANDIDATES_MB: tuple[float | None, ...] = (None, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 """Pipeline chunk sizes (MiB; ``None`` = unchunked) [`best_chunk_plan`][lightning_fastscale.planner.best_chunk_plan] compares."""
 
@@ -33,10 +28,8 @@ CHUNK_CANDIDATES_MB: tuple[float | None, ...] = (None, 1.0, 2.0, 4.0, 8.0, 16.0,
 class AutoPlan:
     """The chosen algorithm, its fusion plan, DDP keyword arguments and every candidate's plan.
 
-    ``baseline``: plain DDP's plan (the flat fp32 all-reduce of the backend, no hook), ``None``
-    on one node or when not asked for. ``plain_ddp``: that baseline is within the tolerance of
-    the best, so ``algorithm`` is ``"flat"``, ``plan`` is the baseline's and no hook is
-    needed; ``reason`` says why in words (for the log).
+    ``baseline``: plain DDP's plan (``None`` on one node or when not asked for); ``plain_ddp``:
+    it was kept (no hook); ``reason``: why, in words.
     """
 
     algorithm: str
@@ -71,13 +64,7 @@ def module_profile(
     example_input: torch.Tensor | None = None,
     sustained_tflops: float | None = None,
 ) -> GradientProfile:
-    """Gradient profile of a live module, for planning inside a strategy.
-
-    With ``example_input`` and ``sustained_tflops`` the backward time of each layer comes
-    from its FLOPs ([`profile_module`][lightning_fastscale.planner.profile_module], one forward pass without autograd). Otherwise
-    ``backward_time_s`` (e.g. measured over the first steps) is spread over the gradients in
-    proportion to their size, a cruder but measurement-free estimate.
-    """
+    """Gradient profile of a live module: per-layer FLOPs at ``sustained_tflops``, else ``backward_time_s`` by size."""
     if example_input is not None and sustained_tflops is not None:
         return profile_module(module, example_input, sustained_tflops)
     if backward_time_s is None or backward_time_s < 0:
@@ -92,11 +79,7 @@ def module_profile(
 
 
 def _measured_on_rank0(module: nn.Module, example_input: torch.Tensor) -> GradientProfile:
-    """[`measure_backward_profile`][lightning_fastscale.planner.measure_backward_profile] on every rank, rank 0's result kept by all.
-
-    Every rank runs the passes, so layers that communicate in forward (SyncBatchNorm) stay
-    matched; only rank 0's timings are used, because DDP needs the same buckets everywhere.
-    """
+    """Backward measured on every rank (SyncBatchNorm stays matched), rank 0's kept: DDP needs one bucket layout."""
     profile = measure_backward_profile(module, example_input)
     if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         shared = [profile]
@@ -116,11 +99,8 @@ def auto_plan(
 ) -> AutoPlan:
     """Choose the algorithm and the buckets with the earliest predicted end of communication.
 
-    Candidates are ``setting.candidates``; ties go to the earlier one (flat, hier, torus2d: the
-    simpler). On one node only ``flat`` is considered (all algorithms are then one in-node
-    all-reduce). ``plain_ddp_tolerance`` (a fraction, e.g. 0.05; ``None``: off) also plans
-    plain DDP ([`PLAIN_DDP`][lightning_fastscale.strategies.options.PLAIN_DDP]) and keeps it
-    where its plan ends within that fraction of the best.
+    Ties go to the simpler algorithm; on one node only ``flat``. ``plain_ddp_tolerance`` (e.g.
+    0.05; ``None``: off) keeps plain DDP where its plan ends within that fraction of the best.
     """
     if plain_ddp_tolerance is not None and not plain_ddp_tolerance >= 0:
         raise ValueError(f"plain_ddp_tolerance={plain_ddp_tolerance!r} must be a fraction >= 0 (0.05 is 5 %) or None")
@@ -156,12 +136,7 @@ def best_chunk_plan(
     setting: CommSetting = CommSetting(),
     candidates_mb: Sequence[float | None] = CHUNK_CANDIDATES_MB,
 ) -> tuple[float | None, AutoPlan, dict]:
-    """The pipeline chunk size whose [`auto_plan`][lightning_fastscale.planner.auto_plan] ends communication earliest.
-
-    Every chunk pays every stage's latency, which grows with the node count, so the best chunk
-    grows with the cluster. ``setting.pipeline_chunk_mb`` is replaced by each candidate.
-    Returns ``(chunk_mb, plan, {chunk_mb: finish_s})``; ties go to the earlier candidate.
-    """
+    """The pipeline chunk size whose `auto_plan` ends communication earliest: ``(chunk_mb, plan, {chunk_mb: finish_s})``."""
     plans = {c: auto_plan(profile, topology, params, replace(setting, pipeline_chunk_mb=c)) for c in candidates_mb}
     best = min(candidates_mb, key=lambda c: (round(plans[c].plan.finish_s, 12), list(candidates_mb).index(c)))
     return best, plans[best], {c: p.plan.finish_s for c, p in plans.items()}
@@ -170,18 +145,11 @@ def best_chunk_plan(
 class CostModelPlanner:
     """Chooses the all-reduce algorithm and the fusion plan of a run from the communication cost model.
 
-    A [`CommPlanner`][lightning_fastscale.strategies.planning.CommPlanner]: given to
-    ``HierarchicalAllReduceStrategy(algorithm="auto", planner=...)``, it is asked at setup with
-    the strategy's own [`CommSetting`][lightning_fastscale.strategies.options.CommSetting], so the
-    plan prices exactly what the strategy sends; [`plan`][lightning_fastscale.planner.CostModelPlanner.plan]
-    also works on its own. ``params``: a [`CommParams`][lightning_fastscale.planner.CommParams], a
-    [`Cluster`][lightning_fastscale.planner.Cluster] or a cluster name/path; ``None`` with
-    ``calibrate=True`` measures them at setup on the real process groups (plain DDP's all-reduce
-    included). Backward times: measured at setup (``measure_backward=True``, rank 0's broadcast),
-    else from FLOPs of ``example_input`` (default: the module's ``example_input_array``) at
-    ``sustained_tflops``, else ``backward_time_s`` spread over the gradients by size.
-    ``plain_ddp_tolerance`` (default 5 %): with no fixed algorithm, plain DDP is kept, without a
-    hook, where its plan ends within this fraction of the best. The method is in ``docs/planner.md``.
+    A `CommPlanner` for ``HierarchicalAllReduceStrategy(algorithm="auto", planner=...)``.
+    ``params``: `CommParams`, `Cluster` or a cluster name/path; ``None`` with ``calibrate=True``
+    measures them at setup. Backward times: measured (``measure_backward=True``), else FLOPs of
+    ``example_input`` at ``sustained_tflops``, else ``backward_time_s`` spread by size. Every
+    argument is in ``docs/planner.md``.
 
     Examples:
         >>> from torch import nn
@@ -270,12 +238,7 @@ class CostModelPlanner:
         self, module: nn.Module, topology: Topology, setting: CommSetting = CommSetting(),
         timeout: timedelta | None = None,
     ) -> AutoPlan:
-        """The [`AutoPlan`][lightning_fastscale.planner.AutoPlan] for ``module`` on ``topology`` under ``setting`` (computed once).
-
-        ``setting.algorithms``: ``None`` takes the planner's ``algorithms`` and keeps plain DDP
-        where within ``plain_ddp_tolerance`` of the best; given, the best of them, no plain-DDP
-        fallback. ``timeout``: of the process groups a calibration creates.
-        """
+        """The `AutoPlan` for ``module`` on ``topology`` (computed once); plain DDP only without ``setting.algorithms``."""
         key = (id(module), topology, setting)
         if key not in self._plans:
             profile = self._profile(module)
@@ -287,5 +250,5 @@ class CostModelPlanner:
         return self._plans[key]
 
     def plan_comm(self, request: PlanRequest) -> CommPlan:
-        """The strategy's question ([`CommPlanner`][lightning_fastscale.strategies.planning.CommPlanner]): [`plan`][lightning_fastscale.planner.CostModelPlanner.plan] of the request."""
+        """The strategy's question: `plan` of the request."""
         return self.plan(request.module, request.topology, request.setting, request.timeout).comm_plan()

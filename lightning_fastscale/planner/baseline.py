@@ -1,9 +1,6 @@
-"""Every algorithm against the flat all-reduce plain DDP runs: the honest baseline.
+"""Every algorithm against the flat all-reduce plain DDP really runs (NCCL's ring or tree, or measured).
 
-On GPUs plain DDP runs NCCL's own topology-aware ring or tree, so a speed-up of ``hier`` or
-``torus2d`` is stated against that (measured where a measurement exists, else the NCCL model of
-`cost_model`), never against a flat ring NCCL does not run. More in ``docs/planner.md``
-("The baseline in code").
+More in ``docs/planner.md`` ("The baseline: what plain DDP really runs").
 """
 from __future__ import annotations
 
@@ -23,19 +20,6 @@ from lightning_fastscale.strategies.options import (
     chunk_numel_for,
     wire_bytes_per_element,
 )
-
-__all__ = [
-    "CROSSOVER_ASSUMPTIONS",
-    "CROSSOVER_GBIT_S",
-    "CROSSOVER_MODELS",
-    "CROSSOVER_NODES",
-    "PLAIN_DDP_TOLERANCE",
-    "candidate_label",
-    "compare_algorithms",
-    "crossover_params",
-    "crossover_table",
-    "format_crossover",
-]
 
 PLAIN_DDP_TOLERANCE = 0.05
 """Plain DDP (no hook) is kept where its flat all-reduce is within this fraction of the best."""
@@ -58,16 +42,10 @@ def compare_algorithms(
     measured: Mapping[str, float] | None = None,
     tolerance: float = PLAIN_DDP_TOLERANCE,
 ) -> dict:
-    """Each algorithm's time for one all-reduce of ``numel`` gradient elements against plain DDP's.
+    """Each algorithm x wire dtype x top-k ratio's time for one all-reduce of ``numel`` elements against plain DDP's.
 
-    The baseline is the flat fp32 all-reduce on ``params.backend`` (``params.flat_measured``
-    where it applies, else the model). Candidates are every ``algorithms`` x ``wire_dtypes`` x
-    ``topk_ratios`` the strategy can run, pipelined in ``pipeline_chunk_mb`` chunks;
     ``measured`` maps `candidate_label` keys to measured seconds, which replace the prediction.
-    Returns plain data: ``nodes``, ``ranks_per_node``, ``numel``, ``backend``, ``baseline``
-    ([`flat_allreduce_detail`][lightning_fastscale.planner.flat_allreduce_detail] and a label),
-    ``candidates`` (each with ``speedup_vs_flat`` = baseline / candidate seconds), ``best``,
-    ``best_speedup_vs_flat``, ``plain_ddp`` (the baseline within ``tolerance`` of the best).
+    Returns plain data, each candidate with ``speedup_vs_flat`` (``docs/planner.md``).
     """
     if not tolerance >= 0:
         raise ValueError(f"tolerance={tolerance!r} must be >= 0 (a fraction: 0.05 is 5 %)")
@@ -151,13 +129,10 @@ def crossover_table(
     ranks_per_node: int = CROSSOVER_RANKS_PER_NODE,
     topk_ratio: float = CROSSOVER_TOPK_RATIO,
 ) -> list[dict]:
-    """Speed-ups over NCCL's flat all-reduce (the better of its ring and tree) per model, nodes and NIC rate.
+    """Speed-ups over NCCL's flat all-reduce per model, nodes and NIC rate (`CROSSOVER_ASSUMPTIONS`).
 
-    One row per (model, NIC Gbit/s, nodes): NCCL's ring and tree times, the baseline, and the
-    speed-up (baseline / time) of ``hier`` and ``torus2d`` in fp32, of the best algorithm with
-    a 16-bit wire (fp16; the flat one included) and of the best with top-k (``hier`` or
-    ``torus2d``), each pipelined in the strategy's default chunks or unchunked, whichever is
-    faster. Plain data; [`format_crossover`][lightning_fastscale.planner.format_crossover] renders it.
+    One row per (model, NIC Gbit/s, nodes): ``hier`` and ``torus2d`` in fp32, the best with a
+    16-bit wire and the best with top-k, each in the better of default chunks and unchunked.
     """
     rows = []
     for model, numel in models.items():
@@ -165,8 +140,6 @@ def crossover_table(
             params = crossover_params(rate)
             for n in nodes:
                 topology = Topology(n, ranks_per_node)
-                # each candidate in the better of the strategy's default chunking and unchunked
-                # buckets (both one setting away: pipeline_chunk_mb)
                 chunked, whole = (compare_algorithms(numel, topology, params, ("fp32", "fp16"), (None, topk_ratio),
                                                      pipeline_chunk_mb=chunk)
                                   for chunk in (DEFAULT_PIPELINE_CHUNK_MB, None))

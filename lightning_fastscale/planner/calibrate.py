@@ -1,10 +1,6 @@
 """Start-up calibration: time a few collectives on the real process groups, fit alpha/beta/gamma.
 
-Inside each node and among the node leaders, the primitives each algorithm runs on that level
-are timed at a few sizes and fitted by non-negative least squares to the closed forms of
-`cost_model` (Thakur et al. 2005); the torus's concurrent inter-node flows are fitted as
-``beta_inter_shared``, the inter-node level is timed in the wire dtype, and plain DDP's own
-all-reduce is measured too. Every rank takes part; rank 0's fit is broadcast. What is timed and
+The closed forms of Thakur et al. 2005, fitted by non-negative least squares; what is timed and
 why is in ``docs/planner.md`` ("Calibration").
 """
 from __future__ import annotations
@@ -30,11 +26,6 @@ from lightning_fastscale.planner.cost_model import (
 )
 from lightning_fastscale.strategies.options import wire_torch_dtype
 
-__all__ = [
-    "CalibrationResult", "LinkFit", "calibrate", "calibrate_process_groups", "fit_calibration", "fit_link",
-    "intra_primitives", "measure_flat_allreduce",
-]
-
 # Gradient buckets are MBs to 100s of MBs; small sizes would mostly measure start-up effects.
 DEFAULT_SIZES = (1 << 20, 4 << 20, 16 << 20, 64 << 20)
 
@@ -51,7 +42,7 @@ INTER_PRIMITIVES = ("allreduce",)
 
 
 def intra_primitives(backend: str) -> tuple[str, ...]:
-    """The in-node primitives the strategy runs on ``backend`` (see the module docstring)."""
+    """The in-node primitives the strategy runs on ``backend`` (gloo's torus uses no all-gather)."""
     if str(backend).lower() == "gloo":
         return ("allreduce", "reduce", "broadcast")
     return ("allreduce", "reduce", "broadcast", "allgather")
@@ -70,7 +61,7 @@ class LinkFit:
 
 @dataclass(frozen=True)
 class CalibrationResult:
-    """Fitted [`CommParams`][lightning_fastscale.planner.CommParams] plus the per-level fits and raw timings (for the report)."""
+    """Fitted `CommParams` plus the per-level fits and raw timings (for the report)."""
 
     params: CommParams
     intra: LinkFit | None
@@ -100,11 +91,7 @@ def fit_link(
 ) -> LinkFit:
     """Alpha, beta, gamma of a link from ``{primitive: (sizes_bytes, seconds)}`` over ``p`` ranks.
 
-    Primitives: ``allgather``, ``allreduce``, ``reduce``, ``broadcast`` (their closed forms are
-    those the cost model uses). With ``gamma`` given, only alpha and beta are fitted (the
-    model shares one gamma between the link levels; on a slow link the reduction cost cannot
-    be told apart from the transfer). Raises if beta comes out zero: the timings then do not
-    grow with the size and cannot describe a link (use larger sizes).
+    With ``gamma`` given, only alpha and beta are fitted. Raises if the timings do not grow with size.
     """
     if p < 2:
         raise ValueError(f"a link fit needs at least 2 ranks, got p={p}")
@@ -129,11 +116,7 @@ def fit_link(
 
 
 def _time(op, world_group, reps: int, active: bool, cuda: bool = False) -> float:
-    """Median over ``reps`` of the slowest member's time of ``op`` (after one warm-up).
-
-    ``cuda``: ``op`` enqueues device work (NCCL); the device is synchronised before the clock
-    starts and after ``op``, so the time is the collective's, not its launch's.
-    """
+    """Median over ``reps`` of the slowest member's time of ``op`` (after one warm-up; CUDA synchronised)."""
     device = _device(cuda)
     times = []
     for rep in range(reps + 1):
@@ -162,7 +145,6 @@ def _device(cuda: bool) -> torch.device:
 
 
 def _on_cuda(group: dist.ProcessGroup | None = None) -> bool:
-    """NCCL collectives take CUDA tensors (and run asynchronously on the device)."""
     return str(dist.get_backend(group)).lower() == "nccl"
 
 
@@ -170,11 +152,7 @@ def _measure(
     group, p: int, sizes: Sequence[int], reps: int, active: bool, root: int, primitives: Sequence[str],
     element_size: int = 4,
 ) -> dict:
-    """``{primitive: (bytes, seconds)}`` for ``primitives``; sizes rounded to a multiple of ``p`` elements.
-
-    ``root`` is the global rank of the group's first member (target of reduce/broadcast).
-    ``element_size``: 4 (fp32) or 2 (fp16, a 16-bit wire dtype).
-    """
+    """``{primitive: (bytes, seconds)}``; sizes rounded to ``p`` elements, ``root`` the reduce/broadcast rank."""
     e, dtype = element_size, _TORCH_DTYPES[element_size]
     cuda = _on_cuda()
     device = _device(cuda)
@@ -201,12 +179,9 @@ def measure_flat_allreduce(
     reps: int = 3,
     wire_dtype: str = "fp32",
 ) -> FlatMeasurement:
-    """Time plain DDP's all-reduce: one ``dist.all_reduce`` of ``nbytes`` on ``group`` (collective call).
+    """Time plain DDP's all-reduce: one ``dist.all_reduce`` of each of ``nbytes`` on ``group`` (collective call).
 
-    ``group``: the world group (``None``) as DDP uses it, on its real backend. ``nbytes``: one
-    size or several, in bytes on the wire (whole ``wire_dtype`` elements). ``topology``: the
-    nodes x ranks per node the group spans. Each time is the median over ``reps`` (after one
-    warm-up) of the slowest rank's; every rank returns rank 0's measurement.
+    ``topology``: the nodes x ranks per node the group spans; every rank returns rank 0's measurement.
     """
     sizes = [int(nbytes)] if isinstance(nbytes, (int, float)) else [int(n) for n in nbytes]
     world = dist.get_world_size(group)
@@ -242,14 +217,10 @@ def fit_calibration(
     flat: FlatMeasurement | None = None,
     backend: str = "gloo",
 ) -> CalibrationResult:
-    """The `CalibrationResult` of measured samples (``{primitive: (bytes, seconds)}``).
+    """The `CalibrationResult` of measured samples (``{primitive: (bytes, seconds)}``): a pure function.
 
-    ``intra_samples``: inside a node (``ranks_per_node`` ranks), ``inter_samples``: among the
-    node leaders, ``shared_samples``: every rank's inter-node all-reduce at once (bytes per
-    flow); ``flat``: plain DDP's all-reduce as measured ([`measure_flat_allreduce`][lightning_fastscale.planner.measure_flat_allreduce]), kept
-    in the parameters; ``backend``: the backend the samples were taken on (how the model
-    prices the flat path elsewhere). Pure function: `calibrate` measures and calls it,
-    and a benchmark can refit stored samples with it.
+    ``intra_samples``: inside a node, ``inter_samples``: among the node leaders,
+    ``shared_samples``: every rank's inter-node all-reduce at once (bytes per flow).
     """
     intra = inter = shared = None
     if ranks_per_node > 1 and intra_samples:
@@ -284,12 +255,8 @@ def calibrate(
 ) -> CalibrationResult:
     """Measure and fit the link parameters on the running process groups (collective call).
 
-    ``intra_group``: this rank's node (root: global rank ``intra_root``); ``leader_group``: one
-    rank per node (meaningful where ``is_leader``; root: global rank 0); ``flow_group``: the
-    ranks with this rank's local rank, whose concurrent all-reduces give ``beta_inter_shared``.
-    A level with one rank takes the other level's values. ``sizes`` are bytes; the inter-node
-    level is timed in ``wire_dtype``. ``flat_sizes``: also time plain DDP's fp32 all-reduce on
-    the world group ([`measure_flat_allreduce`][lightning_fastscale.planner.measure_flat_allreduce]).
+    ``flow_group``: the ranks with this rank's local rank (``beta_inter_shared``);
+    ``flat_sizes``: also time plain DDP's all-reduce on the world group.
     """
     wire = wire_bytes_per_element(wire_dtype)
     intra = inter = shared = None
@@ -301,8 +268,7 @@ def calibrate(
     if nodes > 1 and ranks_per_node > 1 and flow_group is not None:
         # the torus's inter-node stage: every rank's flow carries 1/ranks_per_node of the bytes at once
         shared = _measure(flow_group, nodes, [s // ranks_per_node for s in sizes], reps, True, 0, INTER_PRIMITIVES, wire)
-    # Each time is already the slowest rank's; rank 0's samples are broadcast so that every
-    # rank fits exactly the same numbers (non-leaders do not hold the leaders' sizes).
+    # rank 0's samples, so that every rank fits the same numbers
     flat = None
     if flat_sizes:
         flat = measure_flat_allreduce(None, flat_sizes, Topology(nodes, ranks_per_node), reps)
@@ -318,13 +284,7 @@ def calibrate_process_groups(
     groups, sizes: Sequence[int] = DEFAULT_SIZES, reps: int = 3, wire_dtype: str = "fp32",
     flat_sizes: Sequence[int] | None = None,
 ) -> CalibrationResult:
-    """`calibrate` on the strategy's ``ProcessGroups`` (``strategies/topology.py``).
-
-    Uses ``groups.intra``, on local rank 0 ``groups.inter`` (the group of the ranks with the
-    same local rank, i.e. the node leaders for local rank 0), and every rank's ``groups.inter``
-    at once for the torus's concurrent flows; the inter-node level in ``wire_dtype``;
-    ``flat_sizes``: plain DDP's all-reduce on the world group (see `calibrate`).
-    """
+    """`calibrate` on the strategy's ``ProcessGroups`` (the leaders' ``inter`` group on local rank 0)."""
     topo = groups.topology
     leader = groups.local_rank == 0
     return calibrate(groups.intra, groups.inter if leader else None, topo.ranks_per_node,
@@ -333,11 +293,7 @@ def calibrate_process_groups(
 
 
 def _main(argv: Sequence[str] | None = None) -> None:
-    """``torchrun ... -m lightning_fastscale.planner.calibrate --output params.json``.
-
-    Calibrates the cluster torchrun spans (nodes x ``--ranks-per-node``, default
-    ``LOCAL_WORLD_SIZE``) on gloo or NCCL and writes the fitted parameters (rank 0).
-    """
+    """``torchrun ... -m lightning_fastscale.planner.calibrate --output params.json`` (rank 0 writes)."""
     import argparse
     import json
     import os

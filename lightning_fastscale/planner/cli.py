@@ -1,12 +1,9 @@
 """``fastscale-plan``: predicted all-reduce times, algorithm, fusion plan and scaling for a cluster.
 
     fastscale-plan resnet50 tencent_p40_100g
-    fastscale-plan bert_large horovod_torus_10gbe --json
-    fastscale-plan resnet50 my_cluster.yaml --gpus 512 --plot scaling.png
     fastscale-plan --crossover
 
-Every algorithm is held against the flat all-reduce plain DDP runs (`baseline`); ``--crossover``
-prints where ``hier``, ``torus2d``, a 16-bit wire and top-k beat NCCL's own ring and tree.
+Commands and output are described in ``docs/planner.md`` ("Command line").
 """
 from __future__ import annotations
 
@@ -36,8 +33,6 @@ from lightning_fastscale.strategies.options import (
     CommSetting,
     resolve_chunk_mb,
 )
-
-__all__ = ["build_report", "main"]
 
 
 def _pipeline_chunk_mb(text: str) -> float | str:
@@ -80,11 +75,7 @@ def build_report(
     input_size: int | None = None, wire_dtype: str | None = None, topk_ratio: float | None = None,
     fusion: str = "auto", max_gpus: int = 4096, pipeline_chunk_mb: float | str | None = DEFAULT_PIPELINE_CHUNK_MB,
 ) -> dict:
-    """Everything the CLI prints, as a dict (the ``--json`` document).
-
-    ``pipeline_chunk_mb``: the strategy's option (MiB, ``"auto"`` or ``None``: buckets sent in
-    one piece).
-    """
+    """Everything the CLI prints, as a dict (the ``--json`` document)."""
     work = cluster.workload
     model = model or work.model
     batch = per_gpu_batch or work.per_gpu_batch
@@ -107,6 +98,7 @@ def build_report(
     counts = sorted(set(default_gpu_counts(ranks_per_node, max_gpus)) | {gpus})
     curve = scaling_curve(profile, counts, ranks_per_node, params, setting, fusion)
     split = two.ends[0] if two.num_buckets == 2 else None
+    chunk_mb = resolve_chunk_mb(pipeline_chunk_mb, topology.num_nodes)
     best_chunk, _, chunk_finish = best_chunk_plan(profile, topology, params, setting)
     return {
         "cluster": {
@@ -119,7 +111,7 @@ def build_report(
             "model": model, "parameters": numel, "gradient_mb": sum(profile.grad_bytes) / MB,
             "gradients": len(profile.grad_bytes), "per_gpu_batch": batch, "input_size": size,
             "wire_dtype": wire, "topk_ratio": topk,
-            "pipeline_chunk_mb": resolve_chunk_mb(pipeline_chunk_mb, topology.num_nodes), "pipeline_chunk_setting": pipeline_chunk_mb,
+            "pipeline_chunk_mb": chunk_mb, "pipeline_chunk_setting": pipeline_chunk_mb,
         },
         "allreduce_s": allreduce,
         "flat_baseline": {"what": "plain DDP's flat fp32 all-reduce of the whole gradient",
@@ -137,7 +129,7 @@ def build_report(
             "per_algorithm_finish_s": {a: p.finish_s for a, p in auto.candidates.items()},
         },
         "pipeline_chunk": {
-            "used_mb": resolve_chunk_mb(pipeline_chunk_mb, topology.num_nodes), "best_mb": best_chunk,
+            "used_mb": chunk_mb, "best_mb": best_chunk,
             "finish_s_by_chunk_mb": {("none" if c is None else f"{c:g}"): t for c, t in chunk_finish.items()},
         },
         "step": {

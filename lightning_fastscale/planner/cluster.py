@@ -19,16 +19,6 @@ from lightning_fastscale.planner.cost_model import (
     wire_bytes_per_element,
 )
 
-__all__ = [
-    "Cluster",
-    "ClusterConfigError",
-    "Device",
-    "Link",
-    "Workload",
-    "available_clusters",
-    "load_cluster",
-]
-
 CLUSTER_DIR = Path(__file__).with_name("clusters")
 
 
@@ -38,13 +28,7 @@ class ClusterConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Link:
-    """One link level: bandwidth in Gbit/s (1e9 bit/s) and per-message latency in microseconds.
-
-    Inter-node links may add ``per_flow_gbit_s`` (the most one flow reaches, e.g. one TCP
-    connection on a fast NIC), ``shared_gbit_s`` (the link's total bandwidth when every rank
-    of the node drives its own flow at once, as measured by the planner's calibration) and
-    ``reduction_hidden`` (all-reduces between nodes pay no separate reduction time).
-    """
+    """One link level: bandwidth in Gbit/s and per-message latency in microseconds (fields in ``docs/planner.md``)."""
 
     bandwidth_gbit_s: float
     latency_us: float
@@ -73,8 +57,7 @@ class Device:
 
 @dataclass(frozen=True)
 class Workload:
-    """What is trained: model name (factory / torchvision / timm / built-in), per-rank batch,
-    input size (pixels per side, or tokens for sequence models), wire dtype, optional top-k."""
+    """What is trained: model name, per-rank batch, input size (pixels or tokens), wire dtype, top-k."""
 
     model: str = "resnet50"
     per_gpu_batch: int = 32
@@ -85,7 +68,7 @@ class Workload:
 
 @dataclass(frozen=True)
 class Cluster:
-    """A cluster description (see the module docstring for the YAML form)."""
+    """A cluster description (the YAML form is in ``docs/planner.md``, "Cluster files")."""
 
     name: str
     nodes: int
@@ -118,7 +101,7 @@ class Cluster:
 
     @classmethod
     def from_dict(cls, raw: Any, origin: str = "<dict>") -> "Cluster":
-        """Validate ``raw`` (a parsed YAML mapping) and build a [`Cluster`][lightning_fastscale.planner.Cluster]."""
+        """Validate ``raw`` (a parsed YAML mapping) and build a `Cluster`."""
         return _parse(raw, origin)
 
 

@@ -13,36 +13,9 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from lightning_fastscale.strategies.options import (
-    ALGORITHMS,
-    CommSetting,
-    check_algorithm,
-    wire_bytes_per_element,
-)
+from lightning_fastscale.strategies.options import ALGORITHMS as ALGORITHMS  # re-exported for the planner
+from lightning_fastscale.strategies.options import CommSetting, check_algorithm, wire_bytes_per_element
 from lightning_fastscale.strategies.topology import Topology
-
-__all__ = [
-    "ALGORITHMS",
-    "BACKENDS",
-    "CommParams",
-    "CommSetting",
-    "FlatMeasurement",
-    "Topology",
-    "allgather_time",
-    "allreduce_time",
-    "bandwidth_bound",
-    "broadcast_time",
-    "choose_algorithm",
-    "flat_allreduce_detail",
-    "nccl_ring_time",
-    "nccl_tree_time",
-    "predict_allreduce",
-    "reduce_scatter_time",
-    "reduce_time",
-    "ring_allreduce_time",
-    "stage_times",
-    "wire_bytes_per_element",
-]
 
 _INDEX_BYTES = 4  # top-k sends an int32 index with every value
 _GRAD_BYTES = 4  # gradients (and the sums inside a node) are fp32
@@ -59,13 +32,9 @@ def _check_backend(backend: str, setting: str) -> str:
 
 @dataclass(frozen=True)
 class FlatMeasurement:
-    """The flat all-reduce as DDP runs it, timed on a cluster: seconds per message size.
+    """The flat all-reduce as DDP runs it, timed on a cluster: seconds per size in bytes on the wire.
 
-    ``sizes`` are bytes on the wire (elements x ``wire_dtype`` bytes), ``seconds`` the slowest
-    rank's median time of a plain ``all_reduce`` on the world group with ``backend``, on
-    ``nodes x ranks_per_node`` ranks. [`time`][lightning_fastscale.planner.FlatMeasurement.time] interpolates linearly between the measured
-    sizes and extrapolates beyond them with a latency + bandwidth line fitted to all of them
-    (both terms >= 0), so a measurement at the gradient's size prices exactly that size.
+    Interpolated between the sizes, extrapolated with a fitted latency + bandwidth line.
     """
 
     nodes: int
@@ -85,7 +54,6 @@ class FlatMeasurement:
         values = [*self.sizes, *self.seconds]
         if not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values):
             raise ValueError(f"FlatMeasurement sizes and seconds must be finite numbers > 0, got {values!r}")
-        # Sorted by size, so interpolation works on any input order.
         order = sorted(range(len(self.sizes)), key=lambda i: self.sizes[i])
         object.__setattr__(self, "sizes", tuple(float(self.sizes[i]) for i in order))
         object.__setattr__(self, "seconds", tuple(float(self.seconds[i]) for i in order))
@@ -128,13 +96,7 @@ class FlatMeasurement:
 class CommParams:
     """Link parameters in SI units: seconds per message (alpha), per byte (beta), per byte reduced (gamma).
 
-    ``beta_inter``: one node's inter-node link as one flow sees it; ``beta_inter_shared``: the
-    same link when each of the node's ranks drives its own flow (the torus stage; ``None``: fair
-    sharing); ``beta_flow``: the least seconds per byte one flow reaches (0: no limit);
-    ``gamma_inter``: the reduction cost left visible between nodes (default ``gamma``; 0 where
-    it overlaps the transfer). ``backend`` prices the flat all-reduce: ``"gloo"`` one ring over
-    all ranks, ``"nccl"`` the better of NCCL's ring and tree; ``flat_measured``, where it
-    applies, replaces that model. Field by field in ``docs/planner.md``.
+    Field by field in ``docs/planner.md`` ("The cost model in full").
     """
 
     alpha_intra: float
@@ -166,11 +128,7 @@ class CommParams:
         return self.gamma if self.gamma_inter is None else self.gamma_inter
 
     def flow_beta(self, flows: int) -> float:
-        """Seconds per byte of each of ``flows`` concurrent flows leaving one node.
-
-        One flow gets the link (``beta_inter``); several share it (``beta_inter_shared``, by
-        default ``beta_inter``) equally; no flow is faster than the per-flow limit ``beta_flow``.
-        """
+        """Seconds per byte of each of ``flows`` concurrent flows leaving one node (at most ``beta_flow``)."""
         share = self.beta_inter if flows <= 1 or self.beta_inter_shared is None else self.beta_inter_shared
         return max(flows * share, self.beta_flow)
 
@@ -226,8 +184,7 @@ def bandwidth_bound(nodes: int, nbytes: float, beta_inter: float) -> float:
 
 
 def _nccl_time(topology: Topology, nbytes, params: CommParams, latency: float, node_load: float, chain_load: float):
-    """Pipelined, so the slowest link sets the rate: a node's NIC carries ``node_load`` bytes per
-    byte all-reduced, each in-node link ``chain_load``."""
+    """Pipelined NCCL all-reduce: the busier of the NIC (``node_load``) and in-node links sets the rate."""
     x, world = np.asarray(nbytes, dtype=float), topology.world_size
     if world <= 1:
         return 0.0 * x
@@ -238,12 +195,7 @@ def _nccl_time(topology: Topology, nbytes, params: CommParams, latency: float, n
 
 
 def nccl_ring_time(topology: Topology, nbytes, params: CommParams):
-    """NCCL's ring all-reduce of ``nbytes`` (on the wire) across ``topology``.
-
-    The ring leaves and enters every node once; every link carries ``2(P-1)/P * nbytes`` each
-    way (nccl-tests' bus bandwidth factor); ``2(N-1)`` of its ``2(P-1)`` steps cross a node
-    boundary (NCCL's tuning model). ``beta_inter`` is the node link under NCCL's channels.
-    """
+    """NCCL's topology-aware ring all-reduce of ``nbytes`` (on the wire) across ``topology``."""
     world, nodes = topology.world_size, topology.num_nodes
     steps, inter_steps = 2 * (world - 1), 2 * (nodes - 1)
     latency = (steps - inter_steps) * params.alpha_intra + inter_steps * params.alpha_inter
@@ -251,36 +203,17 @@ def nccl_ring_time(topology: Topology, nbytes, params: CommParams):
     return _nccl_time(topology, nbytes, params, latency, load if nodes > 1 else 0.0, load)
 
 
-def _tree_link_load(nodes: int) -> float:
-    """Bytes each way on the busiest node link per byte all-reduced by NCCL's double binary tree.
-
-    Each tree carries half the data; a node is an inner node in at most one tree and a leaf in
-    the other: ``(3 + 1) / 2 = 2`` from 4 nodes on, 1 on 2 nodes, 1.5 on 3.
-    """
-    if nodes <= 1:
-        return 0.0
-    return {2: 1.0, 3: 1.5}.get(nodes, 2.0)
-
-
 def nccl_tree_time(topology: Topology, nbytes, params: CommParams):
-    """NCCL's tree all-reduce of ``nbytes`` (on the wire) across ``topology``.
-
-    Reduce along a chain inside each node, double binary tree between nodes, broadcast along the
-    chain (NCCL user guide); latency ``2 ((G-1) alpha_intra + floor(log2 N) alpha_inter)``.
-    """
+    """NCCL's tree all-reduce (chain in node, double binary tree between nodes) of ``nbytes`` on the wire."""
     nodes = topology.num_nodes
     hops = int(math.log2(nodes)) if nodes > 1 else 0
     latency = 2 * ((topology.ranks_per_node - 1) * params.alpha_intra + hops * params.alpha_inter)
-    return _nccl_time(topology, nbytes, params, latency, _tree_link_load(nodes), 1.0)
+    node_load = {1: 0.0, 2: 1.0, 3: 1.5}.get(nodes, 2.0)  # busiest node link, bytes per byte (docs/planner.md)
+    return _nccl_time(topology, nbytes, params, latency, node_load, 1.0)
 
 
 def flat_allreduce_detail(numel: float, topology: Topology, params: CommParams, wire_dtype: str = "fp32") -> dict:
-    """How the flat all-reduce of ``numel`` elements is priced: plain data for reports.
-
-    ``{"backend", "seconds", "source" ("measured" or "model"), "model_s", "measured_s",
-    "nccl_ring_s", "nccl_tree_s"}``; the NCCL entries are ``None`` on gloo, ``measured_s`` is
-    ``None`` without an applicable measurement.
-    """
+    """How the flat all-reduce of ``numel`` elements is priced (model, measurement, NCCL ring and tree)."""
     nbytes = float(numel) * wire_bytes_per_element(wire_dtype)
     model = replace(params, flat_measured=None)
     model_s = float(allreduce_time("flat", numel, topology, model, wire_dtype))
@@ -306,7 +239,6 @@ def _inter_stage(
         return 0.0 * nbytes
     beta, gamma = params.flow_beta(flows), params.inter_gamma
     if topk_ratio is None:
-        # Parallel rings advance in lock-step; each flow gets its share of the link.
         return ring_allreduce_time(nodes, nbytes, params.alpha_inter, beta, gamma)
     # Sparse all-gather: every node receives (N-1) * k (value, index) pairs per flow, then adds them.
     sparse = topk_ratio * (nbytes / wire) * (wire + _INDEX_BYTES)
@@ -322,14 +254,7 @@ def stage_times(
     wire_dtype: str = "fp32",
     topk_ratio: float | None = None,
 ) -> list:
-    """Seconds of each stage of ``algorithm`` on ``numel`` elements, in the order they run.
-
-    ``hier``: [reduce in node, leaders' all-reduce, broadcast in node]; ``torus2d``:
-    [reduce-scatter in node, per-shard all-reduce across nodes, all-gather in node]; the flat
-    all-reduce and any single-level case are one stage. Stages inside a node move fp32 (4 bytes per
-    element); the inter-node stage (and a single-level all-reduce) moves ``wire_dtype``.
-    ``numel`` may be a numpy array; zero elements give each stage's pure latency.
-    """
+    """Seconds of each stage of ``algorithm`` on ``numel`` elements (a number or array), in the order they run."""
     algorithm = check_algorithm(algorithm)
     if topk_ratio is not None and not 0 < topk_ratio <= 1:
         raise ValueError(f"topk_ratio={topk_ratio!r} must be in (0, 1]")
@@ -348,8 +273,7 @@ def stage_times(
     if algorithm == "flat" and params.backend == "nccl":
         return [np.minimum(nccl_ring_time(topology, on_wire, params), nccl_tree_time(topology, on_wire, params))]
     if algorithm == "flat":
-        # Every step moves n/P bytes on every edge at once: the slowest edge, its own latency
-        # plus its own transfer, sets the step's length.
+        # gloo's ring: the slowest edge sets each step's length
         step_bytes = on_wire / world
         step = params.alpha_inter + step_bytes * params.flow_beta(1)
         if ranks_per_node > 1:
@@ -381,9 +305,8 @@ def allreduce_time(
 ) -> float:
     """Predicted seconds to all-reduce ``numel`` gradient elements with ``algorithm``.
 
-    ``topk_ratio`` (0 < ratio <= 1) compresses the inter-node stage of ``hier`` / ``torus2d``;
-    ``chunk_numel`` pipelines the stages in chunks of that many elements (``None``: one piece).
-    The closed forms are in ``docs/planner.md`` ("The cost model in full").
+    ``chunk_numel`` pipelines the stages in chunks (``None``: one piece); the closed forms are in
+    ``docs/planner.md`` ("The cost model in full").
     """
     algorithm = check_algorithm(algorithm)
     stages = stage_times(algorithm, numel, topology, params, wire_dtype, topk_ratio)
@@ -426,14 +349,10 @@ def choose_algorithm(
     params: "CommParams | object", message_bytes: float, topology: Topology | None = None,
     setting: CommSetting = CommSetting(),
 ) -> str:
-    """The algorithm with the smallest predicted all-reduce time for ``message_bytes`` under ``setting``.
+    """The algorithm with the smallest predicted all-reduce time for ``message_bytes`` (fp32) under ``setting``.
 
-    ``params`` is a [`CommParams`][lightning_fastscale.planner.CommParams] (then ``topology`` is required) or a
-    [`Cluster`][lightning_fastscale.planner.Cluster] (its own topology and parameters
-    are used unless ``topology`` is given). ``message_bytes`` counts fp32 gradient bytes as
-    held by the model (4 per element); the wire dtype is applied on top. Ties go to the
-    simpler algorithm in the order flat, hier, torus2d. On a single node all three are the
-    same in-node all-reduce and ``flat`` is returned.
+    ``params`` is a `CommParams` (then ``topology`` is required) or a `Cluster`. Ties go to the
+    simpler algorithm (flat, hier, torus2d); on one node ``flat`` is returned.
     """
     if not isinstance(params, CommParams):
         cluster = params

@@ -1,11 +1,6 @@
-"""Gradient fusion planning: which gradients to all-reduce together, and where to cut.
+"""Gradient fusion planning (Jia et al. 2018, Sec. 4.2): which gradients to all-reduce together.
 
-Jia et al. 2018 ("Highly Scalable Deep Learning Training System with Mixed-Precision",
-Sec. 4.2) fuse gradients into few large messages and pick the segments from a model of
-backward compute time and transfer time (ResNet-50 on 1024 GPUs: two segments, split between
-layers 76 and 77). This module does that exactly for an affine-or-not cost function:
-
-More in ``docs/methods/gradient_fusion.md`` ("The planning problem").
+An exact dynamic programme over bucket boundaries; ``docs/methods/gradient_fusion.md``.
 """
 from __future__ import annotations
 
@@ -19,26 +14,15 @@ import torch.distributed as dist
 
 from lightning_fastscale.strategies.options import MB
 
-__all__ = [
-    "FusionPlan",
-    "best_uniform_cap",
-    "ddp_buckets",
-    "ddp_supports_bucket_list",
-    "plan_fusion",
-    "simulate",
-]
-
 CostFn = Callable[[np.ndarray], np.ndarray]
 """Seconds to all-reduce buckets of the given sizes in bytes (vectorised over a numpy array)."""
 
 
 @dataclass(frozen=True)
 class FusionPlan:
-    """A fusion plan in gradient-ready (backward) order and its predicted timeline.
+    """A fusion plan in gradient-ready (backward) order and its predicted timeline from the start of backward.
 
-    ``ends[k]`` is one past the index of bucket ``k``'s last gradient; ``bucket_bytes[k]`` its
-    size. ``finish_s`` is when the last all-reduce ends and ``backward_end_s`` when the last
-    gradient is ready, both measured from the start of backward.
+    ``ends[k]`` is one past the index of bucket ``k``'s last gradient.
     """
 
     ends: tuple[int, ...]
@@ -58,19 +42,11 @@ class FusionPlan:
         return len(self.ends)
 
     def ddp_bucket_cap_mb_list(self) -> list[float]:
-        """Per-bucket caps in MiB that make DDP form exactly these buckets (ready order).
-
-        Each cap equals its bucket's size, so DDP closes the bucket right after its last
-        gradient (``x / 2**20`` and back is exact in binary floating point).
-        """
+        """Per-bucket caps in MiB that make DDP form exactly these buckets (each cap its bucket's size)."""
         return [b / MB for b in self.bucket_bytes]
 
     def ddp_kwargs(self) -> dict:
-        """Keyword arguments for ``DistributedDataParallel`` (and Lightning's DDPStrategy).
-
-        ``bucket_cap_mb_list`` when the installed torch has it (exact); otherwise the single
-        largest bucket as ``bucket_cap_mb`` (use [`best_uniform_cap`][lightning_fastscale.planner.best_uniform_cap] for a better one).
-        """
+        """DDP keyword arguments: ``bucket_cap_mb_list`` where torch has it, else the largest bucket's cap."""
         if ddp_supports_bucket_list():
             return {"bucket_cap_mb_list": self.ddp_bucket_cap_mb_list()}
         return {"bucket_cap_mb": max(self.bucket_bytes) / MB}
@@ -135,11 +111,8 @@ def plan_fusion(
 ) -> FusionPlan:
     """Bucket boundaries that minimise the predicted end of the last all-reduce.
 
-    ``grad_bytes[i]`` and ``backward_s[i]`` are, in backward order, the size of gradient ``i``
-    and the backward compute time spent before it is ready (after gradient ``i-1``).
-    ``cost`` prices a bucket of the given bytes (e.g. from
-    [`lightning_fastscale.planner.cost_model.allreduce_time`][lightning_fastscale.planner.allreduce_time]). ``max_buckets=2`` gives
-    the two-segment plan of Jia et al. 2018.
+    ``backward_s[i]``: compute between gradients ``i-1`` and ``i`` (backward order); ``cost``
+    prices a bucket's bytes; ``max_buckets=2`` gives the two-segment plan of Jia et al. 2018.
     """
     sizes, ready = _check(grad_bytes, backward_s)
     n = sizes.size
@@ -188,12 +161,7 @@ def plan_fusion(
 
 
 def ddp_buckets(grad_bytes: Sequence[int], caps_bytes: Sequence[int]) -> tuple[int, ...]:
-    """Bucket ends that DDP forms over gradients of ``grad_bytes`` (ready order) with the caps.
-
-    Asks torch's own bucket assignment (the function DDP's reducer uses), over zero-stride
-    byte tensors so nothing is allocated. ``caps_bytes`` are the successive bucket caps; the
-    last one repeats.
-    """
+    """Bucket ends that DDP's own assignment forms over ``grad_bytes`` (ready order); the last cap repeats."""
     tensors = [torch.empty(1, dtype=torch.uint8).expand(int(b)) for b in grad_bytes]
     indices = list(range(len(tensors)))
     buckets, _ = dist._compute_bucket_assignment_by_size(
@@ -205,12 +173,7 @@ def ddp_buckets(grad_bytes: Sequence[int], caps_bytes: Sequence[int]) -> tuple[i
 def best_uniform_cap(
     grad_bytes: Sequence[int], backward_s: Sequence[float], cost: CostFn, candidates_mb: Sequence[float] | None = None
 ) -> tuple[float, FusionPlan]:
-    """The single ``bucket_cap_mb`` whose DDP buckets give the earliest predicted finish.
-
-    With an explicit ``bucket_cap_mb`` DDP applies the same cap to its first bucket too, so
-    one number describes the bucketing. Candidates default to a geometric grid from 0.25 MiB
-    to the whole model plus every prefix size of the gradients (each distinct first bucket).
-    """
+    """The single ``bucket_cap_mb`` whose DDP buckets give the earliest predicted finish (default: a grid + prefixes)."""
     sizes, _ = _check(grad_bytes, backward_s)
     if candidates_mb is None:
         total = float(sizes.sum())

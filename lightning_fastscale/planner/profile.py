@@ -13,13 +13,10 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["GradientProfile", "build_model", "measure_backward_profile", "profile_model", "profile_module"]
-
 
 @dataclass(frozen=True)
 class GradientProfile:
-    """Per-gradient ``names``, ``grad_bytes`` and ``backward_s`` in backward order, plus the
-    forward time of one step and the total parameter count."""
+    """Per-gradient ``names``, ``grad_bytes`` and ``backward_s`` in backward order, and one step's forward time."""
 
     names: tuple[str, ...]
     grad_bytes: tuple[int, ...]
@@ -38,11 +35,7 @@ class GradientProfile:
 
 
 class _BertEncoder(nn.Module):
-    """A BERT-shaped encoder (Devlin et al. 2019) from torch's own transformer layers.
-
-    Only the parameter shapes and the FLOPs matter to the planner; vocabulary 30522,
-    512 positions, 2 token types, pooler, as in BERT.
-    """
+    """A BERT-shaped encoder (Devlin et al. 2019): only its parameter shapes and FLOPs matter."""
 
     def __init__(self, layers: int, hidden: int, heads: int) -> None:
         super().__init__()
@@ -64,11 +57,7 @@ _BUILTIN = {"bert_large": (24, 1024, 16), "bert_base": (12, 768, 12)}
 
 
 def build_model(name: str) -> tuple[nn.Module, bool]:
-    """Build ``name`` on the meta device; returns the model and whether it takes token ids.
-
-    Looks in order at the built-in BERT shapes (``bert_base``, ``bert_large``), the package's
-    model factory, torchvision, then timm.
-    """
+    """Build ``name`` (BERT shape, package factory, torchvision, timm) on the meta device; and whether it takes tokens."""
     with torch.device("meta"):
         if name in _BUILTIN:
             return _BertEncoder(*_BUILTIN[name]), True
@@ -95,11 +84,7 @@ def build_model(name: str) -> tuple[nn.Module, bool]:
 
 
 def _own_flops(model: nn.Module, counts: dict[str, dict]) -> dict[str, float]:
-    """FLOPs of each module itself: FlopCounterMode adds children into their callers.
-
-    Containers that are never called (``ModuleList``) have no entry, so a module's FLOPs are
-    taken off its nearest *counted* ancestor.
-    """
+    """FLOPs of each module without its children's (taken off the nearest counted ancestor)."""
     total = {}
     root = type(model).__name__
     for key, ops in counts.items():
@@ -119,10 +104,7 @@ def _own_flops(model: nn.Module, counts: dict[str, dict]) -> dict[str, float]:
 
 
 def profile_model(name: str, batch: int, input_size: int, sustained_tflops: float) -> GradientProfile:
-    """Gradient profile of model ``name`` for a per-rank ``batch`` at ``input_size``.
-
-    ``input_size`` is the image side in pixels, or the sequence length for token models.
-    """
+    """Gradient profile of model ``name`` for a per-rank ``batch`` at ``input_size`` (pixels, or tokens)."""
     if batch < 1 or input_size < 1:
         raise ValueError(f"batch={batch} and input_size={input_size} must be >= 1")
     model, tokens = build_model(name)
@@ -135,11 +117,7 @@ def profile_model(name: str, batch: int, input_size: int, sustained_tflops: floa
 
 
 def profile_module(module: nn.Module, example_input: torch.Tensor, sustained_tflops: float) -> GradientProfile:
-    """Gradient profile of ``module`` from one forward pass on ``example_input``.
-
-    The module may live on the meta device (nothing is computed) or on a real one (one
-    forward pass, without autograd; ``example_input`` is moved to the module's device).
-    """
+    """Gradient profile of ``module`` from the FLOPs of one forward pass (meta device or real, no autograd)."""
     if sustained_tflops <= 0:
         raise ValueError(f"sustained_tflops={sustained_tflops} must be > 0")
     first = next(module.parameters(), None)
@@ -173,14 +151,9 @@ def measure_backward_profile(
     loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
     reps: int = 3,
 ) -> GradientProfile:
-    """Gradient profile of ``module`` timed on its own device: when each gradient is ready.
+    """Gradient profile of ``module`` timed on its own device: the median time each gradient becomes ready.
 
-    One warm-up and ``reps`` timed forward + backward passes on ``example_input``; a
-    ``register_post_accumulate_grad_hook`` stamps each gradient, whose ``backward_s`` is the
-    median time since the previous one (the measured input of Jia et al. 2018's fusion model),
-    in the order they really became ready. On CUDA each stamp synchronises (compute only, no
-    overlap). ``loss_fn`` maps the output to a scalar (default: its sum). Gradients and buffers
-    are put back afterwards.
+    ``loss_fn`` maps the output to a scalar (default: its sum); gradients and buffers are put back.
     """
     if reps < 1:
         raise ValueError(f"reps={reps} must be >= 1")

@@ -1,10 +1,6 @@
-"""Predicted step time and scaling efficiency of data-parallel training from 1 GPU upwards.
+"""Predicted step time and weak-scaling efficiency, ``step(1 GPU) / step(P GPUs)``, from 1 GPU upwards.
 
-Weak scaling, as in the published records (Jia et al. 2018; Mikami et al. 2018): every rank
-keeps its per-GPU batch, so the compute of a step is the same on 1 or P GPUs and only the
-gradient all-reduce is added. A step is forward + backward + the communication that the
-fusion plan cannot hide behind backward; scaling efficiency is
-``step(1 GPU) / step(P GPUs)`` (throughput per GPU relative to one GPU).
+A step is forward + backward + the communication the fusion plan cannot hide (Jia et al. 2018).
 """
 from __future__ import annotations
 
@@ -17,8 +13,6 @@ from lightning_fastscale.planner.cost_model import CommParams, Topology, allredu
 from lightning_fastscale.planner.fusion import FusionPlan, ddp_buckets, plan_fusion, simulate
 from lightning_fastscale.planner.profile import GradientProfile
 from lightning_fastscale.strategies.options import MB, CommSetting, check_algorithm
-
-__all__ = ["StepPrediction", "allreduce_cost", "default_gpu_counts", "predict_step", "scaling_curve", "topology_for"]
 
 
 def allreduce_cost(
@@ -73,11 +67,7 @@ def predict_step(
     profile: GradientProfile, gpus: int, ranks_per_node: int, params: CommParams, algorithm: str,
     setting: CommSetting = CommSetting(), fusion: str = "auto",
 ) -> StepPrediction:
-    """Predicted step on ``gpus`` ranks (``ranks_per_node`` to a node) with ``algorithm`` under ``setting``.
-
-    ``fusion``: ``"auto"`` (optimal buckets), ``"two"`` (two buckets), ``"single"`` (one
-    bucket after backward, no overlap) or ``"ddp25"`` (DDP's default 25 MiB cap).
-    """
+    """Predicted step on ``gpus`` ranks with ``algorithm``; ``fusion``: ``"auto"``, ``"two"``, ``"single"`` or ``"ddp25"``."""
     topology = topology_for(gpus, ranks_per_node)
     cost = allreduce_cost(algorithm, topology, params, setting)
     grad, back = profile.grad_bytes, profile.backward_s
@@ -107,6 +97,6 @@ def scaling_curve(
     profile: GradientProfile, gpu_counts: Sequence[int], ranks_per_node: int, params: CommParams,
     setting: CommSetting = CommSetting(), fusion: str = "auto",
 ) -> list[StepPrediction]:
-    """[`predict_step`][lightning_fastscale.planner.predict_step] for every GPU count and each of ``setting.candidates``."""
+    """`predict_step` for every GPU count and each of ``setting.candidates``."""
     return [predict_step(profile, g, ranks_per_node, params, a, setting, fusion)
             for g in gpu_counts for a in setting.candidates]

@@ -1,10 +1,5 @@
-"""Precision: half-precision compute with fp32 master weights, loss scaling and LARS.
-
-[`LARS`][lightning_fastscale.precision.LARS] is the optimizer (You et al. 2017);
-[`LARSMixedPrecision`][lightning_fastscale.precision.LARSMixedPrecision] (Trainer) and
-[`LARSFabricPrecision`][lightning_fastscale.precision.LARSFabricPrecision] (Fabric) are the
-precision plugins of Jia et al. 2018 that apply LARS to a plain optimizer, in fp32, on the
-unscaled gradients, and skip non-finite steps.
+"""Precision: the LARS optimizer (You et al. 2017) and the LARS mixed-precision plugins of Jia et al. 2018
+(Trainer and Fabric): fp32 master weights, loss scaling, LARS on the unscaled gradients.
 """
 from .lars import LARS, lars_rescale_
 from .lars_fabric import LARSFabricPrecision

@@ -4,11 +4,7 @@ update function over tensor lists and a torch optimizer.
     r  = eta * ||w|| / (||g|| + wd * ||w|| + eps)
     g' = r * (g + wd * w)        then momentum SGD with the global lr.
 
-As in timm's ``Lars`` and NVIDIA apex LARC, ``r`` is 1 where ``||w||`` or ``||g||`` is 0 or the
-parameter is not adapted; ``trust_clip`` is LARC's clip mode (``r = min(r / lr, 1)``). Jia et
-al. 2018 (arXiv:1807.11205) compute the ratio in fp32 on fp32 master weights. One kernel per
-device kind: on the CPU each cache-sized slice gets the rescale and SGD's update in a row (every
-value read from memory once); on accelerators, multi-tensor operations, then torch's ``sgd``.
+Details in ``docs/methods/lars_mixed_precision.md``.
 """
 from __future__ import annotations
 
@@ -27,13 +23,12 @@ _CPU_SLICE = 1 << 18
 
 
 def _batch_size(device: torch.device) -> int | None:
-    """Values per slice on ``device``; None: multi-tensor operations over the whole list."""
+    """Values per slice on ``device``; None: multi-tensor operations (the tests' seam)."""
     return _CPU_SLICE if device.type == "cpu" else None
 
 
 def _slices(columns: Sequence[Sequence[Tensor]], size: int) -> Iterator[tuple[int, list[Tensor]]]:
-    """Matching slices of at most ``size`` values of equally shaped tensors, with the index of
-    the tensors they came from (a strided tensor is one slice)."""
+    """Matching slices of at most ``size`` values of equally shaped tensors, with their tensors' index."""
     for i, row in enumerate(zip(*columns)):
         if all(t.is_contiguous() for t in row):
             flat = [t.view(-1) for t in row]
@@ -52,8 +47,7 @@ def check_lars_options(eta: float, eps: float) -> None:
 
 
 def foreach_norms(tensors: Sequence[Tensor]) -> Tensor:
-    """The L2 norm of each tensor, stacked; half-precision inputs accumulate in fp32 (a sum of
-    fp16 squares underflows below ~1e-4, which is how fp16 LARS loses its updates)."""
+    """The L2 norm of each tensor, stacked; half-precision inputs accumulate in fp32."""
     half = tensors[0].dtype in (torch.float16, torch.bfloat16)
     return torch.stack(torch._foreach_norm(list(tensors), 2, dtype=torch.float32 if half else None))
 
@@ -66,10 +60,8 @@ def lars_update_(
 ) -> list[float]:
     """``g' = r * (g + wd * w)`` with the ratios ``r`` (1 where not ``adapt``); returns the ratios.
 
-    Without ``bufs``, ``g'`` is written into ``grads``. Given ``bufs`` (one momentum buffer or
-    None per parameter), torch SGD's update on ``g'`` (weight decay 0) is applied instead, new
-    buffers stored in ``bufs``, and the gradients stay as they were. ``g_norms``: their stacked
-    norms if known.
+    Without ``bufs``, ``g'`` is written into ``grads``; given ``bufs`` (momentum buffers or None),
+    torch SGD's update on ``g'`` is applied instead and the gradients stay as they were.
     """
     if not params:
         return []
@@ -107,8 +99,7 @@ def lars_update_(
     if momentum:
         bufs[:] = [torch.empty_like(p) if b is None else b for p, b in zip(params, bufs)]
     scratch = torch.empty(size, dtype=grads[0].dtype, device=grads[0].device)
-    # an existing buffer takes the ratio folded in: no scratch; two more roundings, so single or
-    # double precision only, with m / r well inside their range
+    # an existing buffer takes the ratio folded in (no scratch; fp32/fp64 only, see the method card)
     fold = momentum and not (dampening or nesterov) and params[0].dtype in (torch.float32, torch.float64)
     for i, (p, g, *rest) in _slices([params, grads, bufs] if momentum else [params, grads], size):  # type: ignore[list-item]
         buf = rest[0] if rest else None
@@ -143,12 +134,9 @@ def lars_rescale_(
     params: Sequence[Tensor], grads: Sequence[Tensor], *, lr: float, weight_decay: float = 0.0, eta: float = 1e-3,
     eps: float = 1e-8, trust_clip: bool = False, adapt: Sequence[bool] | Tensor | None = None,
 ) -> list[float]:
-    """In place: ``grads[i] <- r_i * (grads[i] + weight_decay * params[i])``; returns the ratios.
+    """In place: ``grads[i] <- r_i * (grads[i] + weight_decay * params[i])`` (You et al. 2017); returns the ratios.
 
-    The gradients must be the true (unscaled) ones: with weight decay or ``eps`` the ratio is
-    not invariant to a loss scale (apex LARC computed it on scaled gradients, apex issue #1030).
-    Then step any optimizer with weight decay 0 for these parameters. ``adapt``: which tensors
-    LARS adapts (default all).
+    The gradients must be the unscaled ones; then step any optimizer with weight decay 0 for these parameters.
     """
     return lars_update_(list(params), list(grads), None, lr=lr, weight_decay=weight_decay, eta=eta, eps=eps,
                         trust_clip=trust_clip, adapt=[True] * len(params) if adapt is None else adapt)
@@ -157,17 +145,10 @@ def lars_rescale_(
 class LARS(torch.optim.Optimizer):
     """Momentum SGD with LARS layer-wise learning rates (You et al. 2017), for plain PyTorch.
 
-    ``torch.optim.SGD`` on the gradient ``r * (g + wd * w)``, with SGD's state layout; the
-    gradients are left as they were. A group with ``lars=False`` is plain SGD, and parameters
-    with ``ndim <= 1`` are not adapted (but decayed, as by SGD);
-    [`from_module`][lightning_fastscale.precision.LARS.from_module] gives the bias/norm
-    parameters neither LARS nor weight decay (Jia et al. 2018); timm's ``Lars(trust_coeff=eta)``
-    takes the same steps given ``always_adapt=True`` on the adapted group. Under Lightning,
-    prefer [`LARSMixedPrecision`][lightning_fastscale.precision.LARSMixedPrecision].
+    ``torch.optim.SGD`` on ``r * (g + wd * w)`` with SGD's state layout; a group with
+    ``lars=False`` is plain SGD. Under Lightning, prefer `LARSMixedPrecision`.
 
     Args:
-        params: parameters or parameter groups.
-        lr: global learning rate.
         momentum, dampening, weight_decay, nesterov: as in ``torch.optim.SGD``.
         eta: trust coefficient (0.001 in You et al. and MLPerf).
         eps: added to the ratio's denominator.
@@ -204,8 +185,7 @@ class LARS(torch.optim.Optimizer):
     def from_module(
         cls, module: nn.Module, lr: float, weight_decay: float = 0.0, exclude: Sequence[str] = (), **kwargs: Any
     ) -> LARS:
-        """LARS over ``module``: bias/norm parameters (and ``exclude`` name globs) in a group
-        with neither LARS nor weight decay (Jia et al. 2018; MLPerf reference)."""
+        """LARS over ``module``, bias/norm parameters (and ``exclude`` globs) with neither LARS nor decay (Jia et al. 2018)."""
         adapted, excluded = split_parameters(module, validate_patterns(exclude))
         if not adapted:
             raise ValueError(f"LARS.from_module: exclude={list(exclude)!r} with the bias/norm rule excludes "

@@ -1,10 +1,4 @@
-"""``LARSFabricPrecision``: the LARS mixed-precision plugin for Lightning Fabric loops.
-
-The step of the Trainer's [`LARSMixedPrecision`][lightning_fastscale.precision.LARSMixedPrecision]
-(Jia et al. 2018; You et al. 2017) in Fabric's calling convention: ``fabric.backward(loss)``
-scales the loss; ``optimizer.step()`` unscales, skips a non-finite step on every rank (agreed
-over torch.distributed's default group), else applies LARS and steps, then updates the scaler.
-"""
+"""``LARSFabricPrecision``: the LARS mixed-precision plugin (Jia et al. 2018) for Lightning Fabric loops."""
 from __future__ import annotations
 
 from typing import Any
@@ -30,11 +24,7 @@ def _any_rank(flag: bool, device: torch.device) -> bool:
 
 
 class LARSFabricPrecision(LARSStepMixin, MixedPrecision):
-    """Fabric precision plugin: autocast compute, fp32 master weights, loss scaling, LARS.
-
-    Same arguments and counters as [`LARSMixedPrecision`][lightning_fastscale.precision.LARSMixedPrecision].
-    ``fabric.setup(model, optimizer)`` records which parameters LARS adapts; put
-    ``plugin.state_dict()`` in ``fabric.save``'s state to keep the scaler and counters.
+    """Fabric precision plugin with the arguments of `LARSMixedPrecision`; save ``plugin.state_dict()`` yourself.
 
     Examples:
         >>> import lightning as L

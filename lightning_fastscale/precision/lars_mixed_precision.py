@@ -1,9 +1,5 @@
-"""``LARSMixedPrecision``: the Trainer's precision plugin for LARS with mixed precision.
-
-Jia et al. 2018 (arXiv:1807.11205) trained ResNet-50 at batch 64K with fp16 compute and LARS
-(You et al. 2017); LARS on fp16 weights lost its updates to rounding. Their fix, as a Lightning
-``MixedPrecision``: autocast compute on fp32 master weights, the loss scaled (``"16-mixed"``),
-the ratio and the update in fp32 from the *unscaled* gradient.
+"""``LARSMixedPrecision``: the Trainer's precision plugin for LARS (You et al. 2017) with mixed precision
+as Jia et al. 2018 (arXiv:1807.11205) ran it: fp32 master weights, LARS on the unscaled gradient.
 """
 from __future__ import annotations
 
@@ -34,23 +30,14 @@ def _lightning_module(model: nn.Module) -> nn.Module:
 
 
 class LARSMixedPrecision(LARSStepMixin, MixedPrecision):
-    """Lightning Trainer plugin: autocast compute, fp32 master weights, loss scaling, LARS.
+    """Lightning Trainer plugin: autocast compute, fp32 master weights, loss scaling, LARS (Jia et al. 2018).
 
-    Use with a plain optimizer (momentum SGD) over the module's fp32 parameters. Bias and norm
-    parameters are not adapted ([`lightning_fastscale.param_groups`][lightning_fastscale.param_groups],
-    plus ``exclude``). The step: closure, unscale, Lightning's hooks and gradient clipping, then
-    skip if any rank's gradient is non-finite, else LARS and ``optimizer.step()``; then
-    ``scaler.update()``. Skips are counted, logged as ``lars/skipped_steps`` with
-    ``lars/loss_scale``, and saved with the scaler state in checkpoints. For ``lightning.Fabric``
-    use [`LARSFabricPrecision`][lightning_fastscale.precision.LARSFabricPrecision].
+    Use with a plain optimizer (momentum SGD); the step order is in ``docs/methods/lars_mixed_precision.md``.
 
     Args:
-        precision: ``"16-mixed"`` (fp16 autocast + dynamic loss scaling), ``"bf16-mixed"``
-            (bf16 autocast) or ``"32-true"``/``"32"`` (no autocast).
+        precision: ``"16-mixed"`` (with loss scaling), ``"bf16-mixed"`` or ``"32-true"``/``"32"`` (no autocast).
         device: autocast device type, ``"cuda"`` or ``"cpu"`` (default: ``"cuda"`` if available).
-        eta: trust coefficient (0.001 in You et al. 2017 and the MLPerf reference).
-        eps: added to the ratio's denominator.
-        trust_clip: LARC clip mode (a layer's effective lr is ``min(local_lr, lr)``).
+        eta, eps, trust_clip: as for `LARS` (eta 0.001 in You et al. 2017 and the MLPerf reference).
         exclude: extra glob patterns on parameter names that LARS leaves alone.
         scaler: a ``torch.amp.GradScaler`` for ``"16-mixed"`` (one is made otherwise).
 

@@ -1,6 +1,4 @@
-"""The LARS step shared by the Trainer and Fabric plugins: Jia et al. 2018 (arXiv:1807.11205)
-compute the LARS ratio (You et al. 2017) in fp32, on fp32 master weights, from the *unscaled*
-gradient, and skip a step whose gradient is non-finite on any rank."""
+"""The LARS step (You et al. 2017) shared by the Trainer and Fabric plugins (Jia et al. 2018)."""
 from __future__ import annotations
 
 import logging
@@ -75,8 +73,7 @@ class LARSStepMixin:
         return id(p) not in self._excluded and not is_excluded("", p)  # type: ignore[operator]
 
     def validate(self, optimizer: Optimizer) -> None:
-        """Refuse what LARS cannot serve (LBFGS, a LARS optimizer, nothing adapted, half weights,
-        decoupled decay); warn about decayed bias/norm parameters."""
+        """Refuse what LARS cannot serve; warn about decayed bias/norm parameters."""
         name = type(self).__name__
         if isinstance(optimizer, LBFGS):
             raise TypeError(f"{name} does not support LBFGS (a closure-driven line search)")
@@ -107,18 +104,10 @@ class LARSStepMixin:
         self._validated.add(id(optimizer))
 
     def lars_step(self, optimizer: Optimizer, agree: Callable[[bool], bool] | None = None, **kwargs: Any) -> Any:
-        """On unscaled gradients: skip if non-finite, else ``g <- r * (g + wd * w)`` and
-        ``optimizer.step(**kwargs)`` with the groups' weight decay 0 for the call (as apex LARC).
+        """On unscaled gradients: skip if non-finite on any rank (``agree``), else ``g <- r * (g + wd * w)``
+        and ``optimizer.step(**kwargs)`` with weight decay 0; ``None`` for a skipped step.
 
-        ``agree`` turns this rank's "non-finite" flag into all ranks' decision (a rank that
-        stepped while another skipped would fork the replicas). Returns the optimizer's
-        return value, None for a skipped step. Around a plain ``torch.optim.SGD`` the rescale
-        and SGD's update run together, from a step pre-hook registered last inside the real
-        ``optimizer.step()``: its hooks, profiler record and LR-scheduler tracking run as usual,
-        and the gradients stay as given (hooks and whatever runs after the step see them so),
-        because the ratio is folded into the momentum update instead of written back, a pass
-        over memory less (``benchmarks/lars_step.py``). Around any other optimizer, which reads
-        the gradients, they are rescaled in place.
+        Around a plain ``torch.optim.SGD`` it runs in one pass from a step pre-hook (method card).
         """
         if self._excluded is None:
             raise RuntimeError(f"{type(self).__name__}: no module set up; call classify(module), or in Fabric "

@@ -1,7 +1,5 @@
-"""Hierarchical / 2D-torus gradient all-reduce for Lightning (Jia et al. 2018; Mikami et al. 2018).
-
-Importing this package registers ``"hier_ring"``, ``"hier_torus"`` and their ``_spawn``
-variants in Lightning's ``StrategyRegistry`` (for the Trainer) and in Fabric's strategy registry.
+"""Hierarchical / 2D-torus gradient all-reduce for Lightning (Jia et al. 2018; Mikami et al. 2018);
+importing it registers ``"hier_ring"``, ``"hier_torus"`` (and ``_spawn``) for the Trainer and Fabric.
 """
 from lightning_fastscale.strategies.allreduce import (
     ALLREDUCE_FUNCTIONS,

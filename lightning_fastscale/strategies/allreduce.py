@@ -1,12 +1,5 @@
-"""Two-level all-reduce algorithms over a flat tensor: flat, hierarchical, 2D torus.
-
-Each function sums ``tensor`` in place across all ranks given only a
-[`ProcessGroups`][lightning_fastscale.strategies.topology.ProcessGroups], so they run outside
-DDP too; the DDP communication hooks (`comm_hooks`) run them on each gradient bucket.
-``hier_allreduce_`` is Jia et al. 2018's, ``torus2d_allreduce_`` Mikami et al. 2018's;
-their options (wire dtype, chunk pipelining, top-k) are described in
-``docs/methods/hierarchical_allreduce.md`` ("The algorithms in code"). A failed collective
-raises [`CollectiveStageError`][lightning_fastscale.strategies.allreduce.CollectiveStageError].
+"""In-place all-reduce algorithms over a flat tensor given a `ProcessGroups`: flat, hierarchical
+(Jia et al. 2018), 2D torus (Mikami et al. 2018); ``docs/methods/hierarchical_allreduce.md``.
 """
 from __future__ import annotations
 
@@ -31,7 +24,7 @@ STAGES: tuple[str, ...] = (
     "flat all-reduce", "in-node all-reduce", "in-node reduce", "in-node reduce-scatter",
     "inter-node all-reduce", "inter-node top-k all-gather", "in-node broadcast", "in-node all-gather",
 )
-"""Stage names that [`CollectiveStageError`][lightning_fastscale.strategies.allreduce.CollectiveStageError] reports."""
+"""Stage names that `CollectiveStageError` reports."""
 
 
 class CollectiveStageError(RuntimeError):
@@ -43,7 +36,6 @@ class CollectiveStageError(RuntimeError):
 
 
 def _issue(stage: str, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> _Pending | None:
-    """Run ``collective(*args, async_op=..., **kwargs)``, labelling its failure with ``stage``."""
     try:
         work = collective(*args, **kwargs)
     except CollectiveStageError:
@@ -54,7 +46,7 @@ def _issue(stage: str, collective: Callable[..., Any], *args: Any, **kwargs: Any
 
 
 class _Pending:
-    """An asynchronous collective whose ``wait`` reports failures as [`CollectiveStageError`][lightning_fastscale.strategies.allreduce.CollectiveStageError]."""
+    """An asynchronous collective whose ``wait`` reports failures as `CollectiveStageError`."""
 
     def __init__(self, stage: str, work: dist.Work) -> None:
         self.stage, self.work = stage, work
@@ -68,15 +60,9 @@ class _Pending:
 
 @dataclass
 class TopKErrorFeedback:
-    """Top-k sparsification with error feedback, one residual per ``key`` (e.g. DDP bucket index).
+    """Top-k sparsification with error feedback, one residual per ``key`` (Lin et al. 2018).
 
-    Before selecting, the residual left over from the previous step for the same key is added;
-    what is not sent becomes the new residual (Lin et al. 2018, Deep Gradient Compression;
-    Tencent Cloud 2020 applies it to the inter-node stage only). If the tensor under a key changes
-    size (DDP rebuilds its buckets after the first iteration) the residual is reset to zero and
-    counted in ``resets``: a residual is only meaningful for the same parameter slots. The DDP
-    hook additionally sends its first iterations uncompressed, like PowerSGD, so that the
-    residuals start on the final bucket layout.
+    A residual whose tensor changes size (another bucket layout) restarts from zero, counted in ``resets``.
     """
 
     ratio: float
@@ -94,11 +80,7 @@ class TopKErrorFeedback:
         return max(1, min(numel, round(self.ratio * numel)))
 
     def select(self, key: Hashable, tensor: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """Return ``(indices int32, values in dtype)`` of the top-k of ``tensor + residual``.
-
-        Updates the residual to exactly what was not transmitted, including the rounding of the
-        values to ``dtype``.
-        """
+        """``(indices int32, values in dtype)`` of the top-k of ``tensor + residual``; the residual keeps the rest."""
         error = self.errors.get(key)
         if error is None or error.shape != tensor.shape or error.dtype != tensor.dtype:
             if error is not None:
@@ -126,15 +108,7 @@ def _cast_dtype(wire_dtype: str) -> torch.dtype | None:
 
 
 def _to_wire(tensor: Tensor, wire_dtype: torch.dtype | None) -> Tensor:
-    if wire_dtype is None or wire_dtype == tensor.dtype:
-        return tensor
-    return tensor.to(wire_dtype)
-
-
-def _finish(tensor: Tensor, wire: Tensor) -> Tensor:
-    if wire is not tensor:
-        tensor.copy_(wire)
-    return tensor
+    return tensor if wire_dtype is None else tensor.to(wire_dtype)  # ``to`` returns ``tensor`` if it has the dtype
 
 
 def _chunks(wire: Tensor, chunk_numel: int | None) -> list[Tensor]:
@@ -145,16 +119,10 @@ def _chunks(wire: Tensor, chunk_numel: int | None) -> list[Tensor]:
     return list(wire.split(chunk_numel))
 
 
-def _shard_sizes(numel: int, parts: int) -> list[int]:
-    base, extra = divmod(numel, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
-
-
 def _sparse_allreduce_(
     tensor: Tensor, group: dist.ProcessGroup, topk: TopKErrorFeedback,
     key: Hashable, cast: torch.dtype, acc_dtype: torch.dtype,
 ) -> None:
-    """Sum ``tensor`` over ``group`` sending only its top-k (plus residual) as index/value pairs."""
     acc = tensor.to(acc_dtype)
     indices, values = topk.select(key, acc, cast)
     size = dist.get_world_size(group)
@@ -186,11 +154,7 @@ def _inter_stage(
     pieces: list[Tensor], groups: ProcessGroups, cast: torch.dtype | None,
     topk: TopKErrorFeedback | None, key: Hashable, after: list[_Pending | None] | None = None,
 ) -> list[_Crossing | None]:
-    """All-reduce each piece over ``groups.inter`` in ``cast``; wait for ``after[i]`` first.
-
-    Only this stage is cast to the wire dtype: sums inside a node stay in the gradient's own
-    precision, and the cast of a chunk overlaps the transfer of the previous one.
-    """
+    """All-reduce each piece over ``groups.inter`` in ``cast`` (the only cast stage); wait for ``after[i]`` first."""
     crossings: list[_Crossing | None] = []
     for i, piece in enumerate(pieces):
         if after is not None and after[i] is not None:
@@ -217,18 +181,16 @@ def _one_allreduce(tensor: Tensor, group: dist.ProcessGroup, stage: str, cast: t
                    chunk_numel: int | None) -> Tensor:
     wire = _to_wire(tensor, cast)
     _wait([_issue(stage, dist.all_reduce, piece, group=group, async_op=True) for piece in _chunks(wire, chunk_numel)])
-    return _finish(tensor, wire)
+    if wire is not tensor:
+        tensor.copy_(wire)
+    return tensor
 
 
 def flat_allreduce_(
     tensor: Tensor, groups: ProcessGroups, wire_dtype: str = "fp32",
     chunk_numel: int | None = None,
 ) -> Tensor:
-    """Flat all-reduce over every rank (the baseline the two-level algorithms are measured against).
-
-    Runs on ``groups.world``, a private group, so it never interleaves with collectives that
-    others issue on the default group during backward (e.g. SyncBatchNorm).
-    """
+    """Flat all-reduce over every rank, on the private ``groups.world`` (never interleaved with SyncBatchNorm)."""
     return _one_allreduce(tensor, groups.world, "flat all-reduce", _cast_dtype(wire_dtype), chunk_numel)
 
 
@@ -236,14 +198,7 @@ def hier_allreduce_(
     tensor: Tensor, groups: ProcessGroups, wire_dtype: str = "fp32",
     topk: TopKErrorFeedback | None = None, key: Hashable = 0, chunk_numel: int | None = None,
 ) -> Tensor:
-    """Reduce in the node to its leader, all-reduce among leaders, broadcast in the node.
-
-    Only the node leaders (local rank 0) touch the inter-node network, and each sends the
-    gradient once instead of once per rank: 2(N-1)/N of the bytes per node link, with N nodes
-    instead of N*ranks_per_node in the latency term (Jia et al. 2018). ``wire_dtype`` applies
-    to the leaders' all-reduce only. With one node this is an all-reduce in the node (in
-    ``wire_dtype``, its only link); with one rank per node, an all-reduce among nodes.
-    """
+    """Reduce in the node to its leader, all-reduce among leaders in ``wire_dtype``, broadcast in the node (Jia et al. 2018)."""
     topo = groups.topology
     cast = _cast_dtype(wire_dtype)
     if topo.num_nodes == 1:
@@ -277,13 +232,10 @@ def torus2d_allreduce_(
     topk: TopKErrorFeedback | None = None, key: Hashable = 0, chunk_numel: int | None = None,
     native_scatter_gather: bool | None = None,
 ) -> Tensor:
-    """Reduce-scatter in the node, all-reduce each shard across nodes, all-gather in the node.
+    """Reduce-scatter in the node, all-reduce each shard across nodes, all-gather in the node (Mikami et al. 2018).
 
-    Every local rank owns one 1/ranks_per_node shard and all-reduces it over its own inter-node
-    group (in ``wire_dtype``), so all ranks share the inter-node traffic (Mikami et al. 2018,
-    2D-torus all-reduce). ``native_scatter_gather``: use the backend's reduce-scatter /
-    all-gather (``True``) or one reduce / broadcast per shard (``False``); ``None`` picks by
-    backend (see the module docstring).
+    ``native_scatter_gather``: the backend's reduce-scatter / all-gather, else one reduce /
+    broadcast per shard; ``None``: native on NCCL only.
     """
     topo = groups.topology
     if topo.num_nodes == 1 or topo.ranks_per_node == 1:
@@ -304,7 +256,7 @@ def _torus_per_shard(
 ) -> None:
     parts = groups.topology.ranks_per_node
     me = groups.local_rank
-    shards = [piece.split(_shard_sizes(piece.numel(), parts)) for piece in pieces]
+    shards = [piece.tensor_split(parts) for piece in pieces]  # the first numel % parts shards one longer
     inbound: list[list[_Pending | None]] = []
     for piece_shards in shards:
         works: list[_Pending | None] = []
@@ -352,4 +304,4 @@ ALLREDUCE_FUNCTIONS: dict[str, Callable[..., Tensor]] = {
     "hier": hier_allreduce_,
     "torus2d": torus2d_allreduce_,
 }
-"""Algorithm name ([`ALGORITHMS`][lightning_fastscale.planner.ALGORITHMS]) -> in-place all-reduce."""
+"""Algorithm name -> in-place all-reduce."""

@@ -1,12 +1,5 @@
-"""``FabricHierarchicalAllReduceStrategy``: the hierarchical / 2D-torus all-reduce for Lightning Fabric.
-
-The Fabric counterpart of [`HierarchicalAllReduceStrategy`][lightning_fastscale.strategies.HierarchicalAllReduceStrategy]:
-the same options, validation, topology checks, fusion plan and communication hooks (all in
-`HierarchicalAllReduceMixin`), called from Fabric's
-``DDPStrategy`` hooks instead of the Trainer's. Hierarchical all-reduce after Jia et al. 2018
-(arXiv:1807.11205), 2D torus after Mikami et al. 2018 (arXiv:1811.05233). Registered in Fabric's
-strategy registry under the Trainer's names, ``"hier_ring"`` and ``"hier_torus"`` (plus
-``*_spawn``), by `register_fabric_strategies`.
+"""``FabricHierarchicalAllReduceStrategy``: the hierarchical (Jia et al. 2018) / 2D-torus (Mikami et al.
+2018) all-reduce for Lightning Fabric, under the Trainer's names ``"hier_ring"`` and ``"hier_torus"``.
 """
 from __future__ import annotations
 
@@ -23,12 +16,7 @@ from lightning_fastscale.strategies.hierarchical_mixin import HierarchicalAllRed
 
 
 class FabricHierarchicalAllReduceStrategy(HierarchicalAllReduceMixin, DDPStrategy):
-    """Fabric's DDP whose gradient buckets are all-reduced hierarchically, as a 2D torus, or flat.
-
-    Takes the arguments of [`HierarchicalAllReduceStrategy`][lightning_fastscale.strategies.HierarchicalAllReduceStrategy];
-    the rest goes to Fabric's `DDPStrategy`. The hook is installed in
-    [`setup_module`][lightning_fastscale.strategies.FabricHierarchicalAllReduceStrategy.setup_module];
-    `teardown` (Fabric does not call it on its own) releases the thread and node groups.
+    """Fabric's DDP with the arguments of `HierarchicalAllReduceStrategy`; `teardown` releases the groups.
 
     Examples:
         >>> from lightning.fabric import Fabric

@@ -1,13 +1,9 @@
-"""``HierarchicalAllReduceStrategy``: Lightning's DDP with a two-level gradient all-reduce.
-
-The thin Lightning adapter over [`allreduce`][lightning_fastscale.strategies.allreduce] (the
-numbers) and `comm_hooks` (the DDP wiring): DDP still buckets the gradients and overlaps
-communication with backward; each bucket is all-reduced by Jia et al. 2018's hierarchical
-algorithm (arXiv:1807.11205), Mikami et al. 2018's 2D torus (arXiv:1811.05233) or one flat
-all-reduce. Registered in Lightning as ``"hier_ring"`` and ``"hier_torus"`` (plus ``*_spawn``).
+"""``HierarchicalAllReduceStrategy``: Lightning's DDP whose buckets go through a two-level all-reduce
+(Jia et al. 2018, arXiv:1807.11205; Mikami et al. 2018, arXiv:1811.05233), as ``"hier_ring"`` / ``"hier_torus"``.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -23,32 +19,18 @@ from lightning_fastscale.strategies.topk_residuals import residual_path, residua
 
 
 class HierarchicalAllReduceStrategy(HierarchicalAllReduceMixin, DDPStrategy):
-    """DDP whose gradient buckets are all-reduced hierarchically, as a 2D torus, or flat.
-
-    Each DDP bucket goes through a communication hook running the algorithm of Jia et al. 2018
-    (``hier``) or Mikami et al. 2018 (``torus2d``); on one node in fp32 DDP's own all-reduce is
-    kept (see `uses_ddp_allreduce`). Every option is described in ``docs/strategy.md``.
+    """DDP whose gradient buckets are all-reduced hierarchically (Jia et al. 2018), as a 2D torus
+    (Mikami et al. 2018), or flat. Every option is described in ``docs/strategy.md``.
 
     Args:
         algorithm: ``"hier"``, ``"torus2d"``, ``"flat"`` or ``"auto"`` (the planner chooses).
         ranks_per_node: ranks forming one node (default: the launcher's devices per node).
-        wire_dtype: ``"fp32"``, ``"fp16"`` or ``"bf16"`` on the inter-node wire.
-        bucket_cap_mb: DDP's uniform bucket cap (default 25 MB).
-        fusion_plan: DDP bucket caps in MB, gradient-ready order (``bucket_cap_mb_list``).
-        two_segment_split: the fusion plan of two buckets split before this trainable
-            parameter (Jia et al. 2018). At most one of the three fusion options.
-        compression: ``None`` or ``"topk"`` (top-k with error feedback between nodes).
-        topk_ratio: fraction of each inter-node shard sent with ``compression="topk"``.
-        topk_start_iter: iterations sent uncompressed first (DDP rebuilds buckets after one).
-        pipeline_chunk_mb: MiB per chunk pipelined through the stages; ``"auto"`` (2 MiB per
-            node) or ``None`` (one piece).
-        planner: a [`CommPlanner`][lightning_fastscale.strategies.planning.CommPlanner] such as
-            [`CostModelPlanner`][lightning_fastscale.planner.CostModelPlanner], asked once at setup
-            (`plan_request`) for the algorithm (``"auto"``) and the fusion plan.
-        ddp_comm_hook: a torch DDP communication hook run as the inter-node stage of ``"hier"``
-            (the whole all-reduce on one node); see `lightning_fastscale.strategies.user_hooks`.
-        ddp_comm_state: the hook's state, with its process group left ``None``.
-        ddp_comm_wrapper: e.g. ``fp16_compress_wrapper``, around the user's or the strategy's hook.
+        fusion_plan: DDP bucket caps in MB, gradient-ready order (``bucket_cap_mb_list``);
+            ``two_segment_split``: two buckets split before this trainable parameter.
+        pipeline_chunk_mb: MiB per chunk pipelined through the stages; ``"auto"``: 2 MiB per node.
+        planner: a `CommPlanner` such as `CostModelPlanner`, asked once at setup.
+        ddp_comm_hook: a torch DDP hook run as the inter-node stage of ``"hier"``, with
+            ``ddp_comm_state`` (process group ``None``) and ``ddp_comm_wrapper``.
         **kwargs: passed to `DDPStrategy` (and DDP).
 
     Examples:
@@ -82,11 +64,7 @@ class HierarchicalAllReduceStrategy(HierarchicalAllReduceMixin, DDPStrategy):
 
     @override
     def on_train_start(self) -> None:
-        """Write the plan to the loggers as hyper-parameters, after Lightning logged the module's.
-
-        Skipped when the module opted out with ``save_hyperparameters(logger=False)``; nothing is
-        written to loggers during setup.
-        """
+        """Write the plan to the loggers as hyper-parameters, unless the module opted out (``logger=False``)."""
         super().on_train_start()
         module = self.lightning_module
         trainer = attached_trainer(module) if module is not None else None
@@ -98,12 +76,7 @@ class HierarchicalAllReduceStrategy(HierarchicalAllReduceMixin, DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Save the checkpoint (rank 0); with top-k, every rank also saves its error-feedback residuals.
-
-        The residuals differ per rank (each keeps what it did not send), so each rank writes
-        ``<checkpoint>.topk-residuals-rank<R>`` beside the checkpoint, with the layout they belong
-        to (world size, ranks per node, algorithm, ratio, chunking, hook iteration).
-        """
+        """Save the checkpoint; with top-k, every rank also writes its residuals beside it (`residual_path`)."""
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         state = self.hook_state
         if state is not None and state.topk is not None:
@@ -127,14 +100,12 @@ class HierarchicalAllReduceStrategy(HierarchicalAllReduceMixin, DDPStrategy):
         """Remove the checkpoint and this rank's top-k residuals beside it."""
         super().remove_checkpoint(filepath)
         if self.compression == "topk":
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 self.checkpoint_io.remove_checkpoint(residual_path(filepath, self.global_rank))
-            except FileNotFoundError:
-                pass
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """DDP's backward; a failed bucket all-reduce is raised as the hook's [`CommHookError`][lightning_fastscale.strategies.CommHookError]."""
+        """DDP's backward; a failed bucket all-reduce is raised as the hook's `CommHookError`."""
         with self._raising_hook_failure():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 

@@ -1,10 +1,4 @@
-"""The node layout the strategy is configured for, checked against the launcher and across the nodes.
-
-The two-level all-reduce needs every node to hold the same number of contiguous ranks
-([`Topology`][lightning_fastscale.planner.Topology]). These checks turn a mismatch between the
-Trainer's (or Fabric's) ``devices``/``num_nodes``, ``ranks_per_node`` and what torchrun or SLURM
-actually launched into an error naming the setting to change, before any bucket is reduced.
-"""
+"""The node layout the strategy is configured for, checked against the launcher and across the nodes."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -20,9 +14,6 @@ NodeReport = tuple[int, int, "int | None"]
 
 def configured_topology(owner: str, front: str, num_nodes: int, devices: int, ranks_per_node: int | None) -> Topology:
     """The topology of ``num_nodes`` x ``devices`` ranks grouped ``ranks_per_node`` to a node (default: ``devices``).
-
-    ``ValueError`` naming ``owner(ranks_per_node=...)`` and ``front(devices=..., num_nodes=...)``
-    when they do not divide.
 
     Examples:
         >>> configured_topology("Strategy", "Trainer", 2, 4, 2)
@@ -56,9 +47,6 @@ def check_launcher(front: str, num_nodes: int, devices: int, cluster_environment
 def check_nodes_uniform(reports: Sequence[NodeReport], devices: int) -> None:
     """``ValueError`` unless every node reports the same ranks per node and holds contiguous ranks.
 
-    ``reports``: every rank's [`NodeReport`][lightning_fastscale.strategies.node_checks.NodeReport]
-    (`gather_node_reports`). Otherwise "intra" groups would span nodes without the user asking.
-
     Examples:
         >>> check_nodes_uniform([(0, 0, 2), (1, 0, 2), (2, 1, 2), (3, 1, 2)], devices=2)
         >>> check_nodes_uniform([(0, 0, 2), (1, 1, 2), (2, 0, 2), (3, 1, 2)], devices=2)
@@ -81,7 +69,7 @@ def check_nodes_uniform(reports: Sequence[NodeReport], devices: int) -> None:
 
 
 def gather_node_reports(global_rank: int, node_rank: int, world_size: int, cluster_environment: Any) -> list[NodeReport]:
-    """Every rank's [`NodeReport`][lightning_fastscale.strategies.node_checks.NodeReport] (collective: all ranks call it)."""
+    """Every rank's `NodeReport` (collective: all ranks call it)."""
     mine: NodeReport = (global_rank, node_rank, detect_ranks_per_node(cluster_environment))
     everyone: list[Any] = [None] * world_size
     dist.all_gather_object(everyone, mine)

@@ -1,11 +1,4 @@
-"""The hierarchical all-reduce strategy's options, checked together before any process starts.
-
-[`check_strategy_options`][lightning_fastscale.strategies.option_checks.check_strategy_options]
-is what the Trainer's and Fabric's strategies run in their constructor: each bad value or bad
-combination is a ``ValueError`` (``TypeError`` for a planner without ``plan_comm``) naming the
-argument and the fix, so a wrong setting fails when the strategy is built, not on the first
-bucket of a multi-node job.
-"""
+"""The hierarchical all-reduce strategy's options, checked together when the strategy is built."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -35,9 +28,6 @@ def check_strategy_options(
     model_averaging_period: Any = None,
 ) -> None:
     """Raise naming the argument when an option of the strategy, or a combination of them, is invalid.
-
-    ``model_averaging_period`` (post-local SGD, a ``DDPStrategy`` argument) is refused: it
-    leaves no gradient all-reduce to make hierarchical.
 
     Examples:
         >>> options = dict(algorithm="hier", ranks_per_node=None, wire_dtype="fp16", bucket_cap_mb=None,

@@ -1,10 +1,5 @@
-"""The names the strategy, the planner, the benchmarks and the configs share.
-
-One spelling per concept: the all-reduce algorithms ([`ALGORITHMS`][lightning_fastscale.planner.ALGORITHMS]), the dtypes a
-gradient may take on the wire ([`WIRE_DTYPES`][lightning_fastscale.strategies.options.WIRE_DTYPES], option ``wire_dtype``, always one of its
-names) and the pipeline chunk size (option ``pipeline_chunk_mb``, default
-[`DEFAULT_PIPELINE_CHUNK_MB`][lightning_fastscale.planner.DEFAULT_PIPELINE_CHUNK_MB]). The node layout is
-[`Topology`][lightning_fastscale.planner.Topology].
+"""The names the strategy, the planner, the benchmarks and the configs share, one spelling per concept:
+the all-reduce algorithms, the wire dtypes and the pipeline chunk size.
 """
 from __future__ import annotations
 
@@ -30,34 +25,21 @@ __all__ = [
 ]
 
 ALGORITHMS: tuple[str, ...] = ("flat", "hier", "torus2d")
-"""The all-reduce algorithms, simplest first (ties in the planner go to the earlier one).
-
-``flat``: one all-reduce over every rank (what plain DDP does). ``hier``: reduce in the node,
-all-reduce among node leaders, broadcast in the node (Jia et al. 2018). ``torus2d``:
-reduce-scatter in the node, all-reduce of each shard across nodes, all-gather in the node
-(Mikami et al. 2018)."""
+"""The all-reduce algorithms, simplest first: plain DDP's, Jia et al. 2018's, Mikami et al. 2018's."""
 
 WIRE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-"""``wire_dtype`` name -> the torch dtype gradients are cast to for the inter-node stage.
-
-``"fp32"`` is full precision: no cast, each gradient crosses in its own dtype."""
+"""``wire_dtype`` name -> the torch dtype of the inter-node stage (``"fp32"``: no cast)."""
 
 MB = 1024 * 1024
 """Bytes in one "MB" of every ``*_mb`` option: a mebibyte, as DDP's ``bucket_cap_mb`` counts it."""
 
 AUTO_CHUNK_MB_PER_NODE = 2.0
 DEFAULT_PIPELINE_CHUNK_MB = "auto"
-"""Default ``pipeline_chunk_mb``: ``AUTO_CHUNK_MB_PER_NODE`` MiB per node, none on one node.
-
-Every chunk pays every stage's latency (2(N-1) messages in an N-node ring) while the bytes a
-chunk moves per link stay about its size, so the latency share of a chunk grows as N / chunk
-size; a chunk growing with N keeps that share constant, and at hundreds of nodes buckets go
-unchunked. The measurements behind the value are in ``benchmarks/README.md`` (sections
-"All-reduce algorithms on the emulated cluster" and "Planner against the literature")."""
+"""Default ``pipeline_chunk_mb``: ``AUTO_CHUNK_MB_PER_NODE`` MiB per node, none on one node (``docs/strategy.md``)."""
 
 
 def check_algorithm(name: str, setting: str = "algorithm", extra: Iterable[str] = ()) -> str:
-    """``name`` if it is one of [`ALGORITHMS`][lightning_fastscale.planner.ALGORITHMS] (or ``extra``); else ``ValueError`` naming ``setting``."""
+    """``name`` if it is one of `ALGORITHMS` (or ``extra``); else ``ValueError`` naming ``setting``."""
     choices = (*ALGORITHMS, *extra)
     if name not in choices:
         raise ValueError(f"{setting}={name!r}: choose one of {list(choices)}.")
@@ -65,15 +47,12 @@ def check_algorithm(name: str, setting: str = "algorithm", extra: Iterable[str] 
 
 
 def check_algorithms(names: Iterable[str], setting: str = "algorithms") -> tuple[str, ...]:
-    """[`check_algorithm`][lightning_fastscale.strategies.options.check_algorithm] of each name, as a tuple."""
+    """`check_algorithm` of each name, as a tuple."""
     return tuple(check_algorithm(n, setting) for n in names)
 
 
 def wire_torch_dtype(wire_dtype: str) -> torch.dtype:
-    """The torch dtype of ``wire_dtype`` (``"fp32"``, ``"fp16"``, ``"bf16"``).
-
-    The one check of a ``wire_dtype``: ``ValueError`` naming the choices for anything else.
-    """
+    """The torch dtype of ``wire_dtype``: the one check of a ``wire_dtype``."""
     try:
         return WIRE_DTYPES[wire_dtype]
     except (KeyError, TypeError):
@@ -86,8 +65,7 @@ def wire_bytes_per_element(wire_dtype: str) -> int:
 
 
 def resolve_chunk_mb(pipeline_chunk_mb: float | str | None, num_nodes: int) -> float | None:
-    """The chunk size in MiB that ``pipeline_chunk_mb`` (MiB, ``"auto"`` or ``None``) means on
-    ``num_nodes`` nodes; ``None``: buckets go in one piece."""
+    """The chunk size in MiB that ``pipeline_chunk_mb`` means on ``num_nodes`` nodes (``None``: one piece)."""
     if pipeline_chunk_mb == "auto":
         return AUTO_CHUNK_MB_PER_NODE * num_nodes if num_nodes > 1 else None
     if pipeline_chunk_mb is None:
@@ -110,10 +88,7 @@ def chunk_numel_for(pipeline_chunk_mb: float | str | None, num_nodes: int = 1, e
 class CommSetting:
     """How the gradients are all-reduced: the strategy's options that the planner prices.
 
-    ``algorithms``: the candidates (``None``: every one of [`ALGORITHMS`][lightning_fastscale.planner.ALGORITHMS],
-    and a planner may keep plain DDP where no hook is worth it); ``wire_dtype``,
-    ``topk_ratio`` (``None``: no compression) and ``pipeline_chunk_mb`` as the strategy's options
-    of those names. Checked when built: a bad value is a ``ValueError`` naming the option.
+    ``algorithms``: the candidates (``None``: all, and a planner may keep plain DDP).
 
     Examples:
         >>> CommSetting(wire_dtype="fp16").chunk_numel(num_nodes=4)  # "auto": 2 MiB per node of fp32

@@ -1,8 +1,4 @@
-"""What the strategy reports about its run: the hook's name, the plan as hyper-parameters and as one log line.
-
-Pure functions of the strategy's settings and resolved plan, so the Trainer and Fabric strategies
-log the same keys (``strategy/...``) and the same line.
-"""
+"""What the strategy reports about its run: the hook's name, the plan as hyper-parameters and as one log line."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -75,9 +71,6 @@ def plan_summary(
     plain_ddp_reason: str | None = None,
 ) -> dict[str, Any]:
     """Topology, algorithm, wire dtype and fusion plan of a run, as ``strategy/...`` hyper-parameters.
-
-    ``hook``: [`hook_name`][lightning_fastscale.strategies.plan_report.hook_name]; ``backend``: of the
-    hook's process groups (``None`` without a hook).
 
     Examples:
         >>> summary = plan_summary(topology=Topology(2, 4), requested_algorithm="hier", algorithm="hier", user_hook=UserHook(),

@@ -1,12 +1,5 @@
-"""Where a run's algorithm and fusion plan come from: the user's explicit settings, then a planner.
-
-At setup the strategy asks its planner one [`PlanRequest`][lightning_fastscale.strategies.planning.PlanRequest]
-(the model, the topology and its [`CommSetting`][lightning_fastscale.strategies.options.CommSetting])
-and gets a [`CommPlan`][lightning_fastscale.strategies.planning.CommPlan] back. Any
-[`CommPlanner`][lightning_fastscale.strategies.planning.CommPlanner] plugs in: the cost-model planner
-of [`lightning_fastscale.planner`][lightning_fastscale.planner], or [`NodeCountPlanner`][lightning_fastscale.strategies.planning.NodeCountPlanner]
-(``algorithm="auto"`` without one). [`resolve_comm_plan`][lightning_fastscale.strategies.planning.resolve_comm_plan]
-overlays what the user fixed. Two-segment fusion: Jia et al. 2018 (arXiv:1807.11205).
+"""Where a run's algorithm and fusion plan come from: the user's settings, then a `CommPlanner`
+asked once with a `PlanRequest` (``docs/strategy.md``, "Planner plug point").
 """
 from __future__ import annotations
 
@@ -26,12 +19,7 @@ __all__ = ["CommPlan", "CommPlanner", "NodeCountPlanner", "PlanRequest", "explic
 
 @dataclass(frozen=True)
 class PlanRequest:
-    """What the strategy will send, for the planner to price: ``module`` on ``topology`` under ``setting``.
-
-    ``setting.algorithms``: ``None`` lets the planner choose among all of them (and answer plain
-    DDP where a hook is not worth it), a fixed algorithm asks only for buckets. ``timeout``: of
-    any process group the planner creates (e.g. to calibrate).
-    """
+    """What the strategy will send, for the planner to price: ``module`` on ``topology`` under ``setting``."""
 
     module: nn.Module
     topology: Topology
@@ -41,14 +29,7 @@ class PlanRequest:
 
 @dataclass(frozen=True)
 class CommPlan:
-    """A planner's answer.
-
-    ``algorithm``: one of [`ALGORITHMS`][lightning_fastscale.planner.ALGORITHMS].
-    ``fusion_plan``: DDP bucket caps in MB in gradient-ready order (``bucket_cap_mb_list``);
-    ``None`` keeps DDP's uniform cap. ``plain_ddp_reason``: set when plain DDP (its own flat
-    all-reduce, no hook) is as good as the best plan, and says why; the strategy then installs
-    no hook where the user left the algorithm to the planner.
-    """
+    """A planner's answer: the algorithm, DDP bucket caps in MB (``None``: uniform), why plain DDP if kept."""
 
     algorithm: str
     fusion_plan: tuple[float, ...] | None = None
@@ -63,7 +44,7 @@ class CommPlan:
 
 @runtime_checkable
 class CommPlanner(Protocol):
-    """Anything the strategy can ask for a [`CommPlan`][lightning_fastscale.strategies.planning.CommPlan] (``planner=`` of the strategies)."""
+    """Anything the strategy can ask for a `CommPlan` (``planner=`` of the strategies)."""
 
     def plan_comm(self, request: PlanRequest) -> CommPlan:
         """The algorithm and buckets for ``request``."""
@@ -95,11 +76,7 @@ def gradient_bytes(module: nn.Module) -> int:
 
 
 def two_segment_fusion_plan(module: nn.Module, split: int) -> list[float]:
-    """The fusion plan (DDP bucket caps in MB, gradient-ready order) of two buckets split before parameter ``split``.
-
-    Jia et al. 2018 fuse all gradients into two segments (ResNet-50 split between tensors 76 and
-    77): the late layers, whose gradients are ready first, go out while backward continues, the
-    rest in one large message. ``split`` indexes ``module.parameters()`` that require grad.
+    """DDP bucket caps in MB of two buckets split before trainable parameter ``split`` (Jia et al. 2018).
 
     Examples:
         Two layers of 1 MiB of fp32 weights each, split between them:
@@ -140,11 +117,6 @@ def resolve_comm_plan(
 ) -> CommPlan:
     """The plan a run uses: ``algorithm`` unless ``"auto"``, ``fusion_plan`` unless ``None``; the planner fills the rest.
 
-    The planner is asked once, with ``request`` (``algorithm="auto"`` without a planner:
-    [`NodeCountPlanner`][lightning_fastscale.strategies.planning.NodeCountPlanner]). Its fusion plan is
-    used unless the user fixed one or set DDP's uniform cap (``uniform_cap``). Its
-    ``plain_ddp_reason`` is kept only where it chose the algorithm and no ``user_hook`` is given.
-
     Examples:
         >>> request = PlanRequest(nn.Linear(2, 2), Topology(num_nodes=2, ranks_per_node=4))
         >>> resolve_comm_plan(request, None, algorithm="auto")
@@ -166,9 +138,7 @@ def resolve_comm_plan(
 def runs_ddp_allreduce(
     topology: Topology, wire_dtype: str, compression: str | None, user_hook: bool, plain_ddp_reason: str | None
 ) -> bool:
-    """True where DDP's own all-reduce runs, without a hook: where the planner kept plain DDP, and on
-    one node in fp32 without compression or user hook (every algorithm is then one in-node
-    all-reduce, which DDP's C++ path runs without the Python hook and its thread).
+    """True where DDP's own all-reduce runs, without a hook: plain DDP kept, or one node in fp32 plainly.
 
     Examples:
         >>> runs_ddp_allreduce(Topology(1, 4), "fp32", None, False, None)

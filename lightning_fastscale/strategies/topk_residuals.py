@@ -1,10 +1,5 @@
-"""Top-k error-feedback residuals saved beside a checkpoint and restored on resume.
-
-With ``compression="topk"`` every rank keeps what it did not send (Tencent Cloud 2020's error
-feedback); these residuals differ per rank, so each rank writes its own file next to the
-checkpoint, tagged with the communication layout they belong to. A resume on the same layout
-restores them (and the hook's iteration), so it equals the uninterrupted run; on another
-layout, or without the file, error feedback restarts from zero with a warning.
+"""Top-k error-feedback residuals (one file per rank, tagged with its layout) saved beside a checkpoint
+and restored on resume; ``docs/strategy.md``.
 """
 from __future__ import annotations
 
@@ -49,11 +44,7 @@ def residual_state(hook_state: HierarchicalHookState, layout: dict[str, Any]) ->
 
 def restore_residuals(hook_state: HierarchicalHookState, saved: SavedResiduals, layout: dict[str, Any],
                       rank: int, device: torch.device) -> None:
-    """Put the ``saved`` residuals and iteration into ``hook_state`` if they belong to ``layout``; else warn why not.
-
-    ``device``: where the hook keeps residuals (the host on gloo, which works on host copies of
-    the buckets, CUDA ones too).
-    """
+    """Put the ``saved`` residuals and iteration into ``hook_state`` (on ``device``) if they belong to ``layout``; else warn."""
     assert hook_state.topk is not None
     path, state = saved
     if state is None:

@@ -1,11 +1,5 @@
-"""Node topology of a data-parallel job and the process groups the hierarchical all-reduce needs.
-
-Ranks are laid out the way Lightning, torchrun and SLURM lay them out: node ``n`` holds the
-contiguous global ranks ``n * ranks_per_node ... (n + 1) * ranks_per_node - 1``. The two-level
-all-reduce of Jia et al. 2018 (Tencent, "Highly Scalable Deep Learning Training System with
-Mixed-Precision") and the 2D-torus all-reduce of Mikami et al. 2018 (Sony, "Massively
-Distributed SGD") both need one group per node ("intra") and one group per local rank across
-nodes ("inter"); [`build_process_groups`][lightning_fastscale.strategies.topology.build_process_groups] makes them once.
+"""Node topology of a data-parallel job (contiguous ranks per node, as torchrun and SLURM lay them out)
+and the per-node and per-local-rank process groups of Jia et al. 2018's and Mikami et al. 2018's all-reduce.
 """
 from __future__ import annotations
 
@@ -22,10 +16,7 @@ from torch.distributed import ProcessGroup
 
 @dataclass(frozen=True)
 class Topology:
-    """``num_nodes`` nodes of ``ranks_per_node`` contiguous ranks each (ranks numbered node by node).
-
-    The one topology type of the package: the strategy builds its process groups from it and
-    the planner prices algorithms on it. [`from_world`][lightning_fastscale.planner.Topology.from_world] builds it from a world size.
+    """``num_nodes`` nodes of ``ranks_per_node`` contiguous ranks each: the package's one topology type.
 
     Examples:
         >>> topo = Topology(num_nodes=2, ranks_per_node=4)
@@ -97,12 +88,9 @@ def _parse_slurm_tasks_per_node(value: str) -> int | None:
 
 
 def detect_ranks_per_node(cluster_environment_or_env: Any = None) -> int | None:
-    """Ranks per node as the launcher sees it, or ``None`` if the launcher does not say.
+    """Ranks per node from torchrun's ``LOCAL_WORLD_SIZE`` or SLURM's ``SLURM_NTASKS_PER_NODE``, else ``None``.
 
-    Accepts a Lightning ``ClusterEnvironment`` or a mapping of environment variables (default:
-    ``os.environ``). Reads torchrun's ``LOCAL_WORLD_SIZE``, then SLURM's
-    ``SLURM_NTASKS_PER_NODE``; a Lightning environment that launched the processes itself
-    (``creates_processes_externally`` false) defers to the strategy's ``devices`` count.
+    Accepts a Lightning ``ClusterEnvironment`` or a mapping of environment variables (default: ``os.environ``).
     """
     env: Mapping[str, str]
     if cluster_environment_or_env is None:
@@ -125,12 +113,8 @@ def detect_ranks_per_node(cluster_environment_or_env: Any = None) -> int | None:
 class ProcessGroups:
     """Process groups of one rank for the two-level all-reduce.
 
-    ``intra``: this rank's node. ``inter``: the ranks with this rank's local rank on every node
-    (the node leaders for local rank 0). ``intra_out``: a second group over the same node,
-    used for the outbound (broadcast / all-gather) stage so it never shares a collective
-    sequence with the inbound stage. ``world``: a private group over all ranks, so that the
-    flat all-reduce never interleaves with collectives others issue on the default group (e.g.
-    SyncBatchNorm during backward). ``intra_ranks``/``inter_ranks``: global ranks in group order.
+    ``intra`` / ``intra_out``: this rank's node (inbound / outbound stages); ``inter``: the ranks
+    with this rank's local rank on every node; ``world``: a private group over all ranks.
     """
 
     topology: Topology
@@ -165,13 +149,7 @@ class ProcessGroups:
 
 
 def build_process_groups(topology: Topology, timeout: timedelta | None = None) -> ProcessGroups:
-    """Create the intra-node and inter-node groups of ``topology``.
-
-    ``timeout``: how long a collective on these groups waits for a peer before it fails (the
-    strategy passes its own ``timeout``, so a hung rank ends the run as it would under plain
-    DDP); ``None``: torch's default for the backend. Collective: every rank must call it, in
-    the same order, after ``init_process_group``.
-    """
+    """Create the groups of ``topology`` (collective); ``timeout``: the collectives' (``None``: torch's default)."""
     if not dist.is_initialized():
         raise RuntimeError("build_process_groups needs torch.distributed.init_process_group to run first.")
     if dist.get_world_size() != topology.world_size:

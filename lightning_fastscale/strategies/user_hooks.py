@@ -31,10 +31,7 @@ def check_user_hook(
     wire_dtype: str,
     compression: str | None,
 ) -> None:
-    """Raise ``ValueError`` naming the settings when ``hook``/``state``/``wrapper`` cannot combine.
-
-    ``algorithm`` may be ``"auto"`` (checked again once the algorithm is chosen).
-    """
+    """Raise ``ValueError`` naming the settings when ``hook``/``state``/``wrapper`` cannot combine (``"auto"`` is rechecked)."""
     if hook is None:
         if state is not None:
             raise ValueError("ddp_comm_state= was given without ddp_comm_hook=: give the hook it belongs to.")
@@ -98,7 +95,7 @@ class UserHook:
         return None if self.hook is None else _name(self.hook)
 
     def check(self, algorithm: str, wire_dtype: str, compression: Optional[str]) -> None:
-        """[`check_user_hook`][lightning_fastscale.strategies.user_hooks.check_user_hook] against these settings."""
+        """`check_user_hook` against these settings."""
         check_user_hook(self.hook, self.state, self.wrapper, algorithm, wire_dtype, compression)
 
     def wrap(self, hook: Callable) -> Callable:
@@ -111,11 +108,7 @@ class UserHook:
         ddp_model.register_comm_hook(self.state, self.wrap(self.hook))
 
     def register(self, ddp_model: DistributedDataParallel, hierarchy: HierarchicalHookState) -> None:
-        """Register the hook ``ddp_model`` runs with the strategy's ``hierarchy`` state.
-
-        With a user's hook: `leader_hook`, the hook as the inter-node stage. Otherwise the
-        strategy's hook for ``hierarchy.algorithm`` (`comm_hooks.HOOKS`), inside the wrapper if given.
-        """
+        """Register `leader_hook` (with a user's hook) or the strategy's hook for ``hierarchy.algorithm``, wrapped."""
         if self.hook is not None:
             ddp_model.register_comm_hook(LeaderHookState.create(hierarchy, self), leader_hook)
         else:
@@ -146,9 +139,7 @@ class LeaderHookState:
 def leader_hook(state: LeaderHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Reduce the bucket onto the node leader, run the user's hook among leaders, broadcast in the node.
 
-    Runs where the strategy's own hooks run (its communication thread, or inline on NCCL), one
-    bucket after the other in DDP's order, so the collectives on each group are issued in the
-    same order on every rank. A failure is reported like the strategy's own hooks report theirs.
+    Runs where, and in the order, the strategy's own hooks run, so collectives match on every rank.
     """
     tensor = bucket.buffer()
     index = bucket.index()
