@@ -265,3 +265,59 @@ def test_a_batch_size_ramp_resumed_on_another_world_size_keeps_each_stages_globa
     fit(tmp_path / "c", 1, 12, ckpt_path=str(tmp_path / "full" / "epochs" / "epoch=0-step=5.ckpt"), ramp=ramp)
     epoch1, _ = read(tmp_path / "c", 1)
     assert [(s["ids"], s["lr"], s["accumulation"]) for s in epoch1] == [(s["ids"], s["lr"], 4) for s in full[5:]]
+
+
+def _topk_worker(rank: int, world_size: int, folder: str, ckpt_path: str | None) -> dict:
+    """One ``hier_ring`` (one rank per node) + top-k run on this process group; with ``ckpt_path``
+    it reports this rank's residuals as restored, before the first step."""
+    import os
+
+    from lightning_fastscale.strategies import HierarchicalAllReduceStrategy
+
+    os.environ["LOCAL_RANK"] = str(rank)  # the Trainer joins this process group instead of launching
+    restored = {}
+
+    class Restored(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            restored.update({k: t.clone() for k, t in trainer.strategy.hook_state.topk.errors.items()})
+
+    pl.seed_everything(0)
+    strategy = HierarchicalAllReduceStrategy(ranks_per_node=1, compression="topk", topk_ratio=0.1)
+    callbacks = [ExactResume(), Restored()]
+    if ckpt_path is None:
+        callbacks.append(StopAfter(3, str(Path(folder) / "stopped.ckpt")))
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_epochs=EPOCHS,
+                         callbacks=callbacks, default_root_dir=folder, log_every_n_steps=1)
+    trainer.fit(Recorder(folder), IndexedData(GLOBAL_BATCH // world_size), ckpt_path=ckpt_path)
+    return {"restored": restored, "step": trainer.global_step, "iteration": trainer.strategy.hook_state.iteration}
+
+
+def _bucket_sums(files: list[dict]) -> dict:
+    """Per bucket, the sum over ranks of its residual (chunks joined in order)."""
+    sums: dict = {}
+    for errors in files:
+        for bucket in {key[0] for key in errors}:
+            joined = torch.cat([errors[k] for k in sorted(k for k in errors if k[0] == bucket)])
+            sums[bucket] = sums[bucket] + joined if bucket in sums else joined
+    return sums
+
+
+@pytest.mark.slow  # two gloo runs, 4 then 3 ranks
+def test_hier_ring_topk_resumed_on_another_world_size_keeps_the_residual_sum(tmp_path):
+    """``hier_ring`` (one rank per node) + top-k 10 %: 4 ranks stop after step 3 (top-k on since
+    step 2), 3 ranks resume: the residuals restored sum, per bucket, to what the 4 ranks saved,
+    the hook goes on from its iteration, and the run finishes."""
+    from tests.distributed import run_distributed
+
+    run_distributed(_topk_worker, 4, str(tmp_path / "a"), None, timeout=120)
+    ckpt = tmp_path / "a" / "stopped.ckpt"
+    saved = [torch.load(f"{ckpt}.topk-residuals-rank{r}", weights_only=True) for r in range(4)]
+    resumed = run_distributed(_topk_worker, 3, str(tmp_path / "b"), str(ckpt), timeout=120)
+    kept = _bucket_sums([s["errors"] for s in saved])
+    assert kept and all(t.abs().sum() > 0 for t in kept.values())  # the residuals were in use
+    restored = _bucket_sums([r["restored"] for r in resumed])
+    assert restored.keys() == kept.keys()
+    for bucket in kept:
+        torch.testing.assert_close(restored[bucket], kept[bucket], rtol=0, atol=1e-6)
+    assert {s["iteration"] for s in saved} == {3}
+    assert [r["step"] for r in resumed] == [STEPS] * 3 and len({r["iteration"] for r in resumed}) == 1
