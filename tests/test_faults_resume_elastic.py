@@ -279,7 +279,8 @@ def _topk_worker(rank: int, world_size: int, folder: str, ckpt_path: str | None)
 
     class Restored(pl.Callback):
         def on_train_start(self, trainer, pl_module):
-            restored.update({k: t.clone() for k, t in trainer.strategy.hook_state.topk.errors.items()})
+            # lists: a tensor sent through the result queue can outlive its shared-memory file
+            restored.update({k: t.tolist() for k, t in trainer.strategy.hook_state.topk.errors.items()})
 
     pl.seed_everything(0)
     strategy = HierarchicalAllReduceStrategy(ranks_per_node=1, compression="topk", topk_ratio=0.1)
@@ -315,7 +316,7 @@ def test_hier_ring_topk_resumed_on_another_world_size_keeps_the_residual_sum(tmp
     resumed = run_distributed(_topk_worker, 3, str(tmp_path / "b"), str(ckpt), timeout=120)
     kept = _bucket_sums([s["errors"] for s in saved])
     assert kept and all(t.abs().sum() > 0 for t in kept.values())  # the residuals were in use
-    restored = _bucket_sums([r["restored"] for r in resumed])
+    restored = _bucket_sums([{k: torch.tensor(v) for k, v in r["restored"].items()} for r in resumed])
     assert restored.keys() == kept.keys()
     for bucket in kept:
         torch.testing.assert_close(restored[bucket], kept[bucket], rtol=0, atol=1e-6)
