@@ -94,10 +94,10 @@ class StopAfter(pl.Callback):
 
 def fit(folder: Path, devices: int, batch_size: int, ckpt_path: str | None = None, stop: int | None = None,
         max_per_device_batch: int | None = None, accumulate: int = 1, ramp: dict[int, int] | None = None,
-        every_epoch: bool = False) -> None:
+        every_epoch: bool = False, plugins: list | None = None, extra: list | None = None) -> None:
     folder.mkdir(parents=True)
     pl.seed_everything(0)  # the same initial weights in every run
-    callbacks = [ExactResume(max_per_device_batch=max_per_device_batch), ReleaseProcessGroup()]
+    callbacks = [ExactResume(max_per_device_batch=max_per_device_batch), ReleaseProcessGroup(), *(extra or [])]
     if ramp is not None:
         callbacks.append(BatchSizeRamp(ramp, max_per_device_batch=12))
     if every_epoch:  # Lightning's epoch-end checkpoint, after the ramp has prepared the next epoch
@@ -106,7 +106,7 @@ def fit(folder: Path, devices: int, batch_size: int, ckpt_path: str | None = Non
         callbacks.append(StopAfter(stop, str(folder / "stopped.ckpt")))
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy="ddp_spawn" if devices > 1 else "auto",
                          max_epochs=EPOCHS, accumulate_grad_batches=accumulate, callbacks=callbacks,
-                         default_root_dir=folder, log_every_n_steps=1)
+                         default_root_dir=folder, log_every_n_steps=1, plugins=plugins)
     trainer.fit(Recorder(str(folder)), IndexedData(batch_size), ckpt_path=ckpt_path)
 
 
@@ -322,3 +322,48 @@ def test_hier_ring_topk_resumed_on_another_world_size_keeps_the_residual_sum(tmp
         torch.testing.assert_close(restored[bucket], kept[bucket], rtol=0, atol=1e-6)
     assert {s["iteration"] for s in saved} == {3}
     assert [r["step"] for r in resumed] == [STEPS] * 3 and len({r["iteration"] for r in resumed}) == 1
+
+
+class InfAtStep1(pl.Callback):
+    """An inf in the (all-reduced) gradient at step 1: LARS skips the step, the loss scaler halves."""
+
+    def on_after_backward(self, trainer, pl_module):
+        if trainer.global_step == 1:
+            pl_module.net.weight.grad[0, 0] = float("inf")
+
+
+class StateAtStart(pl.Callback):
+    """Saves the precision plugin's state (loss scaler, skip counts) and the optimizer's as restored."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer, pl_module):
+        torch.save({"plugin": trainer.precision_plugin.state_dict(),
+                    "optimizer": trainer.optimizers[0].state_dict()["state"]}, self.path)
+
+
+@pytest.mark.slow  # a 2-rank and a 1-rank run
+def test_lars_and_its_loss_scaler_survive_a_world_size_change(tmp_path):
+    """``LARSMixedPrecision("16-mixed")`` on 2 ranks, one step skipped for an inf (scale halved),
+    stop after step 3; resumed on 1 rank x 2 accumulation: the loss scaler (scale, growth
+    tracker), the skip counts and LARS's momentum buffers are as saved, and the run finishes."""
+    from lightning_fastscale.precision import LARSMixedPrecision
+
+    def lars():
+        return [LARSMixedPrecision("16-mixed", "cpu", eta=0.01, scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8))]
+
+    fit(tmp_path / "a", 2, 12, stop=3, plugins=lars(), extra=[InfAtStep1()])
+    ckpt = torch.load(tmp_path / "a" / "stopped.ckpt", weights_only=False)
+    start = tmp_path / "restored.pt"
+    fit(tmp_path / "b", 1, 12, ckpt_path=str(tmp_path / "a" / "stopped.ckpt"), max_per_device_batch=12,
+        plugins=lars(), extra=[StateAtStart(str(start))])
+    saved, restored = ckpt["LARSMixedPrecision"], torch.load(start, weights_only=False)
+    assert saved["skipped_steps"] == 1 and saved["scaler"]["scale"] == 2.0**7
+    assert restored["plugin"] == saved
+    momentum = ckpt["optimizer_states"][0]["state"]
+    assert momentum and restored["optimizer"].keys() == momentum.keys()
+    for key, state in momentum.items():
+        torch.testing.assert_close(restored["optimizer"][key]["momentum_buffer"], state["momentum_buffer"], rtol=0, atol=0)
+    on1, _ = read(tmp_path / "b", 1)
+    assert [s["step"] for s in on1] == list(range(3, STEPS)) and {s["accumulation"] for s in on1} == {2}
