@@ -94,10 +94,10 @@ class StopAfter(pl.Callback):
 
 def fit(folder: Path, devices: int, batch_size: int, ckpt_path: str | None = None, stop: int | None = None,
         max_per_device_batch: int | None = None, accumulate: int = 1, ramp: dict[int, int] | None = None,
-        every_epoch: bool = False) -> None:
+        every_epoch: bool = False, plugins: list | None = None, extra: list | None = None) -> None:
     folder.mkdir(parents=True)
     pl.seed_everything(0)  # the same initial weights in every run
-    callbacks = [ExactResume(max_per_device_batch=max_per_device_batch), ReleaseProcessGroup()]
+    callbacks = [ExactResume(max_per_device_batch=max_per_device_batch), ReleaseProcessGroup(), *(extra or [])]
     if ramp is not None:
         callbacks.append(BatchSizeRamp(ramp, max_per_device_batch=12))
     if every_epoch:  # Lightning's epoch-end checkpoint, after the ramp has prepared the next epoch
@@ -106,7 +106,7 @@ def fit(folder: Path, devices: int, batch_size: int, ckpt_path: str | None = Non
         callbacks.append(StopAfter(stop, str(folder / "stopped.ckpt")))
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy="ddp_spawn" if devices > 1 else "auto",
                          max_epochs=EPOCHS, accumulate_grad_batches=accumulate, callbacks=callbacks,
-                         default_root_dir=folder, log_every_n_steps=1)
+                         default_root_dir=folder, log_every_n_steps=1, plugins=plugins)
     trainer.fit(Recorder(str(folder)), IndexedData(batch_size), ckpt_path=ckpt_path)
 
 
@@ -265,3 +265,105 @@ def test_a_batch_size_ramp_resumed_on_another_world_size_keeps_each_stages_globa
     fit(tmp_path / "c", 1, 12, ckpt_path=str(tmp_path / "full" / "epochs" / "epoch=0-step=5.ckpt"), ramp=ramp)
     epoch1, _ = read(tmp_path / "c", 1)
     assert [(s["ids"], s["lr"], s["accumulation"]) for s in epoch1] == [(s["ids"], s["lr"], 4) for s in full[5:]]
+
+
+def _topk_worker(rank: int, world_size: int, folder: str, ckpt_path: str | None) -> dict:
+    """One ``hier_ring`` (one rank per node) + top-k run on this process group; with ``ckpt_path``
+    it reports this rank's residuals as restored, before the first step."""
+    import os
+
+    from lightning_fastscale.strategies import HierarchicalAllReduceStrategy
+
+    os.environ["LOCAL_RANK"] = str(rank)  # the Trainer joins this process group instead of launching
+    restored = {}
+
+    class Restored(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            # lists: a tensor sent through the result queue can outlive its shared-memory file
+            restored.update({k: t.tolist() for k, t in trainer.strategy.hook_state.topk.errors.items()})
+
+    pl.seed_everything(0)
+    strategy = HierarchicalAllReduceStrategy(ranks_per_node=1, compression="topk", topk_ratio=0.1)
+    callbacks = [ExactResume(), Restored()]
+    if ckpt_path is None:
+        callbacks.append(StopAfter(3, str(Path(folder) / "stopped.ckpt")))
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_epochs=EPOCHS,
+                         callbacks=callbacks, default_root_dir=folder, log_every_n_steps=1)
+    trainer.fit(Recorder(folder), IndexedData(GLOBAL_BATCH // world_size), ckpt_path=ckpt_path)
+    return {"restored": restored, "step": trainer.global_step, "iteration": trainer.strategy.hook_state.iteration}
+
+
+def _bucket_sums(files: list[dict]) -> dict:
+    """Per bucket, the sum over ranks of its residual (chunks joined in order)."""
+    sums: dict = {}
+    for errors in files:
+        for bucket in {key[0] for key in errors}:
+            joined = torch.cat([errors[k] for k in sorted(k for k in errors if k[0] == bucket)])
+            sums[bucket] = sums[bucket] + joined if bucket in sums else joined
+    return sums
+
+
+@pytest.mark.slow  # two gloo runs, 4 then 3 ranks
+def test_hier_ring_topk_resumed_on_another_world_size_keeps_the_residual_sum(tmp_path):
+    """``hier_ring`` (one rank per node) + top-k 10 %: 4 ranks stop after step 3 (top-k on since
+    step 2), 3 ranks resume: the residuals restored sum, per bucket, to what the 4 ranks saved,
+    the hook goes on from its iteration, and the run finishes."""
+    from tests.distributed import run_distributed
+
+    run_distributed(_topk_worker, 4, str(tmp_path / "a"), None, timeout=120)
+    ckpt = tmp_path / "a" / "stopped.ckpt"
+    saved = [torch.load(f"{ckpt}.topk-residuals-rank{r}", weights_only=True) for r in range(4)]
+    resumed = run_distributed(_topk_worker, 3, str(tmp_path / "b"), str(ckpt), timeout=120)
+    kept = _bucket_sums([s["errors"] for s in saved])
+    assert kept and all(t.abs().sum() > 0 for t in kept.values())  # the residuals were in use
+    restored = _bucket_sums([{k: torch.tensor(v) for k, v in r["restored"].items()} for r in resumed])
+    assert restored.keys() == kept.keys()
+    for bucket in kept:
+        torch.testing.assert_close(restored[bucket], kept[bucket], rtol=0, atol=1e-6)
+    assert {s["iteration"] for s in saved} == {3}
+    assert [r["step"] for r in resumed] == [STEPS] * 3 and len({r["iteration"] for r in resumed}) == 1
+
+
+class InfAtStep1(pl.Callback):
+    """An inf in the (all-reduced) gradient at step 1: LARS skips the step, the loss scaler halves."""
+
+    def on_after_backward(self, trainer, pl_module):
+        if trainer.global_step == 1:
+            pl_module.net.weight.grad[0, 0] = float("inf")
+
+
+class StateAtStart(pl.Callback):
+    """Saves the precision plugin's state (loss scaler, skip counts) and the optimizer's as restored."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer, pl_module):
+        torch.save({"plugin": trainer.precision_plugin.state_dict(),
+                    "optimizer": trainer.optimizers[0].state_dict()["state"]}, self.path)
+
+
+@pytest.mark.slow  # a 2-rank and a 1-rank run
+def test_lars_and_its_loss_scaler_survive_a_world_size_change(tmp_path):
+    """``LARSMixedPrecision("16-mixed")`` on 2 ranks, one step skipped for an inf (scale halved),
+    stop after step 3; resumed on 1 rank x 2 accumulation: the loss scaler (scale, growth
+    tracker), the skip counts and LARS's momentum buffers are as saved, and the run finishes."""
+    from lightning_fastscale.precision import LARSMixedPrecision
+
+    def lars():
+        return [LARSMixedPrecision("16-mixed", "cpu", eta=0.01, scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8))]
+
+    fit(tmp_path / "a", 2, 12, stop=3, plugins=lars(), extra=[InfAtStep1()])
+    ckpt = torch.load(tmp_path / "a" / "stopped.ckpt", weights_only=False)
+    start = tmp_path / "restored.pt"
+    fit(tmp_path / "b", 1, 12, ckpt_path=str(tmp_path / "a" / "stopped.ckpt"), max_per_device_batch=12,
+        plugins=lars(), extra=[StateAtStart(str(start))])
+    saved, restored = ckpt["LARSMixedPrecision"], torch.load(start, weights_only=False)
+    assert saved["skipped_steps"] == 1 and saved["scaler"]["scale"] == 2.0**7
+    assert restored["plugin"] == saved
+    momentum = ckpt["optimizer_states"][0]["state"]
+    assert momentum and restored["optimizer"].keys() == momentum.keys()
+    for key, state in momentum.items():
+        torch.testing.assert_close(restored["optimizer"][key]["momentum_buffer"], state["momentum_buffer"], rtol=0, atol=0)
+    on1, _ = read(tmp_path / "b", 1)
+    assert [s["step"] for s in on1] == list(range(3, STEPS)) and {s["accumulation"] for s in on1} == {2}

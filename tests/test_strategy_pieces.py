@@ -15,7 +15,14 @@ from lightning_fastscale.strategies.comm_hooks import (
 from lightning_fastscale.strategies.node_checks import check_nodes_uniform
 from lightning_fastscale.strategies.plan_report import algorithm_label, algorithm_note, hook_name, plan_message
 from lightning_fastscale.strategies.planning import runs_ddp_allreduce
-from lightning_fastscale.strategies.topk_residuals import comm_layout, residual_state, restore_residuals
+from lightning_fastscale.strategies.topk_residuals import (
+    SavedResiduals,
+    comm_layout,
+    residual_path,
+    residual_state,
+    resplit_residuals,
+    restore_residuals,
+)
 from lightning_fastscale.strategies.topology import ProcessGroups, Topology
 from lightning_fastscale.strategies.user_hooks import UserHook, leader_hook
 
@@ -76,24 +83,77 @@ def test_a_good_bucket_completes_with_its_tensor() -> None:
         state.close()
 
 
-def test_residuals_restore_only_on_their_layout() -> None:
-    saved = _hook_state(inline=True, topk=TopKErrorFeedback(0.5))
-    saved.topk.errors = {(0, 1): torch.tensor([0.25, -1.0])}
-    saved.iteration = 7
-    layout = comm_layout(TWO_BY_TWO, "hier", 0.5, None, rank=1)
-    content = residual_state(saved, layout)
+def _save_residuals(ckpt, topology: Topology, algorithm: str, chunk_numel: int | None,
+                    errors: dict[int, dict]) -> SavedResiduals:
+    """Write rank r's ``errors[r]`` (empty where not given) beside ``ckpt``, as the strategy does."""
+    for rank in range(topology.world_size):
+        state = _hook_state(inline=True, topk=TopKErrorFeedback(0.5))
+        state.topk.errors, state.iteration = errors.get(rank, {}), 7
+        torch.save(residual_state(state, comm_layout(topology, algorithm, 0.5, chunk_numel, rank)),
+                   residual_path(ckpt, rank))
+    return SavedResiduals(str(ckpt), lambda path: torch.load(path, weights_only=True))
 
-    resumed = _hook_state(inline=True, topk=TopKErrorFeedback(0.5))
-    restore_residuals(resumed, ("r1", content), layout, 1, torch.device("cpu"))
+
+def _restore(saved: SavedResiduals, topology: Topology, algorithm: str, chunk_numel: int | None) -> list:
+    states = []
+    for rank in range(topology.world_size):
+        state = _hook_state(inline=True, topk=TopKErrorFeedback(0.5))
+        restore_residuals(state, saved, comm_layout(topology, algorithm, 0.5, chunk_numel, rank), torch.device("cpu"))
+        states.append(state)
+    return states
+
+
+def test_residuals_restore_only_on_their_layout(tmp_path) -> None:
+    saved = _save_residuals(tmp_path / "c.ckpt", TWO_BY_TWO, "hier", None, {2: {(0, 1): torch.tensor([0.25, -1.0])}})
+    resumed = _restore(saved, TWO_BY_TWO, "hier", None)[2]
     assert resumed.iteration == 7 and resumed.topk.restored == {(0, 1)}
     assert torch.equal(resumed.topk.errors[(0, 1)], torch.tensor([0.25, -1.0]))
 
     other = _hook_state(inline=True, topk=TopKErrorFeedback(0.5))
     with pytest.warns(UserWarning, match="algorithm 'hier' in the checkpoint vs 'torus2d' now"):
-        restore_residuals(other, ("r1", content), {**layout, "algorithm": "torus2d"}, 1, torch.device("cpu"))
-    with pytest.warns(UserWarning, match="no top-k residuals for rank 1 at r1"):
-        restore_residuals(other, ("r1", None), layout, 1, torch.device("cpu"))
+        restore_residuals(other, saved, comm_layout(TWO_BY_TWO, "torus2d", 0.5, None, 2), torch.device("cpu"))
+    # the torus keeps a shard per local rank: another world size cannot re-split it
+    torus = _save_residuals(tmp_path / "t.ckpt", TWO_BY_TWO, "torus2d", None, {})
+    with pytest.warns(UserWarning, match="world_size 4 in the checkpoint vs 6 now.*restarts from zero"):
+        restore_residuals(other, torus, comm_layout(Topology(3, 2), "torus2d", 0.5, None, 0), torch.device("cpu"))
+    with pytest.warns(UserWarning, match=f"no top-k residuals for rank 1 at {tmp_path / 'x.ckpt'}"):
+        restore_residuals(other, SavedResiduals(str(tmp_path / "x.ckpt"), saved.load),
+                          comm_layout(TWO_BY_TWO, "hier", 0.5, None, 1), torch.device("cpu"))
     assert other.iteration == 0 and other.topk.errors == {}
+
+
+def _joined(errors: dict) -> dict:
+    """Per bucket: its chunks joined in order."""
+    return {b: torch.cat([errors[k] for k in sorted(k for k in errors if k[0] == b)]) for b in {k[0] for k in errors}}
+
+
+@pytest.mark.parametrize("before,after", [(4, 2), (2, 3), (4, 3), (3, 3)])
+def test_a_resplit_keeps_the_residual_sum_per_bucket(before: int, after: int) -> None:
+    g = torch.Generator().manual_seed(before * 10 + after)
+    old = [{(b, i): torch.randn(5, generator=g) for b in ("a", "b") for i in range(2)} for _ in range(before)]
+    new = [resplit_residuals(old, h, after, 3) for h in range(after)]
+    for bucket in ("a", "b"):
+        kept = sum(_joined(errors)[bucket] for errors in old)
+        assert torch.allclose(sum(_joined(errors).get(bucket, 0) for errors in new), kept, atol=1e-6)
+    assert all(t.numel() <= 3 for errors in new for t in errors.values())  # cut into the new chunks
+    if before == after:
+        assert all(torch.equal(_joined(n)[b], _joined(o)[b]) for n, o in zip(new, old) for b in ("a", "b"))
+
+
+def test_residuals_follow_the_node_leaders_to_another_world_size(tmp_path) -> None:
+    """2 nodes x 2 ranks (leaders 0 and 2 hold residuals, in 4-element chunks) resumed on 3 nodes
+    x 1 rank, unchunked: the per-bucket sum is kept and every rank takes the hook's iteration."""
+    g = torch.Generator().manual_seed(0)
+    errors = {r: {("p", i): torch.randn(4, generator=g) for i in range(2)} for r in (0, 2)}
+    saved = _save_residuals(tmp_path / "c.ckpt", TWO_BY_TWO, "hier", 4, errors)
+    states = _restore(saved, Topology(3, 1), "hier", None)
+    assert [s.iteration for s in states] == [7, 7, 7]
+    restored = sum(_joined(s.topk.errors).get("p", 0) for s in states)
+    assert torch.allclose(restored, _joined(errors[0])["p"] + _joined(errors[2])["p"])
+    assert set(states[0].topk.errors) == {("p", 0)} and states[2].topk.errors == {}  # 0 -> 0, 2 -> 1, none for 2
+    # on one node there is no inter-node stage left to owe the sum to
+    with pytest.warns(UserWarning, match="one node has no inter-node stage"):
+        _restore(saved, Topology(1, 2), "hier", None)
 
 
 def test_report_names_the_users_hook_and_where_it_runs() -> None:

@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from lightning_fastscale.lightning_internals import attached_trainer, logs_hyperparameters
 from lightning_fastscale.strategies.hierarchical_mixin import HierarchicalAllReduceMixin
-from lightning_fastscale.strategies.topk_residuals import residual_path, residual_state
+from lightning_fastscale.strategies.topk_residuals import SavedResiduals, residual_path, residual_state
 
 
 class HierarchicalAllReduceStrategy(HierarchicalAllReduceMixin, DDPStrategy):
@@ -85,14 +85,10 @@ class HierarchicalAllReduceStrategy(HierarchicalAllReduceMixin, DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load the checkpoint; with top-k, also this rank's residuals (restored once the hook exists)."""
+        """Load the checkpoint; with top-k, note the residual files beside it (read once the hook exists)."""
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         if self.compression == "topk":
-            path = residual_path(checkpoint_path, self.global_rank)
-            try:
-                self._saved_residuals = (path, self.checkpoint_io.load_checkpoint(path))
-            except FileNotFoundError:
-                self._saved_residuals = (path, None)
+            self._saved_residuals = SavedResiduals(str(checkpoint_path), self.checkpoint_io.load_checkpoint)
         return checkpoint
 
     @override

@@ -219,7 +219,7 @@ class HierarchicalAllReduceMixin:
         if saved is not None and self.hook_state.topk is not None:
             # gloo works on host copies of the buckets (CUDA ones too), so the residuals live there
             device = torch.device("cpu") if self.hook_state.groups.backend == "gloo" else self.root_device
-            restore_residuals(self.hook_state, saved, self._comm_layout(), self.global_rank, device)
+            restore_residuals(self.hook_state, saved, self._comm_layout(), device)
 
     @contextmanager
     def _raising_hook_failure(self) -> Iterator[None]:
