@@ -103,6 +103,16 @@ def _mention(leaf: str, assigned: bool) -> str:
     return rf"(?<=`)(?:\w+\.)?{re.escape(leaf)}(?=`)"
 
 
+def _earliest_mention(message: str, names: dict[str, Any], assigned: bool) -> str | None:
+    """The name of ``names`` that ``message`` mentions first (as ``name=value`` where ``assigned``)."""
+    hits = []
+    for leaf in names:
+        match = re.search(_mention(leaf, assigned), message)
+        if match:
+            hits.append((match.start(), leaf))
+    return min(hits, key=lambda hit: hit[0])[1] if hits else None
+
+
 def _hydra_literal(written: str) -> str:
     """A Python literal of a message (``True``, ``None``, ``'max-autotune'``) as Hydra writes it."""
     if written in ("True", "False"):
@@ -131,11 +141,14 @@ def translate(error: BaseException, prefix: str, node: Any = None, also: dict[st
         for leaf, item in _leaves(extra, group).items():
             others.setdefault(leaf, item)
     best: tuple[str, bool] | None = None
-    # name=value first, and the group's own keys before `also`'s; the earliest mention wins
-    for assigned, names in ((a, n) for a in (True, False) for n in (leaves, others)):
-        hits = [(m.start(), leaf) for leaf in names if (m := re.search(_mention(leaf, assigned), message))]
-        if hits:
-            best, leaves = (min(hits, key=lambda hit: hit[0])[1], assigned), names
+    # name=value first, and the group's own keys before `also`'s
+    for assigned in (True, False):
+        for names in (leaves, others):
+            leaf = _earliest_mention(message, names, assigned)
+            if leaf is not None:
+                best, leaves = (leaf, assigned), names
+                break
+        if best is not None:
             break
     fix = ""
     if best is None:

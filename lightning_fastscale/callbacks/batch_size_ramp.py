@@ -110,10 +110,12 @@ class BatchSizeRamp(Callback):
             arguments (``initial_global_batch``, ``lr_milestones``, ``lr_decay_factor``).
         max_per_device_batch: memory ceiling of one device, above which gradients are
             accumulated; ``None``: never accumulate.
-        scale_lr: linear scaling rule (Goyal et al. 2017) on each group's LR; refused beside
-            ``WarmupDecayLR`` or a scheduler (use ``WarmupDecayLR(reference_batch=...)``).
+        scale_lr: linear scaling rule (Goyal et al. 2017): each group's LR becomes
+            ``lr_at_fit_start * global_batch / schedule[0]``; refused beside ``WarmupDecayLR``
+            or a scheduler (use ``WarmupDecayLR(reference_batch=...)``).
 
-    The datamodule must implement ``BatchSizeControllable``.
+    The datamodule must implement ``BatchSizeControllable``. As in plain Lightning, a partial
+    last batch of an epoch is stepped on as it is.
 
     Examples:
         Mikami et al.'s shape of ramp on 8 processes with a 128-sample memory ceiling:

@@ -108,7 +108,8 @@ def span_groups(world_size: int, ranks_per_group: int) -> list[list[int]]:
 def apply_bn_span(model: nn.Module, span: int, per_device_batch: int, ranks_per_node: int | None = None) -> int:
     """Make every plain BN layer of ``model`` normalise over ``span`` images; returns the ranks per group.
 
-    Across ranks every rank must call this (the default process group up).
+    ``ranks_per_node`` None: the whole world on one node. Across ranks every rank must call this
+    (the default process group up).
     """
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     ranks_per_node = world_size if ranks_per_node is None else ranks_per_node

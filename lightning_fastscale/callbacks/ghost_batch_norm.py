@@ -1,4 +1,5 @@
-"""Batch norm over fixed-size groups of the batch (Goyal et al. 2017, section 2.3; Hoffer et al. 2017).
+"""Batch norm over fixed-size groups of the batch (Goyal et al. 2017, section 2.3; Hoffer et al. 2017;
+Ying et al. 2018).
 
 Method card: ``docs/methods/ghost_batch_norm.md``.
 """

@@ -18,7 +18,9 @@ from lightning_fastscale.callbacks.batch_size_ramp import BatchSizeRamp
 DECAYS = ("poly", "cosine", "none")
 # The schedule position, saved whole so resuming is exact: progress_before_epoch + applied_in_epoch
 # / steps_in_epoch, folded once per epoch so that whole epochs add up exactly.
-_FRESH_STATE = {"base_lrs": None, "progress_before_epoch": 0.0, "applied_in_epoch": 0, "steps_in_epoch": 1, "skipped_steps": 0}
+_FRESH_STATE = {
+    "base_lrs": None, "progress_before_epoch": 0.0, "applied_in_epoch": 0, "steps_in_epoch": 1, "skipped_steps": 0,
+}
 
 
 def lr_at(
@@ -32,7 +34,13 @@ def lr_at(
     power: float = 2.0,
     end_lr: float = 0.0,
 ) -> float:
-    """Learning rate after ``progress`` epochs (fractional) of applied optimizer steps (Goyal et al. 2017)."""
+    """Learning rate after ``progress`` epochs (fractional) of applied optimizer steps.
+
+    Warmup (Goyal et al. 2017): ``peak * (f + (1 - f) * progress / warmup_epochs)``. Then, with
+    ``p = (progress - warmup) / (total - warmup)`` in [0, 1], ``poly`` gives
+    ``end + (peak - end) * (1 - p) ** power`` (MLPerf LARS), ``cosine``
+    ``end + (peak - end) * (1 + cos(pi p)) / 2``, ``none`` keeps ``peak``.
+    """
     if progress < warmup_epochs:
         f = warmup_start_factor
         return peak_lr * (f + (1.0 - f) * progress / warmup_epochs)
@@ -67,6 +75,10 @@ class WarmupDecayLR(Callback):
     """Linear warmup then polynomial/cosine decay, with optional linear scaling by batch.
 
     Args:
+        warmup_epochs: length of the linear warmup in epochs; 0 disables it.
+        decay: ``"poly"`` (MLPerf LARS), ``"cosine"`` or ``"none"`` (constant after warmup).
+        power: exponent of the ``poly`` decay.
+        end_lr: absolute LR at the end of the decay.
         warmup_start_factor: warmup starts at this fraction of the peak LR.
         total_epochs: where decay ends; default ``Trainer(max_epochs)``.
         reference_batch: when set, each group's peak LR is its configured LR x

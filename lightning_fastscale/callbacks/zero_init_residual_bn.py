@@ -20,7 +20,9 @@ def _torchvision_last_bn(block: nn.Module) -> nn.Module | None:
 
 
 def zero_init_residual_bn(model: nn.Module) -> list[str]:
-    """Zero the gamma of the last BN in each residual branch of ``model``; the names of the blocks done.
+    """Zero the gamma of the last BN in each residual branch of ``model`` (Goyal et al. 2017).
+
+    Returns the names of the blocks done.
 
     Supported blocks: torchvision's, and any with a ``zero_init_last()`` method (timm's convention).
     """

@@ -177,6 +177,8 @@ def convert(
         output: new folder to write; an existing one is refused, never overwritten.
         max_side, quality: longer side (px) and JPEG quality (1-95) of the re-encoded images.
         num_workers: parallel encoder processes (default: all cores).
+        chunk_bytes: litdata's chunk size.
+        verbose: one progress bar per split.
         procedural: ``num_classes``, ``train_size``, ``val_size``, ``resolution``, ``seed`` of that source.
 
     Examples:

@@ -78,8 +78,10 @@ class ProceduralShapes(Dataset):
 
     Args:
         num_classes: how many shape classes (2 to ``MAX_CLASSES``).
+        size: number of samples in this split.
         resolution: image side in pixels (>= 8); `set_resolution` changes it between epochs.
         seed: dataset seed; splits are disjoint streams of the same seed.
+        split: ``"train"``, ``"val"`` or ``"test"``.
         noise: standard deviation of the per-pixel Gaussian noise on the [0, 1] image.
         clutter: number of distractor strokes and blobs per image.
         normalize: return ``(x - 0.5) / 0.25`` instead of [0, 1] pixels.

@@ -171,7 +171,8 @@ class DoctorProbe(Callback):
 
     Needs a [`StepBreakdown`][lightning_fastscale.diagnostics.StepBreakdown] before it among the
     Trainer's callbacks. ``measure=False``: only read the step breakdown (the ``--verify`` runs);
-    ``max_workers``: None for the cores per rank; the rest are the ``doctor.*`` settings of ``docs/doctor.md``.
+    ``max_workers``: None for the cores per rank; ``repeats``: repeats of compute alone and of the loader
+    (medians are used; compute's spread is reported); the rest are the ``doctor.*`` settings of ``docs/doctor.md``.
 
     Example::
 
@@ -273,6 +274,12 @@ def _breakdown_of(trainer: pl.Trainer) -> StepBreakdown | None:
     return next((c for c in trainer.callbacks if isinstance(c, StepBreakdown)), None)
 
 
+_SAME_ON_EVERY_RANK = (
+    "batch_size", "grad_bytes", "allreduce_s", "planner", "configured_allreduce", "num_workers", "stored_max_side",
+    "resolution", "crop_ratio", "num_nodes", "ranks_per_node", "backend", "window_scores", "threads",
+)
+
+
 def _combine(per_rank: list[dict[str, Any]], parts: list[dict[str, float]]) -> Measurements:
     """One `Measurements` from every rank's numbers (the loader: its slowest rank)."""
     first = per_rank[0]
@@ -291,8 +298,7 @@ def _combine(per_rank: list[dict[str, Any]], parts: list[dict[str, float]]) -> M
         "compute_alone_runs_s": slowest.get("compute_alone_runs_s", []),
         "compute_alone_one_thread_s": _median([r.get("compute_alone_one_thread_s") for r in per_rank]),
     }
-    # the rest is the same on every rank: rank zero's (the dataclass's defaults where not measured)
-    shared = {k: v for k, v in first.items() if k in Measurements.__dataclass_fields__ and k not in combined}
+    shared = {k: first[k] for k in _SAME_ON_EVERY_RANK if k in first}  # rank zero's; defaults where not measured
     return Measurements(**{"batch_size": 0, "backend": "none", **shared}, parts=parts, **combined)
 
 

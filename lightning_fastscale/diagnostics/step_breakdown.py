@@ -128,7 +128,7 @@ def _median(values: Sequence[float]) -> float:
 def summarize(ranks: Sequence[RankTotals], first_step: int | None = None, last_step: int | None = None) -> BreakdownSummary:
     """Median, slowest rank, straggler share and verdict of per-rank part totals.
 
-    The scores are medians over the ranks other than the slowest; ``communication`` less the
+    The scores are medians over the ranks other than the slowest (over all ranks on one rank); ``communication`` less the
     straggler's excess, which the others spend waiting for it, not for the network.
     """
     if not ranks:
