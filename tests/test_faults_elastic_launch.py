@@ -1,11 +1,13 @@
 """Elastic launch: ``torchrun --nnodes=1:2`` (c10d rendezvous) with ``fastscale-train resume=auto``
-on two emulated nodes; one node lost mid-epoch (SIGKILL, no checkpoint written), the other's
-agent restarts its workers on the new world size and they resume from the last periodic
-checkpoint: every sample of each epoch trained on exactly once (CPU, gloo)."""
+on two emulated nodes; one node leaves mid-epoch, the other's agent restarts its workers on the
+new world size and they resume: every sample of each epoch trained on exactly once (CPU, gloo).
+Lost (SIGKILL, nothing written): from the last periodic checkpoint, the survivor's worker exits
+76 (fault). Graceful (SIGTERM to its agent): from the preemption checkpoint, both exit 75."""
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -39,7 +41,8 @@ class SampleLog(pl.Callback):
     """One line per micro-batch in ``<folder>/samples.jsonl``: torchrun's restart count, the step,
     epoch, world size, emulated node and the ids of the samples (found by their pixels in the
     training set). On ``hold_rank`` of a world of 2, after step ``hold_step``, it writes
-    ``<folder>/held`` and waits (at most ``hold_s``) for the test to kill its node."""
+    ``<folder>/held`` and waits (at most ``hold_s``) for the test to stop its node and write
+    ``<folder>/release``."""
 
     def __init__(self, folder: str, hold_step: int, hold_rank: int = 1, hold_s: float = 90.0) -> None:
         self.folder, self.hold_step, self.hold_rank, self.hold_s = Path(folder), hold_step, hold_rank, hold_s
@@ -64,7 +67,9 @@ class SampleLog(pl.Callback):
             f.write(json.dumps(self.record) + "\n")
         if trainer.world_size == 2 and trainer.global_rank == self.hold_rank and trainer.global_step == self.hold_step:
             (self.folder / "held").write_text(str(os.getpid()))
-            time.sleep(self.hold_s)
+            deadline = time.monotonic() + self.hold_s
+            while not (self.folder / "release").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
 
 
 def torchrun(cluster: EmulatedCluster, node: int, run_dir: Path) -> list[str]:
@@ -91,9 +96,10 @@ def wait_for(condition, timeout: float, what: str, outputs: dict) -> None:
         time.sleep(0.1)
 
 
-@pytest.mark.slow  # about a minute: two torchrun agents, three Lightning worker starts
+@pytest.mark.slow  # about 30 s each: two torchrun agents, three Lightning worker starts
 @pytest.mark.timeout(180)
-def test_torchrun_elastic_continues_on_the_remaining_node_with_every_sample_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("leave", ["lost", "graceful"])
+def test_torchrun_elastic_continues_on_the_remaining_node_with_every_sample_once(tmp_path: Path, leave: str) -> None:
     try:
         check_namespace_support()
     except NamespaceUnavailable as err:
@@ -116,9 +122,13 @@ def test_torchrun_elastic_continues_on_the_remaining_node_with_every_sample_once
                     threading.Thread(target=drain, args=(n, stream), daemon=True).start()
             held = run_dir / "log" / "held"
             wait_for(lambda: held.exists() or any(p.poll() is not None for p in procs), 90, "step 11 on 2 nodes", outputs)
-            assert held.exists(), f"a node ended before the loss: {[p.returncode for p in procs]}"
-            killed = cluster.kill_node(1)
-            assert procs[1].pid in killed
+            assert held.exists(), f"a node ended before it left: {[p.returncode for p in procs]}"
+            if leave == "lost":
+                assert procs[1].pid in cluster.kill_node(1)  # the agent and its worker: nothing runs on
+            else:
+                procs[1].send_signal(signal.SIGTERM)  # its agent passes it on to its worker
+                time.sleep(1.0)
+                (run_dir / "log" / "release").touch()
             wait_for(lambda: procs[0].poll() is not None, 120, "node 0 finishing alone", outputs)
             procs[1].wait(timeout=10)
     finally:  # what each node printed, for a failure's diagnosis
@@ -132,12 +142,22 @@ def test_torchrun_elastic_continues_on_the_remaining_node_with_every_sample_once
     later = [r for r in records if r["attempt"] > 0]
     assert {(r["rank"], r["node"], r["world"]) for r in first} == {(0, "0", 2), (1, "1", 2)}
     assert {(r["rank"], r["node"], r["world"]) for r in later} == {(0, "0", 1)}
-    assert max(r["step"] for r in first) == LOST_AFTER - 1
-    # the restarted workers resumed from the last periodic checkpoint, mid-epoch, on 1 process
-    assert min(r["step"] for r in later) == RESUMED_AT and RESUMED_AT % STEPS_PER_EPOCH
-    # node 0's worker saw its peer vanish: a fault (76, retryable), so its agent restarted it
-    assert "error [exit 76: fault, retryable]" in outputs[0] and "exitcode: 76" in outputs[0]
-    assert f"resume=auto: continuing from {run_dir / 'checkpoints' / f'step{RESUMED_AT:07d}.ckpt'}" in outputs[0]
+    resumed_at = min(r["step"] for r in later)
+    if leave == "lost":
+        # node 0's worker saw its peer vanish: a fault (76, retryable), so its agent restarted it,
+        # and the new worker resumed from the last periodic checkpoint, mid-epoch
+        assert max(r["step"] for r in first) == LOST_AFTER - 1
+        assert resumed_at == RESUMED_AT and RESUMED_AT % STEPS_PER_EPOCH
+        assert "error [exit 76: fault, retryable]" in outputs[0] and "exitcode: 76" in outputs[0]
+        checkpoint = f"step{RESUMED_AT:07d}.ckpt"
+    else:
+        # both ranks stopped after the same step, one checkpoint, exit 75 (preempted, retryable):
+        # node 0's agent restarted its worker, which lost no step
+        assert max(r["step"] for r in first) == resumed_at - 1 and resumed_at % STEPS_PER_EPOCH
+        assert resumed_at >= LOST_AFTER
+        assert "exitcode: 75" in outputs[0] and "exitcode: 76" not in outputs[0]
+        checkpoint = f"preempted-epoch1-step{resumed_at}.ckpt"
+    assert f"resume=auto: continuing from {run_dir / 'checkpoints' / checkpoint}" in outputs[0]
     assert "written by 2 processes, this run has 1" in outputs[0]
 
     def by_step(rs):
@@ -146,13 +166,13 @@ def test_torchrun_elastic_continues_on_the_remaining_node_with_every_sample_once
             steps.setdefault(r["step"], []).extend(r["ids"])
         return {s: sorted(ids) for s, ids in steps.items()}
 
-    kept, resumed = by_step(r for r in first if r["step"] < RESUMED_AT), by_step(later)
-    assert sorted(kept) == list(range(RESUMED_AT)) and sorted(resumed) == list(range(RESUMED_AT, EPOCHS * STEPS_PER_EPOCH))
+    kept, resumed = by_step(r for r in first if r["step"] < resumed_at), by_step(later)
+    assert sorted(kept) == list(range(resumed_at)) and sorted(resumed) == list(range(resumed_at, EPOCHS * STEPS_PER_EPOCH))
     assert all(len(ids) == GLOBAL_BATCH for ids in [*kept.values(), *resumed.values()])
     lineage = {**kept, **resumed}
     for epoch in range(EPOCHS):
         seen = [i for s in range(epoch * STEPS_PER_EPOCH, (epoch + 1) * STEPS_PER_EPOCH) for i in lineage[s]]
         assert sorted(seen) == list(range(SIZE)), f"epoch {epoch}"
     # the lost steps were redone on the same samples: the order does not depend on the world size
-    lost = by_step(r for r in first if r["step"] >= RESUMED_AT)
-    assert lost and all(lost[s] == resumed[s] for s in lost)
+    lost = by_step(r for r in first if r["step"] >= resumed_at)
+    assert bool(lost) == (leave == "lost") and all(lost[s] == resumed[s] for s in lost)
