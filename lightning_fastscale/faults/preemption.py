@@ -14,8 +14,7 @@ This callback only sets a flag in the handler. At the end of every optimizer ste
 agree (one all-reduce of a one-element tensor, MAX) whether any rank got a signal; if so,
 every rank has finished the same step, one checkpoint is written (rank 0 writes, as for any
 Lightning checkpoint), the SLURM job is requeued when running under SLURM, and the run
-leaves through Lightning's ``SIGTERMException`` (a ``SystemExit``) with ``exit_code`` (75 by
-default: "not finished, restart me", so ``torchrun`` restarts the workers of the nodes that remain).
+leaves through Lightning's ``SIGTERMException`` (a ``SystemExit``) with ``exit_code`` (75).
 ``fastscale-train resume=auto`` (or ``Trainer.fit(ckpt_path=...)``) continues from it; with
 [`ExactResume`][lightning_fastscale.faults.ExactResume] the resumed run sees the same batches.
 
