@@ -122,6 +122,13 @@ RULES: list[Rule] = [
     Rule(r"^torchrun --nnodes 2 --node_rank \$NODE_RANK ", "torchrun",
          append=f"{TRAIN_LIMITS}", expect=(FINAL,), slow=True,
          reason="two nodes of 8 GPUs: two launches on this machine, one CPU rank each"),
+    Rule(r"^torchrun --nnodes 1:2 --nproc_per_node 8 --max_restarts ", "torchrun", append=TRAIN_LIMITS,
+         expect=(FINAL,), slow=True,
+         reason="1 or 2 nodes of 8 GPUs: two elastic launches on this machine, one CPU rank each (a node "
+                "lost or leaving: test_faults_elastic_launch.py)"),
+    Rule(r"^(srun fastscale-train |status=\$\?$|if \[ \$status |exit \$status$)", "skip",
+         reason="the SLURM batch script: needs sbatch's allocation and scontrol; the resume on another node "
+                "count it relies on runs in test_faults_elastic_launch.py and test_faults_resume_elastic.py"),
     Rule(r"^torchrun \.\.\. -m lightning_fastscale\.planner\.calibrate ", "calibrate", files=("params.json",),
          slow=True, reason="the page elides the launcher flags: two local ranks"),
     Rule(r"^srun --nodes 2 --ntasks-per-node 8 --gpus-per-node 8 ", "srun", append=TRAIN_LIMITS,

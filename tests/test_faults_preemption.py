@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from benchmarks.fault_helpers import SignalAtStep
 from lightning_fastscale.callbacks import ExactResume, PreemptionCheckpoint
 from lightning_fastscale.data import ProceduralDataModule
+from lightning_fastscale.exit_codes import ExitCode
 from lightning_fastscale.faults.exact_resume import SkipFirstBatches
 from lightning_fastscale.faults.preemption import parse_signals, slurm_job_id
 
@@ -76,7 +77,7 @@ def assert_equal_states(a, b):
 
 def test_sigterm_mid_epoch_then_resume_is_bitwise_the_uninterrupted_run(tmp_path, uninterrupted):
     stopper, code = preempt_at(tmp_path, step=8)  # epoch 1, its third step
-    assert code == 0 and stopper.received == signal.SIGTERM
+    assert code == ExitCode.PREEMPTED == 75 and stopper.received == signal.SIGTERM  # retryable: not finished
     assert stopper.saved_path.name == "preempted-epoch1-step9.ckpt"  # the step in flight finished
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["preempted-epoch1-step9.ckpt"]
     saved = torch.load(stopper.saved_path, weights_only=True)

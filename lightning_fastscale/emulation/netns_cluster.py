@@ -113,14 +113,17 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _kill_namespace_processes(namespace: str) -> None:
-    """SIGKILL every process still inside ``namespace`` (all were started by this harness)."""
+def _kill_namespace_processes(namespace: str) -> list[int]:
+    """SIGKILL every process still inside ``namespace`` (all were started by this harness); the pids killed."""
     listed = _ip("netns", "pids", namespace, check=False)
+    killed = []
     for pid in (int(p) for p in listed.stdout.split() if p.isdigit()):
         try:
             os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
         except ProcessLookupError:
             pass
+    return killed
 
 
 def remove_stale_namespaces() -> list[str]:
@@ -290,6 +293,10 @@ class EmulatedCluster:
         with self._lock:
             self._procs.append(proc)
         return proc
+
+    def kill_node(self, index: int) -> list[int]:
+        """SIGKILL every process inside node ``index`` (a lost machine: no signal handler runs); the pids killed."""
+        return _kill_namespace_processes(self.nodes[index].namespace)
 
     def run(
         self,

@@ -14,7 +14,7 @@ This callback only sets a flag in the handler. At the end of every optimizer ste
 agree (one all-reduce of a one-element tensor, MAX) whether any rank got a signal; if so,
 every rank has finished the same step, one checkpoint is written (rank 0 writes, as for any
 Lightning checkpoint), the SLURM job is requeued when running under SLURM, and the run
-leaves through Lightning's ``SIGTERMException`` (a ``SystemExit``) with ``exit_code``.
+leaves through Lightning's ``SIGTERMException`` (a ``SystemExit``) with ``exit_code`` (75).
 ``fastscale-train resume=auto`` (or ``Trainer.fit(ckpt_path=...)``) continues from it; with
 [`ExactResume`][lightning_fastscale.faults.ExactResume] the resumed run sees the same batches.
 
@@ -42,6 +42,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_fastscale.exit_codes import ExitCode
 from lightning_fastscale.lightning_internals import cluster_environment
 
 log = logging.getLogger(__name__)
@@ -96,8 +97,9 @@ class PreemptionCheckpoint(Checkpoint):
             never overwritten (a ``-v1``, ``-v2`` ... suffix is added).
         requeue: requeue the SLURM job (``scontrol requeue``) after the checkpoint is written.
             ``None``: when running under SLURM with Lightning's ``auto_requeue`` on.
-        exit_code: the status the processes exit with after the checkpoint (0: the stop was
-            clean; set e.g. 143 for a supervisor that restarts on failure).
+        exit_code: the status the processes exit with after the checkpoint: 75
+            (``ExitCode.PREEMPTED``, retryable), so ``torchrun --max-restarts`` on the nodes
+            that remain restarts their workers and they resume; 0 would tell it the run finished.
         check_every_n_steps: agree on a stop every this many optimizer steps (the agreement is
             one tiny all-reduce and, on GPUs, a device sync; raise it when steps are very short).
 
@@ -112,7 +114,7 @@ class PreemptionCheckpoint(Checkpoint):
         >>> from lightning.pytorch.callbacks import ModelCheckpoint
         >>> trainer = pl.Trainer(callbacks=[ModelCheckpoint(dirpath="ckpts", save_last=True),
         ...                                 PreemptionCheckpoint()])  # doctest: +SKIP
-        >>> trainer.fit(model)  # SIGTERM: "preempted-epoch0-step41.ckpt" in ckpts/, exit 0  # doctest: +SKIP
+        >>> trainer.fit(model)  # SIGTERM: "preempted-epoch0-step41.ckpt" in ckpts/, exit 75  # doctest: +SKIP
         >>> trainer.fit(model, ckpt_path="ckpts/preempted-epoch0-step41.ckpt")  # doctest: +SKIP
     """
 
@@ -122,7 +124,7 @@ class PreemptionCheckpoint(Checkpoint):
         dirpath: str | None = None,
         filename: str = "preempted-epoch{epoch}-step{step}.ckpt",
         requeue: bool | None = None,
-        exit_code: int = 0,
+        exit_code: int = ExitCode.PREEMPTED,
         check_every_n_steps: int = 1,
     ) -> None:
         self.signals = parse_signals(signals)
