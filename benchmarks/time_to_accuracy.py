@@ -694,6 +694,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--report", action="store_true", help="train nothing: target, table and figure from the results")
     p.add_argument("--quick", action="store_true", help="smoke test: tiny data and model, 1 epoch, B0 = 4, no tuning")
     p.add_argument("--output", type=Path, default=RESULTS / "time_to_accuracy.json")
+    p.add_argument("--settings-from", type=Path, default=RESULTS / "time_to_accuracy.json",
+                   help="results file whose B0, link rates and LR grid the arms of a new --output reuse "
+                        "(e.g. the image tree's runs in their own file)")
     p.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "fastscale-tta",
                    help="rendered data, image tree, streaming conversion and run folders")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per arm before it is killed")
@@ -710,6 +713,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return report(results, args.output)
     if args.calibrate:
         return calibrate(results, args, sizes, work)
+    if not results["calibration"] and args.settings_from.is_file() and args.settings_from.resolve() != args.output.resolve():
+        settings = load(args.settings_from)
+        results.update(calibration=settings["calibration"], tuning=settings["tuning"], settings_from=args.settings_from.name)
     cal = results["calibration"]
     if "b0" not in cal and not args.quick:
         p.error(f"no B0 in {args.output}: run --calibrate first")
@@ -797,7 +803,8 @@ def report(results: dict[str, Any], output: Path) -> dict[str, Any]:
     tuning = results.get("tuning", {})
     tuned = "\n".join(f"- {arm}: " + ", ".join(f"LR {lr}: {100 * v['best_top1']:.2f}" for lr, v in tuning[arm].items())
                       for arm in ARMS if arm in tuning)
-    table = format_table(rows, results) + f"\n\nLR tuning (best top-1, seed {TUNE_SEED}, machine one):\n\n{tuned}" \
+    origin = f", from {results['settings_from']}" if results.get("settings_from") else ""
+    table = format_table(rows, results) + f"\n\nLR tuning (best top-1, seed {TUNE_SEED}, machine one{origin}):\n\n{tuned}" \
         + "\n\nSupplementary: median seconds to fixed levels below the target\n\n" + format_levels(rows)
     print(table)
     output.parent.mkdir(parents=True, exist_ok=True)
