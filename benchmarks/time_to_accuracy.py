@@ -50,11 +50,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.convergence import PrerenderedSplit  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
-# recipe_long (not run by default): the recipe with the epoch budget that fills the plain arm's
-# whole 8-epoch wall time in the record regime (176 s / 8.2 s per recipe epoch: 21 epochs), every
-# other rule unchanged; fixed after the 12-epoch runs had shown the recipe still climbing at its end
-ARMS = ("plain", "recipe", "large", "recipe_long")
-MAIN_ARMS = ARMS[:3]
+ARMS = ("plain", "recipe", "large")
 MACHINES = ("one", "cloud", "record")
 K = 16  # batch multiple, fixed before any run (the issue: 16 or 32)
 # exposed all-reduce / compute of the plain arm that each emulated regime is calibrated to
@@ -64,13 +60,12 @@ SIZES = {"num_classes": 10, "train_size": 12288, "val_size": 1024, "resolution":
          "widths": [16, 32, 64], "val_batch": 256}
 # Epoch budgets, fixed in advance: large batches need more epochs for the same accuracy
 # (MLPerf ResNet-50 reference points: 35 epochs at batch 3K, 56 at 32K), so both K x B0 arms get 1.5x.
-EPOCHS = {"plain": 8, "recipe": 12, "large": 12, "recipe_long": 21}
+EPOCHS = {"plain": 8, "recipe": 12, "large": 12}
 # LR-tuning budget, the same for every arm: three values of the LR at the plain arm's global
 # batch (2 x B0; scaled linearly to larger batches), one run each at seed 100 on machine "one",
 # the full epoch budget, the best validation top-1 wins. The recipe's grid is 2x the others'
-# (LARS bounds each layer's step; benchmarks/convergence.py found 2x the SGD LR best); recipe_long's
-# is one step lower, as the 12-epoch grid's best was its lowest value.
-LR_GRID = {"plain": [0.1, 0.2, 0.4], "large": [0.1, 0.2, 0.4], "recipe": [0.2, 0.4, 0.8], "recipe_long": [0.1, 0.2, 0.4]}
+# (LARS bounds each layer's step; benchmarks/convergence.py found 2x the SGD LR best).
+LR_GRID = {"plain": [0.1, 0.2, 0.4], "large": [0.1, 0.2, 0.4], "recipe": [0.2, 0.4, 0.8]}
 TUNE_SEED = 100
 # Supplementary read-out (chosen after the tuning runs, which put the recipe below the plain
 # arm's accuracy): median seconds to these fixed top-1 levels, below the target.
@@ -312,7 +307,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
     lr = spec["lr"] * (1 if arm == "plain" else k)  # the recipe's WarmupDecayLR scales it itself
     callbacks: list[Any] = []
     plugins: list[Any] = []
-    if arm.startswith("recipe"):
+    if arm == "recipe":
         module, callbacks, plugins, strategy = _recipe_parts(spec, spec["lr"], world)
     else:
         module, strategy = _plain_module(spec, lr), DDPStrategy()
@@ -324,7 +319,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
     if data == "procedural":
         splits = torch.load(spec["data_paths"]["tensors"])
         train, val = (_LoadedSplit(splits[s]["images"], splits[s]["labels"]) for s in ("train", "val"))
-        if arm.startswith("recipe"):
+        if arm == "recipe":
             from lightning_fastscale.data import ProceduralDataModule
 
             dm = ProceduralDataModule(sizes["num_classes"], 16, 16, sizes["resolution"], batch_size=batch,
@@ -336,7 +331,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
 
             fit_kw["train_dataloaders"] = DataLoader(train, batch_size=batch, shuffle=True, drop_last=True)
             fit_kw["val_dataloaders"] = DataLoader(val, batch_size=sizes["val_batch"])
-    elif arm.startswith("recipe"):
+    elif arm == "recipe":
         from lightning_fastscale.data import StreamingDataModule
 
         fit_kw["datamodule"] = StreamingDataModule(spec["data_paths"]["streaming"], resolution=sizes["resolution"],
@@ -363,7 +358,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
         "b0": b0, "k": k, "world_size": trainer.world_size, "per_device_batch": batch, "epochs_budget": spec["epochs"],
         "startup_s": fit_start - process_start, "error": error, **_curves(curve_cbs),
         "breakdown": breakdown.summary.to_dict() if breakdown.summary else None,
-        "conversion_s": spec["data_paths"].get("conversion_s", 0.0) if arm.startswith("recipe") and data == "tree" else 0.0,
+        "conversion_s": spec["data_paths"].get("conversion_s", 0.0) if arm == "recipe" and data == "tree" else 0.0,
     }
     Path(spec["result"]).write_text(json.dumps(result))
     _leave_group()
@@ -653,7 +648,7 @@ def plot(results: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> Non
 
     panels = sorted({(r["data"], r["machine"]) for r in rows}, key=lambda p: (p[0], MACHINES.index(p[1])))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), dpi=100, squeeze=False)
-    colors = {"plain": "#1f77b4", "recipe": "#d62728", "large": "#7f7f7f", "recipe_long": "#ff7f0e"}
+    colors = {"plain": "#1f77b4", "recipe": "#d62728", "large": "#7f7f7f"}
     for ax, (data, machine) in zip(axes[0], panels):
         labelled: set[str] = set()
         for key, r in sorted(results["runs"].items()):
@@ -687,7 +682,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--machines", nargs="+", choices=MACHINES, default=list(MACHINES))
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    p.add_argument("--arms", nargs="+", choices=ARMS, default=list(MAIN_ARMS))
+    p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     p.add_argument("--data", choices=("procedural", "tree"), default="procedural",
                    help="the built-in data in memory, or a JPEG image tree (ImageNet layout) through each arm's loader")
     p.add_argument("--tree", type=Path, default=None,
@@ -696,8 +691,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--calibration-rates", nargs="+", type=float, default=[400.0, 100.0, 25.0],
                    help="link rates (Mbit/s) at which --calibrate measures the plain arm's step breakdown")
     p.add_argument("--tune", action="store_true", help="the LR grid of each of --arms on machine 'one' (seed 100)")
-    p.add_argument("--tune-lrs", nargs="+", type=float, default=None,
-                   help="with --tune: only these values of each arm's grid (to split the grid into pieces)")
     p.add_argument("--report", action="store_true", help="train nothing: target, table and figure from the results")
     p.add_argument("--quick", action="store_true", help="smoke test: tiny data and model, 1 epoch, B0 = 4, no tuning")
     p.add_argument("--output", type=Path, default=RESULTS / "time_to_accuracy.json")
@@ -738,7 +731,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.tune:
         with Machine("one", None, args.timeout) as machine:
             for arm in args.arms:
-                for lr in [lr for lr in LR_GRID[arm] if args.tune_lrs is None or lr in args.tune_lrs]:
+                for lr in LR_GRID[arm]:
                     r = machine.run(spec(arm, TUNE_SEED, lr, "one", "tune"))
                     best = max((v for _, v in r["curve"]), default=float("nan"))
                     results["tuning"].setdefault(arm, {})[f"{lr:g}"] = {"best_top1": best, "error": r["error"]}

@@ -92,7 +92,7 @@ def data(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", ["procedural", "tree"])
-@pytest.mark.parametrize("arm", tta.MAIN_ARMS)
+@pytest.mark.parametrize("arm", tta.ARMS)
 def test_each_arm_trains_one_epoch_and_records_its_curve(data, arm, kind):
     work, paths = data
     run_dir = work / f"{kind}-{arm}"
@@ -130,13 +130,13 @@ def test_quick_run_on_two_ranks_and_report(tmp_path):
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())
-    assert sorted(results["runs"]) == [f"procedural/one/{a}/seed0" for a in sorted(tta.MAIN_ARMS)]
+    assert sorted(results["runs"]) == [f"procedural/one/{a}/seed0" for a in sorted(tta.ARMS)]
     for r in results["runs"].values():
         assert r["world_size"] == 2 and r["error"] is None and len(r["curve"]) == 1
     done = subprocess.run(cmd + ["--report"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(out.with_name("r_summary.json").read_text())
-    assert [r["arm"] for r in summary] == list(tta.MAIN_ARMS)
+    assert [r["arm"] for r in summary] == list(tta.ARMS)
     plain = summary[0]
     assert plain["target"] == pytest.approx(max(v for _, v in results["runs"]["procedural/one/plain/seed0"]["curve"]) - 0.01)
     assert plain["reached"] == "1/1" and not math.isnan(plain["median_s"])
