@@ -427,8 +427,14 @@ class Machine:
             try:
                 out, _ = proc.communicate(timeout=self.timeout_s)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
-                out, _ = proc.communicate(timeout=30)
+                # torchrun stops its ranks on SIGTERM; they run in sessions of their own, which
+                # killing torchrun's process group would leave running (holding the pipe open)
+                proc.terminate()
+                try:
+                    out, _ = proc.communicate(timeout=60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, 9)
+                    out, _ = proc.communicate(timeout=30)
                 raise TimeoutError(f"{spec['arm']} exceeded {self.timeout_s} s:\n{out[-3000:]}") from None
             outputs = [out]
             failed = proc.returncode != 0
