@@ -27,6 +27,9 @@ under the shared CPU lock; results accumulate in ``--output``)::
     python benchmarks/time_to_accuracy.py --tune                 # LR grid per arm (seed 100)
     python benchmarks/time_to_accuracy.py --machines record --seeds 0
     python benchmarks/time_to_accuracy.py --report               # target, table, figure
+    # a JPEG tree (ImageNet layout; without --tree, the built-in data written as JPEGs), own file
+    python benchmarks/time_to_accuracy.py --data tree --machines one --seeds 0 --output benchmarks/results/time_to_accuracy_tree.json
+    python benchmarks/time_to_accuracy.py --report --output benchmarks/results/time_to_accuracy_tree.json
 """
 from __future__ import annotations
 
@@ -84,7 +87,8 @@ RECIPE = {
                       "(benchmarks/convergence.py: +1.7 points at 32 x B0)",
     "strategy": "emulated cluster: HierarchicalAllReduceStrategy(hier, fp16 wire between nodes); one machine: "
                 "DDPStrategy (no slow link: the strategy would run DDP's own path)",
-    "loader": "image tree: StreamingDataModule after `fastscale-data convert` (time reported); built-in "
+    "loader": "image tree: StreamingDataModule after `fastscale-data convert` (time reported), the other arms' "
+              "crops (CROP_SCALE); built-in "
               "data: ProceduralDataModule over the same in-memory images as the other arms",
     "progressive_resizing": "off: at 24 px the half-size early epochs (12 px) erase the shapes",
 }
