@@ -27,6 +27,9 @@ under the shared CPU lock; results accumulate in ``--output``)::
     python benchmarks/time_to_accuracy.py --tune                 # LR grid per arm (seed 100)
     python benchmarks/time_to_accuracy.py --machines record --seeds 0
     python benchmarks/time_to_accuracy.py --report               # target, table, figure
+    # a JPEG tree (ImageNet layout; without --tree, the built-in data written as JPEGs), own file
+    python benchmarks/time_to_accuracy.py --data tree --machines one --seeds 0 --output benchmarks/results/time_to_accuracy_tree.json
+    python benchmarks/time_to_accuracy.py --report --output benchmarks/results/time_to_accuracy_tree.json
 """
 from __future__ import annotations
 
@@ -71,6 +74,9 @@ TUNE_SEED = 100
 # arm's accuracy): median seconds to these fixed top-1 levels, below the target.
 LEVELS = (0.5, 0.6, 0.7)
 LOADER_WORKERS = 2  # per rank, image tree: the DataLoader's usual few workers
+# every arm's random resized crop on the image tree (share of the area): ImageNet's 8 % minimum
+# leaves 9 px of a 32 px image, which erases the shapes
+CROP_SCALE = (0.35, 1.0)
 # Every choice of the recipe arm, stated (README and the results file carry this text).
 RECIPE = {
     "batch": f"K = {K}: per-device batch K x B0, ramped (global) K/4 -> K/2 -> K x B0 x ranks at epochs 0, 5, 8",
@@ -81,7 +87,8 @@ RECIPE = {
                       "(benchmarks/convergence.py: +1.7 points at 32 x B0)",
     "strategy": "emulated cluster: HierarchicalAllReduceStrategy(hier, fp16 wire between nodes); one machine: "
                 "DDPStrategy (no slow link: the strategy would run DDP's own path)",
-    "loader": "image tree: StreamingDataModule after `fastscale-data convert` (time reported); built-in "
+    "loader": "image tree: StreamingDataModule after `fastscale-data convert` (time reported), the other arms' "
+              "crops (CROP_SCALE); built-in "
               "data: ProceduralDataModule over the same in-memory images as the other arms",
     "progressive_resizing": "off: at 24 px the half-size early epochs (12 px) erase the shapes",
 }
@@ -153,7 +160,7 @@ def _plain_tree_loaders(spec: dict[str, Any], batch: int) -> tuple[Any, Any]:
 
     res = spec["sizes"]["resolution"]
     norm = v2.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
-    train_tf = v2.Compose([v2.RandomResizedCrop(res, scale=(0.35, 1.0), antialias=True), v2.RandomHorizontalFlip(),
+    train_tf = v2.Compose([v2.RandomResizedCrop(res, scale=CROP_SCALE, antialias=True), v2.RandomHorizontalFlip(),
                            v2.ToImage(), v2.ToDtype(torch.float32, scale=True), norm])
     val_tf = v2.Compose([v2.Resize(round(res / 0.875), antialias=True), v2.CenterCrop(res), v2.ToImage(),
                          v2.ToDtype(torch.float32, scale=True), norm])
@@ -332,11 +339,16 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
             fit_kw["train_dataloaders"] = DataLoader(train, batch_size=batch, shuffle=True, drop_last=True)
             fit_kw["val_dataloaders"] = DataLoader(val, batch_size=sizes["val_batch"])
     elif arm == "recipe":
-        from lightning_fastscale.data import StreamingDataModule
+        from functools import partial
 
-        fit_kw["datamodule"] = StreamingDataModule(spec["data_paths"]["streaming"], resolution=sizes["resolution"],
-                                                   batch_size=batch, val_batch_size=sizes["val_batch"],
-                                                   num_workers=LOADER_WORKERS, decode_threads=1, seed=spec["seed"])
+        from lightning_fastscale.data import StreamingDataModule
+        from lightning_fastscale.data.streaming import DecodedStreamingDataset
+
+        dm = StreamingDataModule(spec["data_paths"]["streaming"], resolution=sizes["resolution"], batch_size=batch,
+                                 val_batch_size=sizes["val_batch"], num_workers=LOADER_WORKERS, decode_threads=1,
+                                 seed=spec["seed"])
+        dm.dataset_class = partial(DecodedStreamingDataset, scale=CROP_SCALE)  # the plain arm's crops
+        fit_kw["datamodule"] = dm
     else:
         fit_kw["train_dataloaders"], fit_kw["val_dataloaders"] = _plain_tree_loaders(spec, batch)
     # --calibrate: a fixed number of training steps, no validation
@@ -427,8 +439,14 @@ class Machine:
             try:
                 out, _ = proc.communicate(timeout=self.timeout_s)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
-                out, _ = proc.communicate(timeout=30)
+                # torchrun stops its ranks on SIGTERM; they run in sessions of their own, which
+                # killing torchrun's process group would leave running (holding the pipe open)
+                proc.terminate()
+                try:
+                    out, _ = proc.communicate(timeout=60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, 9)
+                    out, _ = proc.communicate(timeout=30)
                 raise TimeoutError(f"{spec['arm']} exceeded {self.timeout_s} s:\n{out[-3000:]}") from None
             outputs = [out]
             failed = proc.returncode != 0
@@ -694,6 +712,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--report", action="store_true", help="train nothing: target, table and figure from the results")
     p.add_argument("--quick", action="store_true", help="smoke test: tiny data and model, 1 epoch, B0 = 4, no tuning")
     p.add_argument("--output", type=Path, default=RESULTS / "time_to_accuracy.json")
+    p.add_argument("--settings-from", type=Path, default=RESULTS / "time_to_accuracy.json",
+                   help="results file whose B0, link rates and LR grid the arms of a new --output reuse "
+                        "(e.g. the image tree's runs in their own file)")
     p.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "fastscale-tta",
                    help="rendered data, image tree, streaming conversion and run folders")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per arm before it is killed")
@@ -710,6 +731,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return report(results, args.output)
     if args.calibrate:
         return calibrate(results, args, sizes, work)
+    if not results["calibration"] and args.settings_from.is_file() and args.settings_from.resolve() != args.output.resolve():
+        settings = load(args.settings_from)
+        results.update(calibration=settings["calibration"], tuning=settings["tuning"], settings_from=args.settings_from.name)
     cal = results["calibration"]
     if "b0" not in cal and not args.quick:
         p.error(f"no B0 in {args.output}: run --calibrate first")
@@ -797,7 +821,8 @@ def report(results: dict[str, Any], output: Path) -> dict[str, Any]:
     tuning = results.get("tuning", {})
     tuned = "\n".join(f"- {arm}: " + ", ".join(f"LR {lr}: {100 * v['best_top1']:.2f}" for lr, v in tuning[arm].items())
                       for arm in ARMS if arm in tuning)
-    table = format_table(rows, results) + f"\n\nLR tuning (best top-1, seed {TUNE_SEED}, machine one):\n\n{tuned}" \
+    origin = f", from {results['settings_from']}" if results.get("settings_from") else ""
+    table = format_table(rows, results) + f"\n\nLR tuning (best top-1, seed {TUNE_SEED}, machine one{origin}):\n\n{tuned}" \
         + "\n\nSupplementary: median seconds to fixed levels below the target\n\n" + format_levels(rows)
     print(table)
     output.parent.mkdir(parents=True, exist_ok=True)

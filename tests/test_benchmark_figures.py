@@ -242,10 +242,29 @@ def test_prose_figures_match_results(name: str) -> None:
         assert expected in text, f"{page} should say {expected!r} ({name}.json)"
 
 
-def test_time_to_accuracy_table_is_on_the_benchmarks_page() -> None:
+@pytest.mark.parametrize("name", ["time_to_accuracy", "time_to_accuracy_tree"])
+def test_time_to_accuracy_table_is_on_the_benchmarks_page(name: str) -> None:
     page = (ROOT / "benchmarks" / "README.md").read_text()
-    table = [line for line in (RESULTS / "time_to_accuracy.md").read_text().splitlines() if line.startswith("| ")]
+    table = [line for line in (RESULTS / f"{name}.md").read_text().splitlines() if line.startswith("| ")]
     assert table and all(line in page for line in table)
+
+
+def time_to_accuracy_tree() -> list[str]:
+    """The image tree's figures as docs/time_to_accuracy.md words them."""
+    summary = {r["arm"]: r for r in json.loads((RESULTS / "time_to_accuracy_tree_summary.json").read_text())}
+    figures = [f"target {100 * summary['plain']['target']:.1f} %",
+               f"offline conversion {summary['recipe']['conversion_s']:.1f} s"]
+    for arm, r in summary.items():
+        median = f", median {r['median_s']:.0f} s" if r["median_s"] is not None else ""
+        figures.append(f"{arm}: {r['reached']} seeds at the target{median}, best top-1 "
+                       f"{span([100 * b for b in r['best_top1']], '.1f')} %")
+    return figures
+
+
+def test_time_to_accuracy_tree_figures_are_on_the_docs_page() -> None:
+    page = " ".join((ROOT / "docs" / "time_to_accuracy.md").read_text().split())
+    for expected in time_to_accuracy_tree():
+        assert expected in page, f"docs/time_to_accuracy.md should say {expected!r} (time_to_accuracy_tree_summary.json)"
 
 
 def test_readme_layout_names_every_top_level_module() -> None:

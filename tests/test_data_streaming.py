@@ -331,6 +331,14 @@ def test_training_and_validation_read_one_stored_sample_per_item(stream):
     assert dm.train_dataset().batch_decode == 0 and dm.val_dataloader().dataset.samples.batch_decode == 0
 
 
+def test_training_order_is_a_full_permutation_within_each_chunk(stream):
+    """Not litdata's default of shuffled blocks of 256 neighbouring samples: a tree converted class
+    by class then gives one-class batches (at batch 256 of a 10-class tree every batch held one or
+    two classes, and the recipe of benchmarks/time_to_accuracy.py stayed at chance)."""
+    dataset = _dm(stream).train_dataset()
+    assert getattr(dataset, "item_shuffle_window", 0) == 0
+
+
 def test_background_loader_decodes_the_next_batch_while_one_is_decoding(stream):
     """The collate function (the decode) of batch k + 1 starts before that of batch k has
     finished: each call waits, with a time-out, until two are running at once."""

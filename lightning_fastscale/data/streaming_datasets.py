@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from inspect import signature
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,10 @@ from .stored_format import CorruptDataError, chunk_of, read_index
 # shuffled or planned order mostly throws away: at source size about 10x the cost of reading the
 # one sample (benchmarks/README.md)
 _ONE_SAMPLE_PER_READ = {"batch_decode": 0}
+# A full permutation within each chunk: litdata versions with ``item_shuffle_window`` permute
+# blocks of 256 neighbouring samples by default, and a tree converted class by class then gives
+# batches of one class
+_FULL_SHUFFLE = {"item_shuffle_window": 0} if "item_shuffle_window" in signature(StreamingDataset).parameters else {}
 
 _VERIFY_HINT = "Run `fastscale-data verify ROOT` (the data folder) to list every damaged chunk and sample"
 
@@ -124,7 +129,8 @@ class DecodedStreamingDataset(StreamingDataset):
         dct_scaling: bool = False,
         **kwargs: Any,
     ) -> None:
-        super().__init__(input_dir, shuffle=True, seed=seed, drop_last=True, **{**_ONE_SAMPLE_PER_READ, **kwargs})
+        super().__init__(input_dir, shuffle=True, seed=seed, drop_last=True,
+                         **{**_ONE_SAMPLE_PER_READ, **_FULL_SHUFFLE, **kwargs})
         self.resolution, self.augment_seed, self.scale, self.ratio = resolution, seed, tuple(scale), tuple(ratio)
         self.dct_scaling = dct_scaling
         self.source = input_dir
