@@ -41,6 +41,13 @@ def test_round_trip_labels_class_order_counts_and_max_side(tmp_path):
                 assert image.shape[2] == 64 and image.shape[1] == round(40 * 64 / 120)
 
 
+def test_training_split_is_written_with_the_classes_mixed(tmp_path):
+    # litdata reads a chunk at a time: written class by class, every batch would hold one class
+    labels = [s["label"] for s in _stored(convert_tree(tmp_path) / "train")]
+    assert labels != sorted(labels)
+    assert len(set(labels[:8])) > 1  # one class's worth of samples spans several classes
+
+
 def test_cli_converts_procedural_set_and_refuses_to_overwrite(tmp_path, capsys):
     out = tmp_path / "shapes"
     args = ["convert", "procedural", str(out), "--train-size", "24", "--val-size", "8",

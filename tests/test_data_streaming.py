@@ -482,12 +482,12 @@ def test_corrupt_sample_in_a_threaded_batch_names_its_chunk_and_sample(stream, t
     shutil.copytree(stream, bad)
     chunk = bad / "train" / "chunk-0-0.bin"
     data = bytearray(chunk.read_bytes())
-    offset = int.from_bytes(data[4 + 4 * 5 : 8 + 4 * 5], "little")  # where litdata sample 5 starts
+    offset = int.from_bytes(data[4 + 4 * 9 : 8 + 4 * 9], "little")  # where litdata sample 9 starts
     sos = data.index(b"\xff\xda", offset)  # its first entropy-coded byte, after the start-of-scan header
     data[sos + 2 + int.from_bytes(data[sos + 2 : sos + 4], "big")] ^= 0xFF
     chunk.write_bytes(bytes(data))
     dm = _dm(bad, num_workers=num_workers, decode_threads=2)
-    with pytest.raises(CorruptDataError, match=rf"{chunk}: sample 5: cannot decode stored image \d+ "
+    with pytest.raises(CorruptDataError, match=rf"{chunk}: sample 9: cannot decode stored image \d+ "
                                                 r"\(n0\d/n0\d_\d\.JPEG\) of .*bad.*Corrupt JPEG data.*fastscale-data verify"):
         for _ in dm.train_dataloader():
             pass

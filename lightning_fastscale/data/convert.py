@@ -9,6 +9,7 @@ import io
 import json
 import multiprocessing
 import os
+import random
 import shutil
 import sys
 import threading
@@ -212,7 +213,10 @@ def convert(
     else:
         root = Path(os.path.expanduser(str(source)))
         classes, samples = image_tree_samples(root)
-        inputs = samples
+        # A tree lists its files class by class, and litdata reads a chunk at a time: written in
+        # that order, a chunk holds two or three classes of ImageNet and so does every batch. The
+        # stored index (what seeds augmentation) stays the file's place in the tree.
+        inputs = {**samples, "train": random.Random(0).sample(samples["train"], len(samples["train"]))}
         counts = {s: [sum(1 for r in samples[s] if r[1] == c) for c in range(len(classes))] for s in SPLITS}
         fn = partial(_encode_file, max_side=max_side, quality=quality)
         fns = {s: fn for s in SPLITS}
