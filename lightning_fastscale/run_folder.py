@@ -58,7 +58,7 @@ RESUME_MODES = ("never", "auto")
 def _checkpoint_folders(cfg: DictConfig) -> list[Path]:
     """The folders the configured checkpoint callbacks write into."""
     callbacks = cfg.get("callbacks") or {}
-    nodes = [callbacks.get(name) for name in ("model_checkpoint", "last_checkpoint", "preemption")]
+    nodes = [callbacks.get(name) for name in ("model_checkpoint", "last_checkpoint", "periodic_checkpoint", "preemption")]
     return list(dict.fromkeys(Path(node.dirpath) for node in nodes if node and node.get("dirpath")))
 
 

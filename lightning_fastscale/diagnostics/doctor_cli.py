@@ -34,7 +34,7 @@ FLAGS = {"--verify": "doctor.verify=true", "--json": "doctor.json=true"}
 
 # Callbacks that write checkpoints (the doctor measures, it leaves nothing to resume from), and
 # the configured step breakdown (the doctor adds its own, with its warm-up and report folder).
-_REPLACED = ("model_checkpoint", "last_checkpoint", "preemption", "step_breakdown")
+_REPLACED = ("model_checkpoint", "last_checkpoint", "periodic_checkpoint", "preemption", "step_breakdown")
 
 
 def _key(override: str) -> str:
