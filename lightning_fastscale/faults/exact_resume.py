@@ -46,9 +46,9 @@ Lightning's own restore path does when it builds the loader after the restore.
 A checkpoint written by another number of processes continues with the same global batch
 (split again by ``decompose``), the same epoch order (`GlobalOrderSampler`, which serves every
 shuffled map-style loader) and the LR schedule as saved; not bitwise (reduction order, fresh
-per-rank generators). What cannot be carried (per-rank data positions such as streaming, a
-global batch with no split) is refused before the first step unless
-``allow_world_size_change=True``. More in ``docs/faults.md``.
+per-rank generators); streaming data keeps its position through litdata's elastic resume. What
+cannot be carried (other per-rank data positions, a global batch with no split) is refused
+before the first step unless ``allow_world_size_change=True``. More in ``docs/faults.md``.
 
 Functional core: `collect_rng_states`, `set_rng_states`, `SkipFirstBatches`, `GlobalOrderSampler`.
 Lightning adapter: [`ExactResume`][lightning_fastscale.faults.ExactResume].
@@ -365,13 +365,16 @@ class ExactResume(Callback):
     `decompose`, or the ``BatchSizeRamp``'s plan), the same epoch order (`GlobalOrderSampler`),
     the rest of the epoch exactly once, and the optimizer, LR schedule and loop counters as
     saved; the per-rank random numbers (dropout, augmentation) are drawn afresh, so it is not
-    bitwise. Where the global batch cannot be kept it is refused before the first step, naming
-    the world sizes that would keep it.
+    bitwise. Streaming data (litdata's ``StreamingDataLoader``) keeps the global batch, LR schedule
+    and loop counters the same way and its position through litdata's elastic resume. Where
+    the global batch cannot be kept it is refused before the first step, naming the world sizes
+    that would keep it.
 
     Args:
         allow_world_size_change: resume anyway where the run cannot be carried to the new
-            number of processes (streaming data, no split of the global batch): another global
-            batch and sample order. Off by default: refused before the first step.
+            number of processes (a per-rank data position litdata does not carry, no split of
+            the global batch): another global batch and sample order. Off by default: refused
+            before the first step.
         max_per_device_batch: memory ceiling of one device when a resume on fewer processes
             must split the saved global batch; above it the resume accumulates gradients.
             ``None``: no ceiling. A ``BatchSizeRamp`` uses its own.
