@@ -436,6 +436,20 @@ def check_carried(elastic: list[dict], interrupted: list[dict], next_epoch: list
     assert [s["lr"] for s in elastic] == [s["lr"] for s in interrupted]
 
 
+def test_litdata_loaders_are_carried_unless_litdata_reads_whole_chunks(id_stream, monkeypatch):
+    """What ExactResume records of a training loader: litdata's loader reading item by item can
+    change world size; reading whole chunks (its window shuffle, forced here as on NFS) it cannot."""
+    from torch.utils.data import DataLoader as PlainLoader
+
+    from lightning_fastscale.faults.exact_resume import _litdata_elastic_refusal
+
+    data = IdStreaming(str(id_stream), resolution=16, batch_size=8, num_workers=0, device_prefetch=False)
+    assert _litdata_elastic_refusal(data.train_dataloader()) == ""
+    assert "not litdata's" in _litdata_elastic_refusal(PlainLoader(Indexed(), batch_size=8))
+    monkeypatch.setenv("LITDATA_POSIX_FAST", "1")
+    assert "litdata reads this data in whole chunks (forced filesystem" in _litdata_elastic_refusal(data.train_dataloader())
+
+
 @pytest.mark.slow  # 5 Trainers, 2 of them on 2 processes, each rank with a loader worker
 def test_streaming_stopped_on_2_ranks_resumed_on_1_with_accumulation_then_stopped_again(id_stream, tmp_path):
     """litdata keeps the epoch's stream as 2 ranks read it; 1 rank resumes as 8 x 2 accumulation
