@@ -459,6 +459,7 @@ def test_streaming_stopped_on_2_ranks_resumed_on_1_with_accumulation_then_stoppe
     full1 = fit_stream(id_stream, tmp_path / "full1", 1, 1, accumulate=2)
     fit_stream(id_stream, tmp_path / "a", 2, 1, stop=2)
     fit_stream(id_stream, tmp_path / "b", 1, 1, ckpt_path=str(tmp_path / "a" / "stopped.ckpt"), stop=4)
+    # on the world size it was saved on a resume takes the Trainer's accumulation as given: 2, as b ran
     fit_stream(id_stream, tmp_path / "c", 1, 1, accumulate=2, ckpt_path=str(tmp_path / "b" / "stopped.ckpt"))
     parts = [read(tmp_path / name, devices)[0] for name, devices in (("a", 2), ("b", 1), ("c", 1))]
     assert [len(p) for p in parts] == [2, 2, 8]
@@ -477,3 +478,31 @@ def test_streaming_stopped_on_1_rank_with_accumulation_resumed_on_2(id_stream, t
     assert [len(on1), len(on2)] == [3, 9]
     assert {s["accumulation"] for s in on2} == {1}
     check_carried(on1 + on2, full1, full2)
+
+
+@pytest.mark.slow  # three fastscale-train runs, two of them on 2 ranks
+def test_fastscale_train_streaming_sigterm_on_2_ranks_then_resume_auto_on_1(tmp_path):
+    """``fastscale-train data=streaming`` (default callbacks, cosine schedule): SIGTERM on 2 ranks
+    x 16 mid-epoch 1, ``resume=auto`` on 1 rank as 16 x 2 accumulation: exit 0 at the
+    uninterrupted step count with its LR schedule."""
+    from benchmarks.fault_helpers import finish, finish_all, start
+    from tests.test_faults_resume import RUN, load, preempt
+
+    root = tmp_path / "stream"
+    convert("procedural", root, max_side=16, quality=95, num_workers=1, verbose=False,
+            procedural={"num_classes": 10, "train_size": 128, "val_size": 32, "resolution": 16, "seed": 0})
+    final = ["+callbacks.final._target_=benchmarks.fault_helpers.FinalCheckpoint"]
+    run = [*RUN, "data=streaming", f"data.root={root}", "data.num_workers=0", "data.batch_size=16",
+           "callbacks.exact_resume.max_per_device_batch=16"]
+    two = ["trainer.devices=2", "strategy=ddp"]
+    full, elastic = tmp_path / "full", tmp_path / "elastic"
+    out = finish_all(start(full, *two, *final, f"+callbacks.final.path={full / 'final.ckpt'}", run=run),
+                     start(elastic, *two, *preempt(2, step=5), run=run))[1]
+    assert "stopped after step 6 (epoch 1)" in out  # 4 steps per epoch
+    code, out = finish(start(elastic, "trainer.devices=1", "resume=auto", *final,
+                             f"+callbacks.final.path={elastic / 'final.ckpt'}", run=run))
+    assert code == 0, out[-3000:]
+    assert "written by 2 processes, this run has 1: global batch 32 kept as 16 per device x 2 accumulation x 1" in out
+    a, b = load(full), load(elastic)
+    assert a["global_step"] == b["global_step"] == 8
+    assert a["lr_schedulers"] == b["lr_schedulers"]
