@@ -1,6 +1,7 @@
 """Resume on another world size: the same global batch, epoch order, LR and (within the
 reduction-order noise) weights as the uninterrupted run; a refusal naming the world sizes that
-keep the global batch where it cannot be split (plain ``pl.Trainer``, CPU, gloo)."""
+keep the global batch where it cannot be split (plain ``pl.Trainer``, CPU, gloo). Streaming data:
+the rest of the interrupted epoch step by step as the uninterrupted run, through litdata's elastic resume."""
 from __future__ import annotations
 
 import json
