@@ -1,6 +1,7 @@
 """Resume on another world size: the same global batch, epoch order, LR and (within the
 reduction-order noise) weights as the uninterrupted run; a refusal naming the world sizes that
-keep the global batch where it cannot be split (plain ``pl.Trainer``, CPU, gloo)."""
+keep the global batch where it cannot be split (plain ``pl.Trainer``, CPU, gloo). Streaming data:
+the rest of the interrupted epoch step by step as the uninterrupted run, through litdata's elastic resume."""
 from __future__ import annotations
 
 import json
@@ -16,6 +17,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_fastscale.callbacks import BatchSizeRamp
 from lightning_fastscale.callbacks.batch_size_ramp import world_sizes_that_split
+from lightning_fastscale.data import StreamingDataModule
+from lightning_fastscale.data.convert import convert
+from lightning_fastscale.data.streaming_datasets import DecodedStreamingDataset
 from lightning_fastscale.faults import ExactResume, WorldSizeChangeError
 from lightning_fastscale.faults.exact_resume import GlobalOrderSampler
 from tests.distributed import ReleaseProcessGroup
@@ -157,9 +161,13 @@ def test_a_global_batch_that_does_not_split_is_refused_naming_the_world_sizes_th
     trainer.world_size = 1
     with pytest.raises(WorldSizeChangeError, match="global batch 34 does not split.*= 17 or 34,"):
         ExactResume(max_per_device_batch=16).on_load_checkpoint(trainer, None, checkpoint)
-    # a checkpoint whose position is per rank (streaming data) is refused with the reason
+    # a checkpoint whose position is per rank (not litdata's loader) is refused with the reason
     checkpoint["callbacks"]["ExactResume"]["global_order"] = False
-    with pytest.raises(WorldSizeChangeError, match="its data position is per rank.*streaming"):
+    with pytest.raises(WorldSizeChangeError, match="its data position is per rank.*not litdata's StreamingDataLoader"):
+        ExactResume().on_load_checkpoint(trainer, None, checkpoint)
+    # litdata's loader on a filesystem where it reads whole chunks: refused with litdata's reason
+    checkpoint["callbacks"]["ExactResume"]["elastic_refusal"] = "litdata reads this data in whole chunks"
+    with pytest.raises(WorldSizeChangeError, match="litdata reads this data in whole chunks"):
         ExactResume().on_load_checkpoint(trainer, None, checkpoint)
 
 
@@ -367,3 +375,135 @@ def test_lars_and_its_loss_scaler_survive_a_world_size_change(tmp_path):
         torch.testing.assert_close(restored["optimizer"][key]["momentum_buffer"], state["momentum_buffer"], rtol=0, atol=0)
     on1, _ = read(tmp_path / "b", 1)
     assert [s["step"] for s in on1] == list(range(3, STEPS)) and {s["accumulation"] for s in on1} == {2}
+
+
+# -- streaming data: litdata's own elastic resume, the global batch and schedule kept by ExactResume --
+
+STREAM_SIZE = 96  # 6 global batches of 16 per epoch, as 8 x 2 ranks or 8 x 2 accumulation on 1
+
+
+class IdSamples(DecodedStreamingDataset):
+    """Each stored sample as (8 features of its index, label, index): what a rank trained on, without decoding."""
+
+    def decode(self, item):
+        index = int(item["index"])
+        return torch.randn(8, generator=torch.Generator().manual_seed(index)), int(item["label"]) % 4, index
+
+
+class IdStreaming(StreamingDataModule):
+    dataset_class = IdSamples
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        return batch
+
+
+@pytest.fixture(scope="module")
+def id_stream(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("ids") / "stream"  # several small chunks, as litdata shards real data
+    convert("procedural", root, max_side=16, quality=95, num_workers=1, chunk_bytes="8KB", verbose=False,
+            procedural={"num_classes": 4, "train_size": STREAM_SIZE, "val_size": 8, "resolution": 16, "seed": 0})
+    return root
+
+
+def fit_stream(root: Path, folder: Path, devices: int, workers: int, accumulate: int = 1, ckpt_path: str | None = None,
+               stop: int | None = None) -> list[dict]:
+    """A plain Trainer on the streaming datamodule, 8 per device (at most 8 on a resume); its steps."""
+    folder.mkdir(parents=True)
+    pl.seed_everything(0)
+    callbacks = [ExactResume(max_per_device_batch=8), ReleaseProcessGroup()]
+    if stop is not None:
+        callbacks.append(StopAfter(stop, str(folder / "stopped.ckpt")))
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy="ddp_spawn" if devices > 1 else "auto",
+                         max_epochs=EPOCHS, accumulate_grad_batches=accumulate, callbacks=callbacks,
+                         default_root_dir=folder, log_every_n_steps=1)
+    data = IdStreaming(str(root), resolution=16, batch_size=8, num_workers=workers, device_prefetch=False)
+    trainer.fit(Recorder(str(folder)), data, ckpt_path=ckpt_path)
+    return read(folder, devices)[0]
+
+
+def epoch_ids(steps: list[dict], epoch: int) -> list[list[int]]:
+    return [s["ids"] for s in steps if s["epoch"] == epoch]
+
+
+def check_carried(elastic: list[dict], interrupted: list[dict], next_epoch: list[dict]) -> None:
+    """The interrupted epoch step by step as ``interrupted`` ran it (every sample once), the next
+    epoch as ``next_epoch`` (the new world size's litdata order, every sample once), ``interrupted``'s LR."""
+    assert [s["step"] for s in elastic] == list(range(12))
+    assert epoch_ids(elastic, 0) == epoch_ids(interrupted, 0)
+    assert epoch_ids(elastic, 1) == epoch_ids(next_epoch, 1)
+    for epoch in range(EPOCHS):
+        seen = [i for ids in epoch_ids(elastic, epoch) for i in ids]
+        assert len(seen) == len(set(seen)) == STREAM_SIZE
+    assert [s["lr"] for s in elastic] == [s["lr"] for s in interrupted]
+
+
+def test_litdata_loaders_are_carried_unless_litdata_reads_whole_chunks(id_stream, monkeypatch):
+    """What ExactResume records of a training loader: litdata's loader reading item by item can
+    change world size; reading whole chunks (its window shuffle, forced here as on NFS) it cannot."""
+    from torch.utils.data import DataLoader as PlainLoader
+
+    from lightning_fastscale.faults.exact_resume import _litdata_elastic_refusal
+
+    data = IdStreaming(str(id_stream), resolution=16, batch_size=8, num_workers=0, device_prefetch=False)
+    assert _litdata_elastic_refusal(data.train_dataloader()) == ""
+    assert "not litdata's" in _litdata_elastic_refusal(PlainLoader(Indexed(), batch_size=8))
+    monkeypatch.setenv("LITDATA_POSIX_FAST", "1")
+    assert "litdata reads this data in whole chunks (forced filesystem" in _litdata_elastic_refusal(data.train_dataloader())
+
+
+@pytest.mark.slow  # 5 Trainers, 2 of them on 2 processes, each rank with a loader worker
+def test_streaming_stopped_on_2_ranks_resumed_on_1_with_accumulation_then_stopped_again(id_stream, tmp_path):
+    """litdata keeps the epoch's stream as 2 ranks read it; 1 rank resumes as 8 x 2 accumulation
+    (step 2), is stopped again (step 4) and resumed on 1 rank: the second resume continues the
+    restriped stream (with loader workers litdata leaves it unmarked; our loader marks it)."""
+    full2 = fit_stream(id_stream, tmp_path / "full2", 2, 1)
+    full1 = fit_stream(id_stream, tmp_path / "full1", 1, 1, accumulate=2)
+    fit_stream(id_stream, tmp_path / "a", 2, 1, stop=2)
+    fit_stream(id_stream, tmp_path / "b", 1, 1, ckpt_path=str(tmp_path / "a" / "stopped.ckpt"), stop=4)
+    # on the world size it was saved on a resume takes the Trainer's accumulation as given: 2, as b ran
+    fit_stream(id_stream, tmp_path / "c", 1, 1, accumulate=2, ckpt_path=str(tmp_path / "b" / "stopped.ckpt"))
+    parts = [read(tmp_path / name, devices)[0] for name, devices in (("a", 2), ("b", 1), ("c", 1))]
+    assert [len(p) for p in parts] == [2, 2, 8]
+    assert {s["accumulation"] for s in parts[1] + parts[2]} == {2}
+    check_carried(parts[0] + parts[1] + parts[2], full2, full1)
+
+
+@pytest.mark.slow  # 4 Trainers, 2 of them on 2 processes
+def test_streaming_stopped_on_1_rank_with_accumulation_resumed_on_2(id_stream, tmp_path):
+    """1 rank x 8 x 2 accumulation stopped after step 3, resumed on 2 ranks x 8 (background
+    loader, ``num_workers=0``): the rest of epoch 0 as the 1-rank run, epoch 1 as a 2-rank run."""
+    full1 = fit_stream(id_stream, tmp_path / "full1", 1, 0, accumulate=2)
+    full2 = fit_stream(id_stream, tmp_path / "full2", 2, 0)
+    on1 = fit_stream(id_stream, tmp_path / "a", 1, 0, accumulate=2, stop=3)
+    on2 = fit_stream(id_stream, tmp_path / "b", 2, 0, ckpt_path=str(tmp_path / "a" / "stopped.ckpt"))
+    assert [len(on1), len(on2)] == [3, 9]
+    assert {s["accumulation"] for s in on2} == {1}
+    check_carried(on1 + on2, full1, full2)
+
+
+@pytest.mark.slow  # three fastscale-train runs, two of them on 2 ranks
+def test_fastscale_train_streaming_sigterm_on_2_ranks_then_resume_auto_on_1(tmp_path):
+    """``fastscale-train data=streaming`` (default callbacks, cosine schedule): SIGTERM on 2 ranks
+    x 16 mid-epoch 1, ``resume=auto`` on 1 rank as 16 x 2 accumulation: exit 0 at the
+    uninterrupted step count with its LR schedule."""
+    from benchmarks.fault_helpers import finish, finish_all, start
+    from tests.test_faults_resume import RUN, load, preempt
+
+    root = tmp_path / "stream"
+    convert("procedural", root, max_side=16, quality=95, num_workers=1, verbose=False,
+            procedural={"num_classes": 10, "train_size": 128, "val_size": 32, "resolution": 16, "seed": 0})
+    final = ["+callbacks.final._target_=benchmarks.fault_helpers.FinalCheckpoint"]
+    run = [*RUN, "data=streaming", f"data.root={root}", "data.num_workers=0", "data.batch_size=16",
+           "callbacks.exact_resume.max_per_device_batch=16"]
+    two = ["trainer.devices=2", "strategy=ddp"]
+    full, elastic = tmp_path / "full", tmp_path / "elastic"
+    out = finish_all(start(full, *two, *final, f"+callbacks.final.path={full / 'final.ckpt'}", run=run),
+                     start(elastic, *two, *preempt(2, step=5), run=run))[1]
+    assert "stopped after step 6 (epoch 1)" in out  # 4 steps per epoch
+    code, out = finish(start(elastic, "trainer.devices=1", "resume=auto", *final,
+                             f"+callbacks.final.path={elastic / 'final.ckpt'}", run=run))
+    assert code == 0, out[-3000:]
+    assert "written by 2 processes, this run has 1: global batch 32 kept as 16 per device x 2 accumulation x 1" in out
+    a, b = load(full), load(elastic)
+    assert a["global_step"] == b["global_step"] == 8
+    assert a["lr_schedulers"] == b["lr_schedulers"]

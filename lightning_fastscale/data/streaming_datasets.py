@@ -298,7 +298,9 @@ class EpochAwareStreamingDataLoader(StreamingDataLoader):
     read when an iteration starts; `StreamingDataModule` passes the trainer's), a saved position
     is replayed only in the epoch it was saved in, and every other iteration starts epoch
     ``epoch()`` afresh (its shuffle and augmentation seeds). Without it, an iteration after a
-    resumed epoch has handed out ``len(loader)`` batches starts the next epoch.
+    resumed epoch has handed out ``len(loader)`` batches starts the next epoch. A position
+    restored on another world size (litdata's elastic resume) stays marked as such in the states
+    it saves, also with loader workers (litdata marks it in the process that reads).
     """
 
     def __init__(self, *args: Any, epoch: Callable[[], int] | None = None, **kwargs: Any) -> None:
@@ -316,3 +318,12 @@ class EpochAwareStreamingDataLoader(StreamingDataLoader):
         elif self.restore and self._num_samples_yielded_streaming >= len(self) * self.batch_size:
             self.restore = False
         yield from super().__iter__()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        # Unmarked, a second resume on the grid of the first would replay the epoch as that grid
+        # starts it, not the restriped one (litdata's StreamingDataset.state_dict and __iter__).
+        if getattr(self.dataset, "_elastic_drop_first", None) is not None:
+            state["dataset"]["resume_mode"] = "elastic"
+        return state

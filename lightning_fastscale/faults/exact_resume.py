@@ -46,9 +46,9 @@ Lightning's own restore path does when it builds the loader after the restore.
 A checkpoint written by another number of processes continues with the same global batch
 (split again by ``decompose``), the same epoch order (`GlobalOrderSampler`, which serves every
 shuffled map-style loader) and the LR schedule as saved; not bitwise (reduction order, fresh
-per-rank generators). What cannot be carried (per-rank data positions such as streaming, a
-global batch with no split) is refused before the first step unless
-``allow_world_size_change=True``. More in ``docs/faults.md``.
+per-rank generators); streaming data keeps its position through litdata's elastic resume. What
+cannot be carried (other per-rank data positions, a global batch with no split) is refused
+before the first step unless ``allow_world_size_change=True``. More in ``docs/faults.md``.
 
 Functional core: `collect_rng_states`, `set_rng_states`, `SkipFirstBatches`, `GlobalOrderSampler`.
 Lightning adapter: [`ExactResume`][lightning_fastscale.faults.ExactResume].
@@ -294,6 +294,31 @@ def _scale_position(checkpoint: dict[str, Any], saved_accumulation: int, accumul
     return True
 
 
+_PER_RANK = ("its data position is per rank (a training loader with its own state_dict that is not litdata's "
+             "StreamingDataLoader, or a checkpoint written before world-size-independent epoch orders)")
+
+
+def _litdata_elastic_refusal(loader: Any) -> str:
+    """Why litdata cannot resume ``loader``'s position exactly once on another world size ("" if it can).
+
+    litdata (>= 0.2.69) rebuilds the epoch's sample stream as the first world size read it and
+    restripes the unread rest onto the new ranks (``litdata/streaming/elastic.py``) at item
+    granularity; with its window shuffle (chunks on NFS, Lustre, GPFS, Vast) it keeps whole chunks
+    and drops the unread rest of a chunk already entered (``restripe_items``, ``granularity="chunk"``).
+    """
+    from litdata import StreamingDataLoader, StreamingDataset
+
+    dataset = getattr(loader, "dataset", None)
+    if not isinstance(getattr(loader, "loader", loader), StreamingDataLoader) or not isinstance(dataset, StreamingDataset):
+        return _PER_RANK
+    posix = getattr(dataset, "posix_fast", None)
+    if posix is not None and posix.window_shuffle:
+        return (f"litdata reads this data in whole chunks ({posix.kind} filesystem, window shuffle): its resume on "
+                "another world size skips the unread rest of the chunks being read. Resume on the same world size (a run "
+                "started with LITDATA_POSIX_FAST=0 reads item by item and can change it)")
+    return ""
+
+
 def saved_loader_state(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
     """The training-loader state ExactResume wrote into ``checkpoint``'s fit loop, or None."""
     loop_state = checkpoint_fit_loop(checkpoint).get("state_dict") or {}
@@ -340,13 +365,16 @@ class ExactResume(Callback):
     `decompose`, or the ``BatchSizeRamp``'s plan), the same epoch order (`GlobalOrderSampler`),
     the rest of the epoch exactly once, and the optimizer, LR schedule and loop counters as
     saved; the per-rank random numbers (dropout, augmentation) are drawn afresh, so it is not
-    bitwise. Where the global batch cannot be kept it is refused before the first step, naming
-    the world sizes that would keep it.
+    bitwise. Streaming data (litdata's ``StreamingDataLoader``) keeps the global batch, LR schedule
+    and loop counters the same way and its position through litdata's elastic resume. Where
+    the global batch cannot be kept it is refused before the first step, naming the world sizes
+    that would keep it.
 
     Args:
         allow_world_size_change: resume anyway where the run cannot be carried to the new
-            number of processes (streaming data, no split of the global batch): another global
-            batch and sample order. Off by default: refused before the first step.
+            number of processes (a per-rank data position litdata does not carry, no split of
+            the global batch): another global batch and sample order. Off by default: refused
+            before the first step.
         max_per_device_batch: memory ceiling of one device when a resume on fewer processes
             must split the saved global batch; above it the resume accumulates gradients.
             ``None``: no ceiling. A ``BatchSizeRamp`` uses its own.
@@ -470,9 +498,8 @@ class ExactResume(Callback):
         from lightning_fastscale.callbacks.batch_size_ramp import BatchSizeRamp, decompose, world_sizes_that_split
 
         state = self._saved_state(checkpoint)
-        if not state.get("global_order"):
-            return ("its data position is per rank (a training loader with its own state_dict, such as streaming "
-                    "data, or a checkpoint written before world-size-independent epoch orders)")
+        if not state.get("global_order") and state.get("elastic_refusal", _PER_RANK):
+            return state.get("elastic_refusal", _PER_RANK)
         global_batch, ckpt = int(state["global_batch"]), str(trainer.ckpt_path or "")
         ramp = next((c for c in trainer.callbacks if isinstance(c, BatchSizeRamp)), None)
         try:  # a ramp has checked every stage on this world size at setup
@@ -523,11 +550,16 @@ class ExactResume(Callback):
             return {"world_size": trainer.world_size, "global_order": self._ordered,
                     "global_batch": batch * accumulation * trainer.world_size, "accumulation": accumulation}
         consumed = int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+        loader = trainer.train_dataloader
         return {
             "global_step": trainer.global_step,
             "mid_epoch": 0 < consumed < trainer.num_training_batches,
             "world_size": trainer.world_size,
             "rng": _gather(collect_rng_states()),
+            # for a resume on another world size: litdata carries the position (_carry keeps the global batch)
+            "global_batch": int(getattr(loader, "batch_size", 0) or 0) * trainer.accumulate_grad_batches * trainer.world_size,
+            "accumulation": trainer.accumulate_grad_batches,
+            "elastic_refusal": _litdata_elastic_refusal(loader),
         }
 
     @override
