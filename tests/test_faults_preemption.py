@@ -162,7 +162,7 @@ def test_slurm_job_id_and_signal_names():
 
 def test_skip_first_batches_skips_once():
     sampler = SkipFirstBatches(list(range(6)), 4)
-    assert len(sampler) == 2
+    assert len(sampler) == 6  # Lightning counts the skipped batches of a resumed epoch itself
     unused = iter(sampler)  # a pass that is never advanced does not use up the skip
     del unused
     assert list(sampler) == [4, 5]
