@@ -1,57 +1,12 @@
 """Exact mid-epoch resume: a run stopped at any step continues with the batches it would have seen.
 
-Lightning restores the weights, optimizer, LR scheduler, loop counters and callback state
-from a mid-epoch checkpoint, but a plain ``DataLoader`` starts its epoch over (Lightning warns
-"your dataloader is not resumable"), so the resumed epoch repeats its first batches, drops
-its last ones and ends at another step than the uninterrupted run; the random-number
-generators also restart from the seed instead of where the run was. For a preempted
-large-batch job (see [`PreemptionCheckpoint`][lightning_fastscale.faults.PreemptionCheckpoint]) that means
-a different run, not a resumed one.
-
-This callback makes the training ``DataLoader`` resumable through Lightning's own interface
-(a loader with ``state_dict`` / ``load_state_dict`` is saved in the checkpoint and restored
-before its iterator is made): the saved state is how many batches of the current epoch the
-loop has consumed plus every rank's RNG states (torch, CUDA, NumPy, ``random``) at the start
-of the epoch and at the moment of saving. On resume the epoch's sampler order is rebuilt
-from the epoch-start state (``DistributedSampler`` orders by seed and epoch; a single-device
-``RandomSampler`` draws from the global generator), the consumed batches' indices are
-skipped without loading them, and the generators are put back where the run was before it
-loads the next batch. On CPU the resumed run is then bitwise equal to the uninterrupted one
-(tests/test_faults_resume.py).
-
-Not covered: random augmentation inside DataLoader worker processes (``num_workers > 0``)
-restarts in the workers, so such a resume is statistically, not bitwise, the same; loaders
-that are not a ``torch.utils.data.DataLoader`` (or a collection of them) are left alone.
-A loader that already has ``state_dict`` (torchdata's ``StatefulDataLoader``, litdata's
-``StreamingDataLoader``) keeps its own position; for it the callback saves only every rank's
-generator states (in its own checkpoint entry) and puts them back as the first batch after a
-mid-epoch resume starts, so a model that draws random numbers (dropout) continues as in the
-uninterrupted run (tests/test_faults_resume_streaming.py); after an epoch-end checkpoint
-such a loader starts its next epoch with the generators restarted from the seed.
-
-A checkpoint written at the end of an epoch (``ModelCheckpoint``'s default) is exact too:
-Lightning hands the loader no state there and makes the next epoch's iterator from
-generators restarted from the seed, so a single-device ``RandomSampler`` would draw another
-order and dropout other masks; at ``on_train_start`` the callback puts every rank's
-generators back as they were at the save and makes the iterator again.
-
-Lightning 2.6 drops the saved loader state when the training loader is built before the
-checkpoint's loop state is restored, which ``trainer.estimated_stepping_batches`` does when
-``configure_optimizers`` sizes an LR schedule by it (the default cosine schedule does;
-Lightning issue #20550): the fit loop then never hands the state to the loader, and the
-resumed epoch re-runs its first batches. At ``on_train_start`` the callback gives the loader
-the pending state and makes its iterator again (`load_pending_loader_state`), as
-Lightning's own restore path does when it builds the loader after the restore.
-
-A checkpoint written by another number of processes continues with the same global batch
-(split again by ``decompose``), the same epoch order (`GlobalOrderSampler`, which serves every
-shuffled map-style loader) and the LR schedule as saved; not bitwise (reduction order, fresh
-per-rank generators). What cannot be carried (per-rank data positions such as streaming, a
-global batch with no split) is refused before the first step unless
-``allow_world_size_change=True``. More in ``docs/faults.md``.
-
-Functional core: `collect_rng_states`, `set_rng_states`, `SkipFirstBatches`, `GlobalOrderSampler`.
-Lightning adapter: [`ExactResume`][lightning_fastscale.faults.ExactResume].
+Lightning starts a plain ``DataLoader``'s epoch over on resume and the generators from the seed.
+``ExactResume`` keeps the epoch's position and every rank's generator states in its own
+checkpoint entry; the loader's batch sampler draws from a `SkipFirstBatches`, which skips the
+consumed batches when the resumed epoch's first batch is drawn, and `GlobalOrderSampler` gives
+shuffled map-style data an epoch order that does not depend on the world size. Loaders with
+their own ``state_dict`` (streaming) keep their position; only the generators are ours.
+Why and how, the limits and the Lightning issues: ``docs/faults.md``.
 """
 from __future__ import annotations
 
@@ -294,8 +249,8 @@ class ExactResume(Callback):
     every_n_train_steps=...)``, [`PreemptionCheckpoint`][lightning_fastscale.faults.PreemptionCheckpoint])
     carry the data position and RNG states, and ``Trainer.fit(ckpt_path=...)`` uses them.
     The training loader comes from the datamodule's or the LightningModule's
-    ``train_dataloader`` (or is the loader given to ``fit``); its class is extended, not
-    replaced, so a DataLoader subclass keeps its behaviour.
+    ``train_dataloader`` (or is the loader given to ``fit``); its class is left alone, so a
+    DataLoader subclass keeps its behaviour.
 
     On another number of processes (map-style data with a shuffled training loader) the run
     continues with the same global batch, per-device batch x accumulation x processes (from
@@ -505,10 +460,6 @@ class ExactResume(Callback):
         self._position = saved_position(checkpoint)
         # an older layout kept the position as the loader's state, its epoch-start generators as at the iterator's making
         self._old_layout = self._position is not None and self._position is not state
-        if self._position is not None and not self._silenced:
-            # Lightning warns of any mid-epoch resume of a loader without state_dict; this one is exact
-            warnings.filterwarnings("ignore", "You're resuming from a checkpoint that ended before the epoch ended")
-            self._silenced = warnings.filters[0]
         saved = saved_world_size(checkpoint)
         why = self._carry(trainer, checkpoint, saved) if saved is not None and saved != trainer.world_size else ""
         if why:
@@ -547,6 +498,10 @@ class ExactResume(Callback):
             if plan is None or not skippers:
                 return
             epoch_start, at_save, consumed = plan
+            if len(skippers) == len(list(_loaders(trainer.train_dataloader))) and not self._silenced:
+                # Lightning warns of any mid-epoch resume of a loader without state_dict; this one is exact
+                warnings.filterwarnings("ignore", "You're resuming from a checkpoint that ended before the epoch ended")
+                self._silenced = warnings.filters[0]
             self._restore_at_pass = None if self._old_layout else epoch_start
             for skipper, batch_size in skippers:
                 skipper.set_epoch(trainer.current_epoch)  # the iterator is made before Lightning sets it
