@@ -11,7 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.fabric.utilities.types import _Stateful
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.data import _update_dataloader
 
 
 def fit_loader_owner(trainer: pl.Trainer) -> Any:
@@ -56,15 +57,14 @@ def load_pending_loader_state(trainer: pl.Trainer) -> bool:
     return restart_train_iterator(trainer)  # the iterator made before the restore would start the epoch over
 
 
-def make_loader_stateful(loader: Any, stateful_class: type) -> None:
-    """Give a ``DataLoader`` instance a subclass with Lightning's stateful-loader interface.
+def loader_with_sampler(loader: Any, sampler: Any) -> Any:
+    """``loader`` made again from its class and ``__init__`` arguments, with ``sampler``.
 
-    The class is swapped on the instance, not wrapped: Lightning re-creates a loader from its
-    class and recorded ``__init__`` arguments when it adds a distributed sampler
-    (``_update_dataloader``), and only an instance of a ``DataLoader`` subclass with those same
-    arguments survives that, with the user's own subclass behaviour kept.
+    Private: ``lightning.pytorch.utilities.data._update_dataloader``, what Lightning itself does
+    to add a ``DistributedSampler``; a ``DataLoader`` refuses a new sampler after ``__init__``, and
+    this keeps a user's ``DataLoader`` subclass and its arguments.
     """
-    loader.__class__ = stateful_class
+    return _update_dataloader(loader, sampler, mode=RunningStage.TRAINING)
 
 
 def cluster_environment(trainer: pl.Trainer) -> Any:
@@ -79,14 +79,6 @@ def cluster_environment(trainer: pl.Trainer) -> Any:
 def checkpoint_fit_loop(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """The fit loop's entry of a Lightning checkpoint (``loops.fit_loop``), a layout Lightning does not document."""
     return (checkpoint.get("loops") or {}).get("fit_loop") or {}
-
-
-def is_stateful_loader(loader: Any) -> bool:
-    """Whether Lightning saves and restores ``loader``'s position itself (``state_dict``/``load_state_dict``).
-
-    Private: Lightning's ``_Stateful`` protocol, the test its fit loop applies.
-    """
-    return isinstance(loader, _Stateful)
 
 
 def inside_lightning_hook(module: pl.LightningModule) -> bool:

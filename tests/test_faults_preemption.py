@@ -162,7 +162,7 @@ def test_slurm_job_id_and_signal_names():
 
 def test_skip_first_batches_skips_once():
     sampler = SkipFirstBatches(list(range(6)), 4)
-    assert len(sampler) == 2
+    assert len(sampler) == 6  # Lightning counts the skipped batches of a resumed epoch itself
     unused = iter(sampler)  # a pass that is never advanced does not use up the skip
     del unused
     assert list(sampler) == [4, 5]
@@ -236,3 +236,38 @@ def test_the_large_batch_recipe_resumes_bitwise_mid_epoch(tmp_path):
     resumed = fit(tmp_path / "resumed", ckpt_path=str(tmp_path / "ckpt" / "preempted-epoch1-step8.ckpt"))
     assert smoothing_seen == [(8, 0.1)]
     assert_equal_states(resumed.state_dict(), full)
+
+
+def test_a_dataloader_subclass_keeps_its_class_and_behaviour_and_resumes_bitwise(tmp_path):
+    """The user's DataLoader subclass (its own ``__iter__``) is neither swapped nor bypassed."""
+    dataset = TensorDataset(torch.randn(48, 3, 8, 8), torch.randint(0, 4, (48,)))
+    negated = {-float(x.sum()) for x in dataset.tensors[0]}
+
+    class Negated(DataLoader):
+        def __iter__(self):
+            return ((-x, y) for x, y in super().__iter__())
+
+    class Data(pl.LightningDataModule):
+        def train_dataloader(self):
+            return Negated(dataset, batch_size=8, shuffle=True)
+
+    seen = []
+
+    class Check(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append((type(trainer.train_dataloader), float(batch[0][0].sum()) in negated))
+
+    def fit(callbacks, ckpt_path=None, root=tmp_path):
+        pl.seed_everything(0)
+        model = DropoutNet()
+        pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, callbacks=[*callbacks, Check()],
+                   default_root_dir=root).fit(model, Data(), ckpt_path=ckpt_path)
+        return model
+
+    full = fit([ExactResume()], root=tmp_path / "full")
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=8, save_top_k=-1)
+    fit([ExactResume(), saver], root=tmp_path / "saving")
+    seen.clear()
+    resumed = fit([ExactResume()], ckpt_path=str(tmp_path / "ckpt" / "epoch=1-step=8.ckpt"), root=tmp_path / "b")
+    assert_equal_states(resumed.state_dict(), full.state_dict())
+    assert seen == [(Negated, True)] * 4  # steps 8..11, each batch made by the subclass's own __iter__

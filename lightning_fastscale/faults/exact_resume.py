@@ -1,64 +1,20 @@
 """Exact mid-epoch resume: a run stopped at any step continues with the batches it would have seen.
 
-Lightning restores the weights, optimizer, LR scheduler, loop counters and callback state
-from a mid-epoch checkpoint, but a plain ``DataLoader`` starts its epoch over (Lightning warns
-"your dataloader is not resumable"), so the resumed epoch repeats its first batches, drops
-its last ones and ends at another step than the uninterrupted run; the random-number
-generators also restart from the seed instead of where the run was. For a preempted
-large-batch job (see [`PreemptionCheckpoint`][lightning_fastscale.faults.PreemptionCheckpoint]) that means
-a different run, not a resumed one.
-
-This callback makes the training ``DataLoader`` resumable through Lightning's own interface
-(a loader with ``state_dict`` / ``load_state_dict`` is saved in the checkpoint and restored
-before its iterator is made): the saved state is how many batches of the current epoch the
-loop has consumed plus every rank's RNG states (torch, CUDA, NumPy, ``random``) at the start
-of the epoch and at the moment of saving. On resume the epoch's sampler order is rebuilt
-from the epoch-start state (``DistributedSampler`` orders by seed and epoch; a single-device
-``RandomSampler`` draws from the global generator), the consumed batches' indices are
-skipped without loading them, and the generators are put back where the run was before it
-loads the next batch. On CPU the resumed run is then bitwise equal to the uninterrupted one
-(tests/test_faults_resume.py).
-
-Not covered: random augmentation inside DataLoader worker processes (``num_workers > 0``)
-restarts in the workers, so such a resume is statistically, not bitwise, the same; loaders
-that are not a ``torch.utils.data.DataLoader`` (or a collection of them) are left alone.
-A loader that already has ``state_dict`` (torchdata's ``StatefulDataLoader``, litdata's
-``StreamingDataLoader``) keeps its own position; for it the callback saves only every rank's
-generator states (in its own checkpoint entry) and puts them back as the first batch after a
-mid-epoch resume starts, so a model that draws random numbers (dropout) continues as in the
-uninterrupted run (tests/test_faults_resume_streaming.py); after an epoch-end checkpoint
-such a loader starts its next epoch with the generators restarted from the seed.
-
-A checkpoint written at the end of an epoch (``ModelCheckpoint``'s default) is exact too:
-Lightning hands the loader no state there and makes the next epoch's iterator from
-generators restarted from the seed, so a single-device ``RandomSampler`` would draw another
-order and dropout other masks; at ``on_train_start`` the callback puts every rank's
-generators back as they were at the save and makes the iterator again.
-
-Lightning 2.6 drops the saved loader state when the training loader is built before the
-checkpoint's loop state is restored, which ``trainer.estimated_stepping_batches`` does when
-``configure_optimizers`` sizes an LR schedule by it (the default cosine schedule does;
-Lightning issue #20550): the fit loop then never hands the state to the loader, and the
-resumed epoch re-runs its first batches. At ``on_train_start`` the callback gives the loader
-the pending state and makes its iterator again (`load_pending_loader_state`), as
-Lightning's own restore path does when it builds the loader after the restore.
-
-A checkpoint written by another number of processes continues with the same global batch
-(split again by ``decompose``), the same epoch order (`GlobalOrderSampler`, which serves every
-shuffled map-style loader) and the LR schedule as saved; not bitwise (reduction order, fresh
-per-rank generators); streaming data keeps its position through litdata's elastic resume. What
-cannot be carried (other per-rank data positions, a global batch with no split) is refused
-before the first step unless ``allow_world_size_change=True``. More in ``docs/faults.md``.
-
-Functional core: `collect_rng_states`, `set_rng_states`, `SkipFirstBatches`, `GlobalOrderSampler`.
-Lightning adapter: [`ExactResume`][lightning_fastscale.faults.ExactResume].
+Lightning starts a plain ``DataLoader``'s epoch over on resume and the generators from the seed.
+``ExactResume`` keeps the epoch's position and every rank's generator states in its own
+checkpoint entry; the loader's batch sampler draws from a `SkipFirstBatches`, which skips the
+consumed batches when the resumed epoch's first batch is drawn, and `GlobalOrderSampler` gives
+shuffled map-style data an epoch order that does not depend on the world size. Loaders with
+their own ``state_dict`` (streaming) keep their position (on another world size through litdata's
+elastic resume); only the generators are ours.
+Why and how, the limits and the Lightning issues: ``docs/faults.md``.
 """
 from __future__ import annotations
 
 import functools
 import os
 import random
-import weakref
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -69,16 +25,15 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler
 from typing_extensions import override
 
 from lightning_fastscale._validation import positive_int
 from lightning_fastscale.lightning_internals import (
     checkpoint_fit_loop,
     fit_loader_owner,
-    is_stateful_loader,
     load_pending_loader_state,
-    make_loader_stateful,
+    loader_with_sampler,
     restart_train_iterator,
 )
 
@@ -113,41 +68,40 @@ def set_rng_states(states: dict[str, Any]) -> None:
 
 
 class SkipFirstBatches:
-    """An index sampler whose first pass skips ``skip`` items, then calls ``after_skip``.
+    """An index sampler whose next pass skips ``skip`` items, then calls ``after_skip``.
 
-    The skip happens when the pass is first advanced, as the wrapped sampler's own first
-    draw would, so a ``RandomSampler`` draws its seed at the same point of the generator
-    sequence as in an uninterrupted run. Later passes (persistent workers re-iterate the same
-    object) are complete.
+    Each pass calls ``before_pass`` when first advanced, and the skip happens there too, as
+    the wrapped sampler's own first draw would, so a ``RandomSampler`` draws its seed at the
+    same point of the generator sequence as in an uninterrupted run. Later passes (persistent
+    workers re-iterate the same object) are complete. Its length stays whole: Lightning counts
+    a resumed epoch's consumed batches itself and ends the epoch at the loader's length.
     """
 
-    def __init__(self, sampler: Any, skip: int, after_skip: Any = None) -> None:
-        self.sampler = sampler
-        self.skip = skip
-        self.after_skip = after_skip
-        self._used = False
+    def __init__(self, sampler: Any, skip: int = 0, after_skip: Any = None, before_pass: Any = None) -> None:
+        self.sampler, self.skip, self.after_skip, self.before_pass = sampler, skip, after_skip, before_pass
 
     def __iter__(self) -> Iterator[Any]:
+        # an unadvanced pass made by a DataLoader iterator that is reset before use does not count
+        if self.before_pass is not None:
+            self.before_pass()
         iterator = iter(self.sampler)
-        if not self._used:
-            # the first advance of the first pass does the skip (an unadvanced pass made by a
-            # DataLoader iterator that is reset before use does not count)
-            return self._skipping(iterator)
-        return iterator
-
-    def _skipping(self, iterator: Iterator[Any]) -> Iterator[Any]:
-        self._used = True
-        for _ in range(self.skip):
+        skip, self.skip, after, self.after_skip = self.skip, 0, self.after_skip, None
+        for _ in range(skip):
             next(iterator, None)
-        if self.after_skip is not None:
-            self.after_skip()
+        if after is not None:
+            after()
         yield from iterator
 
     def __len__(self) -> int:
-        return len(self.sampler) - (0 if self._used else self.skip)
+        return len(self.sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forwarded to the wrapped sampler (Lightning calls it on a loader's samplers each epoch)."""
+        if callable(getattr(self.sampler, "set_epoch", None)):
+            self.sampler.set_epoch(epoch)
 
 
-class GlobalOrderSampler(Sampler[int]):
+class GlobalOrderSampler(DistributedSampler):
     """This rank's share of an epoch order that does not depend on the number of ranks.
 
     The epoch's order is ``torch.randperm`` seeded with ``seed + epoch`` (as ``DistributedSampler``
@@ -158,7 +112,7 @@ class GlobalOrderSampler(Sampler[int]):
     group batch norm normalises over) holds the same samples on every world size that keeps
     the per-device batch. The tail rule, the same on every world size: the last
     ``size % G`` samples of the epoch's order (a partial global batch) are not trained on that
-    epoch.
+    epoch. A ``DistributedSampler``, so Lightning keeps it instead of adding its own.
 
     Examples:
         Global batch 4 as 2 per device on 2 ranks: step 0 trains on [4, 1 | 7, 5], step 1 on
@@ -170,9 +124,13 @@ class GlobalOrderSampler(Sampler[int]):
 
     def __init__(self, size: int, batch_size: int, accumulation: int, rank: int, world_size: int, seed: int,
                  epoch: int = 0) -> None:
-        self.size, self.batch_size, self.accumulation = size, batch_size, accumulation
-        self.rank, self.world_size, self.seed, self.epoch = rank, world_size, seed, epoch
-        self.global_batch = batch_size * accumulation * world_size
+        super().__init__(range(size), num_replicas=world_size, rank=rank, seed=seed)
+        self.size, self.batch_size, self.accumulation, self.world_size, self.epoch = size, batch_size, accumulation, world_size, epoch
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step over all ranks."""
+        return self.batch_size * self.accumulation * self.world_size
 
     def __iter__(self) -> Iterator[int]:
         generator = torch.Generator()
@@ -182,67 +140,6 @@ class GlobalOrderSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.size // self.global_batch * self.global_batch // self.world_size
-
-
-def _resumable_class(base: type, owner: ExactResume) -> type:
-    """``base`` (a DataLoader class) plus Lightning's stateful-loader interface.
-
-    The methods go into a direct subclass of ``base`` (not a mixin base), because Python
-    only lets an existing object's class be swapped for a subclass with the same layout.
-    """
-    owner_ref = weakref.ref(owner)
-    base_index_sampler = base._index_sampler
-
-    def own_index_sampler(self: Any) -> Any:
-        callback = owner_ref()
-        ordered = callback._global_order(self) if callback is not None else None
-        return ordered if ordered is not None else base_index_sampler.fget(self)
-
-    def _index_sampler(self: Any) -> Any:
-        pending = self.__dict__.get("_fastscale_skip")
-        return pending if pending is not None else own_index_sampler(self)
-
-    def __iter__(self: Any) -> Any:
-        callback = owner_ref()
-        resume = self.__dict__.pop("_fastscale_resume", None)
-        if callback is None:
-            return base.__iter__(self)
-        if resume is None:
-            callback._epoch_start_rng = collect_rng_states()
-            return base.__iter__(self)
-        epoch_start, at_save, skip = resume
-        if epoch_start is not None:
-            set_rng_states(epoch_start)
-        callback._epoch_start_rng = collect_rng_states()
-        after = functools.partial(set_rng_states, at_save) if at_save is not None else None
-        self.__dict__["_fastscale_skip"] = SkipFirstBatches(own_index_sampler(self), skip, after)
-        try:
-            return base.__iter__(self)
-        finally:
-            # the iterator holds the skipping sampler; the loader's own length stays whole
-            self.__dict__.pop("_fastscale_skip", None)
-
-    def state_dict(self: Any) -> dict[str, Any]:
-        callback = owner_ref()
-        return callback._loader_state() if callback is not None else {}
-
-    def load_state_dict(self: Any, state_dict: dict[str, Any]) -> None:
-        callback = owner_ref()
-        if callback is not None and state_dict:
-            resume = callback._resume_plan(state_dict, len(self))
-            if resume is not None:
-                self.__dict__["_fastscale_resume"] = resume
-
-    namespace = {
-        "_index_sampler": property(_index_sampler),
-        "__iter__": __iter__,
-        "state_dict": state_dict,
-        "load_state_dict": load_state_dict,
-        "_fastscale_resumable": True,
-        "__module__": __name__,
-        "__doc__": f"{base.__name__} that resumes mid-epoch (see ExactResume).",
-    }
-    return type(f"Resumable{base.__name__}", (base,), namespace)
 
 
 class WorldSizeChangeError(RuntimeError):
@@ -288,9 +185,9 @@ def _scale_position(checkpoint: dict[str, Any], saved_accumulation: int, accumul
     for counters in (current, total or {}):
         for key in counters:
             counters[key] += delta
-    loader = saved_loader_state(checkpoint)
-    if loader:
-        loader["batches_consumed"] = loader["batches_consumed"] // saved_accumulation * accumulation
+    position = saved_position(checkpoint)
+    if position:
+        position["batches_consumed"] = position["batches_consumed"] // saved_accumulation * accumulation
     return True
 
 
@@ -319,22 +216,43 @@ def _litdata_elastic_refusal(loader: Any) -> str:
     return ""
 
 
-def saved_loader_state(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
-    """The training-loader state ExactResume wrote into ``checkpoint``'s fit loop, or None."""
+def _saved_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """ExactResume's own entry of ``checkpoint`` (empty if none)."""
+    return next((v for k, v in (checkpoint.get("callbacks") or {}).items()
+                 if k.split("{", 1)[0] == "ExactResume" and isinstance(v, dict)), {})
+
+
+def _is_position(state: Any) -> bool:
+    return isinstance(state, dict) and "world_size" in state and "batches_consumed" in state
+
+
+def saved_position(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+    """Where the epoch stood in ``checkpoint``: ExactResume's entry, or (written before it kept
+    the position itself) its training-loader state in the fit loop; None where neither has it."""
+    state = _saved_state(checkpoint)
+    if _is_position(state):
+        return state
     loop_state = checkpoint_fit_loop(checkpoint).get("state_dict") or {}
-    for loader_state in loop_state.get("combined_loader") or []:
-        if isinstance(loader_state, dict) and "world_size" in loader_state and "batches_consumed" in loader_state:
-            return loader_state
-    return None
+    return next((s for s in loop_state.get("combined_loader") or [] if _is_position(s)), None)
 
 
 def saved_world_size(checkpoint: dict[str, Any]) -> int | None:
     """The number of processes that wrote ``checkpoint`` (from ExactResume's entries), or None."""
-    for key, state in (checkpoint.get("callbacks") or {}).items():
-        if key.split("{", 1)[0] == "ExactResume" and isinstance(state, dict) and "world_size" in state:
-            return int(state["world_size"])
-    loader_state = saved_loader_state(checkpoint)
-    return None if loader_state is None else int(loader_state["world_size"])
+    state = _saved_state(checkpoint)
+    state = state if "world_size" in state else saved_position(checkpoint) or {}
+    return int(state["world_size"]) if "world_size" in state else None
+
+
+def _loaders(obj: Any) -> Iterator[Any]:
+    """The loaders in a training loader collection (a loader, or lists and dicts of them)."""
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _loaders(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _loaders(item)
+    elif obj is not None:
+        yield obj
 
 
 def _gather(obj: Any) -> list[Any]:
@@ -357,8 +275,8 @@ class ExactResume(Callback):
     every_n_train_steps=...)``, [`PreemptionCheckpoint`][lightning_fastscale.faults.PreemptionCheckpoint])
     carry the data position and RNG states, and ``Trainer.fit(ckpt_path=...)`` uses them.
     The training loader comes from the datamodule's or the LightningModule's
-    ``train_dataloader`` (or is the loader given to ``fit``); its class is extended, not
-    replaced, so a DataLoader subclass keeps its behaviour.
+    ``train_dataloader`` (or is the loader given to ``fit``); its class is left alone, so a
+    DataLoader subclass keeps its behaviour.
 
     On another number of processes (map-style data with a shuffled training loader) the run
     continues with the same global batch, per-device batch x accumulation x processes (from
@@ -397,41 +315,58 @@ class ExactResume(Callback):
             positive_int("ExactResume.max_per_device_batch", max_per_device_batch, hint="or None for no ceiling")
         self.allow_world_size_change = allow_world_size_change
         self.max_per_device_batch = max_per_device_batch
-        self._ordered, self._legacy_order, self._layout = False, False, (0, 1)
         self._trainer: pl.Trainer | None = None
-        self._classes: dict[type, type] = {}
-        self._epoch_start_rng: dict[str, Any] | None = None
         self._wrapped: list[tuple[Any, str]] = []
-        self._loader_keeps_position = False
+        self._legacy_order, self._loader_keeps_position = False, False
+        self._epoch_start_rng: dict[str, Any] | None = None
+        self._restore_at_pass: dict[str, Any] | None = None
         self._generators_to_restore: dict[str, Any] | None = None
-        self._saved_loader_state: dict[str, Any] | None = None
+        self._position: dict[str, Any] | None = None
+        self._silenced: Any = None
+        self._old_layout = False
 
-    # -- making the loader resumable ------------------------------------------------------
-    def _resumable(self, loader: Any) -> Any:
-        if getattr(loader, "_fastscale_resumable", False):
-            return loader
-        if is_stateful_loader(loader):
-            self._loader_keeps_position = True  # Lightning restores it; the generators are ours
-            return loader
-        if isinstance(loader, DataLoader):
-            base = type(loader)
-            cls = self._classes.get(base)
-            if cls is None:
-                cls = self._classes[base] = _resumable_class(base, self)
-            make_loader_stateful(loader, cls)
-            return loader
+    # -- giving the loader the epoch order and a sampler that can skip ---------------------
+    def _install(self, loader: Any, rebuild: bool = True) -> Any:
+        """``loader`` with the epoch order and a skipping sampler (``rebuild``: made again, as
+        Lightning makes a loader again for a ``DistributedSampler``; else changed in place)."""
         if isinstance(loader, (list, tuple)):
-            return type(loader)(self._resumable(item) for item in loader)
+            return type(loader)(self._install(item, rebuild) for item in loader)
         if isinstance(loader, dict):
-            return {key: self._resumable(item) for key, item in loader.items()}
+            return {key: self._install(item, rebuild) for key, item in loader.items()}
+        if callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None)):
+            self._loader_keeps_position = True  # Lightning restores its position; the generators are ours
+            return loader
+        if not isinstance(loader, DataLoader) or type(loader.batch_sampler) is not BatchSampler:
+            return loader
+        order = self._global_order(loader)
+        if order is not None and rebuild:
+            loader = loader_with_sampler(loader, order)
+        elif order is not None:
+            loader.batch_sampler.sampler = order
+        self._skipper(loader)
         return loader
+
+    def _skipper(self, loader: Any) -> SkipFirstBatches | None:
+        """The `SkipFirstBatches` inside ``loader``'s batch sampler, put there if missing."""
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        if type(batch_sampler) is not BatchSampler:
+            return None
+        if not isinstance(batch_sampler.sampler, SkipFirstBatches):
+            batch_sampler.sampler = SkipFirstBatches(batch_sampler.sampler, before_pass=self._pass_starts)
+        return batch_sampler.sampler
+
+    def _pass_starts(self) -> None:
+        restore, self._restore_at_pass = self._restore_at_pass, None
+        if restore is not None:
+            set_rng_states(restore)
+        self._epoch_start_rng = collect_rng_states()
 
     def _wrap_hook(self, owner: Any, name: str = "train_dataloader") -> None:
         original = getattr(owner, name)
 
         @functools.wraps(original)
         def train_dataloader() -> Any:
-            return self._resumable(original())
+            return self._install(original())
 
         setattr(owner, name, train_dataloader)  # an instance attribute, removed at teardown
         self._wrapped.append((owner, name))
@@ -442,8 +377,8 @@ class ExactResume(Callback):
             return
         self._trainer = trainer
         # the restore comes after setup
-        self._loader_keeps_position, self._generators_to_restore, self._saved_loader_state = False, None, None
-        self._ordered, self._legacy_order, self._layout = False, False, (0, 1)
+        self._loader_keeps_position, self._generators_to_restore, self._position = False, None, None
+        self._legacy_order, self._restore_at_pass = False, None
         datamodule = trainer.datamodule
         if datamodule is not None and is_overridden("train_dataloader", datamodule, pl.LightningDataModule):
             self._wrap_hook(datamodule)
@@ -452,52 +387,66 @@ class ExactResume(Callback):
         if isinstance(instance, pl.LightningModule):
             self._wrap_hook(pl_module)
         elif instance is not None:
-            self._resumable(instance)
+            self._install(instance, rebuild=False)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         for owner, name in self._wrapped:
             owner.__dict__.pop(name, None)
         self._wrapped = []
+        if self._silenced in warnings.filters:
+            warnings.filters.remove(self._silenced)
+        self._silenced = None
 
-    def _global_order(self, loader: DataLoader) -> BatchSampler | None:
-        """A shuffled map-style loader's batches in the epoch order of `GlobalOrderSampler`, else None."""
+    def _global_order(self, loader: DataLoader) -> GlobalOrderSampler | None:
+        """A shuffled map-style loader's epoch order as a `GlobalOrderSampler`, else None."""
         trainer, sampler = self._trainer, loader.sampler
         shuffled = isinstance(sampler, RandomSampler) or (isinstance(sampler, DistributedSampler) and sampler.shuffle)
-        if trainer is None or self._legacy_order or not shuffled or type(loader.batch_sampler) is not BatchSampler or loader.batch_size is None:
+        if trainer is None or self._legacy_order or not shuffled or loader.batch_size is None:
             return None
-        # the epoch's layout (a BatchSizeRamp changes the accumulation at the epoch's end, before a checkpoint)
-        self._ordered, self._layout = True, (loader.batch_size, trainer.accumulate_grad_batches)
         seed = getattr(sampler, "seed", None)
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) if seed is None else seed  # as Lightning seeds DistributedSampler
-        order = GlobalOrderSampler(len(loader.dataset), loader.batch_size, trainer.accumulate_grad_batches,
-                                   trainer.global_rank, trainer.world_size, seed, trainer.current_epoch)
-        return BatchSampler(order, loader.batch_size, drop_last=True)
+        return GlobalOrderSampler(len(loader.dataset), loader.batch_size, trainer.accumulate_grad_batches,
+                                  trainer.global_rank, trainer.world_size, seed, trainer.current_epoch)
 
     # -- what goes into the checkpoint ----------------------------------------------------
-    def _loader_state(self) -> dict[str, Any]:
-        """Called on every rank while a checkpoint is made (Lightning saves on all ranks)."""
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch's position and every rank's generators (for a loader with its own ``state_dict``: the generators).
+
+        Called on every rank while a checkpoint is made (Lightning saves on all ranks).
+        """
         trainer = self._trainer
-        assert trainer is not None
-        progress = trainer.fit_loop.epoch_loop.batch_progress.current
-        per_rank = _gather({"epoch_start": self._epoch_start_rng, "at_save": collect_rng_states()})
+        if trainer is None or trainer.train_dataloader is None:
+            return {}
+        consumed = int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+        if self._loader_keeps_position:
+            loader = trainer.train_dataloader
+            return {"global_step": trainer.global_step, "mid_epoch": 0 < consumed < trainer.num_training_batches,
+                    "world_size": trainer.world_size, "rng": _gather(collect_rng_states()),
+                    # for a resume on another world size: litdata carries the position, _carry the global batch
+                    "global_batch": int(getattr(loader, "batch_size", 0) or 0) * trainer.accumulate_grad_batches
+                    * trainer.world_size,
+                    "accumulation": trainer.accumulate_grad_batches, "elastic_refusal": _litdata_elastic_refusal(loader)}
+        order = next((loader.sampler for loader in _loaders(trainer.train_dataloader)
+                      if isinstance(getattr(loader, "sampler", None), GlobalOrderSampler)), None)
+        # the epoch's layout (a BatchSizeRamp changes the accumulation at the epoch's end, before a checkpoint)
         return {
-            "epoch": trainer.current_epoch,
-            "batches_consumed": int(progress.processed),
-            "world_size": trainer.world_size,
-            "rng": per_rank,
+            "world_size": trainer.world_size, "global_order": order is not None,
+            "global_batch": order.global_batch if order else 0, "accumulation": order.accumulation if order else 1,
+            "epoch": trainer.current_epoch, "batches_consumed": consumed,
+            "rng": _gather({"epoch_start": self._epoch_start_rng, "at_save": collect_rng_states()}),
         }
 
-    @staticmethod
-    def _saved_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
-        return next((v for k, v in (checkpoint.get("callbacks") or {}).items()
-                     if k.split("{", 1)[0] == "ExactResume" and isinstance(v, dict)), {})
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._generators_to_restore = state_dict if state_dict and "mid_epoch" in state_dict else None
 
     def _carry(self, trainer: pl.Trainer, checkpoint: dict[str, Any], saved: int) -> str | WorldSizeChangeError:
         """Carry the run to ``trainer.world_size`` processes; the reason it cannot be, or the refusal."""
         from lightning_fastscale.callbacks.batch_size_ramp import BatchSizeRamp, decompose, world_sizes_that_split
 
-        state = self._saved_state(checkpoint)
+        state = _saved_state(checkpoint)
         if not state.get("global_order") and state.get("elastic_refusal", _PER_RANK):
             return state.get("elastic_refusal", _PER_RANK)
         global_batch, ckpt = int(state["global_batch"]), str(trainer.ckpt_path or "")
@@ -524,80 +473,86 @@ class ExactResume(Callback):
                        f"kept as {plan.per_device} per device x {plan.accumulation} accumulation x {trainer.world_size}")
         return ""
 
-    def _resume_plan(self, state: dict[str, Any], length: int) -> tuple[Any, Any, int] | None:
+    def _resume_plan(self, state: dict[str, Any]) -> tuple[Any, Any, int] | None:
         trainer = self._trainer
         assert trainer is not None
         consumed = int(state["batches_consumed"])
-        if state["epoch"] != trainer.current_epoch or consumed >= length or consumed <= 0:
+        if state["epoch"] != trainer.current_epoch or consumed >= trainer.num_training_batches or consumed <= 0:
             return None  # saved at an epoch boundary: the new epoch starts from its beginning
         if state["world_size"] != trainer.world_size or len(state["rng"]) != trainer.world_size:
             return None, None, consumed  # counted in this run's micro-batches (_carry); fresh generators
         mine = state["rng"][_rank()]
         return mine["epoch_start"], mine["at_save"], consumed
 
-    # -- loaders that keep their own position: only the generators ------------------------
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        """Every rank's generators, for a training loader with its own ``state_dict`` (else empty).
-
-        Called on every rank while a checkpoint is made (Lightning saves on all ranks).
-        """
-        trainer = self._trainer
-        if trainer is None:
-            return {}
-        if not self._loader_keeps_position:
-            batch, accumulation = self._layout
-            return {"world_size": trainer.world_size, "global_order": self._ordered,
-                    "global_batch": batch * accumulation * trainer.world_size, "accumulation": accumulation}
-        consumed = int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
-        loader = trainer.train_dataloader
-        return {
-            "global_step": trainer.global_step,
-            "mid_epoch": 0 < consumed < trainer.num_training_batches,
-            "world_size": trainer.world_size,
-            "rng": _gather(collect_rng_states()),
-            # for a resume on another world size: litdata carries the position (_carry keeps the global batch)
-            "global_batch": int(getattr(loader, "batch_size", 0) or 0) * trainer.accumulate_grad_batches * trainer.world_size,
-            "accumulation": trainer.accumulate_grad_batches,
-            "elastic_refusal": _litdata_elastic_refusal(loader),
-        }
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._generators_to_restore = state_dict if state_dict and "rng" in state_dict else None
-
     @override
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         """Carry a checkpoint of another world size (before any state is restored), or refuse it unless allowed."""
-        self._saved_loader_state = saved_loader_state(checkpoint)
-        state = self._saved_state(checkpoint)
+        state = _saved_state(checkpoint)
         # a checkpoint written before the global order continues in the order it was written in
         self._legacy_order = "world_size" in state and "global_order" not in state and "rng" not in state
+        self._position = saved_position(checkpoint)
+        # an older layout kept the position as the loader's state, its epoch-start generators as at the iterator's making
+        self._old_layout = self._position is not None and self._position is not state
         saved = saved_world_size(checkpoint)
-        if saved is None or saved == trainer.world_size:
-            return
-        why = self._carry(trainer, checkpoint, saved)
-        if not why:
-            return
-        error = why if isinstance(why, WorldSizeChangeError) else WorldSizeChangeError(
-            saved, trainer.world_size, str(trainer.ckpt_path or ""), why)
-        if not self.allow_world_size_change:
-            raise error
-        rank_zero_warn(f"ExactResume: {world_size_change(saved, trainer.world_size, str(trainer.ckpt_path or ''))}: "
-                       f"{error.why}; continuing with another global batch and order (allow_world_size_change=True)")
+        why = self._carry(trainer, checkpoint, saved) if saved is not None and saved != trainer.world_size else ""
+        if why:
+            error = why if isinstance(why, WorldSizeChangeError) else WorldSizeChangeError(
+                saved, trainer.world_size, str(trainer.ckpt_path or ""), why)
+            if not self.allow_world_size_change:
+                raise error
+            rank_zero_warn(f"ExactResume: {world_size_change(saved, trainer.world_size, str(trainer.ckpt_path or ''))}: "
+                           f"{error.why}; continuing with another global batch and order (allow_world_size_change=True)")
+        loop_state = checkpoint_fit_loop(checkpoint).get("state_dict") or {}
+        if "combined_loader" in loop_state:  # Lightning would look for a stateful loader to give it to
+            loop_state["combined_loader"] = [s for s in loop_state["combined_loader"] if not _is_position(s)]
+
+    def _skippers(self, trainer: pl.Trainer) -> list[tuple[SkipFirstBatches, int]]:
+        """The skipping samplers of the loaders Lightning iterates (put in where it made its own), with their batch sizes."""
+        skippers = []
+        for loader in _loaders(trainer.train_dataloader):
+            if isinstance(getattr(loader, "sampler", None), GlobalOrderSampler):
+                loader.sampler.accumulation = trainer.accumulate_grad_batches  # a carried run changed it
+            skipper = self._skipper(loader)
+            if skipper is not None:
+                skippers.append((skipper, loader.batch_size))
+        return skippers
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        saved, self._saved_loader_state = self._saved_loader_state, None
-        if load_pending_loader_state(trainer) or saved is None or trainer.fit_loop.restarting:
+        position, self._position = self._position, None
+        if self._loader_keeps_position:
+            load_pending_loader_state(trainer)
             return
-        # Saved at an epoch boundary: Lightning hands the loader no state and starts the next
-        # epoch. Its iterator (made already) drew the worker seed and will draw a
-        # RandomSampler's order from generators restarted from the seed; the uninterrupted run
-        # drew both from the generators as they were at the save. Put those back and make the
-        # iterator again, so the new epoch's order and random numbers are the uninterrupted ones.
-        if saved["world_size"] == trainer.world_size and len(saved["rng"]) == trainer.world_size:
-            restart_train_iterator(trainer, before=functools.partial(set_rng_states, saved["rng"][_rank()]["at_save"]))
+        skippers = self._skippers(trainer)
+        if position is None:
+            return
+        if trainer.fit_loop.restarting:  # mid-epoch: Lightning starts the loader over, the samplers skip
+            plan = self._resume_plan(position)
+            if plan is None or not skippers:
+                return
+            epoch_start, at_save, consumed = plan
+            if len(skippers) == len(list(_loaders(trainer.train_dataloader))) and not self._silenced:
+                # Lightning warns of any mid-epoch resume of a loader without state_dict; this one is exact
+                warnings.filterwarnings("ignore", "You're resuming from a checkpoint that ended before the epoch ended")
+                self._silenced = warnings.filters[0]
+            self._restore_at_pass = None if self._old_layout else epoch_start
+            for skipper, batch_size in skippers:
+                skipper.set_epoch(trainer.current_epoch)  # the iterator is made before Lightning sets it
+                skipper.skip = consumed * batch_size
+                skipper.after_skip = None if at_save is None else functools.partial(set_rng_states, at_save)
+            old = self._old_layout and epoch_start is not None
+            restart_train_iterator(trainer, before=functools.partial(set_rng_states, epoch_start) if old else None)
+            return
+        # Saved at an epoch boundary: Lightning starts the next epoch. Its iterator (made already)
+        # drew the worker seed and will draw a RandomSampler's order from generators restarted
+        # from the seed; the uninterrupted run drew both from the generators as they were at the
+        # save. Put those back and make the iterator again.
+        if position["world_size"] == trainer.world_size and len(position["rng"]) == trainer.world_size:
+            restart_train_iterator(trainer, before=functools.partial(set_rng_states, position["rng"][_rank()]["at_save"]))
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._skippers(trainer)  # a loader made again this epoch
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
