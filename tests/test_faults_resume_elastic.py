@@ -460,8 +460,8 @@ def test_streaming_stopped_on_2_ranks_resumed_on_1_with_accumulation_then_stoppe
     full1 = fit_stream(id_stream, tmp_path / "full1", 1, 1, accumulate=2)
     fit_stream(id_stream, tmp_path / "a", 2, 1, stop=2)
     fit_stream(id_stream, tmp_path / "b", 1, 1, ckpt_path=str(tmp_path / "a" / "stopped.ckpt"), stop=4)
-    # on the world size it was saved on a resume takes the Trainer's accumulation as given: 2, as b ran
-    fit_stream(id_stream, tmp_path / "c", 1, 1, accumulate=2, ckpt_path=str(tmp_path / "b" / "stopped.ckpt"))
+    # resumed as configured (accumulation 1): the layout b was carried to is carried again, not the configured one
+    fit_stream(id_stream, tmp_path / "c", 1, 1, ckpt_path=str(tmp_path / "b" / "stopped.ckpt"))
     parts = [read(tmp_path / name, devices)[0] for name, devices in (("a", 2), ("b", 1), ("c", 1))]
     assert [len(p) for p in parts] == [2, 2, 8]
     assert {s["accumulation"] for s in parts[1] + parts[2]} == {2}

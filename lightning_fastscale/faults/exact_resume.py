@@ -324,6 +324,8 @@ class ExactResume(Callback):
         self._position: dict[str, Any] | None = None
         self._silenced: Any = None
         self._old_layout = False
+        # the batch layout came from a carry, not the configuration: a later resume carries it again
+        self._carried = False
 
     # -- giving the loader the epoch order and a sampler that can skip ---------------------
     def _install(self, loader: Any, rebuild: bool = True) -> Any:
@@ -378,7 +380,7 @@ class ExactResume(Callback):
         self._trainer = trainer
         # the restore comes after setup
         self._loader_keeps_position, self._generators_to_restore, self._position = False, None, None
-        self._legacy_order, self._restore_at_pass = False, None
+        self._legacy_order, self._restore_at_pass, self._carried = False, None, False
         datamodule = trainer.datamodule
         if datamodule is not None and is_overridden("train_dataloader", datamodule, pl.LightningDataModule):
             self._wrap_hook(datamodule)
@@ -427,12 +429,13 @@ class ExactResume(Callback):
                     # for a resume on another world size: litdata carries the position, _carry the global batch
                     "global_batch": int(getattr(loader, "batch_size", 0) or 0) * trainer.accumulate_grad_batches
                     * trainer.world_size,
-                    "accumulation": trainer.accumulate_grad_batches, "elastic_refusal": _litdata_elastic_refusal(loader)}
+                    "accumulation": trainer.accumulate_grad_batches, "elastic_refusal": _litdata_elastic_refusal(loader),
+                    "carried": self._carried}
         order = next((loader.sampler for loader in _loaders(trainer.train_dataloader)
                       if isinstance(getattr(loader, "sampler", None), GlobalOrderSampler)), None)
         # the epoch's layout (a BatchSizeRamp changes the accumulation at the epoch's end, before a checkpoint)
         return {
-            "world_size": trainer.world_size, "global_order": order is not None,
+            "world_size": trainer.world_size, "global_order": order is not None, "carried": self._carried,
             "global_batch": order.global_batch if order else 0, "accumulation": order.accumulation if order else 1,
             "epoch": trainer.current_epoch, "batches_consumed": consumed,
             "rng": _gather({"epoch_start": self._epoch_start_rng, "at_save": collect_rng_states()}),
@@ -469,6 +472,7 @@ class ExactResume(Callback):
         if ramp is None:
             datamodule.set_train_batch_size(plan.per_device)
         trainer.accumulate_grad_batches = plan.accumulation
+        self._carried = True
         rank_zero_info(f"ExactResume: {world_size_change(saved, trainer.world_size, ckpt)}: global batch {global_batch} "
                        f"kept as {plan.per_device} per device x {plan.accumulation} accumulation x {trainer.world_size}")
         return ""
@@ -494,7 +498,8 @@ class ExactResume(Callback):
         # an older layout kept the position as the loader's state, its epoch-start generators as at the iterator's making
         self._old_layout = self._position is not None and self._position is not state
         saved = saved_world_size(checkpoint)
-        why = self._carry(trainer, checkpoint, saved) if saved is not None and saved != trainer.world_size else ""
+        carry = saved is not None and (saved != trainer.world_size or state.get("carried", False))
+        why = self._carry(trainer, checkpoint, saved) if carry else ""
         if why:
             error = why if isinstance(why, WorldSizeChangeError) else WorldSizeChangeError(
                 saved, trainer.world_size, str(trainer.ckpt_path or ""), why)
