@@ -33,10 +33,18 @@ def start(run_dir: Path, *extra: str, run: Sequence[str] = RECIPE_RUN, env: dict
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": "1", **(env or {})}
     env.pop("WANDB_API_KEY", None)
+    return popen_group([sys.executable, "-m", "lightning_fastscale.train", *run, f"hydra.run.dir={run_dir}", *extra],
+                       cwd=run_dir.parent, env=env)
+
+
+def popen_group(command: Sequence[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen:
+    """Start ``command`` in a new process group, output piped, ready for :func:`finish`: its Python
+    processes print every thread's stack on SIGABRT (what :func:`kill_group` sends first) and write
+    no core file."""
     return subprocess.Popen(
-        [sys.executable, "-m", "lightning_fastscale.train", *run, f"hydra.run.dir={run_dir}", *extra],
-        cwd=run_dir.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
+        list(command), cwd=cwd, env={**env, "PYTHONFAULTHANDLER": "1"}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0)),
     )
 
 
@@ -45,8 +53,10 @@ def finish(proc: subprocess.Popen, timeout: float = 420) -> tuple[int, str]:
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        out = kill_group(proc)
-        raise AssertionError(f"run did not finish in {timeout} s:\n{out[-3000:]}")
+        raise AssertionError(f"run did not finish in {timeout} s:\n{kill_group(proc)[-12000:]}") from None
+    except BaseException:  # pytest-timeout's failure or Ctrl-C: what the run printed, stacks included
+        print(kill_group(proc)[-12000:], file=sys.stderr)
+        raise
     return proc.returncode, out
 
 
@@ -66,15 +76,22 @@ def finish_all(*procs: subprocess.Popen, timeout: float = 420) -> list[str]:
 
 
 def kill_group(proc: subprocess.Popen) -> str:
-    """SIGKILL the process group of a run from :func:`start` (the run and the ranks it started,
-    nothing else) and return what it printed; a no-op for a run already waited for."""
+    """End the process group of a run from :func:`start` (the run and the ranks it started, nothing
+    else): SIGABRT, so each process prints its stacks, then SIGKILL; return what it printed. A
+    no-op for a run already waited for."""
     if proc.returncode is not None:
         return ""  # reaped: its pid, hence the group id, is no longer ours to signal
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    out, _ = proc.communicate()
+    out = ""
+    for signum, wait in ((signal.SIGABRT, 10.0), (signal.SIGKILL, None)):  # stacks first, then the end
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass
+        try:
+            out, _ = proc.communicate(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:  # a process of the group still holds the output open
+            continue
     return out or ""
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import signal
 import stat
+import sys
 
 import lightning.pytorch as pl
 import pytest
@@ -271,3 +272,39 @@ def test_a_dataloader_subclass_keeps_its_class_and_behaviour_and_resumes_bitwise
     resumed = fit([ExactResume()], ckpt_path=str(tmp_path / "ckpt" / "epoch=1-step=8.ckpt"), root=tmp_path / "b")
     assert_equal_states(resumed.state_dict(), full.state_dict())
     assert seen == [(Negated, True)] * 4  # steps 8..11, each batch made by the subclass's own __iter__
+
+
+_TWO_RANK_SCRIPT = '''
+import time, lightning.pytorch as pl
+from benchmarks.fault_helpers import SignalAtStep
+from lightning_fastscale.callbacks import PreemptionCheckpoint
+from tests.test_faults_preemption import DropoutNet, data
+
+
+class SlowExitOnRankZero(pl.Callback):
+    def on_exception(self, trainer, pl_module, exception):
+        if trainer.global_rank == 0:
+            time.sleep({delay})
+
+
+pl.seed_everything(0)
+trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, default_root_dir={root!r},
+                     callbacks=[SignalAtStep(4, rank=1), PreemptionCheckpoint(), SlowExitOnRankZero()])
+trainer.fit(DropoutNet(), data())
+'''
+
+
+@pytest.mark.slow  # two ranks started by Lightning's launcher, ~20 s
+def test_two_ranks_under_lightnings_launcher_exit_75_even_when_rank_0_exits_last(tmp_path):
+    """Lightning's launcher SIGKILLs rank 0 once a rank it started exits non-zero; its observer
+    polls every 5 s, so rank 0 is held 8 s in ``on_exception`` to make that race certain. The
+    status must still be the preemption's 75, not -9, with the checkpoint written."""
+    from benchmarks.fault_helpers import REPO, finish, popen_group
+
+    script = tmp_path / "train.py"
+    script.write_text(_TWO_RANK_SCRIPT.format(delay=8, root=str(tmp_path)))
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    code, out = finish(popen_group([sys.executable, str(script)], cwd=tmp_path, env=env), timeout=120)
+    assert code == 75, out[-3000:]
+    assert "Forcefully terminating" not in out
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["preempted-epoch1-step5.ckpt"]

@@ -82,6 +82,7 @@ def drop_loader_state(run_dir: Path, name: str) -> None:
 
 
 @pytest.mark.slow  # about a minute on 2 cores (see the module docstring)
+@pytest.mark.timeout(660)  # past each phase's own 300 s, which ends the runs with their stacks printed
 def test_streaming_sigterm_mid_epoch_then_resume_auto_equals_the_uninterrupted_run(tmp_path):
     root = tmp_path / "stream"
     convert("procedural", root, max_side=16, quality=95, num_workers=1, procedural=PROCEDURAL)
