@@ -141,3 +141,60 @@ def test_quick_run_on_two_ranks_and_report(tmp_path):
     assert plain["target"] == pytest.approx(max(v for _, v in results["runs"]["procedural/one/plain/seed0"]["curve"]) - 0.01)
     assert plain["reached"] == "1/1" and not math.isnan(plain["median_s"])
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_recipe_warmup_is_a_share_of_the_runs_steps():
+    ramp = tta.ramp_schedule(21, 32, 16, 2)
+    assert ramp == {0: 256, 9: 512, 14: 1024}
+    assert tta.ramp_steps(ramp, 21, 12288) == [48] * 9 + [24] * 5 + [12] * 7  # 636 steps
+    assert tta.warmup_epochs(ramp, 21, 12288) == pytest.approx(35 / 48)  # 5/90 of 636 = 35.3 -> 35 steps
+    assert tta.warmup_epochs({0: 10}, 90, 100) == pytest.approx(5.0)  # 50 of 900 steps: 5 whole epochs of 10
+    assert tta.warmup_epochs({0: 256}, 1, 512) == pytest.approx(0.5)  # 0.1 step rounds to 0: one step of 2
+
+
+def test_settings_from_carry_an_arms_tuning_only_if_it_is_unchanged():
+    meta = tta._meta()
+    old = dict(meta, epochs=dict(meta["epochs"], recipe=12), lr_grid=dict(meta["lr_grid"], recipe=[0.2, 0.4, 0.8]))
+    assert tta._arm_settings(old, "plain") == tta._arm_settings(meta, "plain")
+    assert tta._arm_settings(old, "recipe") != tta._arm_settings(meta, "recipe")
+    assert tta._arm_settings(dict(meta, recipe={"lr": "v1"}), "recipe") != tta._arm_settings(meta, "recipe")
+
+
+def test_recipe_lr_warms_up_in_steps_and_does_not_jump_when_the_ramp_raises_the_batch(data, tmp_path):
+    """Two epochs of the recipe on one rank: global batch 16, then 64 (the ramp's quarter, then
+    its whole): the LR rises linearly from 1/K of the peak to the peak (the LR x 16 / (B0 x 1))
+    over the warmup's steps, then only falls, also at the ramp's step to 4x the batch."""
+    import lightning.pytorch as pl
+
+    from lightning_fastscale.data import ProceduralDataModule
+
+    _, paths = data
+    sizes, b0, lr = tta.QUICK_SIZES, 4, 0.1
+    spec = {"sizes": sizes, "b0": b0, "k": tta.K, "epochs": 2, "nodes": 1}
+    ramp = tta.ramp_schedule(2, b0, tta.K, 1)
+    assert ramp == {0: 16, 1: 64}
+    module, callbacks, plugins, strategy = tta._recipe_parts(spec, lr, world=1)
+
+    class Record(pl.Callback):
+        lrs: list[float] = []
+
+        def on_train_batch_start(self, trainer, *args) -> None:
+            self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    splits = torch.load(paths["tensors"])
+    dm = ProceduralDataModule(sizes["num_classes"], 16, 16, sizes["resolution"], batch_size=tta.K * b0,
+                              val_batch_size=sizes["val_batch"])
+    dm.train_set, dm.val_set = (tta._LoadedSplit(splits[s]["images"], splits[s]["labels"]) for s in ("train", "val"))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, callbacks=[*callbacks, Record()], plugins=plugins,
+                         default_root_dir=tmp_path)
+    trainer.fit(module, datamodule=dm)
+    lrs = Record.lrs
+    steps = tta.ramp_steps(ramp, 2, sizes["train_size"])
+    assert steps == [16, 4] and len(lrs) == sum(steps)
+    warmup = round(tta.WARMUP_SHARE * sum(steps))  # 1 step
+    peak = lr * ramp[0] / b0
+    assert lrs[0] == pytest.approx(peak / tta.K)
+    assert lrs[warmup] == pytest.approx(peak)
+    after = lrs[warmup:]
+    assert all(b <= a for a, b in zip(after, after[1:])), after
+    assert lrs[16] < lrs[15]  # the ramp's step to 4x the batch: no jump up (v1 scaled the LR by 4)
