@@ -16,10 +16,13 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
 
 from lightning_fastscale.emulation import EmulatedCluster, NamespaceUnavailable, check_namespace_support
 
 REPO = Path(__file__).resolve().parents[1]
+# trainer.num_nodes follows torchrun's node count by default: 2, then 1 after the loss.
 # 256 samples, global batch 32 (16 per device x 2 nodes): 8 steps per epoch, 16 in all; a
 # periodic checkpoint every 3 steps. Node 1 is lost after step 11 (epoch 1), so the run
 # resumes on node 0 alone from step 9, mid-epoch 1, as 16 per device x 2 accumulation.
@@ -30,8 +33,6 @@ RUN = [
     f"data.train_size={SIZE}", "data.val_size=32", f"data.batch_size={GLOBAL_BATCH // 2}", "data.resolution=16",
     "model.model_kwargs.widths=[8,8,8]", f"trainer.max_epochs={EPOCHS}", "trainer.enable_progress_bar=false",
     "trainer.log_every_n_steps=1", "trainer.accelerator=cpu", "logger=csv", "strategy=ddp", "trainer.devices=1",
-    # torchrun's number of nodes in this round: 2, then 1 after the loss
-    "trainer.num_nodes='${oc.decode:${oc.env:GROUP_WORLD_SIZE}}'",
     f"callbacks.periodic_checkpoint.every_n_train_steps={PERIOD}",
     f"callbacks.exact_resume.max_per_device_batch={GLOBAL_BATCH // 2}", "resume=auto",
 ]
@@ -85,6 +86,23 @@ def torchrun(cluster: EmulatedCluster, node: int, run_dir: Path) -> list[str]:
         "+callbacks.sample_log._target_=tests.test_faults_elastic_launch.SampleLog",
         f"+callbacks.sample_log.folder={run_dir / 'log'}", f"+callbacks.sample_log.hold_step={LOST_AFTER}",
     ]
+
+
+@pytest.mark.parametrize("trainer", ["default", "cpu", "gpu"])
+@pytest.mark.parametrize(("env", "overrides", "expected"), [
+    ({}, [], 1),  # no torchrun: one node
+    ({"GROUP_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "run"}, [], 2),  # torchrun's nodes in this round
+    ({"GROUP_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "run"}, ["trainer.num_nodes=3"], 3),  # the user's value wins
+])
+def test_num_nodes_follows_torchrun_by_default(monkeypatch, trainer, env, overrides, expected) -> None:
+    for key in ("GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="lightning_fastscale.conf", version_base="1.3"):
+        cfg = compose("train", overrides=[f"trainer={trainer}", *overrides])
+    assert cfg.trainer.num_nodes == expected
 
 
 def wait_for(condition, timeout: float, what: str, outputs: dict) -> None:
