@@ -23,7 +23,7 @@ the newest checkpoint truncated, two runs started together on one folder, and
 exit of the launched process. "Steps redone" is counted from a per-step log: steps run by the
 interrupted and the resumed run together, minus the uninterrupted run's steps.
 
-    flock /tmp/cpu.lock nice -n 5 python benchmarks/faults.py [--out DIR] [--only-comm | --only-storage]
+    flock /tmp/cpu.lock nice -n 5 python benchmarks/faults.py [--out DIR] [--only-preemption | --only-comm | --only-storage]
 
 Results and the machine are in benchmarks/README.md.
 """
@@ -145,7 +145,7 @@ def preempt(root: Path, name: str, folder: str, reference: Path, *, torchrun: bo
 
 
 def truncated(root: Path, source: Path, run: list[str] | None = None) -> Row:
-    run_dir = root / "truncated"
+    run_dir = root / f"truncated-{source.name}"  # one folder per job: the full run truncates two
     shutil.copytree(source / "checkpoints", run_dir / "checkpoints")
     newest = max((run_dir / "checkpoints").glob("*.ckpt"), key=lambda p: p.stat().st_mtime_ns)
     data = newest.read_bytes()
@@ -157,7 +157,8 @@ def truncated(root: Path, source: Path, run: list[str] | None = None) -> Row:
     happened = f"exit {code}; {'a warning names the file' if named else 'the file is NOT named'}" + (
         " and says truncated" if "truncated" in out else "") + (
         f"; continued from {Path(resumed).name}" if resumed else "; did not resume")
-    return Row("newest checkpoint truncated to half, `resume=auto`", happened, f"{ended - start:.1f} (from start)",
+    job = "2-process recipe run" if run is None else "1-process job"
+    return Row(f"newest checkpoint truncated to half, `resume=auto` ({job})", happened, f"{ended - start:.1f} (from start)",
                f"{steps_run(run_dir)} steps run after the resume; the truncated file is left as it was "
                f"({newest.stat().st_size} bytes)")
 
@@ -272,6 +273,8 @@ def not_run(fault: str, why: str) -> Row:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temporary folder)")
+    parser.add_argument("--only-preemption", action="store_true",
+                        help="only the 2-process rows: SIGTERM to a rank / torchrun / Lightning alone, truncated checkpoint")
     parser.add_argument("--only-comm", action="store_true", help="only the rank killed / hung rows")
     parser.add_argument("--only-storage", action="store_true",
                         help="only the 1-process rows: kill during save, disk full, truncated, shared folder, divergence")
@@ -285,19 +288,27 @@ def main() -> None:
     if args.only_storage:
         print_table(storage_rows(root), started, root, args.results)
         return
+    if args.only_preemption:
+        print_table(preemption_rows(root), started, root, args.results)
+        return
+    print_table(preemption_rows(root) + comm_rows(root) + storage_rows(root), started, root, args.results)
+
+
+def preemption_rows(root: Path) -> list[Row]:
+    """The uninterrupted 2-process recipe run, then SIGTERM to one rank / torchrun / Lightning alone, and a truncated checkpoint."""
     code, out, _ = wait(launch(root / "uninterrupted"), timeout=300)
     if code != 0:
         raise SystemExit(f"the uninterrupted run failed (exit {code}):\n{out[-3000:]}")
     reference = root / "uninterrupted" / "checkpoints" / "last.ckpt"
-    rows = [
-        preempt(root, "SIGTERM to rank 1 (PreemptionCheckpoint)", "rank1", reference, torchrun=False, with_callback=True),
-        preempt(root, "SIGTERM to torchrun (PreemptionCheckpoint)", "torchrun", reference, torchrun=True, with_callback=True),
-        preempt(root, "SIGTERM to rank 1, Lightning alone", "lightning", reference, torchrun=False, with_callback=False),
+    return [
+        preempt(root, "SIGTERM to rank 1 only (`PreemptionCheckpoint`)", "rank1", reference, torchrun=False,
+                with_callback=True),
+        preempt(root, "SIGTERM to `torchrun` (`PreemptionCheckpoint`)", "torchrun", reference, torchrun=True,
+                with_callback=True),
+        preempt(root, "SIGTERM to rank 1 only, Lightning alone (`callbacks.preemption=null`)", "lightning", reference,
+                torchrun=False, with_callback=False),
+        truncated(root, root / "rank1"),
     ]
-    rows.append(truncated(root, root / "rank1"))
-    rows += comm_rows(root)
-    rows += storage_rows(root)
-    print_table(rows, started, root, args.results)
 
 
 def print_table(rows: list[Row], started: float, root: Path, results: str) -> None:

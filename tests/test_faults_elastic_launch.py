@@ -16,10 +16,13 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
 
 from lightning_fastscale.emulation import EmulatedCluster, NamespaceUnavailable, check_namespace_support
 
 REPO = Path(__file__).resolve().parents[1]
+# trainer.num_nodes follows torchrun's node count by default: 2, then 1 after the loss.
 # 256 samples, global batch 32 (16 per device x 2 nodes): 8 steps per epoch, 16 in all; a
 # periodic checkpoint every 3 steps. Node 1 is lost after step 11 (epoch 1), so the run
 # resumes on node 0 alone from step 9, mid-epoch 1, as 16 per device x 2 accumulation.
@@ -30,8 +33,6 @@ RUN = [
     f"data.train_size={SIZE}", "data.val_size=32", f"data.batch_size={GLOBAL_BATCH // 2}", "data.resolution=16",
     "model.model_kwargs.widths=[8,8,8]", f"trainer.max_epochs={EPOCHS}", "trainer.enable_progress_bar=false",
     "trainer.log_every_n_steps=1", "trainer.accelerator=cpu", "logger=csv", "strategy=ddp", "trainer.devices=1",
-    # torchrun's number of nodes in this round: 2, then 1 after the loss
-    "trainer.num_nodes='${oc.decode:${oc.env:GROUP_WORLD_SIZE}}'",
     f"callbacks.periodic_checkpoint.every_n_train_steps={PERIOD}",
     f"callbacks.exact_resume.max_per_device_batch={GLOBAL_BATCH // 2}", "resume=auto",
 ]
@@ -40,12 +41,13 @@ RUN = [
 class SampleLog(pl.Callback):
     """One line per micro-batch in ``<folder>/samples.jsonl``: torchrun's restart count, the step,
     epoch, world size, emulated node and the ids of the samples (found by their pixels in the
-    training set). On ``hold_rank`` of a world of 2, after step ``hold_step``, it writes
+    training set). On ``hold_rank`` of a world of ``hold_world``, after step ``hold_step``, it writes
     ``<folder>/held`` and waits (at most ``hold_s``) for the test to stop its node and write
     ``<folder>/release``."""
 
-    def __init__(self, folder: str, hold_step: int, hold_rank: int = 1, hold_s: float = 90.0) -> None:
+    def __init__(self, folder: str, hold_step: int, hold_rank: int = 1, hold_s: float = 90.0, hold_world: int = 2) -> None:
         self.folder, self.hold_step, self.hold_rank, self.hold_s = Path(folder), hold_step, hold_rank, hold_s
+        self.hold_world = hold_world
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         dataset = trainer.datamodule.train_set
@@ -65,14 +67,14 @@ class SampleLog(pl.Callback):
         self.folder.mkdir(parents=True, exist_ok=True)
         with open(self.folder / "samples.jsonl", "a") as f:
             f.write(json.dumps(self.record) + "\n")
-        if trainer.world_size == 2 and trainer.global_rank == self.hold_rank and trainer.global_step == self.hold_step:
+        if (trainer.world_size, trainer.global_rank, trainer.global_step) == (self.hold_world, self.hold_rank, self.hold_step):
             (self.folder / "held").write_text(str(os.getpid()))
             deadline = time.monotonic() + self.hold_s
             while not (self.folder / "release").exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
 
 
-def torchrun(cluster: EmulatedCluster, node: int, run_dir: Path) -> list[str]:
+def torchrun(cluster: EmulatedCluster, node: int, run_dir: Path, *hold: str) -> list[str]:
     """One node's launch: c10d rendezvous hosted by node 0's agent, short keep-alive and last call
     (a dead node is dropped after 3 s, a round closes 5 s after its first node joined)."""
     host = cluster.nodes[0].address
@@ -83,8 +85,25 @@ def torchrun(cluster: EmulatedCluster, node: int, run_dir: Path) -> list[str]:
         f"--local_addr={cluster.nodes[node].address}", "--monitor_interval=0.2",
         "-m", "lightning_fastscale.train", *RUN, f"hydra.run.dir={run_dir}",
         "+callbacks.sample_log._target_=tests.test_faults_elastic_launch.SampleLog",
-        f"+callbacks.sample_log.folder={run_dir / 'log'}", f"+callbacks.sample_log.hold_step={LOST_AFTER}",
+        f"+callbacks.sample_log.folder={run_dir / 'log'}", *(hold or [f"+callbacks.sample_log.hold_step={LOST_AFTER}"]),
     ]
+
+
+@pytest.mark.parametrize("trainer", ["default", "cpu", "gpu"])
+@pytest.mark.parametrize(("env", "overrides", "expected"), [
+    ({}, [], 1),  # no torchrun: one node
+    ({"GROUP_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "run"}, [], 2),  # torchrun's nodes in this round
+    ({"GROUP_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "run"}, ["trainer.num_nodes=3"], 3),  # the user's value wins
+])
+def test_num_nodes_follows_torchrun_by_default(monkeypatch, trainer, env, overrides, expected) -> None:
+    for key in ("GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="lightning_fastscale.conf", version_base="1.3"):
+        cfg = compose("train", overrides=[f"trainer={trainer}", *overrides])
+    assert cfg.trainer.num_nodes == expected
 
 
 def wait_for(condition, timeout: float, what: str, outputs: dict) -> None:
@@ -176,3 +195,83 @@ def test_torchrun_elastic_continues_on_the_remaining_node_with_every_sample_once
     # the lost steps were redone on the same samples: the order does not depend on the world size
     lost = by_step(r for r in first if r["step"] >= resumed_at)
     assert bool(lost) == (leave == "lost") and all(lost[s] == resumed[s] for s in lost)
+
+
+JOIN_AFTER = 5  # node 1 joins while node 0, alone, holds after step 5 (epoch 0 of 16 steps of 16 samples)
+
+
+@pytest.mark.slow  # about 30 s: two torchrun agents, three Lightning worker starts
+@pytest.mark.timeout(180)
+def test_torchrun_elastic_node_join_continues_on_two_nodes_with_the_same_global_batch(tmp_path: Path) -> None:
+    """``--nnodes=1:2``: node 0 starts alone (global batch 16 = 16 per device); node 1 joins mid-epoch,
+    node 0's agent stops its worker (SIGTERM: a preemption checkpoint), and both nodes' workers resume
+    from it as 8 per device x 2 ranks: no step lost or redone, every sample of each epoch once."""
+    try:
+        check_namespace_support()
+    except NamespaceUnavailable as err:
+        pytest.skip(f"emulated cluster unavailable: {err}")
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "WANDB_MODE": "offline"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    # torch's agents share their rendezvous TCP store by default; the agent that was rank 0 alone
+    # then never publishes the store's address for the round a node joins (torch 2.14:
+    # DynamicRendezvousHandler.next_rendezvous reuses the first round's), and both agents wait forever
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    outputs: dict[int, str] = {0: "", 1: ""}
+    hold = [f"+callbacks.sample_log.hold_step={JOIN_AFTER}", "+callbacks.sample_log.hold_rank=0",
+            "+callbacks.sample_log.hold_world=1"]
+
+    def drain(node: int, stream) -> None:
+        for line in stream:
+            outputs[node] += line
+
+    def start(cluster: EmulatedCluster, node: int):
+        proc = cluster.start(node, torchrun(cluster, node, run_dir, *hold), env=env, cwd=str(tmp_path))
+        for stream in (proc.stdout, proc.stderr):
+            threading.Thread(target=drain, args=(node, stream), daemon=True).start()
+        return proc
+
+    try:
+        with EmulatedCluster(2) as cluster:  # every process and namespace removed on exit, also on failure
+            first = start(cluster, 0)
+            held = run_dir / "log" / "held"
+            wait_for(lambda: held.exists() or first.poll() is not None, 90, f"step {JOIN_AFTER} on node 0 alone", outputs)
+            assert held.exists(), f"node 0 ended before node 1 joined: {first.returncode}"
+            second = start(cluster, 1)
+            # node 0's agent sees a node waiting and stops its worker with SIGTERM, which is still held
+            wait_for(lambda: "closing signal SIGTERM" in outputs[0], 60, "node 0's agent stopping its worker", outputs)
+            (run_dir / "log" / "release").touch()
+            wait_for(lambda: first.poll() is not None and second.poll() is not None, 120, "both nodes finishing", outputs)
+    finally:  # what each node printed, for a failure's diagnosis
+        for n, text in outputs.items():
+            (tmp_path / f"node{n}.out").write_text(text)
+    assert first.returncode == 0 and second.returncode == 0, outputs[0][-6000:] + outputs[1][-3000:]
+
+    records = [json.loads(line) for line in (run_dir / "log" / "samples.jsonl").read_text().splitlines()]
+    assert max(r["ambiguity"] for r in records) < 0.1
+    before = [r for r in records if r["world"] == 1]
+    after = [r for r in records if r["world"] == 2]
+    assert {(r["rank"], r["node"], r["attempt"]) for r in before} == {(0, "0", 0)}
+    assert {(r["rank"], r["node"]) for r in after} == {(0, "0"), (1, "1")}
+    resumed_at = min(r["step"] for r in after)
+    # the SIGTERM reached the worker while it held after its 5th step: it stopped there with one
+    # preemption checkpoint, and nothing is redone
+    assert max(r["step"] for r in before) == resumed_at - 1 and resumed_at == JOIN_AFTER
+    assert f"resume=auto: continuing from {run_dir / 'checkpoints'}" in outputs[0]
+    assert f"preempted-epoch0-step{resumed_at}.ckpt" in outputs[0]
+
+    def by_step(rs):
+        steps: dict[int, list[int]] = {}
+        for r in rs:
+            steps.setdefault(r["step"], []).extend(r["ids"])
+        return {s: sorted(ids) for s, ids in steps.items()}
+
+    batch, steps_per_epoch = GLOBAL_BATCH // 2, SIZE // (GLOBAL_BATCH // 2)
+    lineage = {**by_step(before), **by_step(after)}
+    assert sorted(lineage) == list(range(EPOCHS * steps_per_epoch))
+    assert all(len(ids) == batch for ids in lineage.values())  # the global batch of the first node, kept on two
+    assert all(len(r["ids"]) == batch // 2 for r in after)  # as 8 per device on 2 ranks
+    for epoch in range(EPOCHS):
+        seen = [i for s in range(epoch * steps_per_epoch, (epoch + 1) * steps_per_epoch) for i in lineage[s]]
+        assert sorted(seen) == list(range(SIZE)), f"epoch {epoch}"

@@ -99,3 +99,21 @@ def test_fabric_ddp_two_processes_equals_trainer_one_process(tmp_path) -> None:
     assert not torch.equal(result["weights"][0], start[0])
     for a, b in zip(result["weights"], expected):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _scaler_worker(fabric: L.Fabric, out: str) -> None:
+    torch.set_num_threads(1)
+    fabric_loop(fabric, bn=False, inject={1: math.inf})
+    plugin = fabric.strategy.precision
+    torch.save({**plugin.scaler.state_dict(), "skipped": plugin.skipped_steps}, f"{out}.{fabric.global_rank}")
+
+
+def test_fabric_every_rank_backs_off_when_one_rank_overflows(tmp_path) -> None:
+    """16-mixed on 2 gloo ranks, an inf on rank 1 alone at step 1 of 4 (growth interval 2): both ranks
+    skip it and end on the same scale and growth count (backed off at 1, grown back at 3)."""
+    out = tmp_path / "scaler"
+    plugin = LARSFabricPrecision("16-mixed", "cpu", eta=ETA, scaler=small_scaler(growth_interval=2))
+    L.Fabric(accelerator="cpu", devices=2, strategy="ddp_fork", plugins=[plugin]).launch(_scaler_worker, str(out))
+    r0, r1 = (torch.load(f"{out}.{rank}") for rank in (0, 1))
+    assert r0 == r1
+    assert (r0["scale"], r0["_growth_tracker"], r0["skipped"]) == (2.0**8, 0, 1)

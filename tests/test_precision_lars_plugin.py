@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -14,7 +15,7 @@ from torch.nn import functional as F
 
 from lightning_fastscale.param_groups import split_parameters
 from lightning_fastscale.precision import LARS, LARSFabricPrecision, LARSMixedPrecision
-from tests.distributed import ReleaseProcessGroup
+from tests.distributed import ReleaseProcessGroup, run_distributed
 
 
 def textbook(w, g, *, lr, wd, eta, eps, clip):
@@ -341,12 +342,16 @@ def test_half_weights_adamw_and_double_lars_are_refused(tmp_path) -> None:
         trainer(LARSMixedPrecision("32", "cpu"), tmp_path, max_steps=1).fit(WithLARS(make_net()), data())
 
 
-class RankInjected(Tiny):
-    """Puts an inf into one rank's gradient only; DDP's all-reduce spreads it to every rank."""
+class LastRankInjected(Tiny):
+    """Puts a bad value into the last rank's gradient only, after DDP's all-reduce: the other ranks stay finite."""
 
     def on_after_backward(self) -> None:
         if self.trainer.global_step in self.inject and self.global_rank == self.trainer.world_size - 1:
             self.net[0].weight.grad[0, 0] = self.inject[self.trainer.global_step]
+
+
+class RankInjected(LastRankInjected):
+    """`LastRankInjected` with a global batch laid out as one process's."""
 
     def train_dataloader(self):
         # rank r gets samples r, r+2, ...: step k's global batch is samples 8k..8k+7 on both layouts
@@ -373,3 +378,34 @@ def test_ddp_two_processes_equals_single_process(tmp_path) -> None:
     assert not torch.equal(results[0][0], start[0])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class ScalerRecorder(Callback):
+    """The loss scaler's state and the skip decision after every step, on this rank."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        plugin = trainer.precision_plugin
+        self.steps.append({**plugin.scaler.state_dict(), "skipped": plugin.last_step_skipped})
+
+
+def _scaler_on_rank(rank: int, world_size: int, tmp: str) -> list[dict]:
+    """A plain 16-mixed Trainer on 2 gloo ranks; only the last rank sees an inf, at step 1."""
+    os.environ["LOCAL_RANK"] = str(rank)  # the Trainer joins this process group instead of launching
+    recorder = ScalerRecorder()
+    plugin = LARSMixedPrecision("16-mixed", "cpu", scaler=small_scaler(growth_interval=2))
+    module = LastRankInjected(make_net(bn=False), inject={1: math.inf})
+    pl.Trainer(accelerator="cpu", devices=world_size, max_steps=4, default_root_dir=tmp, plugins=[plugin],
+               callbacks=[recorder]).fit(module, data(n=32, batch=4))
+    return recorder.steps
+
+
+def test_every_rank_backs_off_when_one_rank_overflows(tmp_path) -> None:
+    """A non-finite gradient on rank 1 alone: both ranks skip, halve the scale and restart the growth
+    count; the finite steps after it then grow the scale on both (growth interval 2)."""
+    r0, r1 = run_distributed(_scaler_on_rank, 2, str(tmp_path), timeout=180)
+    assert r0 == r1
+    assert [(s["scale"], s["_growth_tracker"], s["skipped"]) for s in r0] == [
+        (2.0**8, 1, False), (2.0**7, 0, True), (2.0**7, 1, False), (2.0**8, 0, False)]

@@ -68,6 +68,5 @@ class LARSFabricPrecision(LARSStepMixin, MixedPrecision):
         device = next((p.grad.device for g in optimizer.param_groups for p in g["params"] if p.grad is not None),
                       torch.device("cpu"))
         out = self.lars_step(optimizer, lambda flag: _any_rank(flag, device), **kwargs)  # type: ignore[arg-type]
-        if self.scaler is not None:
-            self.scaler.update()
+        self.update_scaler()
         return out

@@ -88,8 +88,7 @@ class LARSMixedPrecision(LARSStepMixin, MixedPrecision):
         agree = None if trainer.world_size == 1 else (
             lambda flag: trainer.strategy.reduce_boolean_decision(flag, all=False))
         step_output = self.lars_step(optimizer, agree, **kwargs)  # type: ignore[arg-type]
-        if self.scaler is not None:
-            self.scaler.update()
+        self.update_scaler()
         if inside_lightning_hook(model):  # self.log is valid inside the fit loop's hooks only
             metrics = {"lars/skipped_steps": float(self.skipped_steps)}
             if self.scaler is not None:

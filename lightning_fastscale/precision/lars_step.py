@@ -168,6 +168,21 @@ class LARSStepMixin:
                 handle.remove()
             self._restore_grads(optimizer)
 
+    def update_scaler(self) -> None:
+        """``scaler.update()`` on the skip decision every rank agreed on, not on this rank's own inf check.
+
+        A step skipped for another rank's non-finite gradient backs off here too (scale times the backoff
+        factor, growth count 0, as `torch.amp.GradScaler` does on an overflow), so the loss scale and
+        its growth count stay equal on every rank.
+        """
+        if self.scaler is None:
+            return
+        state = self.scaler.state_dict() if self.last_step_skipped else None
+        self.scaler.update()  # also clears this step's per-optimizer inf checks
+        if state:
+            self.scaler.load_state_dict({**state, "scale": state["scale"] * state["backoff_factor"],
+                                         "_growth_tracker": 0})
+
     def _restore_grads(self, optimizer: Optimizer, *_: Any) -> None:
         """Give back the gradients held during SGD's step (a step post-hook)."""
         for p, g in self._hidden.pop(id(optimizer), ()):
