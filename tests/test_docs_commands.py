@@ -122,7 +122,7 @@ RULES: list[Rule] = [
     Rule(r"^torchrun --nnodes 2 --node_rank \$NODE_RANK ", "torchrun",
          append=f"{TRAIN_LIMITS}", expect=(FINAL,), slow=True,
          reason="two nodes of 8 GPUs: two launches on this machine, one CPU rank each"),
-    Rule(r"^torchrun --nnodes 1:2 --nproc_per_node 8 --max_restarts ", "torchrun", append=TRAIN_LIMITS,
+    Rule(r"^TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:2 --nproc_per_node 8 --max_restarts ", "torchrun", append=TRAIN_LIMITS,
          expect=(FINAL,), slow=True,
          reason="1 or 2 nodes of 8 GPUs: two elastic launches on this machine, one CPU rank each (a node "
                 "lost or leaving: test_faults_elastic_launch.py)"),
