@@ -242,7 +242,7 @@ def test_prose_figures_match_results(name: str) -> None:
         assert expected in text, f"{page} should say {expected!r} ({name}.json)"
 
 
-@pytest.mark.parametrize("name", ["time_to_accuracy", "time_to_accuracy_tree", "time_to_accuracy_v2"])
+@pytest.mark.parametrize("name", ["time_to_accuracy", "time_to_accuracy_tree", "time_to_accuracy_v2", "time_to_accuracy_v3"])
 def test_time_to_accuracy_table_is_on_the_benchmarks_page(name: str) -> None:
     page = (ROOT / "benchmarks" / "README.md").read_text()
     table = [line for line in (RESULTS / f"{name}.md").read_text().splitlines() if line.startswith("| ")]
