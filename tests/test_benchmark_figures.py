@@ -249,6 +249,17 @@ def test_time_to_accuracy_table_is_on_the_benchmarks_page(name: str) -> None:
     assert table and all(line in page for line in table)
 
 
+def test_time_to_accuracy_v3_figures_are_on_the_benchmarks_page() -> None:
+    """Recipe v3's target, seeds at it and best top-1 per seed, as its README section words them."""
+    summary = {r["arm"]: r for r in json.loads((RESULTS / "time_to_accuracy_v3_summary.json").read_text())}
+    recipe = summary["recipe"]
+    reached, seeds = recipe["reached"].split("/")
+    page = " ".join((ROOT / "benchmarks" / "README.md").read_text().split())
+    for expected in (f"Target {100 * recipe['target']:.2f} %", f"recipe v3 reached it in {reached} of {seeds} seeds",
+                     "best top-1 " + " / ".join(f"{100 * b:.1f}" for b in recipe["best_top1"]) + " %"):
+        assert expected in page, f"benchmarks/README.md should say {expected!r} (time_to_accuracy_v3_summary.json)"
+
+
 def time_to_accuracy_tree() -> list[str]:
     """The image tree's figures as docs/time_to_accuracy.md words them."""
     summary = {r["arm"]: r for r in json.loads((RESULTS / "time_to_accuracy_tree_summary.json").read_text())}
