@@ -199,3 +199,15 @@ def test_recipe_lr_warms_up_and_decays_in_steps_without_a_jump_at_the_ramp(data,
                 else peak * (1 - (n - warmup) / (total - warmup)) ** 2 for n in range(total)]
     assert lrs == pytest.approx(expected)
     assert lrs[8] < lrs[7]  # the ramp's step to 2x the batch: no jump up (v1 scaled the LR by 2)
+
+
+def test_copy_runs_from_copies_the_asked_runs_marked_and_refuses_a_missing_one(tmp_path):
+    source, out = tmp_path / "v2.json", tmp_path / "v3.json"
+    run = {"arm": "plain", "seed": 0, "curve": [[1.0, 0.5]]}
+    tta.save(source, {"calibration": {"b0": 32}, "tuning": {}, "runs": {"procedural/record/plain/seed0": run}})
+    args = ["--copy-runs-from", str(source), "--machines", "record", "--arms", "plain", "--output", str(out),
+            "--settings-from", str(source)]
+    tta.main([*args, "--seeds", "0"])
+    assert tta.load(out)["runs"] == {"procedural/record/plain/seed0": dict(run, copied_from="v2.json")}
+    with pytest.raises(SystemExit):
+        tta.main([*args, "--seeds", "1"])
