@@ -242,11 +242,22 @@ def test_prose_figures_match_results(name: str) -> None:
         assert expected in text, f"{page} should say {expected!r} ({name}.json)"
 
 
-@pytest.mark.parametrize("name", ["time_to_accuracy", "time_to_accuracy_tree", "time_to_accuracy_v2"])
+@pytest.mark.parametrize("name", ["time_to_accuracy", "time_to_accuracy_tree", "time_to_accuracy_v2", "time_to_accuracy_v3"])
 def test_time_to_accuracy_table_is_on_the_benchmarks_page(name: str) -> None:
     page = (ROOT / "benchmarks" / "README.md").read_text()
     table = [line for line in (RESULTS / f"{name}.md").read_text().splitlines() if line.startswith("| ")]
     assert table and all(line in page for line in table)
+
+
+def test_time_to_accuracy_v3_figures_are_on_the_benchmarks_page() -> None:
+    """Recipe v3's target, seeds at it and best top-1 per seed, as its README section words them."""
+    summary = {r["arm"]: r for r in json.loads((RESULTS / "time_to_accuracy_v3_summary.json").read_text())}
+    recipe = summary["recipe"]
+    reached, seeds = recipe["reached"].split("/")
+    page = " ".join((ROOT / "benchmarks" / "README.md").read_text().split())
+    for expected in (f"Target {100 * recipe['target']:.2f} %", f"recipe v3 reached it in {reached} of {seeds} seeds",
+                     "best top-1 " + " / ".join(f"{100 * b:.1f}" for b in recipe["best_top1"]) + " %"):
+        assert expected in page, f"benchmarks/README.md should say {expected!r} (time_to_accuracy_v3_summary.json)"
 
 
 def time_to_accuracy_tree() -> list[str]:

@@ -68,8 +68,9 @@ def test_regime_rates_interpolate_the_measured_ratios():
 
 
 def test_recipe_ramp_quarters_halves_then_full_batch():
-    assert tta.ramp_schedule(12, 32, 16, 2) == {0: 256, 5: 512, 8: 1024}
-    assert tta.ramp_schedule(1, 4, 16, 1) == {0: 32, 1: 64}  # 1 epoch: the half batch replaces the quarter
+    assert tta.ramp_schedule(21, 32, 16, 2) == {0: 256, 3: 512, 9: 1024}  # v3: 3 / 6 / 12 epochs
+    assert tta.ramp_schedule(2, 4, 16, 1) == {0: 32, 1: 64}  # 2 epochs: the half batch replaces the quarter
+    assert tta.ramp_schedule(1, 4, 16, 1) == {0: 64}
 
 
 def test_comm_ratio_is_exposed_communication_over_compute_and_optimizer():
@@ -143,13 +144,12 @@ def test_quick_run_on_two_ranks_and_report(tmp_path):
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_recipe_warmup_is_a_share_of_the_runs_steps():
+def test_recipe_ramp_stages_have_equal_steps_and_warmup_is_a_share_of_them():
     ramp = tta.ramp_schedule(21, 32, 16, 2)
-    assert ramp == {0: 256, 9: 512, 14: 1024}
-    assert tta.ramp_steps(ramp, 21, 12288) == [48] * 9 + [24] * 5 + [12] * 7  # 636 steps
-    assert tta.warmup_epochs(ramp, 21, 12288) == pytest.approx(35 / 48)  # 5/90 of 636 = 35.3 -> 35 steps
-    assert tta.warmup_epochs({0: 10}, 90, 100) == pytest.approx(5.0)  # 50 of 900 steps: 5 whole epochs of 10
-    assert tta.warmup_epochs({0: 256}, 1, 512) == pytest.approx(0.5)  # 0.1 step rounds to 0: one step of 2
+    steps = tta.ramp_steps(ramp, 21, 12288)
+    assert steps == [48] * 3 + [24] * 6 + [12] * 12  # 144 steps at each of 256, 512, 1024
+    assert tta.warmup_steps(sum(steps)) == 24  # 5/90 of 432
+    assert tta.warmup_steps(900) == 50 and tta.warmup_steps(2) == 1  # 0.1 step rounds to 0: at least one
 
 
 def test_settings_from_carry_an_arms_tuning_only_if_it_is_unchanged():
@@ -160,10 +160,11 @@ def test_settings_from_carry_an_arms_tuning_only_if_it_is_unchanged():
     assert tta._arm_settings(dict(meta, recipe={"lr": "v1"}), "recipe") != tta._arm_settings(meta, "recipe")
 
 
-def test_recipe_lr_warms_up_in_steps_and_does_not_jump_when_the_ramp_raises_the_batch(data, tmp_path):
-    """Two epochs of the recipe on one rank: global batch 16, then 64 (the ramp's quarter, then
-    its whole): the LR rises linearly from 1/K of the peak to the peak (the LR x 16 / (B0 x 1))
-    over the warmup's steps, then only falls, also at the ramp's step to 4x the batch."""
+def test_recipe_lr_warms_up_and_decays_in_steps_without_a_jump_at_the_ramp(data, tmp_path):
+    """Two epochs of the recipe on one rank: global batch 32, then 64 (the ramp's half, then its
+    whole): the LR rises linearly from 1/K of the peak (the LR x 32 / (B0 x 1)) over the warmup's
+    steps, then follows poly-2 to 0 over the run's optimizer steps, the same per step in both
+    epochs (v2 laid the decay out in epochs), and does not jump at the ramp."""
     import lightning.pytorch as pl
 
     from lightning_fastscale.data import ProceduralDataModule
@@ -172,7 +173,7 @@ def test_recipe_lr_warms_up_in_steps_and_does_not_jump_when_the_ramp_raises_the_
     sizes, b0, lr = tta.QUICK_SIZES, 4, 0.1
     spec = {"sizes": sizes, "b0": b0, "k": tta.K, "epochs": 2, "nodes": 1}
     ramp = tta.ramp_schedule(2, b0, tta.K, 1)
-    assert ramp == {0: 16, 1: 64}
+    assert ramp == {0: 32, 1: 64}
     module, callbacks, plugins, strategy = tta._recipe_parts(spec, lr, world=1)
 
     class Record(pl.Callback):
@@ -190,11 +191,23 @@ def test_recipe_lr_warms_up_in_steps_and_does_not_jump_when_the_ramp_raises_the_
     trainer.fit(module, datamodule=dm)
     lrs = Record.lrs
     steps = tta.ramp_steps(ramp, 2, sizes["train_size"])
-    assert steps == [16, 4] and len(lrs) == sum(steps)
-    warmup = round(tta.WARMUP_SHARE * sum(steps))  # 1 step
+    total = sum(steps)
+    assert steps == [8, 4] and len(lrs) == total
+    warmup = round(tta.WARMUP_SHARE * total)  # 1 step
     peak = lr * ramp[0] / b0
-    assert lrs[0] == pytest.approx(peak / tta.K)
-    assert lrs[warmup] == pytest.approx(peak)
-    after = lrs[warmup:]
-    assert all(b <= a for a, b in zip(after, after[1:])), after
-    assert lrs[16] < lrs[15]  # the ramp's step to 4x the batch: no jump up (v1 scaled the LR by 4)
+    expected = [peak * (1 / tta.K + (1 - 1 / tta.K) * n / warmup) if n < warmup
+                else peak * (1 - (n - warmup) / (total - warmup)) ** 2 for n in range(total)]
+    assert lrs == pytest.approx(expected)
+    assert lrs[8] < lrs[7]  # the ramp's step to 2x the batch: no jump up (v1 scaled the LR by 2)
+
+
+def test_copy_runs_from_copies_the_asked_runs_marked_and_refuses_a_missing_one(tmp_path):
+    source, out = tmp_path / "v2.json", tmp_path / "v3.json"
+    run = {"arm": "plain", "seed": 0, "curve": [[1.0, 0.5]]}
+    tta.save(source, {"calibration": {"b0": 32}, "tuning": {}, "runs": {"procedural/record/plain/seed0": run}})
+    args = ["--copy-runs-from", str(source), "--machines", "record", "--arms", "plain", "--output", str(out),
+            "--settings-from", str(source)]
+    tta.main([*args, "--seeds", "0"])
+    assert tta.load(out)["runs"] == {"procedural/record/plain/seed0": dict(run, copied_from="v2.json")}
+    with pytest.raises(SystemExit):
+        tta.main([*args, "--seeds", "1"])
