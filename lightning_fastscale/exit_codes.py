@@ -35,6 +35,11 @@ _FAULT_WORDS = ("connection closed by peer", "connection reset", "timed out", "t
                 "broken pipe", "socket", "process group", "watchdog")
 
 
+# Lightning's cluster environments (torchrun's, SLURM's) refuse trainer.devices x trainer.num_nodes
+# that is not the launcher's layout with a ValueError saying so (``validate_settings``).
+_LAUNCHER_REFUSAL = "does not match"
+
+
 def exit_code_for(error: BaseException) -> ExitCode | None:
     """The kind of ending ``error`` stands for; ``None`` for none of them (a bug: exit 1, its traceback kept).
 
@@ -49,7 +54,8 @@ def exit_code_for(error: BaseException) -> ExitCode | None:
     from lightning_fastscale.faults.checkpoint_reading import CheckpointError
     from lightning_fastscale.faults.non_finite_guard import NonFiniteStepsError
 
-    if isinstance(error, ConfigError):
+    text = str(error).lower()
+    if isinstance(error, ConfigError) or (isinstance(error, ValueError) and _LAUNCHER_REFUSAL in text):
         return ExitCode.BAD_SETTING
     if isinstance(error, (CorruptDataError, CheckpointError)):
         return ExitCode.BAD_DATA
@@ -57,7 +63,6 @@ def exit_code_for(error: BaseException) -> ExitCode | None:
         return ExitCode.DIVERGED
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
         return ExitCode.FAULT
-    text = str(error).lower()
     if isinstance(error, (RuntimeError, OSError, TimeoutError)) and any(w in text for w in _FAULT_WORDS):
         return ExitCode.FAULT
     return None

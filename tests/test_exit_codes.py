@@ -54,3 +54,21 @@ def test_each_kind_ends_in_one_line_with_its_status_and_the_log(tmp_path, capsys
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and line in err[0] and err[0].endswith(f"(log: {log_file})"), err
     assert "Traceback" in log_file.read_text()  # the log keeps what the console leaves out
+
+
+@pytest.mark.parametrize("environment", ["torchelastic", "slurm"])
+def test_a_layout_the_launcher_refuses_is_a_bad_setting(monkeypatch, environment):
+    """Lightning's own refusal of trainer.devices x trainer.num_nodes under torchrun or srun: exit 2, not retried."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+
+    if environment == "torchelastic":
+        monkeypatch.setenv("WORLD_SIZE", "4")
+        cluster = TorchElasticEnvironment()
+    else:
+        monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2")
+        monkeypatch.setenv("SLURM_NNODES", "2")
+        cluster = SLURMEnvironment()
+    with pytest.raises(ValueError) as refused:
+        cluster.validate_settings(num_devices=1, num_nodes=1)
+    assert exit_code_for(refused.value) is ExitCode.BAD_SETTING
+    assert exit_code_for(ValueError("lr must be positive")) is None

@@ -115,30 +115,43 @@ def wait_for(condition, timeout: float, what: str, outputs: dict) -> None:
         time.sleep(0.1)
 
 
-@pytest.mark.slow  # about 30 s each: two torchrun agents, three Lightning worker starts
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("leave", ["lost", "graceful"])
-def test_torchrun_elastic_continues_on_the_remaining_node_with_every_sample_once(tmp_path: Path, leave: str) -> None:
+def skip_without_namespaces() -> None:
     try:
         check_namespace_support()
     except NamespaceUnavailable as err:
         pytest.skip(f"emulated cluster unavailable: {err}")
-    run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "WANDB_MODE": "offline"}
-    env.pop("HYDRA_FULL_ERROR", None)  # the workers end as a user's do: one line and the exit status of the kind
-    outputs: dict[int, str] = {0: "", 1: ""}
 
-    def drain(node: int, stream) -> None:
+
+def start_node(cluster: EmulatedCluster, node: int, run_dir: Path, outputs: dict[int, str], *hold: str):
+    """Start ``node``'s torchrun; what it prints is gathered into ``outputs[node]``. The environment
+    is the documented command's: a rendezvous store per round (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``;
+    with torch 2.14's shared one the agent that ran alone never publishes the store of the round a
+    node joins), and no ``HYDRA_FULL_ERROR``, so workers end as a user's do: one line and the status."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "WANDB_MODE": "offline",
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    proc = cluster.start(node, torchrun(cluster, node, run_dir, *hold), env=env, cwd=str(run_dir.parent))
+
+    def drain(stream) -> None:
         for line in stream:
             outputs[node] += line
 
+    for stream in (proc.stdout, proc.stderr):
+        threading.Thread(target=drain, args=(stream,), daemon=True).start()
+    return proc
+
+
+@pytest.mark.slow  # about 30 s each: two torchrun agents, three Lightning worker starts
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("leave", ["lost", "graceful"])
+def test_torchrun_elastic_continues_on_the_remaining_node_with_every_sample_once(tmp_path: Path, leave: str) -> None:
+    skip_without_namespaces()
+    run_dir = tmp_path / "run"
+    outputs: dict[int, str] = {0: "", 1: ""}
     try:
         with EmulatedCluster(2) as cluster:  # every process and namespace removed on exit, also on failure
-            procs = [cluster.start(n, torchrun(cluster, n, run_dir), env=env, cwd=str(tmp_path)) for n in (0, 1)]
-            for n, p in enumerate(procs):
-                for stream in (p.stdout, p.stderr):
-                    threading.Thread(target=drain, args=(n, stream), daemon=True).start()
+            procs = [start_node(cluster, n, run_dir, outputs) for n in (0, 1)]
             held = run_dir / "log" / "held"
             wait_for(lambda: held.exists() or any(p.poll() is not None for p in procs), 90, "step 11 on 2 nodes", outputs)
             assert held.exists(), f"a node ended before it left: {[p.returncode for p in procs]}"
@@ -206,39 +219,18 @@ def test_torchrun_elastic_node_join_continues_on_two_nodes_with_the_same_global_
     """``--nnodes=1:2``: node 0 starts alone (global batch 16 = 16 per device); node 1 joins mid-epoch,
     node 0's agent stops its worker (SIGTERM: a preemption checkpoint), and both nodes' workers resume
     from it as 8 per device x 2 ranks: no step lost or redone, every sample of each epoch once."""
-    try:
-        check_namespace_support()
-    except NamespaceUnavailable as err:
-        pytest.skip(f"emulated cluster unavailable: {err}")
+    skip_without_namespaces()
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "WANDB_MODE": "offline"}
-    env.pop("HYDRA_FULL_ERROR", None)
-    # torch's agents share their rendezvous TCP store by default; the agent that was rank 0 alone
-    # then never publishes the store's address for the round a node joins (torch 2.14:
-    # DynamicRendezvousHandler.next_rendezvous reuses the first round's), and both agents wait forever
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     outputs: dict[int, str] = {0: "", 1: ""}
     hold = [f"+callbacks.sample_log.hold_step={JOIN_AFTER}", "+callbacks.sample_log.hold_rank=0",
             "+callbacks.sample_log.hold_world=1"]
-
-    def drain(node: int, stream) -> None:
-        for line in stream:
-            outputs[node] += line
-
-    def start(cluster: EmulatedCluster, node: int):
-        proc = cluster.start(node, torchrun(cluster, node, run_dir, *hold), env=env, cwd=str(tmp_path))
-        for stream in (proc.stdout, proc.stderr):
-            threading.Thread(target=drain, args=(node, stream), daemon=True).start()
-        return proc
-
     try:
         with EmulatedCluster(2) as cluster:  # every process and namespace removed on exit, also on failure
-            first = start(cluster, 0)
+            first = start_node(cluster, 0, run_dir, outputs, *hold)
             held = run_dir / "log" / "held"
             wait_for(lambda: held.exists() or first.poll() is not None, 90, f"step {JOIN_AFTER} on node 0 alone", outputs)
             assert held.exists(), f"node 0 ended before node 1 joined: {first.returncode}"
-            second = start(cluster, 1)
+            second = start_node(cluster, 1, run_dir, outputs, *hold)
             # node 0's agent sees a node waiting and stops its worker with SIGTERM, which is still held
             wait_for(lambda: "closing signal SIGTERM" in outputs[0], 60, "node 0's agent stopping its worker", outputs)
             (run_dir / "log" / "release").touch()

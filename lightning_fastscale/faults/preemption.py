@@ -82,7 +82,9 @@ def launcher_reports_for(trainer: pl.Trainer) -> bool:
 
     That launcher SIGKILLs every rank, itself included, as soon as a rank it started exits
     non-zero (its child-process observer), so such a rank leaving first with 75 would turn
-    rank 0's status into -9 while it still shuts down.
+    rank 0's status into -9 while it still shuts down. Lightning does not mark the processes it
+    started: a rank with ``LOCAL_RANK`` > 0 that a user's own launcher started under Lightning's
+    default environment counts too (it exits 0, its local rank 0 exits 75).
     """
     return trainer.local_rank > 0 and isinstance(cluster_environment(trainer), LightningEnvironment)
 
