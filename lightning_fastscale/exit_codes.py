@@ -37,7 +37,7 @@ _FAULT_WORDS = ("connection closed by peer", "connection reset", "timed out", "t
 
 # Lightning's cluster environments (torchrun's, SLURM's) refuse trainer.devices x trainer.num_nodes
 # that is not the launcher's layout with a ValueError saying so (``validate_settings``).
-_LAUNCHER_REFUSAL = "does not match"
+_LAUNCHER_REFUSAL = ("you set `", "in lightning, but", "does not match")
 
 
 def exit_code_for(error: BaseException) -> ExitCode | None:
@@ -55,7 +55,7 @@ def exit_code_for(error: BaseException) -> ExitCode | None:
     from lightning_fastscale.faults.non_finite_guard import NonFiniteStepsError
 
     text = str(error).lower()
-    if isinstance(error, ConfigError) or (isinstance(error, ValueError) and _LAUNCHER_REFUSAL in text):
+    if isinstance(error, ConfigError) or (isinstance(error, ValueError) and all(w in text for w in _LAUNCHER_REFUSAL)):
         return ExitCode.BAD_SETTING
     if isinstance(error, (CorruptDataError, CheckpointError)):
         return ExitCode.BAD_DATA

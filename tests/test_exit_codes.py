@@ -72,3 +72,4 @@ def test_a_layout_the_launcher_refuses_is_a_bad_setting(monkeypatch, environment
         cluster.validate_settings(num_devices=1, num_nodes=1)
     assert exit_code_for(refused.value) is ExitCode.BAD_SETTING
     assert exit_code_for(ValueError("lr must be positive")) is None
+    assert exit_code_for(ValueError("the shape [3] does not match the shape [4]")) is None
