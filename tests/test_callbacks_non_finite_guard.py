@@ -254,8 +254,11 @@ def test_a_plain_trainer_diverging_on_two_ranks_under_lightnings_launcher_ends_w
 
 
 @pytest.mark.slow  # the whole job on two ranks started by Lightning's launcher, ~30 s
-def test_fastscale_train_diverging_on_two_ranks_under_lightnings_launcher_exits_4(tmp_path) -> None:
+def test_fastscale_train_diverging_on_two_ranks_under_lightnings_launcher_exits_4(tmp_path, monkeypatch) -> None:
+    """As a user runs it (no ``HYDRA_FULL_ERROR``): one line from rank 0 and the divergence's 4."""
     from benchmarks.fault_helpers import finish, start
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
 
     run = ["data.train_size=64", "data.val_size=16", "data.batch_size=16", "data.resolution=16",
            "model.model_kwargs.widths=[8,8,8]", "trainer.max_epochs=3", "trainer.enable_progress_bar=false",
