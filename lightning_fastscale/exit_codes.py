@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import enum
 import errno
+from typing import TYPE_CHECKING, NoReturn
 
-__all__ = ["ExitCode", "exit_code_for"]
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["ExitCode", "end_agreed", "exit_code_for", "launcher_reports_for"]
 
 
 class ExitCode(enum.IntEnum):
@@ -66,3 +70,31 @@ def exit_code_for(error: BaseException) -> ExitCode | None:
     if isinstance(error, (RuntimeError, OSError, TimeoutError)) and any(w in text for w in _FAULT_WORDS):
         return ExitCode.FAULT
     return None
+
+
+def launcher_reports_for(trainer: pl.Trainer) -> bool:
+    """Whether this process is a rank that Lightning's own launcher started (``trainer.devices=N``
+    without torchrun or SLURM), so that its local rank 0 reports the run's exit status.
+
+    That launcher SIGKILLs every rank, itself included, as soon as a rank it started exits
+    non-zero (its child-process observer), so such a rank leaving first with 75 or 4 would turn
+    rank 0's status into -9 while it still shuts down. Lightning does not mark the processes it
+    started: a rank with ``LOCAL_RANK`` > 0 that a user's own launcher started under Lightning's
+    default environment counts too (it exits 0, its local rank 0 reports).
+    """
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from lightning_fastscale.lightning_internals import cluster_environment
+
+    return trainer.local_rank > 0 and isinstance(cluster_environment(trainer), LightningEnvironment)
+
+
+def end_agreed(trainer: pl.Trainer, error: BaseException) -> NoReturn:
+    """Raise ``error``, an ending every rank agreed on through a collective (a preemption, a
+    divergence); on a rank that `launcher_reports_for`, ``SystemExit(0)`` instead, so the process
+    leaves with 0 and its local rank 0 reports the status. Only for agreed endings: a crash on one
+    rank keeps its non-zero status, and Lightning's launcher then stops the others as it should.
+    """
+    if launcher_reports_for(trainer):
+        raise SystemExit(0) from error
+    raise error

@@ -6,6 +6,9 @@ and fp32 without one)."""
 from __future__ import annotations
 
 import math
+import os
+import sys
+import time
 
 import lightning.pytorch as pl
 import pytest
@@ -202,3 +205,66 @@ def test_fastscale_train_diverging_in_fp32_fails_and_keeps_no_nan_checkpoint(tmp
     for path in (tmp_path / "run" / "checkpoints").glob("*.ckpt"):
         state = checkpoint_reading.read_checkpoint(path)["state_dict"]
         assert all(bool(torch.isfinite(t).all()) for t in state.values() if t.is_floating_point()), path
+
+
+class SlowExitOnRankZero(pl.Callback):
+    """Holds global rank 0 ``delay`` seconds in its exception path, so the other rank exits first."""
+
+    def __init__(self, delay: float = 8) -> None:
+        self.delay = delay
+
+    def on_exception(self, trainer, pl_module, exception):
+        if trainer.global_rank == 0:
+            time.sleep(self.delay)
+
+
+_TWO_RANK_SCRIPT = '''
+import lightning.pytorch as pl
+from lightning_fastscale.callbacks import NonFiniteGuard
+from tests.test_callbacks_non_finite_guard import SlowExitOnRankZero, Storm
+from tests.test_precision_lars_plugin import data
+
+trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=20, default_root_dir={root!r},
+                     callbacks=[NonFiniteGuard(), SlowExitOnRankZero()])
+trainer.fit(Storm(bad_steps=range(1, 100), where="loss"), data(n=160))
+'''
+
+
+def _env() -> dict[str, str]:
+    from benchmarks.fault_helpers import REPO
+
+    return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+
+
+# Lightning's launcher (trainer.devices=2, no torchrun) SIGKILLs every rank, rank 0 included, once
+# a rank it started exits non-zero; its observer polls every 5 s, so rank 0 is held 8 s in
+# ``on_exception`` to make that race certain.
+@pytest.mark.slow  # two ranks started by Lightning's launcher, ~20 s
+def test_a_plain_trainer_diverging_on_two_ranks_under_lightnings_launcher_ends_with_rank_0s_error(tmp_path) -> None:
+    """The ranks agree on the divergence: rank 1 leaves with 0 and the run ends as rank 0's
+    uncaught ``NonFiniteStepsError`` ends a script (1, its traceback), not -9."""
+    from benchmarks.fault_helpers import finish, popen_group
+
+    script = tmp_path / "train.py"
+    script.write_text(_TWO_RANK_SCRIPT.format(root=str(tmp_path)))
+    code, out = finish(popen_group([sys.executable, str(script)], cwd=tmp_path, env=_env()), timeout=120)
+    assert code == 1, out[-3000:]
+    assert "Forcefully terminating" not in out
+    assert out.count("NonFiniteStepsError: NonFiniteGuard: optimizer step 2 (counted from 1) had a non-finite loss") == 1
+
+
+@pytest.mark.slow  # the whole job on two ranks started by Lightning's launcher, ~30 s
+def test_fastscale_train_diverging_on_two_ranks_under_lightnings_launcher_exits_4(tmp_path, monkeypatch) -> None:
+    """As a user runs it (no ``HYDRA_FULL_ERROR``): one line from rank 0 and the divergence's 4."""
+    from benchmarks.fault_helpers import finish, start
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+
+    run = ["data.train_size=64", "data.val_size=16", "data.batch_size=16", "data.resolution=16",
+           "model.model_kwargs.widths=[8,8,8]", "trainer.max_epochs=3", "trainer.enable_progress_bar=false",
+           "trainer.accelerator=cpu", "trainer.devices=2", "strategy=ddp", "logger=csv", "optimizer.lr=1e6",
+           "+callbacks.slow_exit._target_=tests.test_callbacks_non_finite_guard.SlowExitOnRankZero"]
+    code, out = finish(start(tmp_path / "run", run=run), timeout=180)
+    assert code == 4, out[-3000:]
+    assert "Forcefully terminating" not in out
+    assert out.count("[exit 4: diverged, not retryable]: NonFiniteStepsError: NonFiniteGuard: optimizer step") == 1

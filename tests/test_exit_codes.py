@@ -73,3 +73,31 @@ def test_a_layout_the_launcher_refuses_is_a_bad_setting(monkeypatch, environment
     assert exit_code_for(refused.value) is ExitCode.BAD_SETTING
     assert exit_code_for(ValueError("lr must be positive")) is None
     assert exit_code_for(ValueError("the shape [3] does not match the shape [4]")) is None
+
+
+@pytest.mark.parametrize(
+    ("env", "leaves_with_0"),
+    [
+        ({"LOCAL_RANK": "1"}, True),  # a rank Lightning's launcher started: its local rank 0 reports
+        ({"LOCAL_RANK": "0"}, False),  # the launcher's own rank reports the status
+        ({"TORCHELASTIC_RUN_ID": "r", "LOCAL_RANK": "1", "RANK": "1", "WORLD_SIZE": "2", "GROUP_RANK": "0",
+          "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, False),  # torchrun's worker
+    ],
+)
+def test_an_agreed_ending_leaves_with_0_only_where_lightnings_launcher_started_the_rank(tmp_path, monkeypatch, env,
+                                                                                       leaves_with_0):
+    import lightning.pytorch as pl
+
+    from lightning_fastscale.exit_codes import end_agreed
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", default_root_dir=tmp_path)
+    assert trainer.local_rank == int(env["LOCAL_RANK"])
+    error = NonFiniteStepsError("loss is nan at step 12")
+    with pytest.raises(BaseException) as ended:
+        end_agreed(trainer, error)
+    if leaves_with_0:
+        assert type(ended.value) is SystemExit and ended.value.code == 0 and ended.value.__cause__ is error
+    else:
+        assert ended.value is error

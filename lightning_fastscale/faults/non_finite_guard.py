@@ -13,6 +13,8 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_fastscale.exit_codes import end_agreed
+
 
 class NonFiniteStepsError(RuntimeError):
     """More than the allowed number of consecutive optimizer steps were non-finite."""
@@ -82,7 +84,7 @@ class NonFiniteGuard(Callback):
             bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
         if bad:
             self.consecutive = 1
-            raise NonFiniteStepsError(self._message(trainer, pl_module, None, step=trainer.global_step + 1))
+            end_agreed(trainer, NonFiniteStepsError(self._message(trainer, pl_module, None, step=trainer.global_step + 1)))
 
     @override
     def on_train_batch_end(

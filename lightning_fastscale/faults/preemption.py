@@ -36,13 +36,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_fastscale.exit_codes import ExitCode
+from lightning_fastscale.exit_codes import ExitCode, end_agreed
 from lightning_fastscale.lightning_internals import cluster_environment
 
 log = logging.getLogger(__name__)
@@ -76,19 +76,6 @@ def parse_signals(signals: Sequence[str | int]) -> list[signal.Signals]:
     return out
 
 
-def launcher_reports_for(trainer: pl.Trainer) -> bool:
-    """Whether this process is a rank that Lightning's own launcher started (``trainer.devices=N``
-    without torchrun or SLURM), so that its local rank 0 reports the run's exit status.
-
-    That launcher SIGKILLs every rank, itself included, as soon as a rank it started exits
-    non-zero (its child-process observer), so such a rank leaving first with 75 would turn
-    rank 0's status into -9 while it still shuts down. Lightning does not mark the processes it
-    started: a rank with ``LOCAL_RANK`` > 0 that a user's own launcher started under Lightning's
-    default environment counts too (it exits 0, its local rank 0 exits 75).
-    """
-    return trainer.local_rank > 0 and isinstance(cluster_environment(trainer), LightningEnvironment)
-
-
 def slurm_job_id(environ: dict[str, str] | None = None) -> str | None:
     """The id ``scontrol requeue`` needs: ``ARRAYJOB_TASK`` for array jobs, else the job id."""
     env = os.environ if environ is None else environ
@@ -114,7 +101,7 @@ class PreemptionCheckpoint(Checkpoint):
             (``ExitCode.PREEMPTED``, retryable), so ``torchrun --max-restarts`` on the nodes
             that remain restarts their workers and they resume; 0 would tell it the run finished.
             The ranks Lightning's own launcher started exit 0 and leave the status to their rank 0
-            (`launcher_reports_for`).
+            (`lightning_fastscale.exit_codes.launcher_reports_for`).
         check_every_n_steps: agree on a stop every this many optimizer steps (the agreement is
             one tiny all-reduce and, on GPUs, a device sync; raise it when steps are very short).
 
@@ -265,7 +252,7 @@ class PreemptionCheckpoint(Checkpoint):
             )
             if self._should_requeue(trainer):
                 self._requeue_slurm_job()
-        raise SIGTERMException(0 if launcher_reports_for(trainer) else self.exit_code)
+        end_agreed(trainer, SIGTERMException(self.exit_code))
 
     def _should_requeue(self, trainer: pl.Trainer) -> bool:
         if self.requeue is not None:
