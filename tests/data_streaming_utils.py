@@ -26,9 +26,9 @@ def write_tree(root: Path, classes=CLASSES, train_per_class: int = 8, val_per_cl
     return root
 
 
-def convert_tree(tmp: Path, max_side: int = 64, **tree_kwargs) -> Path:
+def convert_tree(tmp: Path, max_side: int = 64, chunk_bytes: str = "64MB", **tree_kwargs) -> Path:
     """Write a tree under ``tmp/tree`` and convert it to ``tmp/stream``; return the latter."""
     write_tree(tmp / "tree", **tree_kwargs)
     out = tmp / "stream"
-    convert(tmp / "tree", out, max_side=max_side, quality=95, num_workers=1)
+    convert(tmp / "tree", out, max_side=max_side, quality=95, num_workers=1, chunk_bytes=chunk_bytes)
     return out

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from litdata import StreamingDataset
 from torch import nn
 
 from lightning_fastscale.data import ImageFolderDataModule, StreamingDataModule, jpeg_decode, transforms
@@ -169,6 +170,61 @@ def test_hier_ring_on_two_emulated_nodes_reads_each_sample_once(stream, tmp_path
     per_rank = run_distributed(_hier_ring_epoch, 2, str(stream), str(tmp_path), timeout=180)
     assert all(r["nodes"] == 2 and r["hook_iterations"] == 4 for r in per_rank)  # 12 per rank / 3: hook ran
     assert sorted(per_rank[0]["seen"] + per_rank[1]["seen"]) == list(range(24))
+
+
+def _yielded(root, batch_size, num_workers, epochs=2):
+    """Per epoch, the stored indices of each batch the datamodule's training loader yields; and its length."""
+    dm = _IndexDataModule(str(root), resolution=16, batch_size=batch_size, num_workers=num_workers)
+    loader = dm.train_dataloader()  # no Trainer: each iteration is litdata's next epoch
+    return [[idx.tolist() for idx, _ in loader] for _ in range(epochs)], len(loader)
+
+
+def _yielded_by_workers(rank, world_size, root):
+    return {workers: _yielded(root, 5, workers) for workers in (0, 1)}
+
+
+@pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2 ranks: ~15 s
+def test_epoch_tail_is_the_last_samples_of_the_epochs_chunk_order_modulo_ranks_x_batch(tmp_path, world_size):
+    """The tail rule of docs/faults.md ("Streaming data"), measured on 27 samples in 14 chunks, batch 5.
+
+    An epoch yields each sample at most once and leaves out the last ``27 % (W x 5)`` samples of
+    its stream (its chunks in the order one process reads them, each chunk's samples in stored
+    order): 2 on one process, 7 (more than a per-device batch) on 2 ranks; 0 or 1 loader workers
+    change nothing. Two epochs: each its own chunk order, so its own samples left out.
+    """
+    root = convert_tree(tmp_path, max_side=16, chunk_bytes="2KB", train_per_class=9, val_per_class=1)
+    sizes = [c["chunk_size"] for c in json.loads((root / "train" / "index.json").read_text())["chunks"]]
+    starts = np.cumsum([0] + sizes)
+    stored = StreamingDataset(str(root / "train"))  # stored order (convert shuffles the tree's)
+    stored = [int(stored[k]["index"]) for k in range(len(stored))]
+    chunk_of = {i: int(np.searchsorted(starts, k, side="right")) - 1 for k, i in enumerate(stored)}
+    n, batch = len(stored), 5
+    assert n == 27 and len(sizes) > 5
+    # The stream: one process, batch 1 (nothing left out), as read; each chunk read whole, in one go.
+    reference, _ = _yielded(root, 1, 0)
+    streams = []
+    for epoch in reference:
+        order = [i for b in epoch for i in b]
+        assert sorted(order) == list(range(n))
+        visits = [chunk_of[i] for k, i in enumerate(order) if k == 0 or chunk_of[order[k - 1]] != chunk_of[i]]
+        assert sorted(visits) == list(range(len(sizes)))
+        streams.append([i for c in visits for i in stored[starts[c]:starts[c + 1]]])
+    assert streams[0] != streams[1]
+
+    if world_size == 1:
+        runs = [_yielded_by_workers(0, 1, root)]
+    else:
+        runs = run_distributed(_yielded_by_workers, world_size, str(root), timeout=180)
+    left_out = n % (world_size * batch)
+    assert left_out == (2 if world_size == 1 else 7)
+    for workers in (0, 1):
+        assert all(r[workers][1] == n // (world_size * batch) for r in runs)  # len(loader) per rank
+        for e, stream in enumerate(streams):
+            batches = [b for r in runs for b in r[workers][0][e]]
+            seen = [i for b in batches for i in b]
+            assert all(len(b) == batch for b in batches)
+            assert len(seen) == len(set(seen)) == n - left_out, (workers, e)
+            assert set(range(n)) - set(seen) == set(stream[n - left_out:]), (workers, e)
 
 
 class _Recorder(pl.LightningModule):
