@@ -92,8 +92,9 @@ def data(tmp_path_factory):
     return work, tta.prepare_data(work / "data", tta.QUICK_SIZES, image_tree=True)
 
 
-@pytest.mark.parametrize("kind", ["procedural", "tree"])
-@pytest.mark.parametrize("arm", tta.ARMS)
+# the wire arms read the data as the plain arm does, so they run on the built-in data only
+@pytest.mark.parametrize(("arm", "kind"), [(arm, kind) for arm in tta.ARMS for kind in ("procedural", "tree")
+                                           if kind == "procedural" or arm not in tta.WIRE_ARMS])
 def test_each_arm_trains_one_epoch_and_records_its_curve(data, arm, kind):
     work, paths = data
     run_dir = work / f"{kind}-{arm}"
@@ -113,7 +114,10 @@ def test_each_arm_trains_one_epoch_and_records_its_curve(data, arm, kind):
     (seconds, value), (own_seconds, own_value) = result["curve"][0], result["curve_benchmark"][0]
     assert value == pytest.approx(own_value) and abs(seconds - own_seconds) < 0.5
     samples = tta.QUICK_SIZES["train_size"]
-    assert result["per_device_batch"] == (4 if arm == "plain" else tta.K * 4)
+    assert result["per_device_batch"] == (4 if arm == "plain" or arm in tta.WIRE_ARMS else tta.K * 4)
+    # a wire arm runs the plain arm with the package's strategy set as WIRE_ARMS says, nothing else
+    expected = {"fp16_wire": {"wire_dtype": "fp16", "topk_ratio": None}, "topk": {"wire_dtype": "fp32", "topk_ratio": 0.1}}
+    assert result["wire"] == expected.get(arm)
     # one epoch of full batches (drop_last) on one rank; the recipe's ramp sets its first batch
     first_batch = tta.ramp_schedule(1, 4, tta.K, 1)[0] if arm == "recipe" else result["per_device_batch"]
     assert result["points"][0]["step"] == samples // first_batch
@@ -199,6 +203,22 @@ def test_recipe_lr_warms_up_and_decays_in_steps_without_a_jump_at_the_ramp(data,
                 else peak * (1 - (n - warmup) / (total - warmup)) ** 2 for n in range(total)]
     assert lrs == pytest.approx(expected)
     assert lrs[8] < lrs[7]  # the ramp's step to 2x the batch: no jump up (v1 scaled the LR by 2)
+
+
+def test_epoch_budget_overrides_are_checked_and_need_their_own_tuning(tmp_path, capsys):
+    parser = tta.argparse.ArgumentParser()
+    assert tta._epoch_overrides(parser, ["topk=17", "plain=3"]) == {"topk": 17, "plain": 3}
+    for bad in ("topk=0", "topk", "nope=3", "topk=1.5"):
+        with pytest.raises(SystemExit):
+            tta._epoch_overrides(parser, [bad])
+        assert "--epochs" in capsys.readouterr().err
+    # an LR grid tuned at the default budget does not serve another one
+    out = tmp_path / "r.json"
+    grid = {f"{lr:g}": {"best_top1": 0.5, "error": None, "epochs": tta.EPOCHS["topk"]} for lr in tta.LR_GRID["topk"]}
+    tta.save(out, {"calibration": {"b0": 32, "rates_mbit": {"record": 30.0}}, "tuning": {"topk": grid}, "runs": {}})
+    with pytest.raises(SystemExit):
+        tta.main(["--machines", "record", "--arms", "topk", "--epochs", "topk=17", "--output", str(out)])
+    assert "no complete LR grid [0.1, 0.2, 0.4] at 17 epochs" in capsys.readouterr().err
 
 
 def test_copy_runs_from_copies_the_asked_runs_marked_and_refuses_a_missing_one(tmp_path):
