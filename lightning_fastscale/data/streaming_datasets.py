@@ -331,6 +331,9 @@ class EpochAwareStreamingDataLoader(StreamingDataLoader):
         elif self.restore and self._num_samples_yielded_streaming >= len(self) * self.batch_size:
             self.restore = False
         end = len(self) * self.batch_size  # litdata's count of the epoch's samples taken on this rank
+        if end == super().__len__() * self.batch_size:  # nothing cut: litdata ends (and counts) its epoch
+            yield from super().__iter__()
+            return
         for batch in super().__iter__():
             yield batch
             if self._num_samples_yielded_streaming >= end:
