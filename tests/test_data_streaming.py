@@ -183,6 +183,27 @@ def _yielded_by_workers(rank, world_size, root):
     return {workers: _yielded(root, 5, workers) for workers in (0, 1)}
 
 
+def _streams(root, epochs=2):
+    """Per epoch, its stream: its chunks in the order one process reads them, each chunk's samples in stored order."""
+    sizes = [c["chunk_size"] for c in json.loads((root / "train" / "index.json").read_text())["chunks"]]
+    starts = np.cumsum([0] + sizes)
+    stored = StreamingDataset(str(root / "train"))  # stored order (convert shuffles the tree's)
+    stored = [int(stored[k]["index"]) for k in range(len(stored))]
+    chunk_of = {i: int(np.searchsorted(starts, k, side="right")) - 1 for k, i in enumerate(stored)}
+    assert len(sizes) > 5
+    # The stream: one process, batch 1 (nothing left out), as read; each chunk read whole, in one go.
+    reference, _ = _yielded(root, 1, 0, epochs)
+    streams = []
+    for epoch in reference:
+        order = [i for b in epoch for i in b]
+        assert sorted(order) == list(range(len(stored)))
+        visits = [chunk_of[i] for k, i in enumerate(order) if k == 0 or chunk_of[order[k - 1]] != chunk_of[i]]
+        assert sorted(visits) == list(range(len(sizes)))
+        streams.append([i for c in visits for i in stored[starts[c]:starts[c + 1]]])
+    assert len(streams) < 2 or streams[0] != streams[1]
+    return streams
+
+
 @pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2 ranks: ~15 s
 def test_epoch_tail_is_the_last_samples_of_the_epochs_chunk_order_modulo_ranks_x_batch(tmp_path, world_size):
     """The tail rule of docs/faults.md ("Streaming data"), measured on 27 samples in 14 chunks, batch 5.
@@ -193,23 +214,9 @@ def test_epoch_tail_is_the_last_samples_of_the_epochs_chunk_order_modulo_ranks_x
     change nothing. Two epochs: each its own chunk order, so its own samples left out.
     """
     root = convert_tree(tmp_path, max_side=16, chunk_bytes="2KB", train_per_class=9, val_per_class=1)
-    sizes = [c["chunk_size"] for c in json.loads((root / "train" / "index.json").read_text())["chunks"]]
-    starts = np.cumsum([0] + sizes)
-    stored = StreamingDataset(str(root / "train"))  # stored order (convert shuffles the tree's)
-    stored = [int(stored[k]["index"]) for k in range(len(stored))]
-    chunk_of = {i: int(np.searchsorted(starts, k, side="right")) - 1 for k, i in enumerate(stored)}
-    n, batch = len(stored), 5
-    assert n == 27 and len(sizes) > 5
-    # The stream: one process, batch 1 (nothing left out), as read; each chunk read whole, in one go.
-    reference, _ = _yielded(root, 1, 0)
-    streams = []
-    for epoch in reference:
-        order = [i for b in epoch for i in b]
-        assert sorted(order) == list(range(n))
-        visits = [chunk_of[i] for k, i in enumerate(order) if k == 0 or chunk_of[order[k - 1]] != chunk_of[i]]
-        assert sorted(visits) == list(range(len(sizes)))
-        streams.append([i for c in visits for i in stored[starts[c]:starts[c + 1]]])
-    assert streams[0] != streams[1]
+    streams = _streams(root)
+    n, batch = len(streams[0]), 5
+    assert n == 27
 
     if world_size == 1:
         runs = [_yielded_by_workers(0, 1, root)]
@@ -225,6 +232,51 @@ def test_epoch_tail_is_the_last_samples_of_the_epochs_chunk_order_modulo_ranks_x
             assert all(len(b) == batch for b in batches)
             assert len(seen) == len(set(seen)) == n - left_out, (workers, e)
             assert set(range(n)) - set(seen) == set(stream[n - left_out:]), (workers, e)
+
+
+def test_with_accumulation_an_epoch_is_whole_global_batches_and_leaves_out_the_last_n_mod_g(tmp_path):
+    """The tail rule with accumulation (docs/faults.md, "Streaming data"): 104 samples, batch 8.
+
+    litdata gives one process 13 batches (104 % 8 = 0); with the Trainer's accumulation 2
+    (global batch 16) the loader yields 12, leaving out the last 104 % 16 = 8 samples of the
+    epoch's stream, with 0 or 1 loader workers, in two epochs; with accumulation 1 all 13. A
+    mid-epoch resume (after 2 steps) yields the rest of the same 12.
+    """
+    root = convert_tree(tmp_path, max_side=16, chunk_bytes="2KB", classes=("n01", "n02", "n03", "n04"),
+                        train_per_class=26, val_per_class=1)
+    streams = _streams(root)
+    n, batch = len(streams[0]), 8
+    assert n == 104
+
+    def loader(workers, accumulation):
+        dm = _IndexDataModule(str(root), resolution=16, batch_size=batch, num_workers=workers)
+        dm.trainer = pl.Trainer(accelerator="cpu", devices=1, accumulate_grad_batches=accumulation,
+                                default_root_dir=str(tmp_path))
+        return dm.trainer, dm.train_dataloader()
+
+    for workers in (0, 1):
+        trainer, cut = loader(workers, 2)
+        _, whole = loader(workers, 1)
+        assert len(cut) == 12 and len(whole) == 13
+        for epoch, stream in enumerate(streams):
+            trainer.fit_loop.epoch_progress.current.completed = epoch  # the trainer's current_epoch
+            batches = [idx.tolist() for idx, _ in cut]
+            seen = [i for b in batches for i in b]
+            assert [len(b) for b in batches] == [batch] * 12, (workers, epoch)
+            assert len(seen) == len(set(seen)) == n - n % 16
+            assert set(range(n)) - set(seen) == set(stream[n - n % 16:]), (workers, epoch)
+        assert sorted(i for idx, _ in whole for i in idx.tolist()) == list(range(n))
+
+        trainer.fit_loop.epoch_progress.current.completed = 0
+        iterator = iter(cut)
+        first = [next(iterator)[0].tolist() for _ in range(4)]
+        state = cut.state_dict()
+        del iterator
+        resumed_trainer, resumed = loader(workers, 2)
+        resumed.load_state_dict(state)
+        rest = [idx.tolist() for idx, _ in resumed]
+        assert len(rest) == 8
+        assert set(range(n)) - {i for b in first + rest for i in b} == set(streams[0][n - n % 16:])
 
 
 class _Recorder(pl.LightningModule):

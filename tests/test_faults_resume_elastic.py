@@ -481,6 +481,45 @@ def test_streaming_stopped_on_1_rank_with_accumulation_resumed_on_2(id_stream, t
     check_carried(on1 + on2, full1, full2)
 
 
+@pytest.fixture(scope="module")
+def stream_104(tmp_path_factory) -> Path:
+    """104 samples: 104 % (2 x 8) = 8 but 104 % 8 = 0, so a rank's 13 batches of 8 are not whole steps of 2."""
+    root = tmp_path_factory.mktemp("ids104") / "stream"
+    convert("procedural", root, max_side=16, quality=95, num_workers=1, chunk_bytes="8KB", verbose=False,
+            procedural={"num_classes": 4, "train_size": 104, "val_size": 8, "resolution": 16, "seed": 0})
+    return root
+
+
+def whole_global_batches_each_epoch(steps: list[dict]) -> None:
+    """6 optimizer steps of 16 distinct samples per epoch: 96 of the 104, each once."""
+    for epoch in range(EPOCHS):
+        ids = epoch_ids(steps, epoch)
+        seen = [i for step in ids for i in step]
+        assert [len(step) for step in ids] == [16] * 6, epoch
+        assert len(seen) == len(set(seen)) == 96
+
+
+def test_streaming_epoch_with_accumulation_ends_on_a_whole_global_batch(stream_104, tmp_path):
+    """1 rank x 8 x 2 accumulation on 104 samples: litdata gives the rank 13 batches; the epoch is
+    cut to 12, so Lightning does not step on a last group of one batch (8 samples)."""
+    whole_global_batches_each_epoch(fit_stream(stream_104, tmp_path / "on1", 1, 0, accumulate=2))
+
+
+@pytest.mark.slow  # 4 Trainers, 2 of them on 2 processes
+def test_streaming_epochs_have_the_same_steps_on_every_world_size_that_keeps_the_global_batch(stream_104, tmp_path):
+    """104 samples, global batch 16: 2 ranks x 8 and 1 rank x 8 x 2 both train 96 samples in 6
+    steps per epoch; 2 ranks stopped after step 3 and resumed on 1 train the uninterrupted 2-rank
+    run's rest of epoch 0 and then the 1-rank run's epoch 1, 12 steps in all."""
+    full2 = fit_stream(stream_104, tmp_path / "full2", 2, 0)
+    full1 = fit_stream(stream_104, tmp_path / "full1", 1, 0, accumulate=2)
+    for steps in (full2, full1):
+        whole_global_batches_each_epoch(steps)
+    on2 = fit_stream(stream_104, tmp_path / "a", 2, 0, stop=3)
+    on1 = fit_stream(stream_104, tmp_path / "b", 1, 0, ckpt_path=str(tmp_path / "a" / "stopped.ckpt"))
+    assert [len(on2), len(on1)] == [3, 9] and {s["accumulation"] for s in on1} == {2}
+    check_carried(on2 + on1, full2, full1)
+
+
 @pytest.mark.slow  # three fastscale-train runs, two of them on 2 ranks
 def test_fastscale_train_streaming_sigterm_on_2_ranks_then_resume_auto_on_1(tmp_path):
     """``fastscale-train data=streaming`` (default callbacks, cosine schedule): SIGTERM on 2 ranks

@@ -209,17 +209,18 @@ class StreamingDataModule(_ResizableDataModule):
 
     def _streaming_loader(
         self, dataset: StreamingDataset, batch_size: int, num_workers: int, threads: int,
-        epoch: Callable[[], int] | None = None,
+        epoch: Callable[[], int] | None = None, accumulation: Callable[[], int] | None = None,
     ) -> StreamingDataLoader:
         collate = dataset.batch_decoder(threads, self.pin_memory) if isinstance(dataset, DecodedStreamingDataset) else None
         if num_workers == 0:  # read and decoded on background threads of this process, a queue ahead
             return BackgroundStreamingDataLoader(
                 dataset, batch_size=batch_size, pin_memory=self.pin_memory, collate_fn=collate,
                 batches_ahead=2 if self.prefetch_factor is None else self.prefetch_factor, epoch=epoch,
+                accumulation=accumulation,
             )
         return EpochAwareStreamingDataLoader(
             dataset, batch_size=batch_size, num_workers=num_workers, pin_memory=self.pin_memory,
-            prefetch_factor=self.prefetch_factor, collate_fn=collate, epoch=epoch,
+            prefetch_factor=self.prefetch_factor, collate_fn=collate, epoch=epoch, accumulation=accumulation,
         )
 
     def resolved_decode_threads(self) -> int:
@@ -236,11 +237,14 @@ class StreamingDataModule(_ResizableDataModule):
     @override
     def train_dataloader(self) -> Any:
         # The trainer's epoch, read as each epoch's iteration starts, seeds litdata's shuffle and
-        # the augmentation: also in a loader rebuilt (batch size, resolution) or resumed.
+        # the augmentation: also in a loader rebuilt (batch size, resolution) or resumed. Its
+        # accumulation (set by a carried resume or a BatchSizeRamp after this loader is built)
+        # cuts each epoch to whole global batches.
         trainer = getattr(self, "trainer", None)
         loader = self._streaming_loader(
             self.train_dataset(), self.train_batch_size, self.num_workers, self.resolved_decode_threads(),
             epoch=None if trainer is None else lambda: trainer.current_epoch,
+            accumulation=None if trainer is None else lambda: trainer.accumulate_grad_batches,
         )
         return self._wrap(loader)
 

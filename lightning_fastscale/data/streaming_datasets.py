@@ -21,6 +21,7 @@ from litdata import StreamingDataLoader, StreamingDataset
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 from typing_extensions import override
 
+from ..faults.exact_resume import whole_global_batches
 from . import jpeg_decode, rect_val, transforms
 from .jpeg_decode import SampleDecodeError
 from .stored_format import CorruptDataError, chunk_of, read_index
@@ -301,11 +302,23 @@ class EpochAwareStreamingDataLoader(StreamingDataLoader):
     resumed epoch has handed out ``len(loader)`` batches starts the next epoch. A position
     restored on another world size (litdata's elastic resume) stays marked as such in the states
     it saves, also with loader workers (litdata marks it in the process that reads).
+
+    With ``accumulation`` (returns the gradient accumulation a, read when the length is asked;
+    `StreamingDataModule` passes the trainer's), an epoch is whole global batches: its length is
+    litdata's batches per rank cut down to a multiple of a (``whole_global_batches``), and an
+    iteration stops there, one resumed on the same world size too (Lightning would otherwise
+    step on a last partial accumulation group).
     """
 
-    def __init__(self, *args: Any, epoch: Callable[[], int] | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, epoch: Callable[[], int] | None = None,
+                 accumulation: Callable[[], int] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.epoch = epoch
+        self.epoch, self.accumulation = epoch, accumulation
+
+    @override
+    def __len__(self) -> int:
+        batches = super().__len__()
+        return batches if self.accumulation is None else whole_global_batches(batches, self.accumulation())
 
     @override
     def __iter__(self) -> Any:
@@ -317,7 +330,14 @@ class EpochAwareStreamingDataLoader(StreamingDataLoader):
                 self.current_epoch = serving - 1  # litdata's fresh iteration adds one
         elif self.restore and self._num_samples_yielded_streaming >= len(self) * self.batch_size:
             self.restore = False
-        yield from super().__iter__()
+        end = len(self) * self.batch_size  # litdata's count of the epoch's samples taken on this rank
+        if end == super().__len__() * self.batch_size:  # nothing cut: litdata ends (and counts) its epoch
+            yield from super().__iter__()
+            return
+        for batch in super().__iter__():
+            yield batch
+            if self._num_samples_yielded_streaming >= end:
+                return  # what litdata has left on this rank is less than a global batch
 
     @override
     def state_dict(self) -> dict[str, Any]:

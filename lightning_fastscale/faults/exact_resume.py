@@ -101,6 +101,21 @@ class SkipFirstBatches:
             self.sampler.set_epoch(epoch)
 
 
+def whole_global_batches(count: int, group: int) -> int:
+    """``count`` cut down to a multiple of ``group``: an epoch trains on whole global batches only.
+
+    The tail rule of an epoch (Goyal et al. 2017 keep the global batch of every step): samples of
+    `GlobalOrderSampler` (``group`` the global batch) and batches per rank of the streaming
+    training loader (``group`` the accumulation), so every world size that keeps the global
+    batch has the same samples and optimizer steps per epoch.
+
+    Examples:
+        >>> whole_global_batches(104, 16), whole_global_batches(13, 2)
+        (96, 12)
+    """
+    return count // group * group
+
+
 class GlobalOrderSampler(DistributedSampler):
     """This rank's share of an epoch order that does not depend on the number of ranks.
 
@@ -135,11 +150,11 @@ class GlobalOrderSampler(DistributedSampler):
     def __iter__(self) -> Iterator[int]:
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)
-        order = torch.randperm(self.size, generator=generator)[:self.size // self.global_batch * self.global_batch]
+        order = torch.randperm(self.size, generator=generator)[:whole_global_batches(self.size, self.global_batch)]
         return iter(order.view(-1, self.accumulation, self.world_size, self.batch_size)[:, :, self.rank].flatten().tolist())
 
     def __len__(self) -> int:
-        return self.size // self.global_batch * self.global_batch // self.world_size
+        return whole_global_batches(self.size, self.global_batch) // self.world_size
 
 
 class WorldSizeChangeError(RuntimeError):
