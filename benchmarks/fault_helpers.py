@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -53,11 +54,18 @@ def finish(proc: subprocess.Popen, timeout: float = 420) -> tuple[int, str]:
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise AssertionError(f"run did not finish in {timeout} s:\n{kill_group(proc)[-12000:]}") from None
+        raise AssertionError(f"run did not finish in {timeout} s:\n{stacks(kill_group(proc))}") from None
     except BaseException:  # pytest-timeout's failure or Ctrl-C: what the run printed, stacks included
-        print(kill_group(proc)[-12000:], file=sys.stderr)
+        print(stacks(kill_group(proc)), file=sys.stderr)
         raise
     return proc.returncode, out
+
+
+def stacks(output: str, limit: int = 60000) -> str:
+    """The end of a killed run's output without faulthandler's lists of extension modules, which
+    fill a short tail and hide the stacks printed before them (a list another process's output
+    interrupts is kept)."""
+    return re.sub(r"Extension modules:[\w., \n]*\(total: \d+\)", "", output)[-limit:]
 
 
 def finish_all(*procs: subprocess.Popen, timeout: float = 420) -> list[str]:
