@@ -87,11 +87,16 @@ def test_a_layout_the_launcher_refuses_is_a_bad_setting(monkeypatch, environment
 def test_an_agreed_ending_leaves_with_0_only_where_lightnings_launcher_started_the_rank(tmp_path, monkeypatch, env,
                                                                                        leaves_with_0):
     import lightning.pytorch as pl
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+    from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
     from lightning_fastscale.exit_codes import end_agreed
 
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    # the Trainer sets the process-wide rank of rank_zero_warn to its own (1 here): put it back after
+    for rank_holder in (rank_zero_only, utils_rank_zero_only):
+        monkeypatch.setattr(rank_holder, "rank", rank_holder.rank)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", default_root_dir=tmp_path)
     assert trainer.local_rank == int(env["LOCAL_RANK"])
     error = NonFiniteStepsError("loss is nan at step 12")
