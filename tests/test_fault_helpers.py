@@ -9,6 +9,7 @@ import pytest
 from benchmarks.fault_helpers import finish, popen_group, stacks
 
 
+@pytest.mark.slow  # a child that imports numpy, then the SIGABRT round: several seconds
 def test_a_hung_run_is_killed_and_its_stacks_are_shown_without_the_module_lists(tmp_path):
     hung = "import time, numpy\ndef wait_forever():\n    time.sleep(600)\nprint('started', flush=True)\nwait_forever()\n"
     proc = popen_group([sys.executable, "-c", hung], cwd=tmp_path, env=dict(os.environ))
