@@ -54,3 +54,18 @@ def require_protocol(datamodule: Any, protocol: type, needed_by: str) -> None:
 def check_positive(name: str, value: int) -> int:
     """Validate a batch size or resolution given to a setter (raises ``ValueError`` naming it)."""
     return positive_int(name, value)
+
+
+def whole_global_batches(count: int, group: int) -> int:
+    """``count`` cut down to a multiple of ``group``: an epoch trains on whole global batches only.
+
+    The tail rule of an epoch (Goyal et al. 2017 keep the global batch of every step): samples of
+    `GlobalOrderSampler` (``group`` the global batch) and batches per rank of the streaming
+    training loader (``group`` the accumulation), so every world size that keeps the global
+    batch has the same samples and optimizer steps per epoch.
+
+    Examples:
+        >>> whole_global_batches(104, 16), whole_global_batches(13, 2)
+        (96, 12)
+    """
+    return count // group * group

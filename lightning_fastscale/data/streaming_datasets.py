@@ -21,9 +21,9 @@ from litdata import StreamingDataLoader, StreamingDataset
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 from typing_extensions import override
 
-from ..faults.exact_resume import whole_global_batches
 from . import jpeg_decode, rect_val, transforms
 from .jpeg_decode import SampleDecodeError
+from .protocol import whole_global_batches
 from .stored_format import CorruptDataError, chunk_of, read_index
 
 # One stored sample per litdata read: by default litdata deserialises a window of neighbouring

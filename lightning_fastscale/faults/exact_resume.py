@@ -29,6 +29,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Rando
 from typing_extensions import override
 
 from lightning_fastscale._validation import positive_int
+from lightning_fastscale.data.protocol import whole_global_batches
 from lightning_fastscale.lightning_internals import (
     checkpoint_fit_loop,
     fit_loader_owner,
@@ -99,21 +100,6 @@ class SkipFirstBatches:
         """Forwarded to the wrapped sampler (Lightning calls it on a loader's samplers each epoch)."""
         if callable(getattr(self.sampler, "set_epoch", None)):
             self.sampler.set_epoch(epoch)
-
-
-def whole_global_batches(count: int, group: int) -> int:
-    """``count`` cut down to a multiple of ``group``: an epoch trains on whole global batches only.
-
-    The tail rule of an epoch (Goyal et al. 2017 keep the global batch of every step): samples of
-    `GlobalOrderSampler` (``group`` the global batch) and batches per rank of the streaming
-    training loader (``group`` the accumulation), so every world size that keeps the global
-    batch has the same samples and optimizer steps per epoch.
-
-    Examples:
-        >>> whole_global_batches(104, 16), whole_global_batches(13, 2)
-        (96, 12)
-    """
-    return count // group * group
 
 
 class GlobalOrderSampler(DistributedSampler):
