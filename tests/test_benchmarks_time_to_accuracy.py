@@ -114,9 +114,13 @@ def test_each_arm_trains_one_epoch_and_records_its_curve(data, arm, kind):
     (seconds, value), (own_seconds, own_value) = result["curve"][0], result["curve_benchmark"][0]
     assert value == pytest.approx(own_value) and abs(seconds - own_seconds) < 0.5
     samples = tta.QUICK_SIZES["train_size"]
-    assert result["per_device_batch"] == (4 if arm == "plain" or arm in tta.WIRE_ARMS else tta.K * 4)
+    # B0 = 4 here: the wire arms keep the plain arm's batch but for fp16_wire_k2's 2 x B0
+    assert result["per_device_batch"] == {"fp16_wire_k2": 8, "recipe": tta.K * 4, "large": tta.K * 4}.get(arm, 4)
+    if arm != "recipe":  # the LR scales linearly with the batch; the recipe's has its own test below
+        assert result["initial_lr"] == pytest.approx(tta.LR_GRID[arm][1] * result["per_device_batch"] / 4)
     # a wire arm runs the plain arm with the package's strategy set as WIRE_ARMS says, nothing else
-    expected = {"fp16_wire": {"wire_dtype": "fp16", "topk_ratio": None}, "topk": {"wire_dtype": "fp32", "topk_ratio": 0.1}}
+    fp16 = {"wire_dtype": "fp16", "topk_ratio": None}
+    expected = {"fp16_wire": fp16, "fp16_wire_k2": fp16, "topk": {"wire_dtype": "fp32", "topk_ratio": 0.1}}
     assert result["wire"] == expected.get(arm)
     # one epoch of full batches (drop_last) on one rank; the recipe's ramp sets its first batch
     first_batch = tta.ramp_schedule(1, 4, tta.K, 1)[0] if arm == "recipe" else result["per_device_batch"]
