@@ -18,7 +18,10 @@ fast.ai's DAWNBench entry). The arms, all on ``resnet_small`` (widths 16/32/64),
   only the top ``TOPK_RATIO`` of each, the rest kept as error feedback (Aji & Heafield 2017;
   Lin et al. 2018; Tencent Cloud 2020); no large batch;
 - ``fp16_wire_k2``: ``fp16_wire`` at 2 x B0 per device with the LR scaled linearly: the doctor's
-  two fixes for a communication-bound step together (a cheaper wire, a larger per-device batch).
+  two fixes for a communication-bound step together (a cheaper wire, a larger per-device batch);
+- ``fp16_wire_planned``: ``fp16_wire`` with the algorithm and gradient buckets the planner picks
+  after measuring the link and each layer's backward at start-up (``strategy=hier_auto``;
+  Jia et al. 2018's fusion): the same arithmetic, communication overlapped with backward.
 
 Machines: ``one`` (one machine, 2 ranks), ``cloud`` and ``record`` (the emulated 2-node cluster,
 one rank and one torch thread per node, each link capped with ``tbf`` at the rate
@@ -62,7 +65,7 @@ from benchmarks.convergence import PrerenderedSplit  # noqa: E402
 from lightning_fastscale.callbacks._schedule import value_at_epoch  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
-ARMS = ("plain", "recipe", "large", "fp16_wire", "topk", "fp16_wire_k2")
+ARMS = ("plain", "recipe", "large", "fp16_wire", "topk", "fp16_wire_k2", "fp16_wire_planned")
 MACHINES = ("one", "cloud", "record")
 K = 16  # batch multiple, fixed before any run (the issue: 16 or 32)
 # exposed all-reduce / compute of the plain arm that each emulated regime is calibrated to
@@ -74,17 +77,21 @@ SIZES = {"num_classes": 10, "train_size": 12288, "val_size": 1024, "resolution":
 # (MLPerf ResNet-50 reference points: 35 epochs at batch 3K, 56 at 32K), so the large arm gets 1.5x.
 # The recipe (v2) gets the plain arm's wall time instead: plain's median fit time in the record
 # regime over the recipe's s/epoch there, both from the v1 runs (175.9 s / 8.25 s = 21.3, rounded down).
-EPOCHS = {"plain": 8, "recipe": 21, "large": 12, "fp16_wire": 8, "topk": 8, "fp16_wire_k2": 8}
+EPOCHS = {"plain": 8, "recipe": 21, "large": 12, "fp16_wire": 8, "topk": 8, "fp16_wire_k2": 8, "fp16_wire_planned": 8}
 # The topk arm's share of each gradient sent between nodes, fixed after two runs at the tuning seed
 # in the record regime (plain's LR 0.2, 8 epochs): 0.01 reached 66.8 % top-1, 0.1 reached 78.6 %.
 TOPK_RATIO = 0.1
 # The arms that change only the plain arm's strategy, and how.
 WIRE_ARMS = {"fp16_wire": {"wire_dtype": "fp16"}, "topk": {"compression": "topk", "topk_ratio": TOPK_RATIO},
-             "fp16_wire_k2": {"wire_dtype": "fp16"}}
+             "fp16_wire_k2": {"wire_dtype": "fp16"}, "fp16_wire_planned": {"wire_dtype": "fp16", "planner": True}}
+# The planned arm's link probe sizes: around this model's 0.3 MiB gradient (the planner's default
+# 1-64 MiB are for ImageNet models; 64 MiB alone takes 15 s on the record link).
+PLANNER_CALIBRATION_SIZES = [1 << 16, 1 << 18, 1 << 20]
 # Per-device batch of each arm in units of B0; the LR scales with it (linear scaling, Goyal et al.
 # 2017). fp16_wire_k2's 2 was fixed before its runs, after fp16_wire reached 1.76x in the record
 # regime: the smallest multiple, halving the all-reduces per sample at the same epoch budget.
-BATCH_MULTIPLE = {"plain": 1, "fp16_wire": 1, "topk": 1, "fp16_wire_k2": 2, "large": K, "recipe": K}
+BATCH_MULTIPLE = {"plain": 1, "fp16_wire": 1, "topk": 1, "fp16_wire_k2": 2, "fp16_wire_planned": 1, "large": K,
+                  "recipe": K}
 # The recipe's warmup, in optimizer steps: this share of the run's steps (Goyal et al. 2017 warm
 # up 5 of their 90 epochs at a constant batch, i.e. 5/90 of the steps); at least one step. Since
 # v3 the poly-2 decay after it is laid out in the same optimizer steps, to 0 at the run's last.
@@ -95,7 +102,8 @@ WARMUP_SHARE = 5 / 90
 # its best at its lowest value, so v2's grid is moved down by two of its steps. v3 kept v2's grid;
 # its best was its highest value, so by the rule fixed before the runs it got one more step up, once.
 LR_GRID = {"plain": [0.1, 0.2, 0.4], "large": [0.1, 0.2, 0.4], "recipe": [0.05, 0.1, 0.2, 0.4],
-           "fp16_wire": [0.1, 0.2, 0.4], "topk": [0.1, 0.2, 0.4], "fp16_wire_k2": [0.1, 0.2, 0.4]}
+           "fp16_wire": [0.1, 0.2, 0.4], "topk": [0.1, 0.2, 0.4], "fp16_wire_k2": [0.1, 0.2, 0.4],
+           "fp16_wire_planned": [0.1, 0.2, 0.4]}
 TUNE_SEED = 100
 # Supplementary read-out (chosen after the tuning runs, which put the recipe below the plain
 # arm's accuracy): median seconds to these fixed top-1 levels, below the target.
@@ -285,17 +293,26 @@ def _recipe_parts(spec: dict[str, Any], lr: float, world: int) -> tuple[Any, lis
     return module, callbacks, plugins, strategy
 
 
-def _wire_strategy(arm: str) -> Any:
+def _wire_strategy(arm: str, example_input: torch.Tensor) -> Any:
     """A wire arm's one change to the plain arm (``WIRE_ARMS``); each rank is a node, as on the
-    emulated cluster, so machine ``one`` runs the same arithmetic."""
+    emulated cluster, so machine ``one`` runs the same arithmetic. With ``planner`` the algorithm
+    and buckets come from ``CostModelPlanner`` measuring the link and ``example_input``'s backward."""
+    from lightning_fastscale.planner import CostModelPlanner
     from lightning_fastscale.strategies import HierarchicalAllReduceStrategy
 
-    return HierarchicalAllReduceStrategy(algorithm="hier", ranks_per_node=1, **WIRE_ARMS[arm])
+    settings = {"algorithm": "hier", **WIRE_ARMS[arm]}
+    if settings.pop("planner", False):
+        settings.update(algorithm="auto", planner=CostModelPlanner(
+            calibrate=True, calibration_sizes=PLANNER_CALIBRATION_SIZES, example_input=example_input,
+            measure_backward=True))
+    return HierarchicalAllReduceStrategy(ranks_per_node=1, **settings)
 
 
 def _wire_of(strategy: Any) -> dict[str, Any]:
-    """What a wire arm's strategy sends between nodes: its dtype and, with top-k, the share."""
-    return {"wire_dtype": strategy.wire_dtype, "topk_ratio": strategy.topk_ratio if strategy.compression == "topk" else None}
+    """What a wire arm's strategy sends between nodes: its dtype, with top-k the share, and its plan."""
+    plan = strategy.plan_summary()
+    return {"wire_dtype": strategy.wire_dtype, "topk_ratio": strategy.topk_ratio if strategy.compression == "topk" else None,
+            "algorithm": plan["strategy/algorithm"], "fusion_plan": plan["strategy/fusion_plan"]}
 
 
 def ramp_schedule(epochs: int, b0: int, k: int, world: int) -> dict[int, int]:
@@ -382,7 +399,8 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
     if arm == "recipe":
         module, callbacks, plugins, strategy = _recipe_parts(spec, spec["lr"], world)
     else:
-        module, strategy = _plain_module(spec, lr), _wire_strategy(arm) if arm in WIRE_ARMS else DDPStrategy()
+        example = torch.zeros(batch, 3, sizes["resolution"], sizes["resolution"])
+        module, strategy = _plain_module(spec, lr), _wire_strategy(arm, example) if arm in WIRE_ARMS else DDPStrategy()
     curve_cbs = _curve_callbacks(spec)
     breakdown = StepBreakdown(every_n_steps=10, dirpath=spec["run_dir"], plot=False, print_table=False)
     callbacks += [breakdown, *curve_cbs]
@@ -437,7 +455,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
         "breakdown": breakdown.summary.to_dict() if breakdown.summary else None,
         "conversion_s": spec["data_paths"].get("conversion_s", 0.0) if arm == "recipe" and data == "tree" else 0.0,
         "wire": _wire_of(trainer.strategy) if arm in WIRE_ARMS else None,
-        "initial_lr": trainer.optimizers[0].param_groups[0]["initial_lr"],
+        "initial_lr": trainer.optimizers[0].param_groups[0]["initial_lr"] if trainer.optimizers else None,
     }
     Path(spec["result"]).write_text(json.dumps(result))
     _leave_group()
@@ -734,7 +752,7 @@ def plot(results: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> Non
     panels = sorted({(r["data"], r["machine"]) for r in rows}, key=lambda p: (p[0], MACHINES.index(p[1])))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), dpi=100, squeeze=False)
     colors = {"plain": "#1f77b4", "recipe": "#d62728", "large": "#7f7f7f", "fp16_wire": "#ff7f0e", "topk": "#2ca02c",
-              "fp16_wire_k2": "#9467bd"}
+              "fp16_wire_k2": "#9467bd", "fp16_wire_planned": "#8c564b"}
     for ax, (data, machine) in zip(axes[0], panels):
         labelled: set[str] = set()
         for key, r in sorted(results["runs"].items()):

@@ -120,8 +120,13 @@ def test_each_arm_trains_one_epoch_and_records_its_curve(data, arm, kind):
         assert result["initial_lr"] == pytest.approx(tta.LR_GRID[arm][1] * result["per_device_batch"] / 4)
     # a wire arm runs the plain arm with the package's strategy set as WIRE_ARMS says, nothing else
     fp16 = {"wire_dtype": "fp16", "topk_ratio": None}
-    expected = {"fp16_wire": fp16, "fp16_wire_k2": fp16, "topk": {"wire_dtype": "fp32", "topk_ratio": 0.1}}
-    assert result["wire"] == expected.get(arm)
+    expected = {"fp16_wire": fp16, "fp16_wire_k2": fp16, "fp16_wire_planned": fp16,
+                "topk": {"wire_dtype": "fp32", "topk_ratio": 0.1}}
+    wire = result["wire"] and {k: result["wire"][k] for k in ("wire_dtype", "topk_ratio")}
+    assert wire == expected.get(arm)
+    if arm in tta.WIRE_ARMS:  # the plan the run used: the fixed arms DDP's one 25 MB bucket, the planned its own
+        caps = result["wire"]["fusion_plan"]
+        assert caps == [25.0] if arm != "fp16_wire_planned" else (caps != [25.0] and all(c > 0 for c in caps))
     # one epoch of full batches (drop_last) on one rank; the recipe's ramp sets its first batch
     first_batch = tta.ramp_schedule(1, 4, tta.K, 1)[0] if arm == "recipe" else result["per_device_batch"]
     assert result["points"][0]["step"] == samples // first_batch

@@ -90,6 +90,9 @@ def test_cost_model_planner_plans_what_it_is_told_to_send():
         CostModelPlanner(SLOW_NIC).plan(model, topo)
     with pytest.raises(ValueError, match="calibrate=True"):
         CostModelPlanner()
+    # one rank sends nothing: calibrate=True plans it without a process group, as a one-device run needs
+    alone = CostModelPlanner(calibrate=True, backward_time_s=1e-3).plan(model, Topology(1, 1))
+    assert alone.algorithm == "flat" and alone.plan.comm_s == 0.0
 
 
 def test_best_chunk_follows_latency():

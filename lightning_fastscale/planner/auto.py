@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -240,6 +241,10 @@ class CostModelPlanner:
     ) -> AutoPlan:
         """The `AutoPlan` for ``module`` on ``topology`` (computed once); plain DDP only without ``setting.algorithms``."""
         key = (id(module), topology, setting)
+        if key not in self._plans and topology.world_size == 1:  # a single rank sends nothing: no link to measure
+            profile = self._profile(module)
+            alone = plan_fusion(profile.grad_bytes, profile.backward_s, np.zeros_like, max_buckets=1)
+            self._plans[key] = AutoPlan("flat", alone, alone.ddp_kwargs(), {"flat": alone})
         if key not in self._plans:
             profile = self._profile(module)
             params = self._params(topology, setting.wire_dtype, timeout, sum(profile.grad_bytes))
