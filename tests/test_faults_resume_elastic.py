@@ -5,6 +5,8 @@ the rest of the interrupted epoch step by step as the uninterrupted run, through
 from __future__ import annotations
 
 import json
+import multiprocessing
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,7 +17,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_fastscale.callbacks import BatchSizeRamp
+from lightning_fastscale.callbacks import BatchSizeRamp, BNSpan, WarmupDecayLR
 from lightning_fastscale.callbacks.batch_size_ramp import world_sizes_that_split
 from lightning_fastscale.data import StreamingDataModule
 from lightning_fastscale.data.convert import convert
@@ -31,11 +33,11 @@ STEPS = SIZE // GLOBAL_BATCH * EPOCHS
 class Indexed(Dataset):
     """Fixed random features; each sample carries its index so a run can say what it trained on."""
 
-    def __init__(self) -> None:
-        self.x = torch.randn(SIZE, 8, generator=torch.Generator().manual_seed(0))
+    def __init__(self, size: int = SIZE, shape: tuple[int, ...] = (8,)) -> None:
+        self.x = torch.randn(size, *shape, generator=torch.Generator().manual_seed(0))
 
     def __len__(self) -> int:
-        return SIZE
+        return len(self.x)
 
     def __getitem__(self, i: int):
         return self.x[i], i % 4, i
@@ -44,15 +46,15 @@ class Indexed(Dataset):
 class IndexedData(pl.LightningDataModule):
     """A ``BatchSizeControllable`` datamodule: the resume sets the per-device batch."""
 
-    def __init__(self, batch_size: int) -> None:
+    def __init__(self, batch_size: int, dataset: Dataset | None = None) -> None:
         super().__init__()
-        self.train_batch_size = batch_size
+        self.train_batch_size, self.dataset = batch_size, dataset or Indexed()
 
     def set_train_batch_size(self, per_device_batch_size: int) -> None:
         self.train_batch_size = per_device_batch_size
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(Indexed(), batch_size=self.train_batch_size, shuffle=True, drop_last=True)
+        return DataLoader(self.dataset, batch_size=self.train_batch_size, shuffle=True, drop_last=True)
 
 
 class Recorder(pl.LightningModule):
@@ -98,7 +100,8 @@ class StopAfter(pl.Callback):
 
 def fit(folder: Path, devices: int, batch_size: int, ckpt_path: str | None = None, stop: int | None = None,
         max_per_device_batch: int | None = None, accumulate: int = 1, ramp: dict[int, int] | None = None,
-        every_epoch: bool = False, plugins: list | None = None, extra: list | None = None) -> None:
+        every_epoch: bool = False, plugins: list | None = None, extra: list | None = None,
+        module: type[Recorder] = Recorder, dataset: Dataset | None = None) -> None:
     folder.mkdir(parents=True)
     pl.seed_everything(0)  # the same initial weights in every run
     callbacks = [ExactResume(max_per_device_batch=max_per_device_batch), ReleaseProcessGroup(), *(extra or [])]
@@ -111,7 +114,7 @@ def fit(folder: Path, devices: int, batch_size: int, ckpt_path: str | None = Non
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy="ddp_spawn" if devices > 1 else "auto",
                          max_epochs=EPOCHS, accumulate_grad_batches=accumulate, callbacks=callbacks,
                          default_root_dir=folder, log_every_n_steps=1, plugins=plugins)
-    trainer.fit(Recorder(str(folder)), IndexedData(batch_size), ckpt_path=ckpt_path)
+    trainer.fit(module(str(folder)), IndexedData(batch_size, dataset), ckpt_path=ckpt_path)
 
 
 def read(folder: Path, devices: int) -> tuple[list[dict], list[torch.Tensor]]:
@@ -273,6 +276,81 @@ def test_a_batch_size_ramp_resumed_on_another_world_size_keeps_each_stages_globa
     fit(tmp_path / "c", 1, 12, ckpt_path=str(tmp_path / "full" / "epochs" / "epoch=0-step=5.ckpt"), ramp=ramp)
     epoch1, _ = read(tmp_path / "c", 1)
     assert [(s["ids"], s["lr"], s["accumulation"]) for s in epoch1] == [(s["ids"], s["lr"], 4) for s in full[5:]]
+
+
+RAMP_SIZE = 576  # 6 global batches of 96, then 3 of 192: every sample in every epoch
+
+
+class BNRecorder(Recorder):
+    """`Recorder` on 3 x 6 x 6 images through a convolution with batch norm; the LR is `WarmupDecayLR`'s."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__(folder)
+        self.net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                       torch.nn.Flatten(), torch.nn.Linear(8 * 4 * 4, 4))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def fit_ramp(folder: Path, devices: int, span: int | None = 8, **kwargs) -> None:
+    """Global batch 96 ramped to 192 at epoch 1 (at most 64 per device), warmup then poly decay scaled
+    by the global batch, BN over ``span`` images (None: plain BN over each device's batch)."""
+    extra = [BatchSizeRamp({0: 96, 1: 192}, max_per_device_batch=64), WarmupDecayLR(warmup_epochs=0.5, reference_batch=96)]
+    fit(folder, devices, 96 // devices, extra=extra + ([BNSpan(span)] if span else []), module=BNRecorder,
+        dataset=Indexed(RAMP_SIZE, (3, 6, 6)), **kwargs)
+
+
+@pytest.fixture
+def run_folder(tmp_path):
+    """``tmp_path``; afterwards, also when the test fails or times out, the ranks it spawned are
+    killed and the folder removed."""
+    before = {p.pid for p in multiprocessing.active_children()}
+    yield tmp_path
+    for process in multiprocessing.active_children():
+        if process.pid not in before:
+            process.kill()
+            process.join(10)
+    shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@pytest.mark.slow  # 7 Trainers, 19 processes
+@pytest.mark.timeout(240)
+def test_a_ramp_from_96_to_192_stopped_on_4_ranks_resumed_on_2_then_3_matches_the_uninterrupted_run(run_folder):
+    """Ramp 96 -> 192 at epoch 1, ``BNSpan(8)`` (the smallest per-device batch is 24): 4 ranks x 24
+    stop after step 3 (epoch 0); 2 ranks resume as 48, then 48 x 2 accumulation at 192, and stop
+    after step 7 (epoch 1); 3 ranks finish as 64. Each step trains on the uninterrupted 4-rank
+    run's samples (every sample once per epoch) with its global batch and LR; the final weights
+    are within 10x the reduction-order noise (2 ranks against 1 rank x 48 x 2, then 64 x 3), which
+    is smaller than the error of a resume that lost the span (plain BN over 64 images)."""
+    tmp = run_folder
+    for devices in (4, 2, 1):
+        fit_ramp(tmp / f"full{devices}", devices)
+    fit_ramp(tmp / "a", 4, stop=3)
+    fit_ramp(tmp / "b", 2, ckpt_path=str(tmp / "a" / "stopped.ckpt"), stop=7)
+    fit_ramp(tmp / "c", 3, ckpt_path=str(tmp / "b" / "stopped.ckpt"))
+    fit_ramp(tmp / "wrong", 3, span=None, ckpt_path=str(tmp / "b" / "stopped.ckpt"))
+
+    full, full_weights = read(tmp / "full4", 4)
+    (on4, _), (on2, _), (on3, weights) = read(tmp / "a", 4), read(tmp / "b", 2), read(tmp / "c", 3)
+    elastic = on4 + on2 + on3
+    assert [len(on4), len(on2), len(on3)] == [3, 4, 2]
+    assert [s["step"] for s in elastic] == [s["step"] for s in full] == list(range(9))
+    assert [len(s["ids"]) for s in elastic] == [len(s["ids"]) for s in full] == [96] * 6 + [192] * 3
+    assert [s["accumulation"] for s in elastic] == [1] * 6 + [2, 1, 1]
+    assert [s["ids"] for s in elastic] == [s["ids"] for s in full]
+    for epoch in range(EPOCHS):
+        assert sorted(i for s in elastic if s["epoch"] == epoch for i in s["ids"]) == list(range(RAMP_SIZE))
+    lrs = [s["lr"] for s in full]
+    assert [s["lr"] for s in elastic] == lrs and len(set(lrs)) == len(lrs)  # warmup, ramp scaling, decay
+    full1, full1_weights = read(tmp / "full1", 1)
+    assert [s["accumulation"] for s in full1] == [2] * 6 + [3] * 3
+    # zero noise (bitwise-equal reductions) would demand a bitwise-equal resumed run
+    noise = distance(read(tmp / "full2", 2)[1], full1_weights)
+    off, wrong = distance(weights, full_weights), distance(read(tmp / "wrong", 3)[1], full_weights)
+    print(f"reduction-order noise {noise:.3g}, elastic run off the uninterrupted by {off:.3g}, "
+          f"without the span by {wrong:.3g}")
+    assert off <= 10 * noise < wrong
 
 
 def _topk_worker(rank: int, world_size: int, folder: str, ckpt_path: str | None) -> dict:
