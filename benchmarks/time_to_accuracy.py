@@ -312,7 +312,8 @@ def _wire_of(strategy: Any) -> dict[str, Any]:
     """What a wire arm's strategy sends between nodes: its dtype, with top-k the share, and its plan."""
     plan = strategy.plan_summary()
     return {"wire_dtype": strategy.wire_dtype, "topk_ratio": strategy.topk_ratio if strategy.compression == "topk" else None,
-            "algorithm": plan["strategy/algorithm"], "fusion_plan": plan["strategy/fusion_plan"]}
+            "algorithm": plan["strategy/algorithm"], "fusion_plan": plan["strategy/fusion_plan"],
+            "comm_hook": plan["strategy/comm_hook"], "plain_ddp_reason": plan.get("strategy/plain_ddp_reason")}
 
 
 def ramp_schedule(epochs: int, b0: int, k: int, world: int) -> dict[int, int]:
