@@ -92,7 +92,6 @@ class StepTimer:
         self.cuda = device.type == "cuda" and torch.cuda.is_available()
         self._handles: list[Any] = []
         self._pending: list[_Pending] = []
-        self._done: list[StepTimes] = []
         self.steps = 0  # optimizer steps finished so far
         self._last_param: nn.Parameter | None = None
         self._grad_t = 0.0
