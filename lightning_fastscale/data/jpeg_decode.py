@@ -58,15 +58,9 @@ _capture: _Capture | None = None
 
 def _capture_state() -> _Capture:
     global _capture
-    if _capture is None or _capture.pid != os.getpid():  # a forked worker gets its own
+    if _capture is None or _capture.pid != os.getpid():  # a forked worker gets its own (the parent's lock may be held by a thread it lacks)
         _capture = _Capture(os.getpid(), tempfile.TemporaryFile(), threading.RLock())
     return _capture
-
-def _forget_capture() -> None:  # the parent's lock may have been held by a thread the child lacks
-    global _capture
-    _capture = None
-
-os.register_at_fork(after_in_child=_forget_capture)
 
 @contextlib.contextmanager
 def decoder_messages() -> Iterator[list[str]]:
