@@ -21,14 +21,6 @@ NORM_LAYER_TYPES: tuple[type[nn.Module], ...] = (
 )
 
 
-def _norm_parameter_ids(module: nn.Module) -> set[int]:
-    ids: set[int] = set()
-    for sub in module.modules():
-        if isinstance(sub, NORM_LAYER_TYPES) or type(sub).__name__.lower().endswith("norm"):
-            ids.update(id(p) for p in sub.parameters(recurse=False))
-    return ids
-
-
 def is_excluded(
     name: str,
     param: nn.Parameter,
@@ -46,7 +38,9 @@ def split_parameters(
     module: nn.Module, extra_patterns: Sequence[str] = ()
 ) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
     """Split ``module``'s trainable parameters into (adapted, excluded), in ``named_parameters()`` order."""
-    norm_ids = _norm_parameter_ids(module)
+    norm_ids = {id(p) for sub in module.modules()
+                if isinstance(sub, NORM_LAYER_TYPES) or type(sub).__name__.lower().endswith("norm")
+                for p in sub.parameters(recurse=False)}
     adapted: list[tuple[str, nn.Parameter]] = []
     excluded: list[tuple[str, nn.Parameter]] = []
     for name, param in module.named_parameters():
