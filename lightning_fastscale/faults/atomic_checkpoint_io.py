@@ -4,6 +4,7 @@ More in ``docs/faults.md`` ("Atomic checkpoint writes").
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
@@ -28,9 +29,8 @@ def _fsync_folder(folder: Path) -> None:
     except OSError:  # a folder that cannot be opened (some network filesystems): best effort
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -59,10 +59,8 @@ def save_atomically(obj: Any, path: str | os.PathLike) -> None:
             os.fsync(f.fileno())
         os.replace(temp_name, path)
     except BaseException as err:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(temp_name)
-        except FileNotFoundError:
-            pass
         if isinstance(err, OSError) and err.errno is not None:
             kept = " (the existing file is kept)" if path.exists() else ""
             raise OSError(err.errno, f"{err.strerror}: cannot write checkpoint {path}{kept}") from err
