@@ -29,9 +29,7 @@ def is_excluded(
     extra_patterns: Sequence[str] = (),
 ) -> bool:
     """Whether ``param`` (qualified ``name``) gets no weight decay and no LARS adaptation: 0-D/1-D, norm or pattern."""
-    if param.ndim <= 1 or in_norm_layer:
-        return True
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in extra_patterns)
+    return param.ndim <= 1 or in_norm_layer or any(fnmatch.fnmatchcase(name, p) for p in extra_patterns)
 
 
 def split_parameters(
