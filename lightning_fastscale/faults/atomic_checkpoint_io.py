@@ -24,15 +24,12 @@ PARTIAL_SUFFIX = ".partial"
 
 
 def _fsync_folder(folder: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # a folder that cannot be opened or synced (some network filesystems): best effort
         fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # a folder that cannot be opened (some network filesystems): best effort
-        return
-    try:
-        with contextlib.suppress(OSError):
+        try:
             os.fsync(fd)
-    finally:
-        os.close(fd)
+        finally:
+            os.close(fd)
 
 
 def save_atomically(obj: Any, path: str | os.PathLike) -> None:
