@@ -21,14 +21,6 @@ NORM_LAYER_TYPES: tuple[type[nn.Module], ...] = (
 )
 
 
-def _norm_parameter_ids(module: nn.Module) -> set[int]:
-    ids: set[int] = set()
-    for sub in module.modules():
-        if isinstance(sub, NORM_LAYER_TYPES) or type(sub).__name__.lower().endswith("norm"):
-            ids.update(id(p) for p in sub.parameters(recurse=False))
-    return ids
-
-
 def is_excluded(
     name: str,
     param: nn.Parameter,
@@ -37,16 +29,16 @@ def is_excluded(
     extra_patterns: Sequence[str] = (),
 ) -> bool:
     """Whether ``param`` (qualified ``name``) gets no weight decay and no LARS adaptation: 0-D/1-D, norm or pattern."""
-    if param.ndim <= 1 or in_norm_layer:
-        return True
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in extra_patterns)
+    return param.ndim <= 1 or in_norm_layer or any(fnmatch.fnmatchcase(name, p) for p in extra_patterns)
 
 
 def split_parameters(
     module: nn.Module, extra_patterns: Sequence[str] = ()
 ) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
     """Split ``module``'s trainable parameters into (adapted, excluded), in ``named_parameters()`` order."""
-    norm_ids = _norm_parameter_ids(module)
+    norm_ids = {id(p) for sub in module.modules()
+                if isinstance(sub, NORM_LAYER_TYPES) or type(sub).__name__.lower().endswith("norm")
+                for p in sub.parameters(recurse=False)}
     adapted: list[tuple[str, nn.Parameter]] = []
     excluded: list[tuple[str, nn.Parameter]] = []
     for name, param in module.named_parameters():

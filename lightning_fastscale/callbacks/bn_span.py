@@ -19,13 +19,6 @@ from lightning_fastscale._validation import positive_int
 from lightning_fastscale.callbacks.ghost_batch_norm import _PLAIN_BATCH_NORMS, apply_ghost_batch_norm, share_state
 
 
-def _valid_spans(per_device_batch: int, world_size: int, ranks_per_node: int) -> list[int]:
-    inside = [n for n in range(2, per_device_batch + 1) if per_device_batch % n == 0]
-    across = [per_device_batch * k for k in range(2, world_size + 1) if world_size % k == 0
-              and (ranks_per_node % k == 0 or k % ranks_per_node == 0)]
-    return inside + across
-
-
 def bn_span_plan(span: int, per_device_batch: int, world_size: int = 1, ranks_per_node: int | None = None) -> int:
     """How many ranks share BN statistics for ``span`` images: 1 (ghost groups on each device) or more.
 
@@ -38,7 +31,9 @@ def bn_span_plan(span: int, per_device_batch: int, world_size: int = 1, ranks_pe
     positive_int("bn_span", span, minimum=2, hint="the number of images BN normalises over, e.g. 32")
     positive_int("per-device batch", per_device_batch)
     ranks_per_node = world_size if ranks_per_node is None else ranks_per_node
-    valid = _valid_spans(per_device_batch, world_size, ranks_per_node)
+    valid = [n for n in range(2, per_device_batch + 1) if per_device_batch % n == 0] + [
+        per_device_batch * k for k in range(2, world_size + 1)
+        if world_size % k == 0 and (ranks_per_node % k == 0 or k % ranks_per_node == 0)]
     if span not in valid:
         below = max((n for n in valid if n < span), default=None)
         above = min((n for n in valid if n > span), default=None)

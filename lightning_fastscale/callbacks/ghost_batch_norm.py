@@ -114,11 +114,6 @@ def share_state(bn: _BatchNorm, layer: _BatchNorm) -> _BatchNorm:
     return layer
 
 
-def _to_ghost(bn: _BatchNorm, ghost_batch_size: int) -> _BatchNorm:
-    return share_state(bn, GhostBatchNormLayer(bn.num_features, ghost_batch_size, bn.eps, bn.momentum, bn.affine,
-                                               bn.track_running_stats, device="meta"))
-
-
 def apply_ghost_batch_norm(model: nn.Module, ghost_batch_size: int) -> list[str]:
     """Replace every plain ``nn.BatchNorm1d/2d/3d`` in ``model`` by a `GhostBatchNormLayer`; the names converted.
 
@@ -133,7 +128,9 @@ def apply_ghost_batch_norm(model: nn.Module, ghost_batch_size: int) -> list[str]
                 child.ghost_batch_size = ghost_batch_size
                 converted.append(qualified)
             elif type(child) in _PLAIN_BATCH_NORMS:
-                setattr(parent, child_name, _to_ghost(child, ghost_batch_size))
+                setattr(parent, child_name, share_state(child, GhostBatchNormLayer(
+                    child.num_features, ghost_batch_size, child.eps, child.momentum, child.affine,
+                    child.track_running_stats, device="meta")))
                 converted.append(qualified)
     if not converted:
         others = sorted({type(m).__name__ for m in model.modules() if isinstance(m, _BatchNorm)})

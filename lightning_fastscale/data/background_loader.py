@@ -61,10 +61,6 @@ class BackgroundStreamingDataLoader(EpochAwareStreamingDataLoader):
     def _in_flight(self) -> int:
         return self._produced - self._consumed
 
-    def _snapshot(self) -> dict[str, Any]:
-        state = super().state_dict()
-        return {**state, "dataset": dict(state["dataset"])}  # litdata returns its live dict
-
     def _produce(self, source: Iterator[Any], out: queue.Queue[tuple[int, Any]], stop: threading.Event) -> None:
         if self._collate_pool is None:
             self._collate_pool = ThreadPoolExecutor(self.batches_ahead, thread_name_prefix="fastscale-collate")
@@ -77,7 +73,8 @@ class BackgroundStreamingDataLoader(EpochAwareStreamingDataLoader):
                         break
                     self._produced += 1
                     # taken now: running on, the producer moves litdata's counter (and epoch)
-                    state = self._snapshot()
+                    state = super().state_dict()
+                    state = {**state, "dataset": dict(state["dataset"])}  # litdata returns its live dict
                     if self._produced == 1:  # the position before any batch is handed out
                         self._consumed_state = rewind_streaming_state(self, state, 1)
                 batch = self._collate_pool.submit(self.collate, samples)

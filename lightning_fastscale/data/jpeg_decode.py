@@ -56,26 +56,17 @@ class _Capture:
 
 _capture: _Capture | None = None
 
-def _capture_state() -> _Capture:
-    global _capture
-    if _capture is None or _capture.pid != os.getpid():  # a forked worker gets its own
-        _capture = _Capture(os.getpid(), tempfile.TemporaryFile(), threading.RLock())
-    return _capture
-
-def _forget_capture() -> None:  # the parent's lock may have been held by a thread the child lacks
-    global _capture
-    _capture = None
-
-os.register_at_fork(after_in_child=_forget_capture)
-
 @contextlib.contextmanager
 def decoder_messages() -> Iterator[list[str]]:
     """Collect what native code writes to file descriptor 2 meanwhile, in a one-element list after the block.
 
     Lines not libjpeg's go back to stderr; blocks of different threads run one at a time, and nest.
     """
+    global _capture
+    if _capture is None or _capture.pid != os.getpid():  # a forked worker gets its own (the parent's lock may be held by a thread it lacks)
+        _capture = _Capture(os.getpid(), tempfile.TemporaryFile(), threading.RLock())
     collected: list[str] = []
-    state = _capture_state()
+    state = _capture
     with state.lock:
         sys.stderr.flush()
         outermost = state.depth == 0

@@ -35,15 +35,6 @@ __all__ = [
 ]
 
 
-def _quiet_litdata_info() -> None:
-    # litdata logs INFO lines (its cache size, its mmap mode) for every dataset it opens: the
-    # loaders, their workers and every epoch repeat them a dozen times in a short run. Its
-    # warnings and errors still show; a level the user set on the "litdata" logger is kept.
-    litdata_log = logging.getLogger("litdata")
-    if litdata_log.level == logging.NOTSET:
-        litdata_log.setLevel(logging.WARNING)
-
-
 class StreamingDataModule(_ResizableDataModule):
     """Converted ImageNet-style data streamed with litdata; uint8 in workers, float on device.
 
@@ -125,7 +116,11 @@ class StreamingDataModule(_ResizableDataModule):
         decode_threads: int | str = "auto",
         dct_scaling: bool = False,
     ) -> None:
-        _quiet_litdata_info()
+        # litdata logs INFO lines (its cache size, its mmap mode) for every dataset it opens: the
+        # loaders, their workers and every epoch repeat them a dozen times in a short run. Its
+        # warnings and errors still show; a level the user set on the "litdata" logger is kept.
+        if logging.getLogger("litdata").level == logging.NOTSET:
+            logging.getLogger("litdata").setLevel(logging.WARNING)
         auto = num_workers == "auto"
         if not auto and (isinstance(num_workers, bool) or not isinstance(num_workers, int)):
             raise ValueError(f"num_workers={num_workers!r} must be an integer >= 0 or 'auto'")

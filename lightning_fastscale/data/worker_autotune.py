@@ -141,8 +141,9 @@ class WorkerCountCache:
 
 
 def cores_per_rank(local_ranks: int = 1, max_workers: int | None = None) -> int:
-    """The cores one training process's loader may use: ``max_workers``, else its share of this machine."""
-    return max_workers or max(1, (os.cpu_count() or 1) // local_ranks)
+    """The cores one training process's loader may use: ``max_workers``, else its share of the cores it may run on."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max_workers or max(1, cores // max(1, local_ranks))
 
 
 def threads_per_worker(cores: int, num_workers: int) -> int:

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lightning_fastscale.diagnostics.step_breakdown import PHASES, VERDICTS, BreakdownSummary, RankTotals, summarize
+from lightning_fastscale.planner.baseline import PLAIN_DDP_TOLERANCE
 
 __all__ = ["Diagnosis", "Fix", "Measurements", "Verdict", "algorithm_overrides", "diagnosis_of", "large_batch_bound",
            "propose_fixes", "verdict_of", "verify_fixes"]
@@ -446,9 +447,6 @@ def large_batch_note(m: Measurements) -> str:
                "they pay only if the run needs fewer than that many times the epochs at the larger batch")
     return (f"a larger per-device batch (experiment=large_batch) is at most {bound:.2f}x faster per sample here "
             f"(step over input + compute); {verdict}")
-
-
-PLAIN_DDP_TOLERANCE = 0.05  # plain DDP is kept within this fraction of the best all-reduce (the planner's)
 
 
 def plain_ddp_within(m: Measurements) -> bool:

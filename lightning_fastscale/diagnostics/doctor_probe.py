@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import socket
 import statistics
 import time
@@ -27,7 +26,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import Precision
 from typing_extensions import override
 
-from lightning_fastscale.data.worker_autotune import images_per_second
+from lightning_fastscale.data.worker_autotune import cores_per_rank, images_per_second
 from lightning_fastscale.diagnostics.doctor import FLAT, WINDOWS, Diagnosis, Measurements, diagnosis_of, verify_fixes
 from lightning_fastscale.diagnostics.step_breakdown_callback import StepBreakdown
 from lightning_fastscale.lightning_internals import copy_without_trainer, transfer_batch
@@ -158,14 +157,6 @@ def measure_compute(trainer: pl.Trainer, module: pl.LightningModule, batch: Any,
     return (time.perf_counter() - start) / steps
 
 
-def _cores_per_rank(trainer: pl.Trainer) -> int:
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, trainer.num_devices))
-
-
 class DoctorProbe(Callback):
     """Measures what ``fastscale-doctor`` needs during one short fit; after it `measurements` holds every rank's.
 
@@ -216,7 +207,7 @@ class DoctorProbe(Callback):
         batch_size = getattr(dm, "train_batch_size", None) or getattr(dm, "batch_size", None)
         if dm is not None and hasattr(dm, "num_workers") and isinstance(dm.num_workers, int) and batch_size:
             configured = dm.num_workers
-            cores = self.max_workers if self.max_workers is not None else _cores_per_rank(trainer)
+            cores = self.max_workers if self.max_workers is not None else cores_per_rank(trainer.num_devices)
             counts = sorted({configured} | {w for w in (max(2 * configured, configured + 1), cores) if configured < w <= cores})
             local["loader_images_per_s"] = measure_loader(dm, counts, self.loader_batches, batch_size, self.repeats)
             local["num_workers"] = configured

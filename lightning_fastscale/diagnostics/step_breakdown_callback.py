@@ -232,14 +232,6 @@ class StepBreakdown(pl.Callback):
         self._images: float | None = None
         self._report_dir = Path(".")
 
-    def _untime_input(self, trainer: pl.Trainer) -> None:
-        if self._profiler is not None:
-            self._profiler.on_input = None
-            self._profiler = None
-        if self._replaced_profiler is not None:
-            trainer.profiler = self._replaced_profiler
-            self._replaced_profiler = None
-
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not pl_module.automatic_optimization:
@@ -341,7 +333,12 @@ class StepBreakdown(pl.Callback):
     def _close(self, trainer: pl.Trainer) -> None:
         if self.timer is not None:
             self.timer.detach()
-        self._untime_input(trainer)
+        if self._profiler is not None:
+            self._profiler.on_input = None
+            self._profiler = None
+        if self._replaced_profiler is not None:
+            trainer.profiler = self._replaced_profiler
+            self._replaced_profiler = None
 
 
 class FabricStepBreakdown:

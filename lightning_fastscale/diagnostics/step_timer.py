@@ -92,7 +92,6 @@ class StepTimer:
         self.cuda = device.type == "cuda" and torch.cuda.is_available()
         self._handles: list[Any] = []
         self._pending: list[_Pending] = []
-        self._done: list[StepTimes] = []
         self.steps = 0  # optimizer steps finished so far
         self._last_param: nn.Parameter | None = None
         self._grad_t = 0.0
@@ -196,15 +195,11 @@ class StepTimer:
             times = {k: v for k, v in batch.items() if k in MARKS}
             _split(times, batch["origin"], batch["input_s"], seconds)
         if self.cuda and len(p.batches) == 1 and p.origin_event is not None:
-            seconds = self._gpu_seconds(p)
+            # parts from the events (GPU timeline); ``input`` capped by the host's fetch time
+            seconds = dict.fromkeys(PHASES, 0.0)
+            _split({k: p.origin_event.elapsed_time(e) / 1e3 for k, e in p.events.items() if k in MARKS}, 0.0,
+                   p.input_s, seconds)
         return StepTimes(p.step, seconds, p.samples, p.images)
-
-    def _gpu_seconds(self, p: _Pending) -> dict[str, float]:
-        """Parts from the events (GPU timeline); ``input`` capped by the host's fetch time."""
-        seconds = dict.fromkeys(PHASES, 0.0)
-        _split({k: p.origin_event.elapsed_time(e) / 1e3 for k, e in p.events.items() if k in MARKS}, 0.0, p.input_s,
-               seconds)
-        return seconds
 
     def drain(self, block: bool = False) -> list[StepTimes]:
         """Finished steps since the last call, in order (CUDA: ``block`` waits for the events)."""

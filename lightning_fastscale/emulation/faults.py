@@ -5,6 +5,7 @@ More in ``docs/emulated_cluster.md`` ("Faults on the emulated cluster").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -60,13 +61,6 @@ class FaultOutcome:
         survivors = sorted(self.rank_errors)
         first = next(iter(self.rank_errors.values()), "no error recorded").splitlines()[0]
         return f"ranks {survivors} raised; e.g. {first[:160]}"
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def free_port() -> int:
@@ -132,7 +126,8 @@ def run_fault_scenario(
             return _watch(procs, out, cfg, bound_s, startup_s)
         finally:
             for proc in procs:
-                _kill_group(proc.pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
             for proc in procs:
                 proc.wait(timeout=30)
             for log in logs:

@@ -4,6 +4,7 @@ More in ``docs/emulated_cluster.md`` ("Network namespaces").
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import json
@@ -118,11 +119,9 @@ def _kill_namespace_processes(namespace: str) -> list[int]:
     listed = _ip("netns", "pids", namespace, check=False)
     killed = []
     for pid in (int(p) for p in listed.stdout.split() if p.isdigit()):
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
-        except ProcessLookupError:
-            pass
     return killed
 
 
@@ -346,22 +345,18 @@ class EmulatedCluster:
             raise TimeoutError(f"emulated-cluster run exceeded {timeout}s\n{tails}")
         return results
 
-    def _stop(self, procs: Sequence[subprocess.Popen], grace: float = 3.0) -> None:
+    def _stop(self, procs: Sequence[subprocess.Popen]) -> None:
         for p in procs:
             if p.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + grace
+        deadline = time.monotonic() + 3.0  # grace before SIGKILL
         for p in procs:
             try:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
                 p.wait(timeout=5)
 
     # -- teardown -------------------------------------------------------------------

@@ -4,6 +4,7 @@ More in ``docs/faults.md`` ("Atomic checkpoint writes").
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
@@ -23,16 +24,12 @@ PARTIAL_SUFFIX = ".partial"
 
 
 def _fsync_folder(folder: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # a folder that cannot be opened or synced (some network filesystems): best effort
         fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # a folder that cannot be opened (some network filesystems): best effort
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def save_atomically(obj: Any, path: str | os.PathLike) -> None:
@@ -59,10 +56,8 @@ def save_atomically(obj: Any, path: str | os.PathLike) -> None:
             os.fsync(f.fileno())
         os.replace(temp_name, path)
     except BaseException as err:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(temp_name)
-        except FileNotFoundError:
-            pass
         if isinstance(err, OSError) and err.errno is not None:
             kept = " (the existing file is kept)" if path.exists() else ""
             raise OSError(err.errno, f"{err.strerror}: cannot write checkpoint {path}{kept}") from err

@@ -250,15 +250,11 @@ class PreemptionCheckpoint(Checkpoint):
                 "PreemptionCheckpoint: %s received; stopped after step %d (epoch %d), checkpoint %s",
                 self.received.name, trainer.global_step, trainer.current_epoch, path,
             )
-            if self._should_requeue(trainer):
+            environment = cluster_environment(trainer)
+            slurm = isinstance(environment, SLURMEnvironment) and environment.auto_requeue and SLURMEnvironment.detect()
+            if self.requeue or (self.requeue is None and slurm):
                 self._requeue_slurm_job()
         end_agreed(trainer, SIGTERMException(self.exit_code))
-
-    def _should_requeue(self, trainer: pl.Trainer) -> bool:
-        if self.requeue is not None:
-            return self.requeue
-        environment = cluster_environment(trainer)
-        return isinstance(environment, SLURMEnvironment) and environment.auto_requeue and SLURMEnvironment.detect()
 
     @staticmethod
     def _requeue_slurm_job() -> None:

@@ -79,14 +79,6 @@ class Claim:
             self._fd = None
 
 
-def _me() -> dict[str, Any]:
-    return {
-        "pid": os.getpid(), "host": socket.gethostname(),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-    }
-
-
 def claim(folder: str | os.PathLike) -> Claim:
     """Claim ``folder`` for this process, or raise `RunFolderInUseError` naming the holder.
 
@@ -143,7 +135,9 @@ def claim(folder: str | os.PathLike) -> Claim:
                 "run folder %s: taking over the lock of %s, which ended without releasing it", folder, _describe(previous)
             )
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(_me()).encode(), 0)
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+              "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
+        os.pwrite(fd, json.dumps(me).encode(), 0)
         os.fsync(fd)
         held = Claim(folder, fd)
         atexit.register(held.release)

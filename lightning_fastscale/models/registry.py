@@ -57,7 +57,10 @@ def create_model(name: str, num_classes: int, pretrained: bool | str | Path = Fa
             import torchvision
 
             if name not in torchvision.models.list_models():
-                raise ValueError(_unknown(name))
+                raise ValueError(
+                    f"unknown model {name!r}: not one of this package's models ({', '.join(own_model_names())}), "
+                    "not a timm model (timm.list_models()) and not a torchvision model "
+                    "(torchvision.models.list_models()); give one of those names")
             model = _torchvision_model(name, num_classes, library_weights, kwargs)
     return load_pretrained_weights(model, pretrained) if from_file else model
 
@@ -81,14 +84,6 @@ def _timm_model(name: str, num_classes: int, pretrained: bool, kwargs: dict[str,
         if not pretrained:
             raise
         raise _fetch_error(name, "timm (Hugging Face Hub)", error) from error
-
-
-def _unknown(name: str) -> str:
-    return (
-        f"unknown model {name!r}: not one of this package's models ({', '.join(own_model_names())}), "
-        "not a timm model (timm.list_models()) and not a torchvision model "
-        "(torchvision.models.list_models()); give one of those names"
-    )
 
 
 def _torchvision_model(name: str, num_classes: int, pretrained: bool, kwargs: dict[str, Any]) -> nn.Module:

@@ -120,8 +120,10 @@ class HierarchicalAllReduceMixin:
         self._set_world_ranks_now()
         self.topology = self._resolve_topology()
         super().setup_environment()  # type: ignore[misc]
-        self._check_nodes_uniform()
-        if self.world_size > 1:  # a rank hung outside any collective ends once a peer has failed
+        if self.world_size > 1:  # one process has nothing to compare with, and issues no collective
+            check_nodes_uniform(gather_node_reports(self.global_rank, self.node_rank, self.world_size,
+                                                    self.cluster_environment), self.num_processes)
+            # a rank hung outside any collective ends once a peer has failed
             env = self.cluster_environment
             timeout_s = self._timeout.total_seconds() if self._timeout is not None else 0.0
             self._watchdog = PeerWatchdog(env.main_address, env.main_port, self.global_rank,
@@ -149,12 +151,6 @@ class HierarchicalAllReduceMixin:
     def _resolve_topology(self) -> Topology:
         check_launcher(self._front, self.num_nodes, self.num_processes, self.cluster_environment)
         return self.check_topology()
-
-    def _check_nodes_uniform(self) -> None:
-        # One process has nothing to compare with, and issues no collective.
-        if self.world_size > 1:
-            reports = gather_node_reports(self.global_rank, self.node_rank, self.world_size, self.cluster_environment)
-            check_nodes_uniform(reports, self.num_processes)
 
     def plan_request(self, model: nn.Module, topology: Topology) -> PlanRequest:
         """What this strategy asks its planner: ``model`` on ``topology`` under its wire dtype, top-k and chunking."""

@@ -81,12 +81,6 @@ def _check_count(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}.{hint}")
 
 
-def _parse_slurm_tasks_per_node(value: str) -> int | None:
-    # SLURM writes e.g. "4", "4(x2)" or "4(x2),3" (heterogeneous); only a single count is usable.
-    counts = {int(m.group(1)) for m in re.finditer(r"(\d+)(?:\(x\d+\))?", value)}
-    return counts.pop() if len(counts) == 1 else None
-
-
 def detect_ranks_per_node(cluster_environment_or_env: Any = None) -> int | None:
     """Ranks per node from torchrun's ``LOCAL_WORLD_SIZE`` or SLURM's ``SLURM_NTASKS_PER_NODE``, else ``None``.
 
@@ -105,7 +99,9 @@ def detect_ranks_per_node(cluster_environment_or_env: Any = None) -> int | None:
     if env.get("LOCAL_WORLD_SIZE"):
         return int(env["LOCAL_WORLD_SIZE"])
     if env.get("SLURM_NTASKS_PER_NODE"):
-        return _parse_slurm_tasks_per_node(env["SLURM_NTASKS_PER_NODE"])
+        # SLURM writes e.g. "4", "4(x2)" or "4(x2),3" (heterogeneous); only a single count is usable.
+        counts = {int(m.group(1)) for m in re.finditer(r"(\d+)(?:\(x\d+\))?", env["SLURM_NTASKS_PER_NODE"])}
+        return counts.pop() if len(counts) == 1 else None
     return None
 
 
