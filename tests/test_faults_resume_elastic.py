@@ -537,7 +537,7 @@ def replay(steps: list[dict]) -> list[torch.Tensor]:
         optimizer.zero_grad()
         model.training_step(default_collate([id_sample(i) for i in step["ids"]]), 0).backward()
         optimizer.step()
-    return [p.detach() for p in model.parameters()]
+    return [p.detach().flatten() for p in model.parameters()]
 
 
 def check_weights(elastic: list[dict], last: tuple[Path, int], uninterrupted: list[tuple[Path, int]]) -> None:
