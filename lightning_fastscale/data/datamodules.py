@@ -136,6 +136,10 @@ class ImageFolderDataModule(_ResizableDataModule):
     depend on the rank or loader worker that reads it. Validation resizes to ``val_resolution /
     crop_ratio`` and centre-crops (0.875: resize 256, crop 224). Errors name the missing or
     unreadable path.
+
+    Examples:
+        >>> dm = ImageFolderDataModule("/datasets/imagenet", batch_size=256, seed=0)  # doctest: +SKIP
+        >>> trainer.fit(model, datamodule=dm)  # doctest: +SKIP
     """
 
     def __init__(
