@@ -231,7 +231,12 @@ class _TrainImageFolder(_CheckedImageFolder):
 
 class _EpochLoader(DataLoader):
     """Tells its `_TrainImageFolder` the epoch as each iteration starts: ``epoch()``, or (no
-    trainer) the number of iterations before this one."""
+    trainer) the number of iterations before this one.
+
+    At the first batch, not when the iterator is made: Lightning makes a resumed run's iterator
+    before it settles the epoch (and sets the sampler's), so workers start and the sampler
+    draws its order then too.
+    """
 
     def __init__(self, *args: Any, epoch: Callable[[], int] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -240,4 +245,4 @@ class _EpochLoader(DataLoader):
     def __iter__(self) -> Iterator[Any]:
         self.dataset.epoch.fill_(self._iterations if self.epoch is None else self.epoch())
         self._iterations += 1
-        return super().__iter__()
+        yield from super().__iter__()
