@@ -669,22 +669,27 @@ class ImageRecorder(Recorder):
         return F.cross_entropy(self.net(x), y)
 
 
-@pytest.mark.slow  # 3 Trainers, one on 2 processes, with image decoding
+@pytest.mark.slow  # 4 Trainers, two on 2 processes, with image decoding
 def test_image_folder_stopped_on_2_ranks_resumed_on_1_with_accumulation_sees_the_rest_of_the_epoch_once(tmp_path):
     """``ImageFolderDataModule``: 2 ranks x 12 (a loader worker each) stop after step 2; 1 rank
     resumes as 12 x 2 accumulation: each step trains on the uninterrupted 1-rank run's samples
-    (no workers), each with the same random crop and flip, every sample of an epoch once, its LR."""
+    (no workers), each with the same random crop and flip, every sample of an epoch once, its LR.
+    Resumed on 2 ranks again from the 1-rank run's epoch-end checkpoint: the uninterrupted epoch 1."""
     root = write_id_tree(tmp_path / "tree")
     data = functools.partial(ImageFolderDataModule, str(root), resolution=IMAGE_RES, num_workers=1)
     fit(tmp_path / "full", 1, 12, accumulate=2, module=ImageRecorder,
         data=functools.partial(ImageFolderDataModule, str(root), resolution=IMAGE_RES, num_workers=0))
     fit(tmp_path / "a", 2, 12, stop=2, data=data, module=ImageRecorder)
     fit(tmp_path / "b", 1, 12, ckpt_path=str(tmp_path / "a" / "stopped.ckpt"), max_per_device_batch=12, data=data,
+        module=ImageRecorder, every_epoch=True)
+    # and from b's epoch-end checkpoint back on 2 ranks: Lightning makes that iterator before it settles the epoch
+    fit(tmp_path / "c", 2, 12, ckpt_path=str(next((tmp_path / "b" / "epochs").glob("epoch=0-*.ckpt"))), data=data,
         module=ImageRecorder)
     full, _ = read(tmp_path / "full", 1)
-    (on2, _), (on1, _) = read(tmp_path / "a", 2), read(tmp_path / "b", 1)
+    (on2, _), (on1, _), (again, _) = read(tmp_path / "a", 2), read(tmp_path / "b", 1), read(tmp_path / "c", 2)
     assert [len(on2), len(on1)] == [2, STEPS - 2] and {s["accumulation"] for s in on1} == {2}
     assert [s["ids"] for s in on2 + on1] == [s["ids"] for s in full]
+    assert [s["ids"] for s in again] == [s["ids"] for s in full if s["epoch"] == 1]
     assert [s["lr"] for s in on2 + on1] == [s["lr"] for s in full]
     for epoch in range(EPOCHS):
         seen = [int(i.split(":")[0]) for s in on2 + on1 if s["epoch"] == epoch for i in s["ids"]]
