@@ -133,7 +133,8 @@ class ImageFolderDataModule(_ResizableDataModule):
 
     Random resized crop and flip for training (Szegedy et al. 2015, torchvision's scale and
     ratio), drawn from `sample_generator` of ``(seed, epoch, index)``: a sample's crop does not
-    depend on the rank or loader worker that reads it. Validation resizes to ``val_resolution /
+    depend on the rank or loader worker that reads it (``seed``: the augmentation's; the
+    shuffle is the sampler's). Validation resizes to ``val_resolution /
     crop_ratio`` and centre-crops (0.875: resize 256, crop 224). Errors name the missing or
     unreadable path.
 
@@ -177,7 +178,7 @@ class ImageFolderDataModule(_ResizableDataModule):
         ])
 
     def train_dataloader(self) -> DataLoader:
-        # The trainer's epoch, read as each epoch's iteration starts (as StreamingDataModule does)
+        # The trainer's epoch, read at each epoch's first batch (StreamingDataModule's loader reads it there too)
         trainer = getattr(self, "trainer", None)
         dataset = _TrainImageFolder(self.train_dir, self._class_to_idx(), self.train_resolution, self.seed)
         return self._loader(dataset, self.train_batch_size, True, _EpochLoader,
