@@ -4,24 +4,30 @@ keep the global batch where it cannot be split (plain ``pl.Trainer``, CPU, gloo)
 the rest of the interrupted epoch step by step as the uninterrupted run, through litdata's elastic resume."""
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import multiprocessing
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from lightning_fastscale.callbacks import BatchSizeRamp, BNSpan, WarmupDecayLR
 from lightning_fastscale.callbacks.batch_size_ramp import world_sizes_that_split
-from lightning_fastscale.data import StreamingDataModule
+from lightning_fastscale.data import ImageFolderDataModule, StreamingDataModule
 from lightning_fastscale.data.convert import convert
 from lightning_fastscale.data.streaming_datasets import DecodedStreamingDataset
+from lightning_fastscale.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from lightning_fastscale.faults import ExactResume, WorldSizeChangeError
 from lightning_fastscale.faults.exact_resume import GlobalOrderSampler
 from tests.distributed import ReleaseProcessGroup
@@ -101,7 +107,8 @@ class StopAfter(pl.Callback):
 def fit(folder: Path, devices: int, batch_size: int, ckpt_path: str | None = None, stop: int | None = None,
         max_per_device_batch: int | None = None, accumulate: int = 1, ramp: dict[int, int] | None = None,
         every_epoch: bool = False, plugins: list | None = None, extra: list | None = None,
-        module: type[Recorder] = Recorder, dataset: Dataset | None = None) -> None:
+        module: type[Recorder] = Recorder, dataset: Dataset | None = None,
+        data: Callable[..., pl.LightningDataModule] | None = None) -> None:
     folder.mkdir(parents=True)
     pl.seed_everything(0)  # the same initial weights in every run
     callbacks = [ExactResume(max_per_device_batch=max_per_device_batch), ReleaseProcessGroup(), *(extra or [])]
@@ -114,7 +121,8 @@ def fit(folder: Path, devices: int, batch_size: int, ckpt_path: str | None = Non
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy="ddp_spawn" if devices > 1 else "auto",
                          max_epochs=EPOCHS, accumulate_grad_batches=accumulate, callbacks=callbacks,
                          default_root_dir=folder, log_every_n_steps=1, plugins=plugins)
-    trainer.fit(module(str(folder)), IndexedData(batch_size, dataset), ckpt_path=ckpt_path)
+    data_module = IndexedData(batch_size, dataset) if data is None else data(batch_size=batch_size)
+    trainer.fit(module(str(folder)), data_module, ckpt_path=ckpt_path)
 
 
 def read(folder: Path, devices: int) -> tuple[list[dict], list[torch.Tensor]]:
@@ -663,3 +671,67 @@ def test_fastscale_train_streaming_sigterm_on_2_ranks_then_resume_auto_on_1(tmp_
     a, b = load(full), load(elastic)
     assert a["global_step"] == b["global_step"] == 8
     assert a["lr_schedulers"] == b["lr_schedulers"]
+
+
+# -- the image folder: the global order of the built-in data, each sample's crop from (seed, epoch, index) --
+
+IMAGE_RES = 8
+
+
+def write_id_tree(root: Path) -> Path:
+    """SIZE training JPEGs whose mean colour spells their id (3 channels x 8 levels 32 apart,
+    pixel noise of +-12 around it, so each crop's pixels differ), 4 classes; 1 val image per class."""
+    rng = np.random.default_rng(0)
+    for split, count in (("train", SIZE), ("val", 4)):
+        for i in range(count):
+            folder = root / split / f"n{i % 4:02d}"
+            folder.mkdir(parents=True, exist_ok=True)
+            colour = np.array([i // 64, i // 8 % 8, i % 8]) * 32 + 16
+            pixels = np.clip(colour + rng.integers(-12, 13, (20, 24, 3)), 0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(folder / f"{i:03d}.JPEG", quality=95)
+    return root
+
+
+class ImageRecorder(Recorder):
+    """`Recorder` on images: each sample as ``"<id read from its colour>:<hash of its crop's pixels>"``."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__(folder)
+        self.net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * IMAGE_RES * IMAGE_RES, 4))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        mean, std = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+        levels = (((x * std + mean) * 255).mean((2, 3)) - 16).div(32).round().long()
+        ids = (levels * torch.tensor([64, 8, 1])).sum(1)
+        self._ids += [f"{int(i):03d}:{hashlib.sha1(image.numpy().tobytes()).hexdigest()[:16]}" for i, image in zip(ids, x)]
+        return F.cross_entropy(self.net(x), y)
+
+
+@pytest.mark.slow  # 4 Trainers, two on 2 processes, with image decoding
+def test_image_folder_stopped_on_2_ranks_resumed_on_1_with_accumulation_sees_the_rest_of_the_epoch_once(tmp_path):
+    """``ImageFolderDataModule``: 2 ranks x 12 (a loader worker each) stop after step 2; 1 rank
+    resumes as 12 x 2 accumulation: each step trains on the uninterrupted 1-rank run's samples
+    (no workers), each with the same random crop and flip, every sample of an epoch once, its LR.
+    Resumed on 2 ranks again from the 1-rank run's epoch-end checkpoint: the uninterrupted epoch 1."""
+    root = write_id_tree(tmp_path / "tree")
+    data = functools.partial(ImageFolderDataModule, str(root), resolution=IMAGE_RES, num_workers=1)
+    fit(tmp_path / "full", 1, 12, accumulate=2, module=ImageRecorder,
+        data=functools.partial(ImageFolderDataModule, str(root), resolution=IMAGE_RES, num_workers=0))
+    fit(tmp_path / "a", 2, 12, stop=2, data=data, module=ImageRecorder)
+    fit(tmp_path / "b", 1, 12, ckpt_path=str(tmp_path / "a" / "stopped.ckpt"), max_per_device_batch=12, data=data,
+        module=ImageRecorder, every_epoch=True)
+    # and from b's epoch-end checkpoint back on 2 ranks: Lightning makes that iterator before it settles the epoch
+    fit(tmp_path / "c", 2, 12, ckpt_path=str(next((tmp_path / "b" / "epochs").glob("epoch=0-*.ckpt"))), data=data,
+        module=ImageRecorder)
+    full, _ = read(tmp_path / "full", 1)
+    (on2, _), (on1, _), (again, _) = read(tmp_path / "a", 2), read(tmp_path / "b", 1), read(tmp_path / "c", 2)
+    assert [len(on2), len(on1)] == [2, STEPS - 2] and {s["accumulation"] for s in on1} == {2}
+    assert [s["ids"] for s in on2 + on1] == [s["ids"] for s in full]
+    assert [s["ids"] for s in again] == [s["ids"] for s in full if s["epoch"] == 1]
+    assert [s["lr"] for s in on2 + on1] == [s["lr"] for s in full]
+    for epoch in range(EPOCHS):
+        seen = [int(i.split(":")[0]) for s in on2 + on1 if s["epoch"] == epoch for i in s["ids"]]
+        assert len(seen) == len(set(seen)) == SIZE // GLOBAL_BATCH * GLOBAL_BATCH and set(seen) <= set(range(SIZE))
+    crops = [{i.split(":")[0]: i for s in full if s["epoch"] == e for i in s["ids"]} for e in range(EPOCHS)]
+    assert all(crops[0][k] != crops[1][k] for k in crops[0].keys() & crops[1].keys())  # a new crop each epoch

@@ -5,6 +5,7 @@ Both implement `protocol`, so a batch-size ramp and progressive resizing work on
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from torchvision.transforms import v2
 from .procedural import ProceduralShapes
 from .protocol import check_positive
 from .stored_format import image_tree_classes
-from .transforms import IMAGENET_MEAN, IMAGENET_STD
+from .transforms import IMAGENET_MEAN, IMAGENET_STD, crop_resize_flip, draw_crop, sample_generator
 
 
 class _ResizableDataModule(pl.LightningDataModule):
@@ -58,8 +59,8 @@ class _ResizableDataModule(pl.LightningDataModule):
         """Produce ``resolution``-pixel validation images from the next ``val_dataloader()`` on."""
         self.val_resolution = check_positive("validation resolution", resolution)
 
-    def _loader(self, dataset: Dataset, batch_size: int, shuffle: bool) -> DataLoader:
-        return DataLoader(
+    def _loader(self, dataset: Dataset, batch_size: int, shuffle: bool, loader: type = DataLoader, **extra: Any) -> DataLoader:
+        return loader(
             dataset,
             batch_size=batch_size,
             shuffle=shuffle,
@@ -68,6 +69,7 @@ class _ResizableDataModule(pl.LightningDataModule):
             pin_memory=self.pin_memory,
             persistent_workers=self.persistent_workers,
             prefetch_factor=self.prefetch_factor,
+            **extra,
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -129,8 +131,16 @@ class ProceduralDataModule(_ResizableDataModule):
 class ImageFolderDataModule(_ResizableDataModule):
     """ImageNet directory layout: ``root/train/<class>/*.JPEG`` and ``root/val/<class>/*``.
 
-    Random resized crop and flip for training; validation resizes to ``val_resolution / crop_ratio``
-    and centre-crops (0.875: resize 256, crop 224). Errors name the missing or unreadable path.
+    Random resized crop and flip for training (Szegedy et al. 2015, torchvision's scale and
+    ratio), drawn from `sample_generator` of ``(seed, epoch, index)``: a sample's crop does not
+    depend on the rank or loader worker that reads it (``seed``: the augmentation's; the
+    shuffle is the sampler's). Validation resizes to ``val_resolution /
+    crop_ratio`` and centre-crops (0.875: resize 256, crop 224). Errors name the missing or
+    unreadable path.
+
+    Examples:
+        >>> dm = ImageFolderDataModule("/datasets/imagenet", batch_size=256, seed=0)  # doctest: +SKIP
+        >>> trainer.fit(model, datamodule=dm)  # doctest: +SKIP
     """
 
     def __init__(
@@ -145,6 +155,7 @@ class ImageFolderDataModule(_ResizableDataModule):
         pin_memory: bool | None = None,
         persistent_workers: bool = True,
         prefetch_factor: int | None = 2,
+        seed: int = 0,
     ) -> None:
         super().__init__(
             batch_size, resolution, val_resolution, num_workers, pin_memory,
@@ -153,38 +164,35 @@ class ImageFolderDataModule(_ResizableDataModule):
         if not 0 < crop_ratio <= 1:
             raise ValueError(f"crop_ratio={crop_ratio} must be in (0, 1]")
         self.root = Path(os.path.expanduser(str(root)))
-        self.crop_ratio = crop_ratio
+        self.crop_ratio, self.seed = crop_ratio, seed
         self.train_dir, self.val_dir = self.root / "train", self.root / "val"
         self.classes = image_tree_classes(self.root)
         self.num_classes = len(self.classes)
-
-    def _train_transform(self) -> v2.Transform:
-        return v2.Compose([
-            v2.ToImage(),
-            v2.RandomResizedCrop(self.train_resolution, antialias=True),
-            v2.RandomHorizontalFlip(),
-            v2.ToDtype(torch.float32, scale=True),
-            v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-        ])
 
     def _val_transform(self) -> v2.Transform:
         return v2.Compose([
             v2.ToImage(),
             v2.Resize(round(self.val_resolution / self.crop_ratio), antialias=True),
             v2.CenterCrop(self.val_resolution),
-            v2.ToDtype(torch.float32, scale=True),
-            v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+            _NORMALIZE,
         ])
 
-    def _folder(self, directory: Path, transform: v2.Transform) -> Dataset:
-        class_to_idx = {c: i for i, c in enumerate(self.classes)}
-        return _CheckedImageFolder(directory, transform=transform, class_to_idx=class_to_idx)
-
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self._folder(self.train_dir, self._train_transform()), self.train_batch_size, True)
+        # The trainer's epoch, read at each epoch's first batch (StreamingDataModule's loader reads it there too)
+        trainer = getattr(self, "trainer", None)
+        dataset = _TrainImageFolder(self.train_dir, self._class_to_idx(), self.train_resolution, self.seed)
+        return self._loader(dataset, self.train_batch_size, True, _EpochLoader,
+                            epoch=None if trainer is None else lambda: trainer.current_epoch)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self._folder(self.val_dir, self._val_transform()), self.val_batch_size, False)
+        folder = _CheckedImageFolder(self.val_dir, self._val_transform(), self._class_to_idx())
+        return self._loader(folder, self.val_batch_size, False)
+
+    def _class_to_idx(self) -> dict[str, int]:
+        return {c: i for i, c in enumerate(self.classes)}
+
+
+_NORMALIZE = v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
 
 
 class _CheckedImageFolder(ImageFolder):
@@ -205,3 +213,37 @@ class _CheckedImageFolder(ImageFolder):
             return super().__getitem__(index)
         except Exception as err:  # PIL raises several types for broken files
             raise RuntimeError(f"cannot read image {path}: {err}") from err
+
+
+class _TrainImageFolder(_CheckedImageFolder):
+    """The training split: sample ``index``'s crop and flip in epoch ``epoch`` from ``sample_generator(seed, epoch, index)``."""
+
+    def __init__(self, root: Path, class_to_idx: dict[str, int], resolution: int, seed: int) -> None:
+        super().__init__(root, v2.PILToTensor(), class_to_idx)  # uint8
+        self.resolution, self.seed = resolution, seed
+        # set in this process by _EpochLoader; persistent workers read it through shared memory
+        self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+
+    def __getitem__(self, index: int):
+        image, label = super().__getitem__(index)
+        box, flip = draw_crop(image.shape[-2], image.shape[-1], sample_generator(self.seed, int(self.epoch), index))
+        return _NORMALIZE(crop_resize_flip(image, box, self.resolution, flip)), label
+
+
+class _EpochLoader(DataLoader):
+    """Tells its `_TrainImageFolder` the epoch as each iteration starts: ``epoch()``, or (no
+    trainer) the number of iterations before this one.
+
+    At the first batch, not when the iterator is made: Lightning makes a resumed run's iterator
+    before it settles the epoch (and sets the sampler's), so workers start and the sampler
+    draws its order then too.
+    """
+
+    def __init__(self, *args: Any, epoch: Callable[[], int] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.epoch, self._iterations = epoch, 0
+
+    def __iter__(self) -> Iterator[Any]:
+        self.dataset.epoch.fill_(self._iterations if self.epoch is None else self.epoch())
+        self._iterations += 1
+        yield from super().__iter__()
