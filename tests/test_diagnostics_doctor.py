@@ -386,3 +386,6 @@ def test_allreduce_probe_times_every_algorithm_and_wire_with_the_planners_view()
     assert all(t > 0 for t in measured.values())
     if planner is not None:  # the link fit can fail on a machine too loaded for timings to grow with size
         assert set(measured) <= set(planner["predicted_s"]) and isinstance(planner["plain_ddp"], bool)
+        # what the fusion fix plans on: the fitted link, plain DDP's all-reduce timed at both sizes
+        assert planner["calibration_sizes"] == [1 << 18, 1 << 20]
+        assert planner["params"]["flat_measured"]["sizes_bytes"] == [1 << 18, 1 << 20]
