@@ -8,11 +8,15 @@ workers and names ``input``. The command-line runs (Hydra, several ranks, the em
 """
 from __future__ import annotations
 
+import itertools
 import json
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 
 from lightning_fastscale.diagnostics.doctor import (
     Diagnosis,
@@ -22,11 +26,18 @@ from lightning_fastscale.diagnostics.doctor import (
     large_batch_bound,
 )
 from lightning_fastscale.diagnostics.doctor_cli import check_settings, merge_overrides
-from lightning_fastscale.diagnostics.doctor_probe import DoctorProbe, measure_allreduce, measure_compute
+from lightning_fastscale.diagnostics.doctor_probe import (
+    DoctorProbe,
+    bucket_caps_mb,
+    measure_allreduce,
+    measure_backward,
+    measure_compute,
+)
 from lightning_fastscale.diagnostics.doctor_report import dumps, plot_report, render_report
 from lightning_fastscale.diagnostics.step_breakdown import VERDICTS
 from lightning_fastscale.diagnostics.step_breakdown_callback import StepBreakdown
 from lightning_fastscale.module import ImageClassifier
+from lightning_fastscale.planner import CommParams
 from tests.distributed import run_distributed
 from tests.doctor_helpers import InjectedDataModule
 
@@ -75,6 +86,99 @@ def test_exposed_communication_gets_the_fastest_measured_allreduce():
         ["strategy=hier_ring", "strategy.algorithm=flat", "strategy.wire_dtype=bf16"],
         ["strategy=hier_ring"]]  # torus2d/fp32 is slower than what runs now: not proposed
     assert algorithm_overrides("torus2d/fp16") == ["strategy=hier_torus", "strategy.wire_dtype=fp16"]
+
+
+# Two one-rank nodes on gloo: every algorithm all-reduces b fp32 bytes with e bytes per element on
+# the wire in 2 * ALPHA + b * e / 4 * BETA (one ring step each way, Thakur et al. 2005).
+ALPHA, BETA = 1e-3, 1.5e-7
+GRADS = [4_000, 200_000, 60_000, 1_000]  # bytes, backward order
+BACKWARD = [0.010, 0.010, 0.020, 0.005]  # seconds of backward before each gradient is ready
+SCALE = {"fp32": 1.1, "bf16": 1.2}  # measured / modelled all-reduce of the whole gradient
+
+
+def _model_s(nbytes: float, wire: str) -> float:
+    return 2 * ALPHA + nbytes * {"fp32": 4, "bf16": 2}[wire] / 4 * BETA
+
+
+def _exposed(buckets: list[list[int]], wire: str, scale: float = 1.0) -> float:
+    """Communication after backward: each bucket starts when its last gradient is ready and the link is free."""
+    finish, ready, i = 0.0, 0.0, 0
+    for bucket in buckets:
+        ready += sum(BACKWARD[i:i + len(bucket)])
+        i += len(bucket)
+        finish = max(finish, ready) + scale * _model_s(sum(bucket), wire)
+    return finish - sum(BACKWARD)
+
+
+def _best_buckets(wire: str) -> list[list[int]]:
+    """Brute force over every split: the earliest end of communication, then the fewest buckets."""
+    splits = [[GRADS[a:b] for a, b in zip((0, *cut), (*cut, len(GRADS)))]
+              for k in range(len(GRADS)) for cut in itertools.combinations(range(1, len(GRADS)), k)]
+    return min(splits, key=lambda s: (round(_exposed(s, wire), 12), len(s)))
+
+
+def _overlap_case(caps=(1.0, 25.0), configured="flat/fp32", backward=None) -> Measurements:
+    g = sum(GRADS)
+    link = CommParams(ALPHA, BETA, ALPHA, BETA, backend="gloo").as_dict()
+    return Measurements(
+        parts=[_parts(compute=0.05, communication=0.06, optimizer=0.002)] * 2, batch_size=32, grad_bytes=g,
+        num_nodes=2, ranks_per_node=1, configured_allreduce=configured, bucket_caps_mb=list(caps),
+        allreduce_s={f"{a}/{w}": SCALE[w] * _model_s(g, w) for a in ("flat", "hier", "torus2d") for w in SCALE},
+        planner={"predicted_s": {}, "plain_ddp": False, "tolerance": 0.05, "params": link,
+                 "calibration_sizes": [g // 4, g]},
+        backward_profile={"names": [f"p{i}" for i in range(len(GRADS))], "grad_bytes": GRADS,
+                          "backward_s": backward or BACKWARD, "forward_s": 0.02})
+
+
+def test_overlap_with_backward_is_proposed_with_the_planners_buckets_and_the_formula():
+    m = _overlap_case()
+    d = diagnosis_of(m)
+    assert d.verdict.bottleneck == "communication"
+    step, exposed = m.step_s, 0.06
+    # now: DDP's default caps (1 MiB first, then 25 MiB) hold the 0.25 MiB gradient in one bucket
+    now = _exposed([GRADS], "fp32", SCALE["fp32"])
+    assert now == pytest.approx(m.allreduce_s["flat/fp32"])
+    overlap = [f for f in d.fixes if f.overrides[0] == "strategy=hier_auto"]
+    assert len(overlap) == 2
+    for wire in ("bf16", "fp32"):  # fp32: plain DDP's own all-reduce is kept, in the planner's buckets
+        buckets = _best_buckets(wire)
+        assert len(buckets) > 1
+        planned = _exposed(buckets, wire, SCALE[wire])
+        fix = next(f for f in overlap if ("strategy.wire_dtype=bf16" in f.overrides) == (wire == "bf16"))
+        assert fix.predicted_speedup == pytest.approx(step / (step - min(exposed, now - planned)))
+        assert f"{len(buckets)} buckets ({', '.join(f'{sum(b) / 2**20:.3g}' for b in buckets)} MiB)" in fix.reason
+    best = d.fixes[0]
+    assert best.overrides == ["strategy=hier_auto", "strategy.wire_dtype=bf16", "strategy.planner.calibrate=true",
+                              "strategy.planner.measure_backward=true",
+                              f"strategy.planner.calibration_sizes=[{sum(GRADS) // 4},{sum(GRADS)}]"]
+    # above the same wire in one bucket: step - min(exposed, t_now - t_fix)
+    same_layout = next(f for f in d.fixes if f.overrides == algorithm_overrides("flat/bf16"))
+    t16 = m.allreduce_s["flat/bf16"]
+    assert same_layout.predicted_speedup == pytest.approx(step / (step - min(exposed, now - t16)))
+    assert best.predicted_speedup > same_layout.predicted_speedup
+    # the overrides compose into the strategy fastscale-train builds, with the planner measuring both
+    conf = Path(__file__).resolve().parents[1] / "lightning_fastscale" / "conf"
+    with initialize_config_dir(str(conf), version_base="1.3"):
+        strategy = instantiate(compose("train", overrides=best.overrides).strategy)
+    planner = strategy.planner
+    assert (strategy.algorithm, strategy.wire_dtype) == ("auto", "bf16")
+    assert planner.calibrate and planner.measure_backward
+    assert list(planner.calibration_sizes) == [sum(GRADS) // 4, sum(GRADS)]
+
+
+def test_no_overlap_fix_where_one_bucket_is_best_or_already_runs():
+    # every gradient ready at the end of backward: nothing to overlap, one bucket is the plan
+    late = diagnosis_of(_overlap_case(backward=[0.045, 0.0, 0.0, 0.0]))
+    assert late.verdict.bottleneck == "communication" and late.fixes  # the 16-bit wire still is
+    assert not any(f.overrides[0] == "strategy=hier_auto" for f in late.fixes)
+    # the configured run already has the planner's bf16 buckets (strategy=hier_auto): nothing better to propose
+    planned = [sum(b) / 2**20 for b in _best_buckets("bf16")]
+    already = diagnosis_of(_overlap_case(caps=planned, configured="flat/bf16"))
+    assert not any(f.overrides[0] == "strategy=hier_auto" for f in already.fixes)
+    # no backward profile (no example_input_array): no prediction
+    bare = _overlap_case()
+    bare.backward_profile = None
+    assert not any(f.overrides[0] == "strategy=hier_auto" for f in diagnosis_of(bare).fixes)
 
 
 def test_one_slow_rank_is_the_straggler_named_with_its_host():
@@ -259,6 +363,13 @@ def test_probe_in_a_fit_measures_a_slow_loader_and_names_input(tmp_path):
     assert measure_compute(trainer, module, batch, 1, channels_last=True, precision="bf16-mixed") > 0
     assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
     assert not module.channels_last
+    # what the fusion fix needs: each gradient's backward on example_input_array (set from the datamodule)
+    profile = measure_backward(module)
+    assert profile is not None and sum(profile["grad_bytes"]) == m.grad_bytes
+    assert sorted(profile["names"]) == sorted(n for n, _ in module.named_parameters())
+    assert all(t >= 0 for t in profile["backward_s"]) and sum(profile["backward_s"]) > 0
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+    assert bucket_caps_mb(trainer.strategy) == []  # one device: no DDP, no buckets
 
 
 def _allreduce_two_nodes(rank: int, world_size: int) -> tuple:
@@ -275,3 +386,6 @@ def test_allreduce_probe_times_every_algorithm_and_wire_with_the_planners_view()
     assert all(t > 0 for t in measured.values())
     if planner is not None:  # the link fit can fail on a machine too loaded for timings to grow with size
         assert set(measured) <= set(planner["predicted_s"]) and isinstance(planner["plain_ddp"], bool)
+        # what the fusion fix plans on: the fitted link, plain DDP's all-reduce timed at both sizes
+        assert planner["calibration_sizes"] == [1 << 18, 1 << 20]
+        assert planner["params"]["flat_measured"]["sizes_bytes"] == [1 << 18, 1 << 20]

@@ -135,6 +135,9 @@ def test_capped_link_is_communication_and_a_16bit_wire_is_verified_faster(tmp_pa
     doc = json.loads((tmp_path / "node0" / "doctor.json").read_text())
     assert doc["bottleneck"] == "communication", doc["reason"]
     allreduce = doc["measurements"]["allreduce_s"]
+    # the fusion fix's inputs: DDP's default caps, each gradient's backward time (weight and bias)
+    assert doc["measurements"]["bucket_caps_mb"] == [1.0, 25.0]
+    assert sorted(doc["measurements"]["backward_profile"]["names"]) == ["model.1.bias", "model.1.weight"]
     assert {"flat/fp32", "flat/bf16", "hier/fp32", "hier/bf16"} <= set(allreduce)
     best = doc["fixes"][0]
     assert "strategy.wire_dtype=bf16" in best["overrides"] or best["overrides"][0].startswith("strategy=hier")

@@ -13,8 +13,16 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
 from lightning_fastscale.diagnostics.step_breakdown import PHASES, VERDICTS, BreakdownSummary, RankTotals, summarize
+from lightning_fastscale.planner.auto import auto_plan
 from lightning_fastscale.planner.baseline import PLAIN_DDP_TOLERANCE
+from lightning_fastscale.planner.cost_model import CommParams, FlatMeasurement, Topology
+from lightning_fastscale.planner.fusion import ddp_buckets, simulate
+from lightning_fastscale.planner.profile import GradientProfile
+from lightning_fastscale.planner.scaling import allreduce_cost
+from lightning_fastscale.strategies.options import MB, PLAIN_DDP, CommSetting
 
 __all__ = ["Diagnosis", "Fix", "Measurements", "Verdict", "algorithm_overrides", "diagnosis_of", "large_batch_bound",
            "propose_fixes", "verdict_of", "verify_fixes"]
@@ -54,6 +62,8 @@ class Measurements:
     window_scores: list[dict[str, float]] = field(default_factory=list)
     threads: int | None = None
     compute_alone_one_thread_s: float | None = None
+    backward_profile: dict[str, list] | None = None
+    bucket_caps_mb: list[float] = field(default_factory=list)
 
     @property
     def world_size(self) -> int:
@@ -332,6 +342,58 @@ def _communication_fixes(m: Measurements) -> list[Fix]:
     return fixes
 
 
+def _overlap_fixes(m: Measurements) -> list[Fix]:
+    """The fusion planner's buckets per measured wire (Jia et al. 2018): step - min(exposed, E_now - E_plan).
+
+    ``E``: communication left after backward on the measured per-gradient backward times, the
+    configured DDP buckets (``E_now``) against those `auto_plan` picks on the calibrated link, each
+    bucket priced by the cost model scaled to the all-reduce measured at the gradient size.
+    """
+    planner, profile = m.planner or {}, m.backward_profile
+    link, link_sizes = planner.get("params"), planner.get("calibration_sizes")
+    if not (link and link_sizes and profile and m.bucket_caps_mb) or m.configured_allreduce not in m.allreduce_s:
+        return []
+    flat = link.get("flat_measured")
+    params = CommParams(**{**link, "flat_measured": flat and FlatMeasurement(
+        flat["nodes"], flat["ranks_per_node"], flat["backend"], tuple(flat["sizes_bytes"]), tuple(flat["seconds"]),
+        flat["wire_dtype"])})
+    grads = GradientProfile(*(tuple(profile[k]) for k in ("names", "grad_bytes", "backward_s")), profile["forward_s"])
+    sizes, backward, topology = grads.grad_bytes, grads.backward_s, Topology(m.num_nodes, m.ranks_per_node)
+
+    def cost(label: str):  # the model's shape over bucket sizes, its scale from the measured all-reduce
+        algorithm, wire = label.split("/")
+        model = allreduce_cost(algorithm, topology, params, PLAIN_DDP if label == FLAT else CommSetting(wire_dtype=wire))
+        scale = m.allreduce_s[label] / float(model(np.array([float(sum(sizes))]))[0])
+        return lambda nbytes: scale * model(nbytes)
+
+    now = simulate(ddp_buckets(sizes, [int(c * MB) for c in m.bucket_caps_mb]), sizes, backward,
+                   cost(m.configured_allreduce))
+    exposed, step, fixes = m.breakdown().scores["communication"], m.step_s, []
+    tolerance = planner.get("tolerance", PLAIN_DDP_TOLERANCE)
+    for wire in sorted({label.split("/")[1] for label in m.allreduce_s}):
+        chosen = auto_plan(grads, topology, params, CommSetting(wire_dtype=wire), plain_ddp_tolerance=tolerance)
+        label = FLAT if chosen.plain_ddp else f"{chosen.algorithm}/{wire}"
+        if chosen.plan.num_buckets < 2 or label not in m.allreduce_s:
+            continue  # one bucket: the all-reduce fixes above already price it
+        planned = simulate(chosen.plan.ends, sizes, backward, cost(label))
+        if planned.exposed_s >= now.exposed_s:
+            continue
+        mib = ", ".join(f"{b / MB:.3g}" for b in planned.bucket_bytes)
+        fixes.append(Fix(
+            ["strategy=hier_auto", *([f"strategy.wire_dtype={wire}"] if wire != "fp32" else []),
+             "strategy.planner.calibrate=true", "strategy.planner.measure_backward=true",
+             f"strategy.planner.calibration_sizes=[{','.join(str(s) for s in link_sizes)}]"],
+            f"the fusion planner's {planned.num_buckets} buckets ({mib} MiB) by {label} overlap the all-reduce with "
+            f"backward: {planned.exposed_s:.4f} s left after it, against {now.exposed_s:.4f} s by "
+            f"{m.configured_allreduce} in the configured buckets (caps {', '.join(f'{c:g}' for c in m.bucket_caps_mb)} MiB)",
+            step / (step - min(exposed, now.exposed_s - planned.exposed_s)),
+            "backward time per gradient measured on example_input_array; the fusion planner on the calibrated link, "
+            "bucket costs scaled to the all-reduce measured at the gradient size; exposed communication of the step",
+            decides=list(ALLREDUCE_SETTINGS),
+        ))
+    return fixes
+
+
 def _compute_fixes(m: Measurements) -> list[Fix]:
     """Settings whose compute alone measured faster: predicted step = step - (t_now - t_variant)."""
     if m.compute_alone_s is None:
@@ -378,7 +440,7 @@ def propose_fixes(m: Measurements, verdict: Verdict) -> list[Fix]:
     """
     found = {
         "input": _input_fixes(m),
-        "communication": _communication_fixes(m),
+        "communication": _communication_fixes(m) + _overlap_fixes(m),
         "compute": _compute_fixes(m),
         "straggler": _straggler_fixes(m, verdict),
     }

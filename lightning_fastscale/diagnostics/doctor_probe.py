@@ -15,6 +15,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +31,13 @@ from lightning_fastscale.data.worker_autotune import cores_per_rank, images_per_
 from lightning_fastscale.diagnostics.doctor import FLAT, WINDOWS, Diagnosis, Measurements, diagnosis_of, verify_fixes
 from lightning_fastscale.diagnostics.step_breakdown_callback import StepBreakdown
 from lightning_fastscale.lightning_internals import copy_without_trainer, transfer_batch
+from lightning_fastscale.planner.profile import measure_backward_profile
+from lightning_fastscale.strategies.options import MB
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DoctorProbe", "diagnose", "measure_allreduce", "measure_compute", "measure_loader", "measured_fit"]
+__all__ = ["DoctorProbe", "bucket_caps_mb", "diagnose", "measure_allreduce", "measure_backward", "measure_compute",
+           "measure_loader", "measured_fit"]
 
 
 def _sync(device: torch.device) -> None:
@@ -59,11 +63,12 @@ def measure_allreduce(
     from lightning_fastscale.strategies.topology import Topology, build_process_groups
 
     topology, nbytes = Topology(num_nodes, ranks_per_node), 4 * numel
+    sizes = [max(nbytes // 4, 4096), nbytes]
     groups = build_process_groups(topology)
     try:
         try:
-            calibration = calibrate_process_groups(groups, sizes=(max(nbytes // 4, 4096), nbytes), reps=reps,
-                                                   flat_sizes=[nbytes])
+            # plain DDP's all-reduce at both sizes too: its latency prices the fusion planner's small buckets
+            calibration = calibrate_process_groups(groups, sizes=sizes, reps=reps, flat_sizes=sizes)
         except ValueError as err:
             log.warning("link calibration failed (%s); plain DDP's all-reduce is timed alone", err)
             calibration = None
@@ -91,7 +96,36 @@ def measure_allreduce(
         return results, None
     view = compare_algorithms(numel, topology, calibration.params, wire_dtypes, measured=dict(results))
     return results, {"predicted_s": {c["label"]: c["predicted_s"] for c in view["candidates"]},
-                     "plain_ddp": view["plain_ddp"], "tolerance": view["tolerance"]}
+                     "plain_ddp": view["plain_ddp"], "tolerance": view["tolerance"],
+                     "params": calibration.params.as_dict(), "calibration_sizes": sizes}
+
+
+def measure_backward(module: pl.LightningModule) -> dict[str, Any] | None:
+    """The seconds each gradient of a copy of ``module`` takes in backward on its ``example_input_array``.
+
+    What ``CostModelPlanner(measure_backward=True)`` times
+    ([`measure_backward_profile`][lightning_fastscale.planner.measure_backward_profile]), as plain
+    data; ``None`` without an ``example_input_array`` tensor (that planner needs one too).
+    """
+    example = getattr(module, "example_input_array", None)
+    if not isinstance(example, torch.Tensor):
+        return None
+    clone = copy_without_trainer(module)  # its parameters carry no DDP hooks: nothing is communicated
+    clone.train()
+    with torch.enable_grad():
+        return asdict(measure_backward_profile(clone, example))
+
+
+def bucket_caps_mb(strategy: Any) -> list[float]:
+    """The DDP bucket caps in MiB the strategy forms, gradient-ready order, the last repeating; [] without DDP."""
+    kwargs = getattr(strategy, "_ddp_kwargs", None)
+    if kwargs is None:
+        return []
+    if kwargs.get("bucket_cap_mb_list"):
+        return [float(c) for c in kwargs["bucket_cap_mb_list"]]
+    if kwargs.get("bucket_cap_mb") is not None:
+        return [float(kwargs["bucket_cap_mb"])]
+    return [dist._DEFAULT_FIRST_BUCKET_BYTES / MB, 25.0]  # DDP's defaults: a smaller first bucket, then 25 MiB
 
 
 def measure_loader(
@@ -202,6 +236,7 @@ class DoctorProbe(Callback):
         if trainer.world_size > 1:
             local["allreduce_s"], local["planner"] = measure_allreduce(grad_numel, nodes, ranks_per_node, device,
                                                                        self.allreduce_reps)
+            local["backward_profile"], local["bucket_caps_mb"] = measure_backward(pl_module), bucket_caps_mb(trainer.strategy)
         algorithm = getattr(trainer.strategy, "resolved_algorithm", None) or "flat"
         local["configured_allreduce"] = f"{algorithm}/{getattr(trainer.strategy, 'wire_dtype', 'fp32')}"
         batch_size = getattr(dm, "train_batch_size", None) or getattr(dm, "batch_size", None)
@@ -268,6 +303,7 @@ def _breakdown_of(trainer: pl.Trainer) -> StepBreakdown | None:
 _SAME_ON_EVERY_RANK = (
     "batch_size", "grad_bytes", "allreduce_s", "planner", "configured_allreduce", "num_workers", "stored_max_side",
     "resolution", "crop_ratio", "num_nodes", "ranks_per_node", "backend", "window_scores", "threads",
+    "backward_profile", "bucket_caps_mb",
 )
 
 
