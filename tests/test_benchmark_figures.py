@@ -67,6 +67,22 @@ def time_to_accuracy_wire() -> list[str]:
             f"top-k 10 % over 17 epochs {topk['median_s']:.0f} s ({topk['speedup_vs_plain']:.2f}x, {topk['reached']} seeds)"]
 
 
+def time_to_accuracy_planned() -> list[str]:
+    """The first row: plain, fp16_wire and fp16_wire_planned, arms in turn within each seed, record and cloud."""
+    summary = {(r["machine"], r["arm"]): r for r in json.loads((RESULTS / "time_to_accuracy_planned_summary.json").read_text())}
+    plain, fp16, planned = (summary[("record", arm)] for arm in ("plain", "fp16_wire", "fp16_wire_planned"))
+    per_seed = sorted(p / s for p, s in zip(plain["seconds"], planned["seconds"]) if p and s)
+    cloud = {arm: summary[("cloud", arm)] for arm in ("plain", "fp16_wire", "fp16_wire_planned")}
+    return [f"plain Lightning {plain['median_s']:.0f} s (median, {plain['reached']} seeds)",
+            f"fp16 wire {fp16['median_s']:.0f} s ({fp16['speedup_vs_plain']:.2f}x)",
+            f"fp16 wire with the planner's buckets {planned['median_s']:.0f} s ({planned['speedup_vs_plain']:.2f}x; "
+            + " and ".join(f"{r:.2f}x" for r in per_seed) + f" on the two seeds that reach it), the same {planned['reached']} seeds",
+            f"exposed all-reduce {plain['comm_ratio']:.1f}x its compute", f"Mbit/s: {cloud['plain']['comm_ratio']:.2f}x)",
+            f"plain {cloud['plain']['median_s']:.0f} s, fp16 wire {cloud['fp16_wire']['median_s']:.0f} s "
+            f"({cloud['fp16_wire']['speedup_vs_plain']:.2f}x), with the planner's buckets "
+            f"{cloud['fp16_wire_planned']['median_s']:.0f} s ({cloud['fp16_wire_planned']['speedup_vs_plain']:.2f}x)"]
+
+
 def allreduce() -> list[str]:
     hier, torus, fp16 = row("allreduce", "hier@4mb"), row("allreduce", "torus2d@4mb"), row("allreduce", "hier fp16@4mb")
     return [f"{hier[2]}x", f"fp16 wire: {fp16[2]}x", f"{span([number(hier[3]), number(torus[3])], '.0f')} %"]
@@ -153,6 +169,7 @@ def default_job() -> list[str]:
 
 # README headline row (by its command) -> the figures its results file gives
 HEADLINE: dict[str, Callable[[], list[str]]] = {
+    "python benchmarks/time_to_accuracy.py --arms plain fp16_wire fp16_wire_planned": time_to_accuracy_planned,
     "python benchmarks/time_to_accuracy.py --arms plain fp16_wire topk": time_to_accuracy_wire,
     "python benchmarks/time_to_accuracy.py --machines record": lambda: time_to_accuracy("record"),
     "python benchmarks/time_to_accuracy.py --machines cloud": lambda: time_to_accuracy("cloud"),
@@ -255,7 +272,7 @@ def test_prose_figures_match_results(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["time_to_accuracy", "time_to_accuracy_tree", "time_to_accuracy_v2", "time_to_accuracy_v3",
-                                  "time_to_accuracy_topk", "time_to_accuracy_topk17"])
+                                  "time_to_accuracy_topk", "time_to_accuracy_topk17", "time_to_accuracy_planned"])
 def test_time_to_accuracy_table_is_on_the_benchmarks_page(name: str) -> None:
     page = (ROOT / "benchmarks" / "README.md").read_text()
     table = [line for line in (RESULTS / f"{name}.md").read_text().splitlines() if line.startswith("| ")]
@@ -298,3 +315,15 @@ def test_readme_layout_names_every_top_level_module() -> None:
     tree = {p.name for p in package.iterdir() if (p.suffix == ".py" or (p / "__init__.py").is_file() or p.name == "conf")}
     assert tree - named == set(), f"README layout omits {sorted(tree - named)}"
     assert named - tree == set(), f"README layout names what the package lacks: {sorted(named - tree)}"
+
+
+def test_time_to_accuracy_planned_figures_are_on_the_docs_page() -> None:
+    """The planner's-buckets run as docs/time_to_accuracy.md words it."""
+    summary = {(r["machine"], r["arm"]): r for r in json.loads((RESULTS / "time_to_accuracy_planned_summary.json").read_text())}
+    plain, fp16, planned = (summary[("record", arm)] for arm in ("plain", "fp16_wire", "fp16_wire_planned"))
+    cloud_fp16, cloud_planned = summary[("cloud", "fp16_wire")], summary[("cloud", "fp16_wire_planned")]
+    page = " ".join((ROOT / "docs" / "time_to_accuracy.md").read_text().split())
+    for expected in (f"{planned['speedup_vs_plain']:.2f}x sooner ({planned['median_s']:.0f} s against {plain['median_s']:.0f} s",
+                     f"the fp16 wire in one bucket {fp16['speedup_vs_plain']:.2f}x in that run",
+                     f"({cloud_planned['speedup_vs_plain']:.2f}x against {cloud_fp16['speedup_vs_plain']:.2f}x)"):
+        assert expected in page, f"docs/time_to_accuracy.md should say {expected!r} (time_to_accuracy_planned_summary.json)"
