@@ -55,10 +55,12 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [pytest.param(name, marks=[pytest.mark.slow] if CASES[name][0] > 1 else [])
+                                  for name in CASES])  # 2 ranks: about 40 s, 5 Trainers on 2 processes
 def test_resumed_at_an_epoch_end_then_mid_epoch_trains_the_uninterrupted_epoch(tmp_path: Path, case: str):
     """Uninterrupted 2 epochs with Lightning's epoch-end checkpoint; resumed from the end of epoch 0
-    and stopped after step 6 (in epoch 1); resumed from there: epoch 1 step by step as uninterrupted."""
+    and stopped after step 6 (in epoch 1); resumed from there: epoch 1 step by step as uninterrupted.
+    Stopped after epoch 0's last batch (before its end) and resumed: epoch 1 as uninterrupted too."""
     devices, data, module = CASES[case]
     batch = GLOBAL_BATCH // devices
     fit(tmp_path / "full", devices, batch, every_epoch=True, data=data, module=module)
@@ -73,3 +75,6 @@ def test_resumed_at_an_epoch_end_then_mid_epoch_trains_the_uninterrupted_epoch(t
     assert [s["ids"] for s in resumed[:2]] != epoch0[:2], "the resumed epoch replayed epoch 0's order"
     assert [s["ids"] for s in resumed] == epoch1
     assert [s["lr"] for s in resumed] == [s["lr"] for s in full if s["epoch"] == 1]
+    fit(tmp_path / "d", devices, batch, stop=5, data=data, module=module)  # 5 steps per epoch
+    fit(tmp_path / "e", devices, batch, ckpt_path=str(tmp_path / "d" / "stopped.ckpt"), data=data, module=module)
+    assert [s["ids"] for s in read(tmp_path / "e", devices)[0]] == epoch1
