@@ -532,9 +532,12 @@ class ExactResume(Callback):
         skippers = self._skippers(trainer)
         if position is None:
             return
-        if trainer.fit_loop.restarting:  # mid-epoch: Lightning starts the loader over, the samplers skip
-            plan = self._resume_plan(position)
-            if plan is None or not skippers:
+        for skipper, _ in skippers:
+            # Lightning made the iterator before it sets the epoch; one with workers drew its first indices then
+            skipper.set_epoch(trainer.current_epoch)
+        plan = self._resume_plan(position) if trainer.fit_loop.restarting else None
+        if plan is not None:  # mid-epoch: Lightning starts the loader over, the samplers skip
+            if not skippers:
                 return
             epoch_start, at_save, consumed = plan
             if len(skippers) == len(list(_loaders(trainer.train_dataloader))) and not self._silenced:
@@ -543,18 +546,19 @@ class ExactResume(Callback):
                 self._silenced = warnings.filters[0]
             self._restore_at_pass = None if self._old_layout else epoch_start
             for skipper, batch_size in skippers:
-                skipper.set_epoch(trainer.current_epoch)  # the iterator is made before Lightning sets it
                 skipper.skip = consumed * batch_size
                 skipper.after_skip = None if at_save is None else functools.partial(set_rng_states, at_save)
             old = self._old_layout and epoch_start is not None
             restart_train_iterator(trainer, before=functools.partial(set_rng_states, epoch_start) if old else None)
             return
-        # Saved at an epoch boundary: Lightning starts the next epoch. Its iterator (made already)
-        # drew the worker seed and will draw a RandomSampler's order from generators restarted
-        # from the seed; the uninterrupted run drew both from the generators as they were at the
-        # save. Put those back and make the iterator again.
-        if position["world_size"] == trainer.world_size and len(position["rng"]) == trainer.world_size:
-            restart_train_iterator(trainer, before=functools.partial(set_rng_states, position["rng"][_rank()]["at_save"]))
+        # Saved at an epoch boundary (or after an epoch's last batch): Lightning starts the next
+        # epoch. Its iterator (made already) drew the worker seed and (with workers) its first
+        # indices in the saved epoch's order, and will draw a RandomSampler's order from generators
+        # restarted from the seed; the uninterrupted run drew them from the generators as they were
+        # at the save. Put those back (same world size) and make the iterator again.
+        same = position["world_size"] == trainer.world_size and len(position["rng"]) == trainer.world_size
+        restart_train_iterator(trainer, before=functools.partial(set_rng_states, position["rng"][_rank()]["at_save"])
+                               if same else None)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
