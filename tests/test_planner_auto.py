@@ -109,3 +109,33 @@ def test_best_chunk_follows_latency():
     slow = CommParams(alpha_intra=1e-2, beta_intra=1e-9, alpha_inter=1e-2, beta_inter=8e-9, gamma=0.0)
     chunk, plan, finish = best_chunk_plan(prof, topo, slow, CommSetting(("hier", "torus2d")))
     assert chunk is None and plan.plan.finish_s == pytest.approx(min(finish.values()), rel=1e-9)
+
+
+def test_calibration_retries_with_larger_sizes_where_timings_do_not_grow(monkeypatch):
+    """On a fast link small messages time as noise; the planner measures 4x larger ones, twice, then gives up."""
+    import lightning_fastscale.planner.calibrate as calibrate
+    import lightning_fastscale.strategies.topology as topology
+    from lightning_fastscale.planner.auto import CALIBRATION_ATTEMPTS
+
+    class Groups:
+        def destroy(self) -> None:
+            pass
+
+    tried: list[list[int]] = []
+
+    def fit(groups, sizes, wire_dtype, flat_sizes):
+        tried.append(list(sizes))
+        if min(sizes) < 1 << 20:
+            raise ValueError("calibration timings ... do not grow with size: use larger calibration sizes")
+        return type("Fit", (), {"params": SLOW_NIC})()
+
+    monkeypatch.setattr(topology, "build_process_groups", lambda topo, timeout=None: Groups())
+    monkeypatch.setattr(calibrate, "calibrate_process_groups", fit)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 10))
+    planner = CostModelPlanner(calibrate=True, calibration_sizes=[1 << 16, 1 << 18], backward_time_s=1e-3)
+    planner.plan(model, Topology(2, 1))
+    assert tried == [[1 << 16, 1 << 18], [1 << 18, 1 << 20], [1 << 20, 1 << 22]] and planner.params is SLOW_NIC
+    tried.clear()
+    with pytest.raises(ValueError, match="do not grow with size"):
+        CostModelPlanner(calibrate=True, calibration_sizes=[16, 64], backward_time_s=1e-3).plan(model, Topology(2, 1))
+    assert len(tried) == CALIBRATION_ATTEMPTS

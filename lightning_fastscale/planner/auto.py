@@ -21,6 +21,9 @@ from lightning_fastscale.planner.scaling import allreduce_cost
 from lightning_fastscale.strategies.options import PLAIN_DDP, CommSetting, check_algorithms
 from lightning_fastscale.strategies.planning import CommPlan, PlanRequest
 
+CALIBRATION_ATTEMPTS = 3
+"""Link fits `CostModelPlanner` tries, each with 4x the previous sizes, before its error stands."""
+
 CHUNK_CANDIDATES_MB: tuple[float | None, ...] = (None, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 """Pipeline chunk sizes (MiB; ``None`` = unchunked) [`best_chunk_plan`][lightning_fastscale.planner.best_chunk_plan] compares."""
 
@@ -205,11 +208,20 @@ class CostModelPlanner:
             from lightning_fastscale.strategies.topology import build_process_groups
 
             sizes = list(self.calibration_sizes or DEFAULT_SIZES)
-            flat_sizes = sorted(set(sizes) | ({int(gradient_bytes)} if gradient_bytes > 0 else set()))
             groups = build_process_groups(topology, timeout=timeout)
             try:
-                self.params = calibrate_process_groups(groups, sizes, wire_dtype=wire_dtype,
-                                                       flat_sizes=flat_sizes).params
+                for attempt in range(CALIBRATION_ATTEMPTS):
+                    flat_sizes = sorted(set(sizes) | ({int(gradient_bytes)} if gradient_bytes > 0 else set()))
+                    try:
+                        self.params = calibrate_process_groups(groups, sizes, wire_dtype=wire_dtype,
+                                                               flat_sizes=flat_sizes).params
+                        break
+                    except ValueError:
+                        # timings that do not grow with size: noise above the size signal (a fast
+                        # link); every rank fits the same slowest-member timings, so all retry together
+                        if attempt + 1 == CALIBRATION_ATTEMPTS:
+                            raise
+                        sizes = [4 * size for size in sizes]
             finally:
                 groups.destroy()
             self.calibrate = False
