@@ -18,7 +18,7 @@ import numpy as np
 from lightning_fastscale.diagnostics.step_breakdown import PHASES, VERDICTS, BreakdownSummary, RankTotals, summarize
 from lightning_fastscale.planner.auto import auto_plan
 from lightning_fastscale.planner.baseline import PLAIN_DDP_TOLERANCE
-from lightning_fastscale.planner.cost_model import CommParams, FlatMeasurement, Topology
+from lightning_fastscale.planner.cost_model import CommParams, Topology
 from lightning_fastscale.planner.fusion import ddp_buckets, simulate
 from lightning_fastscale.planner.profile import GradientProfile
 from lightning_fastscale.planner.scaling import allreduce_cost
@@ -353,10 +353,7 @@ def _overlap_fixes(m: Measurements) -> list[Fix]:
     link, link_sizes = planner.get("params"), planner.get("calibration_sizes")
     if not (link and link_sizes and profile and m.bucket_caps_mb) or m.configured_allreduce not in m.allreduce_s:
         return []
-    flat = link.get("flat_measured")
-    params = CommParams(**{**link, "flat_measured": flat and FlatMeasurement(
-        flat["nodes"], flat["ranks_per_node"], flat["backend"], tuple(flat["sizes_bytes"]), tuple(flat["seconds"]),
-        flat["wire_dtype"])})
+    params = CommParams.from_dict(link)
     grads = GradientProfile(*(tuple(profile[k]) for k in ("names", "grad_bytes", "backward_s")), profile["forward_s"])
     sizes, backward, topology = grads.grad_bytes, grads.backward_s, Topology(m.num_nodes, m.ranks_per_node)
 

@@ -138,6 +138,21 @@ class CommParams:
         out["flat_measured"] = None if self.flat_measured is None else self.flat_measured.as_dict()
         return out
 
+    @classmethod
+    def from_dict(cls, data: dict) -> CommParams:
+        """The parameters back from `as_dict` (e.g. the doctor's JSON measurements).
+
+        Examples:
+            >>> flat = FlatMeasurement(2, 1, "gloo", (1e6, 4e6), (0.1, 0.3))
+            >>> params = CommParams(1e-5, 1e-9, 2e-5, 8e-9, flat_measured=flat)
+            >>> CommParams.from_dict(params.as_dict()) == params
+            True
+        """
+        flat = data.get("flat_measured")
+        return cls(**{**data, "flat_measured": flat and FlatMeasurement(
+            flat["nodes"], flat["ranks_per_node"], flat["backend"], tuple(flat["sizes_bytes"]), tuple(flat["seconds"]),
+            flat["wire_dtype"])})
+
 
 def ring_allreduce_time(p: int, nbytes: float, alpha: float, beta: float, gamma: float = 0.0) -> float:
     """Ring all-reduce of ``nbytes`` over ``p`` ranks (Thakur et al. 2005, ring algorithm)."""
