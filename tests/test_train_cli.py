@@ -45,6 +45,7 @@ def _only(paths):
     return paths[0]
 
 
+@pytest.mark.slow  # 24 s: the longest test of the fast suite, which must stay under 10 minutes on 2 cores
 def test_single_run_wandb_offline_then_resume(tmp_path):
     run_dir = tmp_path / "first"
     # two epochs, every epoch's checkpoint kept: the resume below starts from the first one, into
