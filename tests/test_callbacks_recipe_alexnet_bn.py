@@ -79,6 +79,7 @@ def test_bad_input_and_arguments_get_clear_errors(model) -> None:
         AlexNetBN(dropout=1.0)
 
 
+@pytest.mark.slow
 def test_default_callbacks_run_alexnet_bn_at_its_smallest_maps(tmp_path) -> None:
     """At 32 px conv3-5 see 1x1 maps; the throughput monitor's FLOP count runs the network in
     training mode, where BatchNorm needs more than one value per channel: it must count on

@@ -94,6 +94,7 @@ def _four_rank_spans(rank: int, world_size: int) -> list[dict]:
     return [_spanned(rank, world_size, 2, span) for span in (4, 8)]
 
 
+@pytest.mark.slow
 def test_spans_of_two_and_four_of_four_ranks_are_plain_batch_norm_of_their_images() -> None:
     results = run_distributed(_four_rank_spans, 4)
     for i, span in enumerate((4, 8)):

@@ -28,6 +28,7 @@ def _train(tmp_path, run_dir, overrides):
     return out
 
 
+@pytest.mark.slow
 def test_fastscale_train_on_streaming_data(tmp_path):
     data = tmp_path / "shapes"
     assert fastscale_data(["convert", "procedural", str(data), "--train-size", "192", "--val-size", "64",

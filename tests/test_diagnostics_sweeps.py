@@ -103,6 +103,7 @@ def test_objective_and_its_checks():
             check_objective(OmegaConf.merge(OmegaConf.create(ok), change))
 
 
+@pytest.mark.slow
 def test_optuna_time_to_target_preset_runs_two_trials(tmp_path):
     sweep = tmp_path / "sweep"
     out = fastscale_train(["hparams_search=time_to_target", *TINY, *LIMITS, "hydra.sweeper.n_trials=2",

@@ -21,10 +21,9 @@ comments dropped). Each one must match a rule of ``RULES`` (a new command that m
 | skip | nothing; the reason is in ``RULES`` | see each reason |
 
 Each command starts a Python process that imports torch (seconds each), so the default suite
-runs one command per tool (``--cfg job``, a plan, the conversion) and the single-process training
-runs of the pages that exercise a code path no other test runs with defaults (the streaming data
-and AlexNet-BN at 64 px); the rest (installs, sweeps, the 64K experiment configs, the
-multi-process launches, the examples) are marked slow (``make test-slow``)."""
+runs the configuration, data-tool and doctor commands; the training runs, plans, installs,
+sweeps, 64K experiment configs, multi-process launches and examples (ten seconds and more each
+on 2 cores) are marked slow (``make test-slow``, which CI runs too)."""
 from __future__ import annotations
 
 import json
@@ -101,10 +100,11 @@ RULES: list[Rule] = [
          reason="GPU nodes and a 64K batch: one CPU rank, batch 4, fp32 LARS (no fp16 on the CPU)"),
     Rule(r"^fastscale-train .*trainer=gpu", "run", append=f"{TRAIN_LIMITS} {DATA_LIMITS} {ONE_CPU_NODE}",
          expect=(FINAL,), slow=True, reason="no GPU here: the same run on one CPU rank"),
-    # the documented streaming and single-process runs: seconds each, in the default suite
+    # the documented streaming and single-process runs: a small batch
     Rule(r"^fastscale-train data=streaming ", "run", append=f"{TRAIN_LIMITS} data.batch_size=4",
-         expect=(FINAL,)),
-    Rule(r"^fastscale-train model=alexnet_bn data\.resolution=64$", "run", append=TRAIN_LIMITS, expect=(FINAL,)),
+         expect=(FINAL,), slow=True),
+    Rule(r"^fastscale-train model=alexnet_bn data\.resolution=64$", "run", append=TRAIN_LIMITS, expect=(FINAL,),
+         slow=True),
     Rule(r"^fastscale-train hydra\.run\.dir=outputs/job-\$\{SLURM_JOB_ID\} resume=auto$", "run",
          append=TRAIN_LIMITS, expect=(FINAL,), files=("outputs/job-4242",), env={"SLURM_JOB_ID": "4242"},
          slow=True),
@@ -135,7 +135,7 @@ RULES: list[Rule] = [
          expect=(FINAL,), slow=True,
          reason="no SLURM here: a stand-in srun starts the tasks with srun's variables, 2 nodes x 1 CPU task"),
     # planner
-    Rule(r"^fastscale-plan resnet50 tencent_p40_100g$", "run", expect=(r"\S",)),
+    Rule(r"^fastscale-plan resnet50 tencent_p40_100g$", "run", expect=(r"\S",), slow=True),
     Rule(r"^fastscale-plan .*--json$", "run", expect=(r'"algorithm"',), slow=True),
     Rule(r"^fastscale-plan .*--plot scaling\.png$", "run", files=("scaling.png",), slow=True),
     Rule(r"^fastscale-plan --list-clusters$", "run", expect=(r"tencent_p40_100g",), slow=True),

@@ -29,7 +29,7 @@ def run_example(script: str, *extra: str) -> dict[str, float]:
     "script, extra, smoothing",
     [pytest.param("imagenet_resnet50.py", ("--model", "resnet_small"), 0.1,  # the recipe, on a small ResNet
                   marks=pytest.mark.slow),
-     ("imagenet_alexnet_bn.py", (), None)],
+     pytest.param("imagenet_alexnet_bn.py", (), None, marks=pytest.mark.slow)],
 )
 def test_recipe_script_fast_dev_run(script: str, extra: tuple[str, ...], smoothing: float | None) -> None:
     metrics = run_example(script, *extra)

@@ -58,6 +58,7 @@ def test_disk_full_during_a_write_keeps_the_previous_file(small_fs):
     assert not partial_files([small_fs]) and sorted(p.name for p in small_fs.iterdir()) == ["last.ckpt"]
 
 
+@pytest.mark.slow
 def test_rank_killed_while_writing_a_checkpoint_then_resume_auto(small_fs, tmp_path):
     run_dir, tmpdir = small_fs / "run", tmp_path / "tmpdir"
     tmpdir.mkdir()

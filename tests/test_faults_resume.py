@@ -98,6 +98,7 @@ def sigterm_then_resume(tmp_path: Path, run: list[str], ranks: int, steps: int, 
     assert_same_training_state(a, b)
 
 
+@pytest.mark.slow
 def test_sigterm_mid_epoch_then_resume_auto_under_the_default_cosine_schedule(tmp_path):
     """1 rank, built-in data, the default scheduler (cosine, sized by the Trainer's step
     estimate, which builds the training loader before the checkpoint is restored) and the

@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # 4 freshly started ranks; slow only when the machine is shared
 def test_example_trains_with_hier_ring() -> None:
     done = subprocess.run(

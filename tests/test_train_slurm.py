@@ -64,6 +64,7 @@ def test_slurm_launcher_config_one_task_per_gpu_and_trainer_follows_it():
     assert (cfg.trainer.devices, cfg.trainer.num_nodes, cfg.trainer.accelerator) == (4, 3, "gpu")
 
 
+@pytest.mark.slow
 def test_sweep_through_submitit_local_launcher(tmp_path):
     sweep_dir = tmp_path / "sweep"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
