@@ -2,12 +2,17 @@
 within a device (ghost groups), across 2 and 4 ranks (process subgroups, gloo), and in a Trainer."""
 from __future__ import annotations
 
+import copy
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.fabric.utilities.throughput import measure_flops
 from torch import nn
 
 from lightning_fastscale.callbacks.bn_span import BNSpan, SpanBatchNormLayer, apply_bn_span, bn_span_plan
@@ -15,6 +20,8 @@ from lightning_fastscale.callbacks.ghost_batch_norm import GhostBatchNormLayer
 from lightning_fastscale.data import ProceduralDataModule
 from tests.callbacks_recipe_utils import TinyClassifier
 from tests.distributed import ReleaseProcessGroup, run_distributed
+
+ROOT = Path(__file__).parents[1]
 
 
 def _bn() -> nn.BatchNorm2d:
@@ -48,7 +55,14 @@ def _spanned(rank: int, world_size: int, per_device: int, span: int) -> dict[str
     y = model(x)
     (y * up_all[mine]).sum().backward()
     bn = model[0]
-    return {"ranks": ranks, "type": type(bn).__name__, "y": y.tolist(), "x_grad": x.grad.tolist(),
+    # ThroughputMonitor's FLOP count of ImageClassifier runs a meta-device deep copy of the model
+    # (a convolution in front: the FLOP counter prices no BN arithmetic)
+    copied = copy.deepcopy(nn.Sequential(nn.Conv2d(3, 3, 1), bn)).to("meta")
+    plain = nn.Sequential(nn.Conv2d(3, 3, 1), _bn()).to("meta")
+    meta_x = torch.empty(2, 3, 4, 4, device="meta")
+    flops = [measure_flops(m, lambda m=m: m(meta_x), loss_fn=torch.Tensor.sum) for m in (copied, plain)]
+    return {"ranks": ranks, "type": type(bn).__name__, "copy_shares_group": copied[1].group is bn.group,
+            "meta_flops": flops[0], "plain_flops": flops[1], "y": y.tolist(), "x_grad": x.grad.tolist(),
             "weight_grad": bn.weight.grad.tolist(), "bias_grad": bn.bias.grad.tolist(),
             "running_mean": bn.running_mean.tolist(), "running_var": bn.running_var.tolist()}
 
@@ -61,6 +75,7 @@ def _assert_span_equals_one_device(results: list[dict], world_size: int, per_dev
         images = slice(first * per_device, first * per_device + span)
         ref = _plain(x_all[images], up_all[images])
         assert {r["ranks"] for r in members} == {group} and {r["type"] for r in members} == {"SpanBatchNormLayer"}
+        assert all(r["copy_shares_group"] and r["meta_flops"] == r["plain_flops"] > 0 for r in members)
         for key in ("y", "x_grad"):
             torch.testing.assert_close(torch.cat([torch.tensor(r[key]) for r in members]), ref[key], rtol=1e-4, atol=1e-5)
         for key in ("weight_grad", "bias_grad"):  # each rank's share; DDP sums them
@@ -132,5 +147,25 @@ def test_bn_span_callback_on_a_two_rank_trainer_shares_the_statistics(tmp_path) 
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, default_root_dir=tmp_path,
                          callbacks=[BNSpan(8), _RunningStats(str(tmp_path)), ReleaseProcessGroup()])
     trainer.fit(TinyClassifier(), datamodule=data)
+    ranks = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] and ranks[0] == ranks[1]
+
+
+@pytest.mark.slow  # two freshly started ranks through the console entry point
+def test_model_bn_span_in_fastscale_train_on_two_ranks_shares_the_statistics(tmp_path) -> None:
+    """``fastscale-train model.bn_span=64`` with 32 images per device: one BN group over both ranks,
+    the same running statistics on each (written by every rank from a callback added on the command line)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(
+        [str(Path(sys.executable).with_name("fastscale-train")), "model.bn_span=64", "trainer.devices=2",
+         "trainer.accelerator=cpu", "strategy=ddp", "data.train_size=128", "data.val_size=32", "data.batch_size=32",
+         "trainer.max_epochs=1", f"hydra.run.dir={tmp_path / 'run'}",
+         "+callbacks.running_stats._target_=tests.test_callbacks_recipe_bn_span._RunningStats",
+         f"+callbacks.running_stats.out={tmp_path}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "BNSpan: BN normalises 64 images (2 rank(s) per group)" in out and "final val/top1:" in out
     ranks = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0] and ranks[0] == ranks[1]

@@ -20,6 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
 from lightning_fastscale import train
+from lightning_fastscale.callbacks import BNSpan
 from lightning_fastscale.config_check import ConfigError, check_group_names, config_names
 
 TINY = ["data.batch_size=16", "trainer.accelerator=cpu"]
@@ -97,6 +98,10 @@ def _build(overrides: list[str], run_dir: Path, base: list[str] | None = None):
         (["model.model_kwargs.widths=[0,32,64]"], "model.model_kwargs.widths",
          r"^model.model_kwargs.widths=\[0, 32, 64\] must be channel counts >= 1"),
         (["trainer.gradient_clip_val=-1"], "trainer.gradient_clip_val", r"^trainer.gradient_clip_val=-1 must be a number >= 0"),
+        (["model.bn_span=3"], "model.bn_span",
+         r"^model.bn_span=3 must divide the per-device batch \(16\) .*: use bn_span=2 or 4$"),
+        (["model.bn_span=48", "trainer.devices=2"], "model.bn_span",
+         r"^model.bn_span=48 must divide the per-device batch \(16\) .*: use bn_span=32$"),
     ],
 )
 def test_bad_setting_is_refused_by_its_hydra_key_before_side_effects(tmp_path, monkeypatch, overrides, key, message):
@@ -129,6 +134,13 @@ def test_good_settings_build(tmp_path, monkeypatch):
     _, _, trainer = _build(["strategy=hier_ring", "strategy.bucket_cap_mb=5", "trainer.devices=2",
                             "strategy.ranks_per_node=1"], tmp_path / "run")
     assert trainer.strategy.check_topology().num_nodes == 2
+
+
+def test_bn_span_setting_adds_the_callback_and_leaves_the_model_arguments(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    _, module, trainer = _build(["model.bn_span=32", "trainer.devices=2"], tmp_path / "run")
+    assert [c.span for c in trainer.callbacks if isinstance(c, BNSpan)] == [32]  # 16 images x 2 ranks
+    assert "bn_span" not in module.hparams
 
 
 def _console(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:

@@ -5,6 +5,8 @@ Method card: ``docs/methods/ghost_batch_norm.md`` ("BN span").
 """
 from __future__ import annotations
 
+import copy
+
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
@@ -78,12 +80,23 @@ class SpanBatchNormLayer(_BatchNorm):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
         self.group = group
 
+    def __deepcopy__(self, memo: dict) -> SpanBatchNormLayer:
+        # a process group is a handle to the ranks, not state: the copy (e.g. the meta copy that
+        # counts FLOPs for ThroughputMonitor) shares it; deepcopy cannot pickle it
+        memo[id(self.group)] = self.group
+        clone = self.__class__.__new__(self.__class__)
+        memo[id(self)] = clone
+        clone.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return clone
+
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f"SpanBatchNormLayer expects input of shape (N, C, ...), got {tuple(input.shape)}")
 
     @override
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if input.is_meta:  # shape or FLOP tracing: no values to share, the local arithmetic is plain BN's
+            return super().forward(input)
         if not self.training:
             return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
         momentum = 0.1 if self.momentum is None else self.momentum
