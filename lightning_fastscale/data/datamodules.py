@@ -72,19 +72,16 @@ class _ResizableDataModule(pl.LightningDataModule):
             **extra,
         )
 
+    _STATE = ("train_batch_size", "train_resolution", "val_resolution")
+
     def state_dict(self) -> dict[str, Any]:
         """Batch size and resolutions in force, so a resumed run continues with them."""
-        return {
-            "train_batch_size": self.train_batch_size,
-            "train_resolution": self.train_resolution,
-            "val_resolution": self.val_resolution,
-        }
+        return {key: getattr(self, key) for key in self._STATE}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what `state_dict` saved."""
-        self.train_batch_size = state_dict["train_batch_size"]
-        self.train_resolution = state_dict["train_resolution"]
-        self.val_resolution = state_dict["val_resolution"]
+        for key in self._STATE:
+            setattr(self, key, state_dict[key])
 
 
 class ProceduralDataModule(_ResizableDataModule):

@@ -225,11 +225,7 @@ def breakdown_table(summary: BreakdownSummary | Mapping[str, Any]) -> str:
         lines.append(f"| {p} | {_fmt_ms(s['phases'][p])} | {100 * s['shares'][p]:.1f} % | "
                      f"{_fmt_ms(slow['phases'][p])} |")
     lines.append(f"| **step** | **{_fmt_ms(s['step_s'])}** | 100 % | {_fmt_ms(slow['step_s'])} |")
-    rate = []
-    if s.get("samples_per_s"):
-        rate.append(f"{s['samples_per_s']:.1f} samples/s")
-    if s.get("images_per_s"):
-        rate.append(f"{s['images_per_s']:.1f} images/s")
+    rate = [f"{s[f'{what}_per_s']:.1f} {what}/s" for what in ("samples", "images") if s.get(f"{what}_per_s")]
     steps = f"steps {s['first_step']}-{s['last_step']}" if s.get("first_step") is not None else f"{s['steps']} steps"
     lines += [
         "",
