@@ -190,9 +190,7 @@ class StreamingDataModule(_ResizableDataModule):
 
     def _local_ranks(self) -> int:
         trainer = getattr(self, "trainer", None)
-        if trainer is None:
-            return 1
-        return max(1, trainer.world_size // max(1, trainer.num_nodes))
+        return 1 if trainer is None else max(1, trainer.world_size // max(1, trainer.num_nodes))
 
     # -- training -----------------------------------------------------------------------
     def train_dataset(self) -> DecodedStreamingDataset:
@@ -285,12 +283,8 @@ class StreamingDataModule(_ResizableDataModule):
         # Planned batches rather than litdata's loader: every sample exactly once across ranks.
         input_dir, extra = self.source.split("val")
         threads = self.resolved_decode_threads()  # as the training batches: the rank's cores
-        if self.rect_val:
-            batches = self.val_batches_class(input_dir, self.rect_val_batches(), self.root, threads=threads, **extra)
-        else:
-            batches = self.val_batches_class(
-                input_dir, self.square_val_batches(), self.root, crop_ratio=self.crop_ratio, threads=threads, **extra
-            )
+        plan, crop_ratio = (self.rect_val_batches(), None) if self.rect_val else (self.square_val_batches(), self.crop_ratio)
+        batches = self.val_batches_class(input_dir, plan, self.root, crop_ratio=crop_ratio, threads=threads, **extra)
         loader = DataLoader(
             batches, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
             prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None,
