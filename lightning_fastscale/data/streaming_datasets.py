@@ -72,25 +72,6 @@ def _named(dataset: StreamingDataset, index: Any, read_and_decode: Callable[[], 
         raise CorruptDataError(f"{_where(_split_dir(dataset), index)}: {err}. {_VERIFY_HINT}") from err.__cause__
 
 
-def _decode_stored(
-    item: dict[str, Any], transform: Callable[[torch.Tensor], torch.Tensor], source: str
-) -> tuple[torch.Tensor, int]:
-    """``(transform(JPEG bytes), label)`` of a stored sample; a decode error names the sample.
-
-    ``transform`` decodes strictly ([`jpeg_decode.decode_rgb_strict`][lightning_fastscale.data.jpeg_decode.decode_rgb_strict]):
-    stored images were re-encoded by ``fastscale-data convert``, so libjpeg's "Corrupt JPEG
-    data" means damaged storage, and training on the garbage it recovers would go unnoticed.
-    """
-    data = torch.frombuffer(bytearray(item["image"]), dtype=torch.uint8)
-    try:
-        image = transform(data)
-    except Exception as err:  # libjpeg-turbo reports corrupt data as RuntimeError
-        raise CorruptDataError(
-            f"cannot decode stored image {item['index']} ({item['name']}) of {source}: {err}"
-        ) from err
-    return image, int(item["label"])
-
-
 @dataclass(slots=True)
 class StoredSample:
     """A training sample as read from its chunk, not decoded yet (cheap to hand to the collate)."""
@@ -220,16 +201,21 @@ class ValidationBatches(IterableDataset):
         return len(self.batches)
 
     def decode(self, item: dict[str, Any], shape: tuple[int, int]) -> tuple[torch.Tensor, int]:
-        """Decode one stored sample and fit it to the batch's ``(height, width)`` (called from
-        ``threads`` threads at once)."""
-
-        def transform(data: torch.Tensor) -> torch.Tensor:
+        """``(image, label)`` of one stored sample fitted to the batch's ``(height, width)`` (from ``threads``
+        threads at once). Decoded strictly: stored images were re-encoded by ``fastscale-data convert``,
+        so libjpeg's "Corrupt JPEG data" means damaged storage; the error names the sample."""
+        data = torch.frombuffer(bytearray(item["image"]), dtype=torch.uint8)
+        try:
             image = jpeg_decode.decode_rgb_strict(data)
             if self.crop_ratio is None:
-                return rect_val.resize_to_cover(image, shape)
-            return transforms.resize_centre_crop(image, shape[0], self.crop_ratio)
-
-        return _decode_stored(item, transform, self.source)
+                image = rect_val.resize_to_cover(image, shape)
+            else:
+                image = transforms.resize_centre_crop(image, shape[0], self.crop_ratio)
+        except Exception as err:  # libjpeg-turbo reports corrupt data as RuntimeError
+            raise CorruptDataError(
+                f"cannot decode stored image {item['index']} ({item['name']}) of {self.source}: {err}"
+            ) from err
+        return image, int(item["label"])
 
     def _decoded_batch(self, batch: rect_val.RectBatch) -> list[tuple[torch.Tensor, int]]:
         """The batch's samples, read one after the other (litdata's reader is not shared across
