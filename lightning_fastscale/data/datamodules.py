@@ -166,14 +166,6 @@ class ImageFolderDataModule(_ResizableDataModule):
         self.classes = image_tree_classes(self.root)
         self.num_classes = len(self.classes)
 
-    def _val_transform(self) -> v2.Transform:
-        return v2.Compose([
-            v2.ToImage(),
-            v2.Resize(round(self.val_resolution / self.crop_ratio), antialias=True),
-            v2.CenterCrop(self.val_resolution),
-            _NORMALIZE,
-        ])
-
     def train_dataloader(self) -> DataLoader:
         # The trainer's epoch, read at each epoch's first batch (StreamingDataModule's loader reads it there too)
         trainer = getattr(self, "trainer", None)
@@ -182,7 +174,9 @@ class ImageFolderDataModule(_ResizableDataModule):
                             epoch=None if trainer is None else lambda: trainer.current_epoch)
 
     def val_dataloader(self) -> DataLoader:
-        folder = _CheckedImageFolder(self.val_dir, self._val_transform(), self._class_to_idx())
+        transform = v2.Compose([v2.ToImage(), v2.Resize(round(self.val_resolution / self.crop_ratio), antialias=True),
+                                v2.CenterCrop(self.val_resolution), _NORMALIZE])
+        folder = _CheckedImageFolder(self.val_dir, transform, self._class_to_idx())
         return self._loader(folder, self.val_batch_size, False)
 
     def _class_to_idx(self) -> dict[str, int]:
