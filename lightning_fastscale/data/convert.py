@@ -96,16 +96,6 @@ def image_tree_samples(root: Path) -> tuple[list[str], dict[str, list[tuple[str,
     return classes, samples
 
 
-@contextlib.contextmanager
-def _restore_start_method() -> Iterator[None]:
-    # litdata.optimize sets the global multiprocessing start method; put the caller's back.
-    previous = multiprocessing.get_start_method(allow_none=True)
-    try:
-        yield
-    finally:
-        multiprocessing.set_start_method(previous, force=True)
-
-
 class _Counted:
     """``fn`` counting finished items in shared memory (forked writers inherit it)."""
 
@@ -154,12 +144,16 @@ def _optimize(
     fork = sys.platform == "linux"
     counter = multiprocessing.get_context("fork").Value("l", 0) if verbose and fork else None
     progress = _progress(label, len(inputs), counter) if verbose else contextlib.nullcontext()
-    with _restore_start_method(), progress:
-        litdata.optimize(
-            fn=_Counted(fn, counter) if counter is not None else fn, inputs=inputs, output_dir=str(output_dir),
-            num_workers=max(1, min(num_workers, len(inputs))), chunk_bytes=chunk_bytes, reorder_files=False,
-            verbose=False, start_method="fork" if fork else None,
-        )
+    previous = multiprocessing.get_start_method(allow_none=True)  # litdata.optimize sets it for the process
+    try:
+        with progress:
+            litdata.optimize(
+                fn=_Counted(fn, counter) if counter is not None else fn, inputs=inputs, output_dir=str(output_dir),
+                num_workers=max(1, min(num_workers, len(inputs))), chunk_bytes=chunk_bytes, reorder_files=False,
+                verbose=False, start_method="fork" if fork else None,
+            )
+    finally:
+        multiprocessing.set_start_method(previous, force=True)
 
 
 def convert(

@@ -72,19 +72,16 @@ class _ResizableDataModule(pl.LightningDataModule):
             **extra,
         )
 
+    _STATE = ("train_batch_size", "train_resolution", "val_resolution")
+
     def state_dict(self) -> dict[str, Any]:
         """Batch size and resolutions in force, so a resumed run continues with them."""
-        return {
-            "train_batch_size": self.train_batch_size,
-            "train_resolution": self.train_resolution,
-            "val_resolution": self.val_resolution,
-        }
+        return {key: getattr(self, key) for key in self._STATE}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what `state_dict` saved."""
-        self.train_batch_size = state_dict["train_batch_size"]
-        self.train_resolution = state_dict["train_resolution"]
-        self.val_resolution = state_dict["val_resolution"]
+        for key in self._STATE:
+            setattr(self, key, state_dict[key])
 
 
 class ProceduralDataModule(_ResizableDataModule):
@@ -169,14 +166,6 @@ class ImageFolderDataModule(_ResizableDataModule):
         self.classes = image_tree_classes(self.root)
         self.num_classes = len(self.classes)
 
-    def _val_transform(self) -> v2.Transform:
-        return v2.Compose([
-            v2.ToImage(),
-            v2.Resize(round(self.val_resolution / self.crop_ratio), antialias=True),
-            v2.CenterCrop(self.val_resolution),
-            _NORMALIZE,
-        ])
-
     def train_dataloader(self) -> DataLoader:
         # The trainer's epoch, read at each epoch's first batch (StreamingDataModule's loader reads it there too)
         trainer = getattr(self, "trainer", None)
@@ -185,7 +174,9 @@ class ImageFolderDataModule(_ResizableDataModule):
                             epoch=None if trainer is None else lambda: trainer.current_epoch)
 
     def val_dataloader(self) -> DataLoader:
-        folder = _CheckedImageFolder(self.val_dir, self._val_transform(), self._class_to_idx())
+        transform = v2.Compose([v2.ToImage(), v2.Resize(round(self.val_resolution / self.crop_ratio), antialias=True),
+                                v2.CenterCrop(self.val_resolution), _NORMALIZE])
+        folder = _CheckedImageFolder(self.val_dir, transform, self._class_to_idx())
         return self._loader(folder, self.val_batch_size, False)
 
     def _class_to_idx(self) -> dict[str, int]:

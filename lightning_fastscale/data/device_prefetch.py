@@ -51,9 +51,9 @@ class DevicePrefetcher:
         self._pending = 1
         while True:
             if stream is not None:
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                # the side stream allocated these tensors; the compute stream uses them
                 compute = torch.cuda.current_stream(self.device)
+                compute.wait_stream(stream)
+                # the side stream allocated these tensors; the compute stream uses them
                 apply_to_collection(ahead, torch.Tensor, lambda t: t.record_stream(compute) if t.is_cuda else None)
             current = ahead
             try:

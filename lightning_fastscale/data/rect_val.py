@@ -8,6 +8,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torchvision.transforms.v2 import functional as F
 
@@ -48,16 +49,9 @@ def split_batches(order: Sequence[int], batch_size: int, world_size: int = 1) ->
     if n < world_size:
         raise ValueError(f"{n} samples cannot fill one batch on each of {world_size} ranks")
     per_rank = -(-n // (batch_size * world_size))  # ceil
-    count = per_rank * world_size
-    while n < count:  # tiny splits: fewer batches, still a multiple of world_size
-        count -= world_size
-    base, extra = divmod(n, count)
-    batches, start = [], 0
-    for b in range(count):
-        size = base + (1 if b < extra else 0)
-        batches.append(list(order[start : start + size]))
-        start += size
-    return batches
+    count = min(per_rank, n // world_size) * world_size  # tiny splits: fewer batches, still a multiple of world_size
+    # numpy's split: the first n % count batches hold one sample more
+    return [part.tolist() for part in np.array_split(np.asarray(order, dtype=np.int64), count)]
 
 
 def rank_batches(batches: Sequence[RectBatch], rank: int, world_size: int) -> list[RectBatch]:

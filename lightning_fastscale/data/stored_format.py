@@ -152,13 +152,8 @@ def check_chunk(path: Path, entry: dict[str, Any]) -> str | None:
 def check_split_files(split_dir: str | os.PathLike[str]) -> list[Problem]:
     """Structural problems of every chunk of a local split (no sample is decoded)."""
     split = Path(split_dir)
-    problems = []
-    for entry in read_index(split):
-        path = split / entry["filename"]
-        message = check_chunk(path, entry)
-        if message is not None:
-            problems.append(Problem(str(path), None, message))
-    return problems
+    return [Problem(str(split / entry["filename"]), None, message) for entry in read_index(split)
+            if (message := check_chunk(split / entry["filename"], entry)) is not None]
 
 
 def image_tree_classes(root: Path) -> list[str]:

@@ -59,31 +59,15 @@ class StreamingDataModule(_ResizableDataModule):
         max_workers: cores per rank that ``auto`` settings may use, workers x decode threads
             (default: cores / ranks on this machine).
         num_workers_cache: JSON file of ``auto`` picks (default: user cache dir).
-        rect_val: validate on rectangles (fast.ai, Howard et al. 2018): images sorted by aspect
-            ratio, each batch one shape with short side ``val_resolution`` and the long side of
-            its median ratio, nothing centre-cropped but the excess of each image's own ratio
-            (`rect_val`). Every validation sample is seen exactly once across ranks and
-            every rank gets the same number of batches (of at most ``val_batch_size``). Needs
-            a model that accepts any input size (adaptive pooling, as the package's ResNets).
-        decode_threads: threads that decode and augment each training batch in its loader
-            process (one ``transforms.train_batch`` call per batch), and decode the samples of
-            each validation batch; ``"auto"``: chosen with
-            ``num_workers="auto"`` by the probe, else those that fill the rank's cores with
-            ``num_workers`` processes. Threads change no pixel.
-        dct_scaling: decode a training image at 1/2, 1/4 or 1/8 scale in the DCT domain where its
-            random crop is at least that many times ``resolution`` on both axes
-            (`transforms.train_batch`): less decode time at low training resolutions of images
-            stored large (progressive resizing's early epochs), at the price of those samples'
-            pixels, low-passed by the reduced decode (a few grey levels; figures in
-            benchmarks/README.md). Off by default: the recipes were validated without it.
+        rect_val: validate on rectangles grouped by aspect ratio (fast.ai, Howard et al. 2018), every
+            sample once across ranks; needs a model that accepts any input size (`rect_val`).
+        decode_threads: threads decoding each training batch (and each validation batch's samples) in
+            its loader process; ``"auto"``: the probe's, else those filling the rank's cores.
+        dct_scaling: decode a training image at 1/2, 1/4 or 1/8 scale where its crop allows
+            (`transforms.train_batch`); off by default, the recipes were validated without it.
 
-    ``dataset_class`` is the litdata dataset type of the training split; a subclass may
-    override its ``decode`` to return something else per stored sample. ``val_batches_class`` plays that
-    part for the validation batches.
-
-    The pieces are testable alone: `StreamingSource` (metadata, split locations, resolution
-    checks), `validation_plan` (per-rank batches), `worker_autotune` (``num_workers="auto"``),
-    the datasets and loader of `streaming_datasets`; this class composes them.
+    Each setting in full: ``docs/input_pipeline.md``. ``dataset_class`` / ``val_batches_class``: the training
+    dataset and validation batch types; a subclass's ``decode`` may return something else per stored sample.
 
     Examples:
         >>> dm = StreamingDataModule("/data/imagenet-512", resolution=176, batch_size=256)  # doctest: +SKIP
@@ -190,9 +174,7 @@ class StreamingDataModule(_ResizableDataModule):
 
     def _local_ranks(self) -> int:
         trainer = getattr(self, "trainer", None)
-        if trainer is None:
-            return 1
-        return max(1, trainer.world_size // max(1, trainer.num_nodes))
+        return 1 if trainer is None else max(1, trainer.world_size // max(1, trainer.num_nodes))
 
     # -- training -----------------------------------------------------------------------
     def train_dataset(self) -> DecodedStreamingDataset:
@@ -285,12 +267,8 @@ class StreamingDataModule(_ResizableDataModule):
         # Planned batches rather than litdata's loader: every sample exactly once across ranks.
         input_dir, extra = self.source.split("val")
         threads = self.resolved_decode_threads()  # as the training batches: the rank's cores
-        if self.rect_val:
-            batches = self.val_batches_class(input_dir, self.rect_val_batches(), self.root, threads=threads, **extra)
-        else:
-            batches = self.val_batches_class(
-                input_dir, self.square_val_batches(), self.root, crop_ratio=self.crop_ratio, threads=threads, **extra
-            )
+        plan, crop_ratio = (self.rect_val_batches(), None) if self.rect_val else (self.square_val_batches(), self.crop_ratio)
+        batches = self.val_batches_class(input_dir, plan, self.root, crop_ratio=crop_ratio, threads=threads, **extra)
         loader = DataLoader(
             batches, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
             prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None,

@@ -72,25 +72,6 @@ def _named(dataset: StreamingDataset, index: Any, read_and_decode: Callable[[], 
         raise CorruptDataError(f"{_where(_split_dir(dataset), index)}: {err}. {_VERIFY_HINT}") from err.__cause__
 
 
-def _decode_stored(
-    item: dict[str, Any], transform: Callable[[torch.Tensor], torch.Tensor], source: str
-) -> tuple[torch.Tensor, int]:
-    """``(transform(JPEG bytes), label)`` of a stored sample; a decode error names the sample.
-
-    ``transform`` decodes strictly ([`jpeg_decode.decode_rgb_strict`][lightning_fastscale.data.jpeg_decode.decode_rgb_strict]):
-    stored images were re-encoded by ``fastscale-data convert``, so libjpeg's "Corrupt JPEG
-    data" means damaged storage, and training on the garbage it recovers would go unnoticed.
-    """
-    data = torch.frombuffer(bytearray(item["image"]), dtype=torch.uint8)
-    try:
-        image = transform(data)
-    except Exception as err:  # libjpeg-turbo reports corrupt data as RuntimeError
-        raise CorruptDataError(
-            f"cannot decode stored image {item['index']} ({item['name']}) of {source}: {err}"
-        ) from err
-    return image, int(item["label"])
-
-
 @dataclass(slots=True)
 class StoredSample:
     """A training sample as read from its chunk, not decoded yet (cheap to hand to the collate)."""
@@ -104,21 +85,8 @@ class StoredSample:
 
 
 class DecodedStreamingDataset(StreamingDataset):
-    """The training split as a shuffled litdata ``StreamingDataset``, decoded a batch at a time.
-
-    Iterating yields `StoredSample` records (JPEG bytes, index, label, name): reading them is
-    cheap, and the collate function of `batch_decoder` decodes and augments the whole batch
-    in one [`train_batch`][lightning_fastscale.data.transforms.train_batch] call, in threads, in
-    the loader worker that read it (or in the training process with ``num_workers=0``, as FFCV
-    does). Each sample gets a random resized crop + flip drawn from `sample_generator` of
-    ``(seed, epoch, index)``, so the augmentation of a sample depends neither on the worker
-    that read it nor on the thread that decoded it; with ``dct_scaling`` an image whose crop
-    allows it is decoded at reduced scale (`train_batch`'s ``dct_scaling``). The last
-    incomplete batch is dropped. A sample that cannot be read or decoded raises a
-    [`CorruptDataError`][lightning_fastscale.data.stored_format.CorruptDataError] naming its chunk file,
-    its litdata index and its source file. (Validation reads by index instead:
-    `ValidationBatches`.)
-    """
+    """The training split as a shuffled litdata ``StreamingDataset`` of `StoredSample` records, decoded and
+    augmented a batch at a time by `batch_decoder` (``docs/input_pipeline.md``, "The streaming datasets and loader")."""
 
     def __init__(
         self,
@@ -168,16 +136,8 @@ class DecodedStreamingDataset(StreamingDataset):
 class TrainBatchDecoder:
     """Collate function of the training loader: a list of `StoredSample` -> ``(uint8 images, labels)``.
 
-    One [`train_batch`][lightning_fastscale.data.transforms.train_batch] call per batch, in
-    ``threads`` threads, written straight into the (channels-last) buffer the batch leaves the
-    loader in:
-    shared memory in a loader worker (what ``default_collate`` allocates there too; the batch
-    then reaches the training process without a copy), pinned memory with ``pin_memory`` in
-    the training process (the loader's pinning then has nothing left to copy, and torch's
-    caching host allocator reuses the buffer once the host-to-device copy that read it has
-    finished). A buffer is not reused by hand: the training step may still hold the previous
-    batch. Samples that are not `StoredSample` (a dataset subclass's own ``decode``) are
-    collated by ``default_collate``.
+    One `transforms.train_batch` call per batch, in ``threads`` threads, into the buffer the batch
+    leaves the loader in; other samples go to ``default_collate`` (``docs/input_pipeline.md``).
     """
 
     resolution: int
@@ -223,24 +183,10 @@ class TrainBatchDecoder:
 
 
 class ValidationBatches(IterableDataset):
-    """One rank's planned validation batches, yielded whole.
+    """One rank's planned validation batches, each yielded whole as ``(uint8 images, labels)`` of one shape.
 
-    The plan (`rect_val.split_batches`) gives every rank the same number of batches and
-    every sample to exactly one rank, so a distributed validation measures the whole split, as
-    one process would (litdata's own loader evens ranks out by dropping the remainder instead,
-    and Lightning's ``DistributedSampler`` by repeating samples).
-
-    Each item is a finished ``(uint8 images (N, 3, H, W), labels (N,))`` batch of one shape, so
-    the ``DataLoader`` runs with ``batch_size=None``; loader workers split the batches by
-    position (worker ``k`` of ``n`` makes batches ``k, k + n, ...``, which the loader hands out
-    in order again). Being an ``IterableDataset``, Lightning leaves it alone under DDP (it
-    replaces the sampler of map-style loaders only), so the per-rank plan is what each rank
-    runs. A batch's samples are read by their litdata index through litdata's chunk reader, one
-    after the other, then decoded strictly (``jpeg_decode.decode_rgb_strict``) and fitted in
-    ``threads`` threads (``decode``, per sample). With ``crop_ratio=None`` (rectangular
-    validation, `rect_val`) each is resized to cover its batch's shape
-    (`rect_val.resize_to_cover`); otherwise it gets the square resize + centre crop
-    (`transforms.val_transform`'s geometry).
+    ``crop_ratio=None``: rectangular validation (`rect_val.resize_to_cover`), else resize + centre crop
+    (``docs/input_pipeline.md``, "The streaming datasets and loader").
     """
 
     def __init__(
@@ -255,16 +201,21 @@ class ValidationBatches(IterableDataset):
         return len(self.batches)
 
     def decode(self, item: dict[str, Any], shape: tuple[int, int]) -> tuple[torch.Tensor, int]:
-        """Decode one stored sample and fit it to the batch's ``(height, width)`` (called from
-        ``threads`` threads at once)."""
-
-        def transform(data: torch.Tensor) -> torch.Tensor:
+        """``(image, label)`` of one stored sample fitted to the batch's ``(height, width)`` (from ``threads``
+        threads at once). Decoded strictly: stored images were re-encoded by ``fastscale-data convert``,
+        so libjpeg's "Corrupt JPEG data" means damaged storage; the error names the sample."""
+        data = torch.frombuffer(bytearray(item["image"]), dtype=torch.uint8)
+        try:
             image = jpeg_decode.decode_rgb_strict(data)
             if self.crop_ratio is None:
-                return rect_val.resize_to_cover(image, shape)
-            return transforms.resize_centre_crop(image, shape[0], self.crop_ratio)
-
-        return _decode_stored(item, transform, self.source)
+                image = rect_val.resize_to_cover(image, shape)
+            else:
+                image = transforms.resize_centre_crop(image, shape[0], self.crop_ratio)
+        except Exception as err:  # libjpeg-turbo reports corrupt data as RuntimeError
+            raise CorruptDataError(
+                f"cannot decode stored image {item['index']} ({item['name']}) of {self.source}: {err}"
+            ) from err
+        return image, int(item["label"])
 
     def _decoded_batch(self, batch: rect_val.RectBatch) -> list[tuple[torch.Tensor, int]]:
         """The batch's samples, read one after the other (litdata's reader is not shared across
@@ -292,22 +243,9 @@ class ValidationBatches(IterableDataset):
 class EpochAwareStreamingDataLoader(StreamingDataLoader):
     """litdata's loader, each iteration in the training epoch it serves.
 
-    litdata counts its own epochs (one per iteration) and, after ``load_state_dict``, replays
-    the saved position until an iteration runs into ``StopIteration``. Lightning ends an epoch
-    after ``len(loader)`` or ``limit_train_batches`` batches without that, and builds the loader
-    before a restored epoch count is settled. With ``epoch`` (returns the 0-based training epoch,
-    read when an iteration starts; `StreamingDataModule` passes the trainer's), a saved position
-    is replayed only in the epoch it was saved in, and every other iteration starts epoch
-    ``epoch()`` afresh (its shuffle and augmentation seeds). Without it, an iteration after a
-    resumed epoch has handed out ``len(loader)`` batches starts the next epoch. A position
-    restored on another world size (litdata's elastic resume) stays marked as such in the states
-    it saves, also with loader workers (litdata marks it in the process that reads).
-
-    With ``accumulation`` (returns the gradient accumulation a, read when the length is asked;
-    `StreamingDataModule` passes the trainer's), an epoch is whole global batches: its length is
-    litdata's batches per rank cut down to a multiple of a (``whole_global_batches``), and an
-    iteration stops there, one resumed on the same world size too (Lightning would otherwise
-    step on a last partial accumulation group).
+    ``epoch()``: the 0-based training epoch, read as an iteration starts (a saved position is
+    replayed only in its own epoch); ``accumulation()``: the gradient accumulation, to which an
+    epoch's batches per rank are cut down. Why: ``docs/input_pipeline.md``, "The streaming datasets and loader".
     """
 
     def __init__(self, *args: Any, epoch: Callable[[], int] | None = None,

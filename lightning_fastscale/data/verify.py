@@ -5,7 +5,6 @@ What it can and cannot find: ``docs/input_pipeline.md`` ("Damaged data").
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -15,9 +14,8 @@ from .jpeg_decode import decode_rgb, strict_decode
 from .stored_format import SPLITS, Problem, check_split_files, read_index
 
 
-def verify_split(split_dir: str | os.PathLike[str], decode: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[int, list[Problem]]:
+def verify_split(split_dir: str | os.PathLike[str]) -> tuple[int, list[Problem]]:
     """``(samples checked, problems)`` of one split: chunk structure, then the sound chunks' samples decoded."""
-    decode = decode or decode_rgb
     split = Path(split_dir)
     chunks = read_index(split)
     problems = check_split_files(split)
@@ -32,7 +30,7 @@ def verify_split(split_dir: str | os.PathLike[str], decode: Callable[[torch.Tens
                 checked += 1
                 try:
                     item = dataset[sample]
-                    strict_decode(decode, torch.frombuffer(bytearray(item["image"]), dtype=torch.uint8))
+                    strict_decode(decode_rgb, torch.frombuffer(bytearray(item["image"]), dtype=torch.uint8))
                 except Exception as err:  # every failure is reported, whatever raised it
                     problems.append(Problem(path, sample, f"{type(err).__name__}: {err}"))
         first += count
@@ -47,9 +45,5 @@ def verify(root: str | os.PathLike[str]) -> tuple[int, list[Problem]]:
         >>> for p in problems: print(p)  # doctest: +SKIP
         /data/imagenet-stream/train/chunk-0-3.bin: sample 1207: ValueError: Corrupt JPEG data: ...
     """
-    checked, problems = 0, []
-    for split in SPLITS:
-        n, found = verify_split(Path(root) / split)
-        checked += n
-        problems += found
-    return checked, problems
+    results = [verify_split(Path(root) / split) for split in SPLITS]
+    return sum(n for n, _ in results), [p for _, found in results for p in found]

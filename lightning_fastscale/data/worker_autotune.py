@@ -72,9 +72,8 @@ def probe_num_workers(
     threshold: float = 0.95,
 ) -> tuple[int, dict[int, float]]:
     """``(pick, curve)``: images/s of ``make_loader(n)`` for each ``n`` in ``candidates``, after ``max(2, n)`` warm-up batches."""
-    curve: dict[int, float] = {}
-    for n in candidates:
-        curve[n] = images_per_second(make_loader(n), batches, warmup=max(2, n), batch_size=batch_size)
+    curve = {n: images_per_second(make_loader(n), batches, warmup=max(2, n), batch_size=batch_size)
+             for n in candidates}
     return pick_smallest_within(curve, threshold), curve
 
 

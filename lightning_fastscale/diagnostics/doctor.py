@@ -467,10 +467,7 @@ def verify_fixes(diagnosis: Diagnosis, fixes: Sequence[Fix], runs: Sequence[Call
         >>> d.fixes[0].measured_speedup, d.verify_rounds
         (2.0, 2)
     """
-    times: list[list[float]] = [[] for _ in runs]
-    for _ in range(rounds):
-        for run, measured in zip(runs, times):
-            measured.append(run())
+    times = list(zip(*([run() for run in runs] for _ in range(rounds))))  # per run, its time in each round
     diagnosis.baseline_step_s, diagnosis.verify_rounds = statistics.median(times[0]), rounds
     for fix, measured in zip(fixes, times[1:]):
         fix.verified_step_s = statistics.median(measured)

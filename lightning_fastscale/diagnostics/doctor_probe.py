@@ -411,8 +411,7 @@ def _attributes(overrides: list[str], targets: dict[str, Any]) -> dict[tuple[str
 
 def _set(setting: dict[tuple[str, str], Any], targets: dict[str, Any]) -> dict[tuple[str, str], Any]:
     """Set each attribute of ``setting``; returns their values before."""
-    saved = {}
+    saved = {(group, name): getattr(targets[group], name) for group, name in setting}
     for (group, name), value in setting.items():
-        saved[group, name] = getattr(targets[group], name)
         setattr(targets[group], name, value)
     return saved

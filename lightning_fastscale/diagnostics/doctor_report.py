@@ -29,8 +29,7 @@ def render_report(d: Diagnosis) -> str:
              "", "bottleneck: " + ("INPUT OR COMPUTE: TOO CLOSE TO CALL" if v.too_close_to_call else v.bottleneck.upper()),
              f"  {v.reason}", *(f"  note: {n}" for n in d.notes), ""]
     lines.append(f"step breakdown (per step)        median rank   slowest rank ({slowest})")
-    for part in PHASES:
-        lines.append(f"  {part:<30}{_fmt_s(m.median_part(part))}    {_fmt_s(m.parts[slowest].get(part, 0.0))}")
+    lines += [f"  {part:<30}{_fmt_s(m.median_part(part))}    {_fmt_s(m.parts[slowest].get(part, 0.0))}" for part in PHASES]
     lines.append(f"  {'step':<30}{_fmt_s(m.step_s)}    {_fmt_s(m.rank_step_s(slowest))}")
     lines.append(f"  samples/s (all ranks)         {m.batch_size * m.world_size / m.step_s:10.1f}")
     lines += ["", "seconds per step each cause accounts for:"]
@@ -43,8 +42,7 @@ def render_report(d: Diagnosis) -> str:
         lines.append(f"  compute alone (device-resident batch of {m.batch_size}{threads}): {_fmt_s(m.compute_alone_s)}{spread}")
         if m.compute_alone_one_thread_s is not None:
             lines.append(f"    on 1 thread: {_fmt_s(m.compute_alone_one_thread_s)}")
-        for overrides, t in m.compute_variants.items():
-            lines.append(f"    with {overrides}: {_fmt_s(t)}")
+        lines += [f"    with {overrides}: {_fmt_s(t)}" for overrides, t in m.compute_variants.items()]
     if m.allreduce_s:
         predicted = (m.planner or {}).get("predicted_s", {})
         lines.append(f"  all-reduce of the {m.grad_bytes / 2**20:.1f} MiB gradient (configured: {m.configured_allreduce})"
@@ -64,9 +62,8 @@ def render_report(d: Diagnosis) -> str:
     if m.loader_images_per_s:
         need = m.batch_size / max(m.step_s - m.median_part("input"), 1e-12)
         lines.append(f"  loader images/s per rank (the rest of the step consumes {need:.0f}):")
-        for w, rate in sorted(m.loader_images_per_s.items()):
-            mark = "  (configured)" if w == m.num_workers else ""
-            lines.append(f"    {w:>2} workers: {rate:10.1f}{mark}")
+        lines += [f"    {w:>2} workers: {rate:10.1f}{'  (configured)' if w == m.num_workers else ''}"
+                  for w, rate in sorted(m.loader_images_per_s.items())]
     lines += ["", f"larger batches: {large_batch_note(m)}"]
     lines += ["", "fixes:" if d.fixes else "fixes: none of the measured alternatives is predicted to be faster"]
     for i, f in enumerate(d.fixes, 1):

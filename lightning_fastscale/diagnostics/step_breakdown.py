@@ -221,15 +221,10 @@ def breakdown_table(summary: BreakdownSummary | Mapping[str, Any]) -> str:
         f"| part | median ms/step | share | slowest rank ({s['slowest_rank']}) ms/step |",
         "|---|---:|---:|---:|",
     ]
-    for p in PHASES:
-        lines.append(f"| {p} | {_fmt_ms(s['phases'][p])} | {100 * s['shares'][p]:.1f} % | "
-                     f"{_fmt_ms(slow['phases'][p])} |")
+    lines += [f"| {p} | {_fmt_ms(s['phases'][p])} | {100 * s['shares'][p]:.1f} % | {_fmt_ms(slow['phases'][p])} |"
+              for p in PHASES]
     lines.append(f"| **step** | **{_fmt_ms(s['step_s'])}** | 100 % | {_fmt_ms(slow['step_s'])} |")
-    rate = []
-    if s.get("samples_per_s"):
-        rate.append(f"{s['samples_per_s']:.1f} samples/s")
-    if s.get("images_per_s"):
-        rate.append(f"{s['images_per_s']:.1f} images/s")
+    rate = [f"{s[f'{what}_per_s']:.1f} {what}/s" for what in ("samples", "images") if s.get(f"{what}_per_s")]
     steps = f"steps {s['first_step']}-{s['last_step']}" if s.get("first_step") is not None else f"{s['steps']} steps"
     lines += [
         "",
@@ -316,9 +311,8 @@ def write_report(directory: str | Path, total: BreakdownSummary, windows: Sequen
     if windows:
         md += ["## Windows", "", "| steps | " + " | ".join(PHASES) + " | step ms | bottleneck |",
                "|---|" + "---:|" * (len(PHASES) + 1) + "---|"]
-        for w in windows:
-            md.append(f"| {w.first_step}-{w.last_step} | " + " | ".join(_fmt_ms(w.phases[p]) for p in PHASES)
-                      + f" | {_fmt_ms(w.step_s)} | {w.bottleneck} |")
+        md += [f"| {w.first_step}-{w.last_step} | " + " | ".join(_fmt_ms(w.phases[p]) for p in PHASES)
+               + f" | {_fmt_ms(w.step_s)} | {w.bottleneck} |" for w in windows]
     paths["md"].write_text("\n".join(md) + "\n")
     if plot and windows:
         paths["png"] = plot_breakdown(windows, directory / f"{base}.png")

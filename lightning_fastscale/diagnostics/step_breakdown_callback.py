@@ -36,9 +36,7 @@ def images_in_batch(batch: Any) -> int | None:
     if isinstance(batch, dict):
         batch = list(batch.values())
     if isinstance(batch, (list, tuple)):
-        for item in batch:
-            if (n := images_in_batch(item)) is not None:
-                return n
+        return next((n for item in batch if (n := images_in_batch(item)) is not None), None)
     return None
 
 

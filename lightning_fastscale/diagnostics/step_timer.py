@@ -107,8 +107,7 @@ class StepTimer:
         params = [p for p in parameters if p.requires_grad]
         # gradients usually arrive in reverse module order: guess the first parameter is last
         self._last_param = params[0] if params else None
-        for index, p in enumerate(params):
-            self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(index)))
+        self._handles = [p.register_post_accumulate_grad_hook(self._grad_hook(i)) for i, p in enumerate(params)]
         self._params = params
 
     def detach(self) -> None:

@@ -170,11 +170,9 @@ class AccuracyClock:
 
     def best(self) -> CurvePoint | None:
         """The validation with the best value so far (the earliest among equals)."""
-        scored = [p for p in self.points if not math.isnan(p.value)]
-        if not scored:
-            return None
         sign = 1 if self.mode == "max" else -1
-        return max(scored, key=lambda p: (sign * p.value, -p.seconds))
+        scored = (p for p in self.points if not math.isnan(p.value))
+        return max(scored, key=lambda p: (sign * p.value, -p.seconds), default=None)
 
     def summary(self) -> dict[str, Any]:
         """Plain data (JSON, keys in ``docs/time_to_accuracy.md``): at the crossing if ``reached``, else at the end."""
