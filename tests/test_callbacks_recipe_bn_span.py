@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -46,11 +47,13 @@ def _plain(x: torch.Tensor, upstream: torch.Tensor) -> dict[str, torch.Tensor]:
             "running_mean": bn.running_mean, "running_var": bn.running_var}
 
 
-def _spanned(rank: int, world_size: int, per_device: int, span: int) -> dict[str, list]:
+def _spanned(rank: int, world_size: int, per_device: int, span: int, ranks_per_node: int | None = None) -> dict:
     x_all, up_all = _images(world_size * per_device)
     mine = slice(rank * per_device, (rank + 1) * per_device)
     model = nn.Sequential(_bn())
-    ranks = apply_bn_span(model, span, per_device, ranks_per_node=world_size)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        ranks = apply_bn_span(model, span, per_device, ranks_per_node=ranks_per_node or world_size)
     x = x_all[mine].clone().requires_grad_()
     y = model(x)
     (y * up_all[mine]).sum().backward()
@@ -62,6 +65,7 @@ def _spanned(rank: int, world_size: int, per_device: int, span: int) -> dict[str
     meta_x = torch.empty(2, 3, 4, 4, device="meta")
     flops = [measure_flops(m, lambda m=m: m(meta_x), loss_fn=torch.Tensor.sum) for m in (copied, plain)]
     return {"ranks": ranks, "type": type(bn).__name__, "copy_shares_group": copied[1].group is bn.group,
+            "warnings": [str(w.message) for w in warned],
             "meta_flops": flops[0], "plain_flops": flops[1], "y": y.tolist(), "x_grad": x.grad.tolist(),
             "weight_grad": bn.weight.grad.tolist(), "bias_grad": bn.bias.grad.tolist(),
             "running_mean": bn.running_mean.tolist(), "running_var": bn.running_var.tolist()}
@@ -102,7 +106,11 @@ def test_within_one_device_a_span_is_plain_batch_norm_of_its_images() -> None:
 
 
 def test_a_span_of_two_ranks_is_plain_batch_norm_of_their_images() -> None:
-    _assert_span_equals_one_device(run_distributed(_spanned, 2, 2, 4), 2, 2, 4)
+    """Also across two nodes of one rank: the same arithmetic, and a warning that BN now waits on the network."""
+    results = run_distributed(_spanned, 2, 2, 4, 1)
+    _assert_span_equals_one_device(results, 2, 2, 4)
+    assert results[0]["warnings"] == ["bn_span=4 synchronises BN over 2 ranks, more than a node's 1: every BN layer "
+                                      "then waits on the network in forward and backward"]
 
 
 def _four_rank_spans(rank: int, world_size: int) -> list[dict]:
@@ -114,6 +122,7 @@ def test_spans_of_two_and_four_of_four_ranks_are_plain_batch_norm_of_their_image
     results = run_distributed(_four_rank_spans, 4)
     for i, span in enumerate((4, 8)):
         _assert_span_equals_one_device([r[i] for r in results], 4, 2, span)
+        assert not any(r[i]["warnings"] for r in results)  # inside one node of 4: nothing to warn about
 
 
 def test_a_span_that_is_not_whole_ranks_is_refused_with_the_nearest_that_are() -> None:
