@@ -42,6 +42,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_fastscale._validation import positive_int
 from lightning_fastscale.exit_codes import ExitCode, end_agreed
 from lightning_fastscale.lightning_internals import cluster_environment
 
@@ -130,8 +131,7 @@ class PreemptionCheckpoint(Checkpoint):
         check_every_n_steps: int = 1,
     ) -> None:
         self.signals = parse_signals(signals)
-        if isinstance(check_every_n_steps, bool) or not isinstance(check_every_n_steps, int) or check_every_n_steps < 1:
-            raise ValueError(f"PreemptionCheckpoint.check_every_n_steps={check_every_n_steps!r} must be an integer >= 1")
+        positive_int("PreemptionCheckpoint.check_every_n_steps", check_every_n_steps)
         if not filename.endswith(".ckpt"):
             raise ValueError(f"PreemptionCheckpoint.filename={filename!r} must end in .ckpt (resume=auto looks for *.ckpt)")
         self.dirpath = dirpath
