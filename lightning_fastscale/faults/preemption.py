@@ -1,22 +1,9 @@
 """Preemption: on SIGTERM or SLURM's pre-timeout signal, finish the step, checkpoint once, exit.
 
-Large-batch records were set on rented machines that can be taken away (fast.ai 2018 on
-public-cloud spot instances; Tencent Cloud 2020 on a public cloud), where a preemption
-notice (SIGTERM), ``torchrun`` shutting down its workers (SIGTERM, then SIGKILL after a grace
-period) or SLURM's signal before the time limit (``#SBATCH --signal=USR1@90``) are routine.
-
-Lightning 2.6 handles this only in part: its SIGTERM handler broadcasts from inside the
-handler and stops the loops without a checkpoint (``SIGTERMException``), each step it only
-looks at rank 0's flag (a notice that reaches another node's ranks is missed), and its SLURM
-auto-requeue saves from inside the signal handler, wherever the step happens to be.
-
-This callback only sets a flag in the handler. At the end of every optimizer step all ranks
-agree (one all-reduce of a one-element tensor, MAX) whether any rank got a signal; if so,
-every rank has finished the same step, one checkpoint is written (rank 0 writes, as for any
-Lightning checkpoint), the SLURM job is requeued when running under SLURM, and the run
-leaves through Lightning's ``SIGTERMException`` (a ``SystemExit``) with ``exit_code`` (75).
-``fastscale-train resume=auto`` (or ``Trainer.fit(ckpt_path=...)``) continues from it; with
-[`ExactResume`][lightning_fastscale.faults.ExactResume] the resumed run sees the same batches.
+The handler only records the signal; at the end of an optimizer step all ranks agree (one
+all-reduce) whether any got one, then one checkpoint is written, the SLURM job is requeued
+and the run exits with ``exit_code`` (75). Why Lightning's own handling falls short, and the
+papers (fast.ai 2018, Tencent Cloud 2020): ``docs/faults.md`` ("What it does").
 
 Functional core: `parse_signals`, `slurm_job_id`. Lightning adapter:
 [`PreemptionCheckpoint`][lightning_fastscale.faults.PreemptionCheckpoint].
