@@ -45,14 +45,10 @@ def value_at_epoch(schedule: Mapping[int, int], epoch: int) -> int:
         >>> value_at_epoch({0: 128, 10: 224, 18: 288}, 12)
         224
     """
-    current = None
-    for start, value in sorted(schedule.items()):
-        if start > epoch:
-            break
-        current = value
-    if current is None:
+    started = [value for start, value in sorted(schedule.items()) if start <= epoch]
+    if not started:
         raise ValueError(f"schedule {dict(schedule)} has no value at epoch {epoch}")
-    return current
+    return started[-1]
 
 
 def loader_batch_size(trainer: pl.Trainer) -> int | None:

@@ -49,10 +49,8 @@ def smith_schedule(
     milestones = sorted(int(m) for m in lr_milestones)
     if any(m <= 0 for m in milestones) or len(set(milestones)) != len(milestones):
         raise ValueError(f"lr_milestones={list(lr_milestones)} must be distinct positive epochs")
-    schedule = {0: initial_global_batch}
-    for i, m in enumerate(milestones, start=1):
-        schedule[m] = round(initial_global_batch / lr_decay_factor**i)
-    return schedule
+    return {0: initial_global_batch} | {m: round(initial_global_batch / lr_decay_factor**i)
+                                        for i, m in enumerate(milestones, start=1)}
 
 
 def decompose(global_batch: int, world_size: int, max_per_device_batch: int | None) -> BatchPlan:
@@ -68,10 +66,8 @@ def decompose(global_batch: int, world_size: int, max_per_device_batch: int | No
     if max_per_device_batch is None or share <= max_per_device_batch:
         return BatchPlan(global_batch, share, 1)
     positive_int("max_per_device_batch", max_per_device_batch)
-    for accumulation in range(math.ceil(share / max_per_device_batch), share + 1):
-        if share % accumulation == 0:
-            per_device = share // accumulation
-            break
+    accumulation = next(a for a in range(math.ceil(share / max_per_device_batch), share + 1) if share % a == 0)
+    per_device = share // accumulation
     if 2 * per_device <= max_per_device_batch:
         step = world_size * max_per_device_batch
         below = global_batch // step * step

@@ -106,10 +106,8 @@ class GhostBatchNormLayer(_BatchNorm):
 
 def share_state(bn: _BatchNorm, layer: _BatchNorm) -> _BatchNorm:
     """``layer`` (made on the meta device) holding ``bn``'s very parameters and buffers (an optimizer keeps working)."""
-    for name, param in bn.named_parameters(recurse=False):
-        setattr(layer, name, param)
-    for name, buffer in bn.named_buffers(recurse=False):
-        setattr(layer, name, buffer)
+    for name, tensor in [*bn.named_parameters(recurse=False), *bn.named_buffers(recurse=False)]:
+        setattr(layer, name, tensor)
     layer.train(bn.training)
     return layer
 

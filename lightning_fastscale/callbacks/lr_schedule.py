@@ -214,9 +214,7 @@ class WarmupDecayLR(Callback):
     def lr_now(self, trainer: pl.Trainer) -> list[float]:
         """The LR of each parameter group for the next optimizer step."""
         assert self._base_lrs is not None
-        scale = 1.0
-        if self.reference_batch is not None:
-            scale = current_global_batch(trainer) / self.reference_batch
+        scale = 1.0 if self.reference_batch is None else current_global_batch(trainer) / self.reference_batch
         return [
             lr_at(
                 self.progress, base * scale, warmup_epochs=self.warmup_epochs,

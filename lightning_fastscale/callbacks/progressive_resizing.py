@@ -256,7 +256,6 @@ class ProgressiveResizing(Callback):
                 f"the checkpoint was written with ProgressiveResizing schedule {saved}, but this "
                 f"run has {self.schedule}; resume with the same schedule or start a new run"
             )
-        self.schedule = saved
         self._prepared.epoch = state_dict["prepared_epoch"]
         self._base_batch = state_dict["base_batch"]
         self._base_resolution = state_dict["base_resolution"]

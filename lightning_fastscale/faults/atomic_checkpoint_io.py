@@ -65,14 +65,14 @@ def save_atomically(obj: Any, path: str | os.PathLike) -> None:
     _fsync_folder(path.parent)
 
 
+def files_in(folders: Iterable[str | os.PathLike], pattern: str) -> list[Path]:
+    """The files matching ``pattern`` in those of ``folders`` that exist (not recursive), by name in each folder."""
+    return [p for folder in map(Path, folders) if folder.is_dir() for p in sorted(folder.glob(pattern)) if p.is_file()]
+
+
 def partial_files(folders: Iterable[str | os.PathLike]) -> list[Path]:
     """Temporary files of `save_atomically` left in ``folders`` by a killed writer."""
-    found: list[Path] = []
-    for folder in folders:
-        folder = Path(folder)
-        if folder.is_dir():
-            found += sorted(p for p in folder.glob(f".*{PARTIAL_SUFFIX}") if p.is_file())
-    return found
+    return files_in(folders, f".*{PARTIAL_SUFFIX}")
 
 
 def remove_partial_files(folders: Iterable[str | os.PathLike]) -> list[Path]:

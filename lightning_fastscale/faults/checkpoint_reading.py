@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from lightning_fastscale.faults.atomic_checkpoint_io import files_in, remove_partial_files
+
 # Entries of a torch LR scheduler's state that move as training goes on; every other entry
 # (T_max, milestones, gamma, base_lrs, total_iters, ...) is the schedule itself.
 SCHEDULER_PROGRESS_KEYS = frozenset(
@@ -34,12 +36,7 @@ class CheckpointError(ValueError):
 
 def checkpoints_newest_first(folders: Iterable[str | Path]) -> list[Path]:
     """The ``*.ckpt`` files in ``folders`` (not recursive), the latest modification time first, ties by name."""
-    candidates = []
-    for folder in folders:
-        folder = Path(folder)
-        if folder.is_dir():
-            candidates += [p for p in folder.glob("*.ckpt") if p.is_file()]
-    return sorted(candidates, key=lambda p: (p.stat().st_mtime_ns, p.name), reverse=True)
+    return sorted(files_in(folders, "*.ckpt"), key=lambda p: (p.stat().st_mtime_ns, p.name), reverse=True)
 
 
 def newest_checkpoint(folders: Iterable[str | Path]) -> Path | None:
@@ -204,8 +201,6 @@ def raise_if_mismatched(path: str | Path, problems: Sequence[str], what: str) ->
 
 def resume_point(folders: Sequence[str | Path]) -> str | None:
     """The checkpoint ``resume=auto`` continues from in ``folders`` (skipping incomplete ones), or None for a fresh start."""
-    from lightning_fastscale.faults.atomic_checkpoint_io import remove_partial_files
-
     remove_partial_files(folders)
     newest, skipped = newest_complete_checkpoint(folders)
     for err in skipped:

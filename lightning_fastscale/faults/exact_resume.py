@@ -246,11 +246,8 @@ def saved_world_size(checkpoint: dict[str, Any]) -> int | None:
 
 def _loaders(obj: Any) -> Iterator[Any]:
     """The loaders in a training loader collection (a loader, or lists and dicts of them)."""
-    if isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _loaders(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
+    if isinstance(obj, (list, tuple, dict)):
+        for item in obj.values() if isinstance(obj, dict) else obj:
             yield from _loaders(item)
     elif obj is not None:
         yield obj

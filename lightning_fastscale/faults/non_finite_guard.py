@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_fastscale._validation import positive_int
 from lightning_fastscale.exit_codes import end_agreed
 
 
@@ -22,18 +23,14 @@ class NonFiniteStepsError(RuntimeError):
 
 def first_nonfinite_gradient(module: torch.nn.Module) -> str | None:
     """Name of the first parameter (in ``named_parameters`` order) whose gradient has an inf or NaN."""
-    for name, p in module.named_parameters():
-        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-            return name
-    return None
+    return next((name for name, p in module.named_parameters()
+                 if p.grad is not None and not bool(torch.isfinite(p.grad).all())), None)
 
 
 def first_nonfinite_tensor(module: torch.nn.Module) -> str | None:
     """Name of the first floating-point entry of ``module.state_dict()`` with an inf or NaN."""
-    for name, tensor in module.state_dict().items():
-        if isinstance(tensor, Tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            return name
-    return None
+    return next((name for name, t in module.state_dict().items()
+                 if isinstance(t, Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
 
 
 class NonFiniteGuard(Callback):
@@ -51,12 +48,8 @@ class NonFiniteGuard(Callback):
     """
 
     def __init__(self, max_consecutive: int = 100) -> None:
-        if isinstance(max_consecutive, bool) or not isinstance(max_consecutive, int) or max_consecutive < 0:
-            raise ValueError(
-                f"NonFiniteGuard(max_consecutive={max_consecutive!r}) must be an integer >= 0 "
-                "(0: stop at the first non-finite step; 100 is the default)"
-            )
-        self.max_consecutive = max_consecutive
+        hint = "0: stop at the first non-finite step; 100 is the default"
+        self.max_consecutive = positive_int("NonFiniteGuard.max_consecutive", max_consecutive, minimum=0, hint=hint)
         self.consecutive = 0
         self._losses: list[Tensor] = []
         self._stepped = False

@@ -1,22 +1,9 @@
 """Preemption: on SIGTERM or SLURM's pre-timeout signal, finish the step, checkpoint once, exit.
 
-Large-batch records were set on rented machines that can be taken away (fast.ai 2018 on
-public-cloud spot instances; Tencent Cloud 2020 on a public cloud), where a preemption
-notice (SIGTERM), ``torchrun`` shutting down its workers (SIGTERM, then SIGKILL after a grace
-period) or SLURM's signal before the time limit (``#SBATCH --signal=USR1@90``) are routine.
-
-Lightning 2.6 handles this only in part: its SIGTERM handler broadcasts from inside the
-handler and stops the loops without a checkpoint (``SIGTERMException``), each step it only
-looks at rank 0's flag (a notice that reaches another node's ranks is missed), and its SLURM
-auto-requeue saves from inside the signal handler, wherever the step happens to be.
-
-This callback only sets a flag in the handler. At the end of every optimizer step all ranks
-agree (one all-reduce of a one-element tensor, MAX) whether any rank got a signal; if so,
-every rank has finished the same step, one checkpoint is written (rank 0 writes, as for any
-Lightning checkpoint), the SLURM job is requeued when running under SLURM, and the run
-leaves through Lightning's ``SIGTERMException`` (a ``SystemExit``) with ``exit_code`` (75).
-``fastscale-train resume=auto`` (or ``Trainer.fit(ckpt_path=...)``) continues from it; with
-[`ExactResume`][lightning_fastscale.faults.ExactResume] the resumed run sees the same batches.
+The handler only records the signal; at the end of an optimizer step all ranks agree (one
+all-reduce) whether any got one, then one checkpoint is written, the SLURM job is requeued
+and the run exits with ``exit_code`` (75). Why Lightning's own handling falls short, and the
+papers (fast.ai 2018, Tencent Cloud 2020): ``docs/faults.md`` ("What it does").
 
 Functional core: `parse_signals`, `slurm_job_id`. Lightning adapter:
 [`PreemptionCheckpoint`][lightning_fastscale.faults.PreemptionCheckpoint].
@@ -42,6 +29,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_fastscale._validation import positive_int
 from lightning_fastscale.exit_codes import ExitCode, end_agreed
 from lightning_fastscale.lightning_internals import cluster_environment
 
@@ -130,8 +118,7 @@ class PreemptionCheckpoint(Checkpoint):
         check_every_n_steps: int = 1,
     ) -> None:
         self.signals = parse_signals(signals)
-        if isinstance(check_every_n_steps, bool) or not isinstance(check_every_n_steps, int) or check_every_n_steps < 1:
-            raise ValueError(f"PreemptionCheckpoint.check_every_n_steps={check_every_n_steps!r} must be an integer >= 1")
+        positive_int("PreemptionCheckpoint.check_every_n_steps", check_every_n_steps)
         if not filename.endswith(".ckpt"):
             raise ValueError(f"PreemptionCheckpoint.filename={filename!r} must end in .ckpt (resume=auto looks for *.ckpt)")
         self.dirpath = dirpath

@@ -243,10 +243,7 @@ def torus2d_allreduce_(
     pieces = _chunks(tensor, chunk_numel)
     if native_scatter_gather is None:
         native_scatter_gather = groups.backend in _NATIVE_SCATTER_GATHER_BACKENDS
-    if native_scatter_gather:
-        _torus_native(pieces, groups, _cast_dtype(wire_dtype), topk, key)
-    else:
-        _torus_per_shard(pieces, groups, _cast_dtype(wire_dtype), topk, key)
+    (_torus_native if native_scatter_gather else _torus_per_shard)(pieces, groups, _cast_dtype(wire_dtype), topk, key)
     return tensor
 
 
@@ -257,16 +254,9 @@ def _torus_per_shard(
     parts = groups.topology.ranks_per_node
     me = groups.local_rank
     shards = [piece.tensor_split(parts) for piece in pieces]  # the first numel % parts shards one longer
-    inbound: list[list[_Pending | None]] = []
-    for piece_shards in shards:
-        works: list[_Pending | None] = []
-        for owner, shard in enumerate(piece_shards):
-            if shard.numel() == 0:
-                works.append(None)
-                continue
-            works.append(_issue("in-node reduce", dist.reduce, shard, dst=groups.intra_ranks[owner],
-                                group=groups.intra, async_op=True))
-        inbound.append(works)
+    inbound = [[_issue("in-node reduce", dist.reduce, shard, dst=groups.intra_ranks[owner], group=groups.intra,
+                       async_op=True) if shard.numel() else None for owner, shard in enumerate(piece_shards)]
+               for piece_shards in shards]
     # The inter stage of a piece starts as soon as this rank's own shard of it is reduced.
     crossed = _inter_stage(
         [s[me] for s in shards], groups, cast, topk, key, after=[works[me] for works in inbound]

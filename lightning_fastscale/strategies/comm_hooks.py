@@ -216,10 +216,8 @@ def _enqueue(state: HierarchicalHookState, bucket: dist.GradBucket, algorithm: C
             return
         canonical = torch.cat([buffer[start:start + size] for start, size in segments])
         algorithm(canonical, state.groups, wire_dtype=state.wire_dtype, chunk_numel=state.chunk_numel, **kwargs)
-        done = 0
-        for start, size in segments:
-            buffer[start:start + size].copy_(canonical[done:done + size])
-            done += size
+        for (start, size), part in zip(segments, canonical.split([size for _, size in segments])):
+            buffer[start:start + size].copy_(part)
 
     ready: Any = None
     if tensor.is_cuda and not state.inline:

@@ -65,9 +65,7 @@ class NodeCountPlanner:
         """``hier`` on several nodes, ``flat`` on one (restricted to ``request.setting.algorithms`` when given)."""
         preferred = "hier" if request.topology.num_nodes > 1 else "flat"
         candidates = request.setting.candidates
-        if preferred not in candidates:
-            preferred = candidates[0]
-        return CommPlan(preferred)
+        return CommPlan(preferred if preferred in candidates else candidates[0])
 
 
 def gradient_bytes(module: nn.Module) -> int:
@@ -146,7 +144,5 @@ def runs_ddp_allreduce(
         >>> runs_ddp_allreduce(Topology(1, 4), "fp16", None, False, None)
         False
     """
-    if plain_ddp_reason is not None:
-        return True
-    plain = wire_dtype == "fp32" and compression is None
-    return topology.num_nodes == 1 and plain and not user_hook
+    one_node_plain = topology.num_nodes == 1 and wire_dtype == "fp32" and compression is None and not user_hook
+    return plain_ddp_reason is not None or one_node_plain

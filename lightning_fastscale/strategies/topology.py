@@ -86,16 +86,10 @@ def detect_ranks_per_node(cluster_environment_or_env: Any = None) -> int | None:
 
     Accepts a Lightning ``ClusterEnvironment`` or a mapping of environment variables (default: ``os.environ``).
     """
-    env: Mapping[str, str]
-    if cluster_environment_or_env is None:
-        env = os.environ
-    elif isinstance(cluster_environment_or_env, Mapping):
-        env = cluster_environment_or_env
-    else:
-        name = type(cluster_environment_or_env).__name__
-        if name == "LightningEnvironment" and not cluster_environment_or_env.creates_processes_externally:
-            return None
-        env = os.environ
+    source = cluster_environment_or_env
+    if type(source).__name__ == "LightningEnvironment" and not source.creates_processes_externally:
+        return None
+    env: Mapping[str, str] = source if isinstance(source, Mapping) else os.environ
     if env.get("LOCAL_WORLD_SIZE"):
         return int(env["LOCAL_WORLD_SIZE"])
     if env.get("SLURM_NTASKS_PER_NODE"):

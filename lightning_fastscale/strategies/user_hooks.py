@@ -128,12 +128,9 @@ class LeaderHookState:
         """Point the user's state (``None`` or an object with ``process_group=None``) at the node leaders' group."""
         assert user.hook is not None
         inter = hierarchy.groups.inter
-        state = user.state
-        if state is None:
-            state = inter
-        else:
-            state.process_group = inter
-        return cls(hierarchy=hierarchy, hook=user.wrap(user.hook), hook_state=state)
+        if user.state is not None:
+            user.state.process_group = inter
+        return cls(hierarchy=hierarchy, hook=user.wrap(user.hook), hook_state=inter if user.state is None else user.state)
 
 
 def leader_hook(state: LeaderHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
