@@ -89,7 +89,7 @@ def assert_built_as_configured(cfg: DictConfig, datamodule: Any, module: Any, tr
     if cfg.get("scheduler"):
         assert isinstance(configured, dict) and configured["lr_scheduler"]["scheduler"] is not None
     else:
-        assert not isinstance(configured, dict), "scheduler=none still returned a scheduler"
+        assert not isinstance(configured, dict), "no scheduler configured, yet configure_optimizers returned one"
     # precision: every option is a precision plugin handed to the Trainer
     node = cfg.precision
     plugin = trainer.precision_plugin

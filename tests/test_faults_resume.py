@@ -29,7 +29,7 @@ from lightning_fastscale.faults.exact_resume import WorldSizeChangeError
 # last rank as step 9 starts: every rank finishes step 9 and stops with global_step 10, mid-epoch 1.
 RUN = [
     "data.batch_size=32", "data.resolution=16", "model.model_kwargs.widths=[8,8,8]", "trainer.max_epochs=2",
-    "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1", "trainer.accelerator=cpu", "logger=csv",
+    "trainer.log_every_n_steps=1", "trainer.accelerator=cpu",
 ]
 PROCEDURAL = ["data.train_size=256", "data.val_size=32"]
 LARGE_BATCH = [
