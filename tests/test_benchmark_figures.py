@@ -214,7 +214,7 @@ def test_headline_figures_match_results(key: str) -> None:
 # the results files the pages quote (time_to_accuracy has its own format, checked below)
 QUOTED = ["allreduce", "background_loader", "convergence", "default_job", "doctor_scenarios", "emulation_faults", "faults",
           "input_kernels", "input_vs_ffcv", "input_vs_imagefolder", "lars_step", "lightning_ddp_tests", "planner_crossover", "planner_literature",
-          "planner_validation", "step_breakdown_overhead", "streaming_loader", "train_step_cluster"]
+          "planner_validation", "step_breakdown_overhead", "streaming_loader", "train_step_cluster", "worker_start"]
 
 
 @pytest.mark.parametrize("name", QUOTED)

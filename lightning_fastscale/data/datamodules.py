@@ -19,6 +19,7 @@ from .procedural import ProceduralShapes
 from .protocol import check_positive
 from .stored_format import image_tree_classes
 from .transforms import IMAGENET_MEAN, IMAGENET_STD, crop_resize_flip, draw_crop, sample_generator
+from .worker_start import check_start_method, worker_context
 
 
 class _ResizableDataModule(pl.LightningDataModule):
@@ -34,6 +35,7 @@ class _ResizableDataModule(pl.LightningDataModule):
         persistent_workers: bool,
         prefetch_factor: int | None,
         val_batch_size: int | None,
+        multiprocessing_context: str | None,
     ) -> None:
         super().__init__()
         self.train_batch_size = check_positive("batch_size", batch_size)
@@ -46,6 +48,7 @@ class _ResizableDataModule(pl.LightningDataModule):
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.persistent_workers = persistent_workers and num_workers > 0
         self.prefetch_factor = prefetch_factor if num_workers > 0 else None
+        self.multiprocessing_context = check_start_method(multiprocessing_context)
 
     def set_train_batch_size(self, per_device_batch_size: int) -> None:
         """Use ``per_device_batch_size`` from the next ``train_dataloader()`` on."""
@@ -69,6 +72,7 @@ class _ResizableDataModule(pl.LightningDataModule):
             pin_memory=self.pin_memory,
             persistent_workers=self.persistent_workers,
             prefetch_factor=self.prefetch_factor,
+            multiprocessing_context=worker_context(self.multiprocessing_context, dataset, self.num_workers),
             **extra,
         )
 
@@ -87,7 +91,8 @@ class _ResizableDataModule(pl.LightningDataModule):
 class ProceduralDataModule(_ResizableDataModule):
     """The built-in default: `ProceduralShapes` train and val splits, no files needed.
 
-    ``seed``, ``noise``, ``clutter``: as in `ProceduralShapes`; ``val_*`` default to the training values.
+    ``seed``, ``noise``, ``clutter``: as in `ProceduralShapes`; ``val_*`` default to the training values;
+    ``multiprocessing_context``: how loader workers start, as in `StreamingDataModule`.
     """
 
     def __init__(
@@ -106,10 +111,11 @@ class ProceduralDataModule(_ResizableDataModule):
         pin_memory: bool | None = None,
         persistent_workers: bool = False,
         prefetch_factor: int | None = 2,
+        multiprocessing_context: str | None = "forkserver",
     ) -> None:
         super().__init__(
             batch_size, resolution, val_resolution, num_workers, pin_memory,
-            persistent_workers, prefetch_factor, val_batch_size,
+            persistent_workers, prefetch_factor, val_batch_size, multiprocessing_context,
         )
         # Build once so bad settings fail here, before any training step.
         self.train_set = ProceduralShapes(num_classes, train_size, resolution, seed, "train", noise, clutter)
@@ -133,7 +139,7 @@ class ImageFolderDataModule(_ResizableDataModule):
     depend on the rank or loader worker that reads it (``seed``: the augmentation's; the
     shuffle is the sampler's). Validation resizes to ``val_resolution /
     crop_ratio`` and centre-crops (0.875: resize 256, crop 224). Errors name the missing or
-    unreadable path.
+    unreadable path. ``multiprocessing_context``: how loader workers start, as in `StreamingDataModule`.
 
     Examples:
         >>> dm = ImageFolderDataModule("/datasets/imagenet", batch_size=256, seed=0)  # doctest: +SKIP
@@ -153,10 +159,11 @@ class ImageFolderDataModule(_ResizableDataModule):
         persistent_workers: bool = True,
         prefetch_factor: int | None = 2,
         seed: int = 0,
+        multiprocessing_context: str | None = "forkserver",
     ) -> None:
         super().__init__(
             batch_size, resolution, val_resolution, num_workers, pin_memory,
-            persistent_workers, prefetch_factor, val_batch_size,
+            persistent_workers, prefetch_factor, val_batch_size, multiprocessing_context,
         )
         if not 0 < crop_ratio <= 1:
             raise ValueError(f"crop_ratio={crop_ratio} must be in (0, 1]")

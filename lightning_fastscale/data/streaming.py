@@ -28,6 +28,7 @@ from .rect_val import RectBatch
 from .streaming_datasets import DecodedStreamingDataset, EpochAwareStreamingDataLoader, ValidationBatches
 from .streaming_source import StreamingSource
 from .worker_autotune import WorkerCountCache, cores_per_rank, resolve_num_workers, threads_per_worker
+from .worker_start import worker_context
 
 __all__ = [
     "BackgroundStreamingDataLoader", "DecodedStreamingDataset", "EpochAwareStreamingDataLoader",
@@ -65,6 +66,9 @@ class StreamingDataModule(_ResizableDataModule):
             its loader process; ``"auto"``: the probe's, else those filling the rank's cores.
         dct_scaling: decode a training image at 1/2, 1/4 or 1/8 scale where its crop allows
             (`transforms.train_batch`); off by default, the recipes were validated without it.
+        multiprocessing_context: how loader workers start (`worker_start`): from a fork server by
+            default, so the training script needs an ``if __name__ == "__main__":`` guard; ``None``:
+            Python's default (``fork`` on Linux before 3.14, which can deadlock beside gloo's threads).
 
     Each setting in full: ``docs/input_pipeline.md``. ``dataset_class`` / ``val_batches_class``: the training
     dataset and validation batch types; a subclass's ``decode`` may return something else per stored sample.
@@ -99,6 +103,7 @@ class StreamingDataModule(_ResizableDataModule):
         rect_val: bool = False,
         decode_threads: int | str = "auto",
         dct_scaling: bool = False,
+        multiprocessing_context: str | None = "forkserver",
     ) -> None:
         # litdata logs INFO lines (its cache size, its mmap mode) for every dataset it opens: the
         # loaders, their workers and every epoch repeat them a dozen times in a short run. Its
@@ -117,7 +122,7 @@ class StreamingDataModule(_ResizableDataModule):
         # or resolution change builds a new loader anyway.
         super().__init__(
             batch_size, resolution, val_resolution, 0 if auto else num_workers, pin_memory,
-            False, prefetch_factor, val_batch_size,
+            False, prefetch_factor, val_batch_size, multiprocessing_context,
         )
         if not 0 < crop_ratio <= 1:
             raise ValueError(f"crop_ratio={crop_ratio} must be in (0, 1]")
@@ -198,6 +203,7 @@ class StreamingDataModule(_ResizableDataModule):
         return EpochAwareStreamingDataLoader(
             dataset, batch_size=batch_size, num_workers=num_workers, pin_memory=self.pin_memory,
             prefetch_factor=self.prefetch_factor, collate_fn=collate, epoch=epoch, accumulation=accumulation,
+            multiprocessing_context=worker_context(self.multiprocessing_context, dataset, num_workers),
         )
 
     def resolved_decode_threads(self) -> int:
@@ -272,6 +278,7 @@ class StreamingDataModule(_ResizableDataModule):
         loader = DataLoader(
             batches, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
             prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None,
+            multiprocessing_context=worker_context(self.multiprocessing_context, batches, self.num_workers),
         )
         return self._wrap(loader)
 
