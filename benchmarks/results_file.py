@@ -27,8 +27,9 @@ def add_option(parser: argparse.ArgumentParser, script: str) -> None:
                         help="write the measurements, the command and the date here ('' for no file)")
 
 
-def write(path: str | Path, report: Any, tables: list[list[str]] | None = None) -> None:
-    """Write ``report`` (and the markdown ``tables`` printed, line by line) with the command, UTC date and machine."""
+def write(path: str | Path, report: Any, tables: list[list[str]] | None = None, page: str | None = None) -> None:
+    """Write ``report`` (and the markdown ``tables`` printed, line by line) with the command, UTC date and machine;
+    ``page``: where the tables are quoted, if not benchmarks/README.md."""
     if not str(path):
         return
     script = os.path.relpath(sys.argv[0], Path(__file__).resolve().parents[1])
@@ -39,6 +40,7 @@ def write(path: str | Path, report: Any, tables: list[list[str]] | None = None) 
         "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
         "tables": tables or [],
         "report": report,
+        **({"page": page} if page else {}),
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -61,7 +63,7 @@ class _Tee(io.TextIOBase):
 
 
 @contextlib.contextmanager
-def recording(path: str | Path, report: Any) -> Iterator[None]:
+def recording(path: str | Path, report: Any, page: str | None = None) -> Iterator[None]:
     """Print as usual inside the block; then write ``report`` and the markdown tables printed to ``path``."""
     tee = _Tee(sys.stdout)
     with contextlib.redirect_stdout(tee):
@@ -72,10 +74,10 @@ def recording(path: str | Path, report: Any) -> Iterator[None]:
             tables[-1].append(line)
         elif tables[-1]:
             tables.append([])
-    write(path, report, [t for t in tables if t])
+    write(path, report, [t for t in tables if t], page)
 
 
-def run(main: Any, script: str) -> None:
+def run(main: Any, script: str, page: str | None = None) -> None:
     """Run a script's ``main()`` (which parses the rest of the command line) and record its tables
     and return value in ``--results`` (default ``benchmarks/results/<script>.json``)."""
     parser = argparse.ArgumentParser(add_help=False)
@@ -86,7 +88,7 @@ def run(main: Any, script: str) -> None:
         main()
         return
     report: dict[str, Any] = {}
-    with recording(known.results, report):
+    with recording(known.results, report, page):
         try:
             report["returned"] = main()
         except SystemExit as end:  # a script's own clean exit still records; a failing one does not

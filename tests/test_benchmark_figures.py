@@ -214,7 +214,7 @@ def test_headline_figures_match_results(key: str) -> None:
 # the results files the pages quote (time_to_accuracy has its own format, checked below)
 QUOTED = ["allreduce", "background_loader", "convergence", "default_job", "doctor_scenarios", "emulation_faults", "faults",
           "input_kernels", "input_vs_ffcv", "input_vs_imagefolder", "lars_step", "lightning_ddp_tests", "planner_crossover", "planner_literature",
-          "planner_validation", "step_breakdown_overhead", "streaming_loader", "train_step_cluster", "worker_start"]
+          "planner_validation", "step_breakdown_overhead", "streaming_loader", "time_to_accuracy_sweeps", "train_step_cluster", "worker_start"]
 
 
 @pytest.mark.parametrize("name", QUOTED)
@@ -327,3 +327,11 @@ def test_time_to_accuracy_planned_figures_are_on_the_docs_page() -> None:
                      f"the fp16 wire in one bucket {fp16['speedup_vs_plain']:.2f}x in that run",
                      f"({cloud_planned['speedup_vs_plain']:.2f}x against {cloud_fp16['speedup_vs_plain']:.2f}x)"):
         assert expected in page, f"docs/time_to_accuracy.md should say {expected!r} (time_to_accuracy_planned_summary.json)"
+
+
+def test_sweep_docs_figures_match_results() -> None:
+    page = " ".join((ROOT / "docs" / "time_to_accuracy.md").read_text().split())
+    returned = results("time_to_accuracy_sweeps")["report"]["returned"]
+    grid = [r["seconds"] for r in returned["grid"]]
+    assert f"{min(grid):.1f} to {max(grid):.1f} s, a {max(grid) / min(grid) - 1:.0%} spread".replace("%", " %") in page
+    assert f"Optuna's best value is the first row's {returned['search_best']['best_value']:.1f} s" in page
