@@ -167,7 +167,7 @@ def _fit(tmp_path: Path, clock: Clock, tta: TimeToAccuracy, max_epochs: int = 5,
 def test_fit_times_on_a_controlled_clock_json_and_csv_logger(tmp_path, caplog):
     clock = Clock()
     tta = TimeToAccuracy(target=TARGET, price_per_device_hour=2.0, clock=clock)
-    trainer = _fit(tmp_path, clock, tta, logger=CSVLogger(tmp_path / "csv"), enable_progress_bar=False)
+    trainer = _fit(tmp_path, clock, tta, logger=CSVLogger(tmp_path / "csv"))
     s = tta.summary
     crossing = SANITY_S + 3 * EPOCH_S  # the end of the 3rd epoch's validation
     assert s["reached"] and s["seconds"] == crossing == 128

@@ -181,8 +181,7 @@ def test_exact_resume_with_a_plain_loader_and_persistent_workers(tmp_path):
         pl.seed_everything(0)
         model = DropoutNet()
         pl.Trainer(
-            accelerator="cpu", devices=1, max_epochs=2, logger=False, callbacks=callbacks,
-            enable_progress_bar=False, default_root_dir=root,
+            accelerator="cpu", devices=1, max_epochs=2, callbacks=callbacks, default_root_dir=root,
             reload_dataloaders_every_n_epochs=0,
         ).fit(model, train_dataloaders=loader(), ckpt_path=ckpt_path)
         return model

@@ -17,14 +17,14 @@ def _fixed_ranking_model(num_classes: int) -> nn.Module:
     return model
 
 
-def test_top1_is_fraction_of_correct_samples_with_unbalanced_classes():
+def test_top1_is_fraction_of_correct_samples_with_unbalanced_classes(tmp_path):
     num_classes = 6
     # class 0 is half of the data; classes 1..5 one sample each
     targets = torch.tensor([0, 0, 0, 0, 0, 1, 2, 3, 4, 5])
     inputs = torch.randn(len(targets), 3, 4, 4)
     module = ImageClassifier(model=_fixed_ranking_model(num_classes), num_classes=num_classes)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False
+        accelerator="cpu", devices=1, default_root_dir=tmp_path
     )
     # batches of 3 so the metric accumulates over uneven batches
     (metrics,) = trainer.validate(module, DataLoader(TensorDataset(inputs, targets), batch_size=3), verbose=False)

@@ -59,7 +59,7 @@ def _fit(strategy, steps: int = STEPS, ckpt_path: str | None = None, **trainer_k
     model = _Net()
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=4, max_steps=steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, **trainer_kw,
+        enable_checkpointing=False, **trainer_kw,
     )
     trainer.fit(model, _data(), ckpt_path=ckpt_path)
     return trainer, model
