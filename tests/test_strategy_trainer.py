@@ -57,10 +57,9 @@ def _data() -> DataLoader:
 
 def _fit(strategy, steps: int = STEPS, ckpt_path: str | None = None, **trainer_kw) -> tuple[pl.Trainer, _Net]:
     model = _Net()
-    trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=4, max_steps=steps, logger=False,
-        enable_checkpointing=False, **trainer_kw,
-    )
+    # Lightning's default logger and checkpointing, in the working directory (the test's folder,
+    # see _worker): each fit writes its own lightning_logs/version_N
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=4, max_steps=steps, **trainer_kw)
     trainer.fit(model, _data(), ckpt_path=ckpt_path)
     return trainer, model
 
@@ -107,6 +106,7 @@ class _CountCollectives:
 
 def _worker(rank: int, world_size: int, tmp: str) -> dict | None:
     os.environ["LOCAL_RANK"] = str(rank)  # the Trainer joins this process group instead of launching
+    os.chdir(tmp)  # the Trainer's default folder, as for a user who runs a script there
     out: dict = {}
 
     def hier(**kw) -> HierarchicalAllReduceStrategy:
