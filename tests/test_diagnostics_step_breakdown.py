@@ -295,6 +295,7 @@ def _two_rank_worker(rank: int, world_size: int, tmp: str) -> dict:
     return out
 
 
+@pytest.mark.slow  # two rank processes, about 12 s
 def test_two_ranks_straggler_and_communication(tmp_path):
     results = run_distributed(_two_rank_worker, 2, str(tmp_path), timeout=240)
     for case in ("straggler", "communication"):

@@ -39,6 +39,7 @@ def _run_record_has(run_file: Path, field: int, text: str) -> bool:
     return bytes([field << 3 | 2]) + _varint(len(value)) + value in run_file.read_bytes()
 
 
+@pytest.mark.slow  # a three-job multirun, about 14 s
 def test_multirun_writes_its_table_one_row_per_job_and_names_wandb_runs(tmp_path):
     sweep = tmp_path / "sweep"
     out = fastscale_train(["-m", *TINY, *LIMITS, "optimizer.lr=0.05,0.1", f"hydra.sweep.dir={sweep}"], tmp_path)

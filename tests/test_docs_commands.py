@@ -21,7 +21,7 @@ comments dropped). Each one must match a rule of ``RULES`` (a new command that m
 | skip | nothing; the reason is in ``RULES`` | see each reason |
 
 Each command starts a Python process that imports torch (seconds each), so the default suite
-runs the configuration, data-tool and doctor commands; the training runs, plans, installs,
+runs the configuration and data-tool commands; the doctor, training runs, plans, installs,
 sweeps, 64K experiment configs, multi-process launches and examples (ten seconds and more each
 on 2 cores) are marked slow (``make test-slow``, which CI runs too)."""
 from __future__ import annotations
@@ -144,7 +144,8 @@ RULES: list[Rule] = [
     Rule(r"^fastscale-data convert ", "run", files=("stream/train/index.json",)),
     Rule(r"^fastscale-data verify ", "run", expect=(r"samples read and decoded, 0 problem",)),
     # the doctor: its own small-run limits (steps of the measured run, compute and loader probes)
-    Rule(r"^fastscale-doctor$", "run", append=f"{DOCTOR_LIMITS} {DATA_LIMITS}", expect=(r"bottleneck",)),
+    Rule(r"^fastscale-doctor$", "run", append=f"{DOCTOR_LIMITS} {DATA_LIMITS}", expect=(r"bottleneck",),
+         slow=True),
     Rule(r"^fastscale-doctor ", "run", append=f"{DOCTOR_LIMITS} {DATA_LIMITS}", expect=(r"bottleneck",),
          slow=True),
     Rule(r"^fastscale-data bench ", "run", append="--batches 2 --warmup 1 --resolution 32 --batch-size 4",

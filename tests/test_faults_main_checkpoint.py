@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from benchmarks.fault_helpers import finish_all, start
@@ -43,6 +44,7 @@ def test_fixture_holds_the_state_keys_of_the_moved_callbacks() -> None:
     assert PreemptionCheckpoint().state_key not in saved["callbacks"]
 
 
+@pytest.mark.slow  # three Trainer runs, about 10 s
 def test_checkpoint_of_the_old_layout_resumes_to_the_uninterrupted_run(tmp_path: Path) -> None:
     resumed = tmp_path / "resumed"
     resumed.mkdir()

@@ -166,6 +166,7 @@ def test_a_checkpoint_of_another_world_size_without_a_global_order_is_refused_un
         ExactResume(allow_world_size_change="yes")
 
 
+@pytest.mark.slow  # two fastscale-train runs, about 15 s
 def test_a_finished_run_leaves_its_final_weights_where_resume_auto_looks(tmp_path):
     """The default checkpoints, a monitored metric that stops improving after the first epoch
     (``epoch`` under ``mode=min``): the newest checkpoint is still the last step's, so a SIGKILL

@@ -67,6 +67,7 @@ def test_default_is_random_init_and_a_string_is_a_file():
         create_model("resnet18", 3, pretrained="false")
 
 
+@pytest.mark.slow  # a fresh interpreter, about 10 s
 def test_library_weights_offline_give_a_clear_error(tmp_path):
     # Hugging Face Hub in offline mode, empty caches: timm cannot get the weights and must say how to fix it.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "TORCH_HOME": str(tmp_path / "torch")}

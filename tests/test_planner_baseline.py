@@ -213,6 +213,7 @@ def _measure_flat(rank, world_size):
     return measured.as_dict(), result.params.as_dict()
 
 
+@pytest.mark.slow  # two gloo processes timing all-reduces, about 11 s
 def test_calibration_times_the_flat_allreduce_on_two_gloo_processes():
     results = run_distributed(_measure_flat, 2, timeout=120)
     assert results[0] == results[1]  # rank 0's measurement on every rank

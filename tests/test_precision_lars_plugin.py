@@ -402,6 +402,7 @@ def _scaler_on_rank(rank: int, world_size: int, tmp: str) -> list[dict]:
     return recorder.steps
 
 
+@pytest.mark.slow  # two rank processes, about 11 s
 def test_every_rank_backs_off_when_one_rank_overflows(tmp_path) -> None:
     """A non-finite gradient on rank 1 alone: both ranks skip, halve the scale and restart the growth
     count; the finite steps after it then grow the scale on both (growth interval 2)."""
