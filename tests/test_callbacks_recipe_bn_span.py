@@ -110,7 +110,8 @@ def test_a_span_of_two_ranks_is_plain_batch_norm_of_their_images() -> None:
     results = run_distributed(_spanned, 2, 2, 4, 1)
     _assert_span_equals_one_device(results, 2, 2, 4)
     assert results[0]["warnings"] == ["bn_span=4 synchronises BN over 2 ranks, more than a node's 1: every BN layer "
-                                      "then waits on the network in forward and backward"]
+                                      "then waits on the network in forward and backward "
+                                      "(`fastscale-plan MODEL CLUSTER --bn-span 4` prices it)"]
 
 
 def _four_rank_spans(rank: int, world_size: int) -> list[dict]:

@@ -137,7 +137,8 @@ def apply_bn_span(model: nn.Module, span: int, per_device_batch: int, ranks_per_
                     device="meta")))
     if ranks > ranks_per_node:
         rank_zero_warn(f"bn_span={span} synchronises BN over {ranks} ranks, more than a node's {ranks_per_node}: "
-                       "every BN layer then waits on the network in forward and backward")
+                       "every BN layer then waits on the network in forward and backward "
+                       f"(`fastscale-plan MODEL CLUSTER --bn-span {span}` prices it)")
     return ranks
 
 

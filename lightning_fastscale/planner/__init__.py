@@ -8,6 +8,7 @@ from lightning_fastscale.planner.baseline import (
     crossover_table,
     format_crossover,
 )
+from lightning_fastscale.planner.bn_span_cost import bn_channels, bn_span_cost
 from lightning_fastscale.planner.calibrate import measure_flat_allreduce
 from lightning_fastscale.planner.cluster import Cluster, ClusterConfigError, available_clusters, load_cluster
 from lightning_fastscale.planner.cost_model import (
@@ -55,6 +56,8 @@ __all__ = [
     "bandwidth_bound",
     "best_chunk_plan",
     "best_uniform_cap",
+    "bn_channels",
+    "bn_span_cost",
     "choose_algorithm",
     "compare_algorithms",
     "crossover_table",

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from lightning_fastscale.planner.auto import auto_plan, best_chunk_plan
 from lightning_fastscale.planner.baseline import PLAIN_DDP_TOLERANCE, crossover_table, format_crossover
+from lightning_fastscale.planner.bn_span_cost import bn_channels, bn_span_cost
 from lightning_fastscale.planner.cluster import Cluster, ClusterConfigError, available_clusters, load_cluster
 from lightning_fastscale.planner.cost_model import (
     ALGORITHMS,
@@ -23,7 +24,7 @@ from lightning_fastscale.planner.cost_model import (
     wire_bytes_per_element,
 )
 from lightning_fastscale.planner.fusion import MB, best_uniform_cap, plan_fusion
-from lightning_fastscale.planner.profile import profile_model
+from lightning_fastscale.planner.profile import build_model, profile_model
 from lightning_fastscale.planner.scaling import allreduce_cost, default_gpu_counts, scaling_curve, topology_for
 from lightning_fastscale.strategies.options import (
     AUTO_CHUNK_MB_PER_NODE,
@@ -58,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="the strategy's pipeline_chunk_mb: buckets flow through the stages in chunks "
                         f"of this many MiB ('auto', the default: {AUTO_CHUNK_MB_PER_NODE:g} MiB per node; "
                         "0 = unchunked)")
+    parser.add_argument("--bn-span", type=int, metavar="N",
+                        help="images each BN layer normalises over (model.bn_span): prices the all-reduces "
+                        "of the BN statistics when the span is wider than one device")
     parser.add_argument("--fusion", choices=["auto", "two", "single", "ddp25"], default="auto",
                         help="fusion plan used for the scaling curve (default: auto)")
     parser.add_argument("--max-gpus", type=int, default=4096, help="largest GPU count of the scaling curve")
@@ -74,6 +78,7 @@ def build_report(
     cluster: Cluster, model: str | None = None, gpus: int | None = None, per_gpu_batch: int | None = None,
     input_size: int | None = None, wire_dtype: str | None = None, topk_ratio: float | None = None,
     fusion: str = "auto", max_gpus: int = 4096, pipeline_chunk_mb: float | str | None = DEFAULT_PIPELINE_CHUNK_MB,
+    bn_span: int | None = None,
 ) -> dict:
     """Everything the CLI prints, as a dict (the ``--json`` document)."""
     work = cluster.workload
@@ -100,6 +105,8 @@ def build_report(
     split = two.ends[0] if two.num_buckets == 2 else None
     chunk_mb = resolve_chunk_mb(pipeline_chunk_mb, topology.num_nodes)
     best_chunk, _, chunk_finish = best_chunk_plan(profile, topology, params, setting)
+    bn = None if bn_span is None else bn_span_cost(bn_span, batch, topology, params, bn_channels(build_model(model)[0]))
+    step_s = compute + auto.plan.exposed_s + (bn["sync_s"] if bn else 0.0)
     return {
         "cluster": {
             "name": cluster.name, "nodes": topology.num_nodes, "ranks_per_node": topology.ranks_per_node,
@@ -132,11 +139,11 @@ def build_report(
             "used_mb": chunk_mb, "best_mb": best_chunk,
             "finish_s_by_chunk_mb": {("none" if c is None else f"{c:g}"): t for c, t in chunk_finish.items()},
         },
+        "bn_span": bn,
         "step": {
             "compute_s": compute, "forward_s": profile.forward_s, "backward_s": profile.backward_total_s,
-            "exposed_comm_s": auto.plan.exposed_s, "step_s": compute + auto.plan.exposed_s,
-            "efficiency": compute / (compute + auto.plan.exposed_s),
-            "images_per_s": gpus * batch / (compute + auto.plan.exposed_s),
+            "exposed_comm_s": auto.plan.exposed_s, "bn_sync_s": bn["sync_s"] if bn else 0.0, "step_s": step_s,
+            "efficiency": compute / step_s, "images_per_s": gpus * batch / step_s,
         },
         "scaling": {"fusion": fusion, "points": [p.as_dict() for p in curve]},
     }
@@ -174,9 +181,12 @@ def _text(report: dict) -> str:
         "pipeline chunk (MiB) -> predicted end of communication (best algorithm and buckets each): "
         + ", ".join(f"{c} {t * 1e3:.2f} ms" for c, t in report["pipeline_chunk"]["finish_s_by_chunk_mb"].items())
         + f"; best: {report['pipeline_chunk']['best_mb'] or 'unchunked'}",
+        *_bn_span_lines(report["bn_span"]),
         "",
-        f"step: compute {s['compute_s'] * 1e3:.2f} ms + exposed comm {s['exposed_comm_s'] * 1e3:.2f} ms = "
-        f"{s['step_s'] * 1e3:.2f} ms; scaling efficiency {s['efficiency'] * 100:.2f}%, {s['images_per_s']:.0f} samples/s",
+        f"step: compute {s['compute_s'] * 1e3:.2f} ms + exposed comm {s['exposed_comm_s'] * 1e3:.2f} ms"
+        + (f" + BN statistics {s['bn_sync_s'] * 1e3:.2f} ms" if report["bn_span"] else "")
+        + f" = {s['step_s'] * 1e3:.2f} ms; scaling efficiency {s['efficiency'] * 100:.2f}%, "
+        f"{s['images_per_s']:.0f} samples/s",
         "",
         f"scaling efficiency (weak scaling, fusion {report['scaling']['fusion']}):",
         f"  {'GPUs':>6s} {'nodes':>6s} " + " ".join(f"{a:>9s}" for a in ALGORITHMS),
@@ -187,6 +197,20 @@ def _text(report: dict) -> str:
     for gpus, row in sorted(by_gpus.items()):
         lines.append(f"  {gpus:6d} {row['nodes']:6d} " + " ".join(f"{row[a] * 100:8.2f}%" for a in ALGORITHMS))
     return "\n".join(lines)
+
+
+def _bn_span_lines(bn: dict | None) -> list[str]:
+    if bn is None:
+        return []
+    if bn["ranks_per_group"] == 1:
+        return [f"BN span {bn['span']}: ghost groups on each device, no communication"]
+    where = f"across {bn['group_nodes']} nodes" if bn["group_nodes"] > 1 else "inside a node"
+    line = (f"BN span {bn['span']}: groups of {bn['ranks_per_group']} ranks {where}; {bn['bn_layers']} BN layers "
+            f"x 2 all-reduces of their statistics add {bn['sync_s'] * 1e3:.2f} ms per step, not overlapped")
+    if bn["group_nodes"] > 1:
+        line += (f"; every BN layer waits on the link between nodes twice a step (bn_span="
+                 f"{bn['widest_span_in_node']}, the widest inside a node: {bn['widest_span_in_node_sync_s'] * 1e3:.2f} ms)")
+    return [line]
 
 
 def _plot(report: dict, path: str) -> None:
@@ -228,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cluster = load_cluster(args.cluster)
         report = build_report(cluster, args.model, args.gpus, args.per_gpu_batch, args.input_size,
                               args.wire_dtype, args.topk_ratio, args.fusion, args.max_gpus,
-                              args.pipeline_chunk_mb if args.pipeline_chunk_mb != 0 else None)
+                              args.pipeline_chunk_mb if args.pipeline_chunk_mb != 0 else None, args.bn_span)
     except (ClusterConfigError, ValueError) as err:
         print(f"fastscale-plan: error: {err}", file=sys.stderr)
         return 2
