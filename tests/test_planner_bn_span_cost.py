@@ -4,6 +4,7 @@ against the widest span inside a node in ``fastscale-plan``."""
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,12 @@ def test_the_planner_page_quotes_todays_prediction(capsys) -> None:
     quoted = (f"adds {bn['sync_s'] * 1e3:.1f} ms per step to {compute * 1e3:.1f} ms of compute; "
               f"{bn['widest_span_in_node']} (8 ranks, one node) would add {bn['widest_span_in_node_sync_s'] * 1e3:.1f} ms")
     assert quoted in " ".join(page.split())
+
+
+def test_the_pages_quote_the_measured_bn_span_against_the_rule() -> None:
+    root = Path(__file__).resolve().parents[1]
+    measured = json.loads((root / "benchmarks" / "results" / "bn_span_cost.json").read_text())["report"]
+    ratios = sorted(statistics.median(r["added_s"]) / r["rule_s"] for r in measured.values())
+    quoted = f"{ratios[0]:.2f}x and {ratios[-1]:.2f}x"
+    assert quoted in " ".join((root / "benchmarks" / "README.md").read_text().split())
+    assert f"{ratios[0]:.2f}-{ratios[-1]:.2f}x" in " ".join((root / "docs" / "planner.md").read_text().split())
