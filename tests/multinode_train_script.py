@@ -65,7 +65,7 @@ def main() -> None:
     model = TinyClassifier()
     trainer = pl.Trainer(
         accelerator="cpu", strategy=args.strategy, num_nodes=args.num_nodes, devices=args.devices,
-        max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        max_steps=args.steps, default_root_dir=str(Path(args.out).parent),  # Lightning's logger and checkpoint there
     )
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # torchrun runs this file by path
     from tests.comm_recording import CommRecorder

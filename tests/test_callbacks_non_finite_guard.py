@@ -180,7 +180,7 @@ class NaNValidation(Tiny):
 def test_a_nan_monitored_metric_stops_before_it_is_kept_as_best(tmp_path) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    tr = fit_trainer(tmp_path, {}, max_epochs=1, enable_checkpointing=True, num_sanity_val_steps=0, callbacks=[
+    tr = fit_trainer(tmp_path, {}, max_epochs=1, enable_checkpointing=True, callbacks=[
         NonFiniteGuard(), ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val/metric", mode="max")])
     with pytest.raises(NonFiniteStepsError, match="monitored metric val/metric is NaN"):
         tr.fit(NaNValidation(), data(n=16), data(n=8))

@@ -36,7 +36,7 @@ def release_process_group():
 
 @mock.patch("torch.distributed.init_process_group")
 def test_no_collective_at_setup_with_one_process(init_process_group: mock.Mock) -> None:
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=HierarchicalAllReduceStrategy(), logger=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=HierarchicalAllReduceStrategy())
     trainer.strategy.connect(BoringModel())
     with mock.patch.object(dist, "all_gather_object", side_effect=AssertionError("collective at setup")) as gather:
         trainer.strategy.setup_environment()

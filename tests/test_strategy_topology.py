@@ -102,7 +102,7 @@ def test_bad_options(kwargs: dict, match: str) -> None:
 def test_registered_names() -> None:
     for name, algorithm, start in [("hier_ring", "hier", "popen"), ("hier_torus", "torus2d", "popen"),
                                    ("hier_ring_spawn", "hier", "spawn"), ("hier_torus_spawn", "torus2d", "spawn")]:
-        trainer = pl.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
+        trainer = pl.Trainer(strategy=name, accelerator="cpu", devices=2)
         assert isinstance(trainer.strategy, HierarchicalAllReduceStrategy)
         assert (trainer.strategy.algorithm, trainer.strategy._start_method) == (algorithm, start)
 
