@@ -276,15 +276,9 @@ class ExactResume(Callback):
     ``train_dataloader`` (or is the loader given to ``fit``); its class is left alone, so a
     DataLoader subclass keeps its behaviour.
 
-    On another number of processes (map-style data with a shuffled training loader) the run
-    continues with the same global batch, per-device batch x accumulation x processes (from
-    `decompose`, or the ``BatchSizeRamp``'s plan), the same epoch order (`GlobalOrderSampler`),
-    the rest of the epoch exactly once, and the optimizer, LR schedule and loop counters as
-    saved; the per-rank random numbers (dropout, augmentation) are drawn afresh, so it is not
-    bitwise. Streaming data (litdata's ``StreamingDataLoader``) keeps the global batch, LR schedule
-    and loop counters the same way and its position through litdata's elastic resume. Where
-    the global batch cannot be kept it is refused before the first step, naming the world sizes
-    that would keep it.
+    On another number of processes it keeps the global batch, epoch order and LR schedule, and
+    sees the rest of the epoch once (not bitwise); what is carried and refused:
+    ``docs/faults.md`` ("Resume on another number of processes").
 
     Args:
         allow_world_size_change: resume anyway where the run cannot be carried to the new

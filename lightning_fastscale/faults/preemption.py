@@ -93,11 +93,7 @@ class PreemptionCheckpoint(Checkpoint):
         check_every_n_steps: agree on a stop every this many optimizer steps (the agreement is
             one tiny all-reduce and, on GPUs, a device sync; raise it when steps are very short).
 
-    Listed as a ``Checkpoint``, Lightning runs it after every other callback, so the
-    checkpoint holds the state after all of them saw the step. List it after
-    ``ModelCheckpoint`` (which ``trainer.checkpoint_callback`` and ``ckpt_path="best"`` use).
-    A signal during validation or at an epoch's last step is acted on at the first step of
-    the next epoch; one that arrives after the last step lets the run finish.
+    List it after ``ModelCheckpoint``; when a signal is acted on: ``docs/faults.md`` ("What it does", "Limits").
 
     Examples:
         >>> import lightning.pytorch as pl
