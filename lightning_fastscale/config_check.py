@@ -303,9 +303,10 @@ def check_parts(cfg: DictConfig, module: Any, trainer: pl.Trainer, datamodule: A
 
     from lightning_fastscale._validation import positive_int
 
+    optimizer = None
     if cfg.get("optimizer") and hasattr(module, "optimizer_factory"):  # a module of the user's own makes its own
         with setting_errors("optimizer", cfg.optimizer):
-            module.optimizer_factory([torch.nn.Parameter(torch.zeros(1))])
+            optimizer = module.optimizer_factory([torch.nn.Parameter(torch.zeros(1))])
     # Lightning's Trainer takes 0 without a check, and divides by it at fit.
     with setting_errors("trainer", cfg.trainer):
         positive_int("accumulate_grad_batches", trainer.accumulate_grad_batches,
@@ -319,6 +320,7 @@ def check_parts(cfg: DictConfig, module: Any, trainer: pl.Trainer, datamodule: A
     if datamodule is not None:
         _check_one_batch(cfg, datamodule, trainer)
     _check_strategy(cfg, trainer)
+    _check_topk_momentum(trainer, optimizer)
     _warn_fp16_on_cpu(cfg, trainer)
     bn_span = (cfg.get("model") or {}).get("bn_span")
     if bn_span is not None and datamodule is not None:  # refused with the nearest spans that work
@@ -404,6 +406,33 @@ def _check_strategy(cfg: DictConfig, trainer: pl.Trainer) -> None:
                 "null (the devices of one machine), or change trainer.devices",
                 key="strategy.ranks_per_node",
             ) from error
+
+
+def _check_topk_momentum(trainer: pl.Trainer, optimizer: Any) -> None:
+    """``strategy.topk_momentum`` moves the optimizer's momentum into the top-k stage between nodes:
+    refuse a run with no such stage (one node) and an optimizer that keeps a momentum of its own."""
+    from lightning_fastscale.strategies.option_checks import optimizer_momentum
+
+    strategy = trainer.strategy
+    topk_momentum = getattr(strategy, "topk_momentum", 0.0)
+    if not topk_momentum:
+        return
+    if strategy.check_topology().num_nodes == 1:
+        raise ConfigError(
+            f"strategy.topk_momentum={show(topk_momentum)} moves the momentum into the top-k stage between nodes, "
+            f"which a run on one node does not have (trainer.num_nodes={trainer.num_nodes}, "
+            f"strategy.ranks_per_node={show(strategy.ranks_per_node)}): set strategy.topk_momentum=0, or "
+            "strategy.ranks_per_node below trainer.devices to emulate nodes", key="strategy.topk_momentum")
+    held = None if optimizer is None else optimizer_momentum(optimizer)
+    if held is None:
+        return
+    group = optimizer.param_groups[held[0]]
+    fix = ("optimizer.momentum=0" + (" optimizer.nesterov=false" if group.get("nesterov") else "")
+           if "momentum" in group else "an optimizer without momentum (optimizer=sgd optimizer.momentum=0)")
+    raise ConfigError(
+        f"strategy.topk_momentum={show(topk_momentum)} moves the momentum into the top-k stage (momentum "
+        f"correction), but the optimizer keeps its own ({held[1]}): set {fix} (and optimizer.weight_decay "
+        f"x {1 / (1 - topk_momentum):g} for the same decay), or strategy.topk_momentum=0", key="strategy.topk_momentum")
 
 
 def _warn_fp16_on_cpu(cfg: DictConfig, trainer: pl.Trainer) -> None:

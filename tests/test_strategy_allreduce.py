@@ -136,6 +136,33 @@ def test_topk_conserves_gradient(results: list[dict], algorithm: str) -> None:
     assert full["dropped"] < 1e-5
 
 
+@pytest.mark.parametrize("ratio", [0.25, 1.0])
+def test_topk_momentum_is_momentum_correction(ratio: float) -> None:
+    """Lin et al. 2018 (Deep Gradient Compression), momentum correction with factor masking,
+    written out: u = m u + g, v = v + u, send v's top-k, clear the sent entries of v and u."""
+    m, n = 0.9, 8
+    g = torch.Generator().manual_seed(3)
+    topk = TopKErrorFeedback(ratio, momentum=m)
+    u, v = torch.zeros(n), torch.zeros(n)
+    for step in range(6):
+        grad = torch.randn(n, generator=g)
+        indices, values = topk.select("b", grad, torch.float32)
+        u = m * u + grad
+        v = v + u
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[v.abs().topk(max(1, round(ratio * n))).indices] = True
+        sent = torch.zeros(n)
+        sent[indices.long()] = values
+        torch.testing.assert_close(sent, torch.where(mask, v, 0.0), rtol=0, atol=1e-6)
+        v, u = torch.where(mask, 0.0, v), torch.where(mask, 0.0, u)
+        torch.testing.assert_close(topk.errors["b"], v, rtol=0, atol=1e-6)
+        torch.testing.assert_close(topk.velocities["b"], u, rtol=0, atol=1e-6)
+        if ratio == 1.0:  # everything sent and cleared each step: the gradient itself, no momentum left
+            torch.testing.assert_close(sent, grad, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="topk_momentum must be in"):
+        TopKErrorFeedback(0.1, momentum=1.0)
+
+
 def test_topk_residual_reset_on_shape_change() -> None:
     topk = TopKErrorFeedback(0.5)
     topk.select(0, torch.tensor([1.0, -3.0, 0.5, 2.0]), torch.float32)

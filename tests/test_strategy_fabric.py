@@ -131,3 +131,16 @@ def test_fabric_strategy_validates_options_at_construction() -> None:
         FabricHierarchicalAllReduceStrategy(wire_dtype="fp8")
     with pytest.raises(ValueError, match="compression='topk'.*algorithm='flat'"):
         FabricHierarchicalAllReduceStrategy(algorithm="flat", compression="topk")
+    with pytest.raises(ValueError, match="topk_momentum=0.9 corrects top-k's error feedback: set compression='topk'"):
+        FabricHierarchicalAllReduceStrategy(topk_momentum=0.9)
+
+
+def test_fabric_refuses_an_optimizer_momentum_beside_topk_momentum() -> None:
+    strategy = FabricHierarchicalAllReduceStrategy(compression="topk", topk_momentum=0.9)
+    params = [nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError, match="SGD has momentum=0.9 in param group 0: set the optimizer's momentum to 0"):
+        strategy.setup_optimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    with pytest.raises(ValueError, match=r"AdamW has betas=\(0.9, 0.999\)"):
+        strategy.setup_optimizer(torch.optim.AdamW(params))
+    plain = torch.optim.SGD(params, lr=0.1)
+    assert strategy.setup_optimizer(plain) is plain

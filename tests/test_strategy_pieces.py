@@ -156,6 +156,40 @@ def test_residuals_follow_the_node_leaders_to_another_world_size(tmp_path) -> No
         _restore(saved, Topology(1, 2), "hier", None)
 
 
+def test_momentum_correction_velocities_travel_with_the_residuals(tmp_path) -> None:
+    """With ``topk_momentum`` each leader's velocities are saved, restored on the same layout and
+    re-split like the residuals on another world size (their sum is the global momentum); a run
+    without momentum correction does not take them."""
+    g = torch.Generator().manual_seed(1)
+    parts = {r: {("p", 0): torch.randn(4, generator=g)} for r in (0, 2)}
+    velocities = {r: {("p", 0): torch.randn(4, generator=g)} for r in (0, 2)}
+    for rank in range(TWO_BY_TWO.world_size):
+        state = _hook_state(inline=True, topk=TopKErrorFeedback(0.5, momentum=0.9))
+        state.topk.errors, state.topk.velocities = parts.get(rank, {}), velocities.get(rank, {})
+        state.iteration = 7
+        torch.save(residual_state(state, comm_layout(TWO_BY_TWO, "hier", 0.5, None, rank, 0.9)),
+                   residual_path(tmp_path / "c.ckpt", rank))
+    saved = SavedResiduals(str(tmp_path / "c.ckpt"), lambda path: torch.load(path, weights_only=True))
+
+    def restore(topology: Topology, rank: int, momentum: float) -> object:
+        state = _hook_state(inline=True, topk=TopKErrorFeedback(0.5, momentum=momentum))
+        restore_residuals(state, saved, comm_layout(topology, "hier", 0.5, None, rank, momentum), torch.device("cpu"))
+        return state
+
+    same = restore(TWO_BY_TWO, 2, 0.9)
+    assert torch.equal(same.topk.velocities[("p", 0)], velocities[2][("p", 0)])
+    assert torch.equal(same.topk.errors[("p", 0)], parts[2][("p", 0)])
+    with pytest.warns(UserWarning, match="one node has no inter-node stage"):
+        one = restore(Topology(1, 1), 0, 0.9)
+    assert one.topk.velocities == {}
+    three = [restore(Topology(3, 1), rank, 0.9) for rank in range(3)]
+    total = sum(s.topk.velocities.get(("p", 0), 0) for s in three)
+    assert torch.allclose(total, velocities[0][("p", 0)] + velocities[2][("p", 0)])
+    with pytest.warns(UserWarning, match="topk_momentum 0.9 in the checkpoint vs None now"):
+        plain = restore(TWO_BY_TWO, 2, 0.0)
+    assert plain.topk.errors == {} and plain.topk.velocities == {}
+
+
 def test_report_names_the_users_hook_and_where_it_runs() -> None:
     user = UserHook(default_hooks.fp16_compress_hook)
     assert hook_name("hier", user, ddp_allreduce=False) == "fp16_compress_hook"

@@ -32,9 +32,9 @@ pytestmark = pytest.mark.timeout(900)
 
 
 class _Net(pl.LightningModule):
-    def __init__(self, lr: float = 0.05) -> None:
+    def __init__(self, lr: float = 0.05, momentum: float = 0.9) -> None:
         super().__init__()
-        self.lr = lr
+        self.lr, self.momentum = lr, momentum
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
 
@@ -45,7 +45,7 @@ class _Net(pl.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
 
 
 def _data() -> DataLoader:
@@ -55,8 +55,9 @@ def _data() -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=8)
 
 
-def _fit(strategy, steps: int = STEPS, ckpt_path: str | None = None, **trainer_kw) -> tuple[pl.Trainer, _Net]:
-    model = _Net()
+def _fit(strategy, steps: int = STEPS, ckpt_path: str | None = None, momentum: float = 0.9,
+         **trainer_kw) -> tuple[pl.Trainer, _Net]:
+    model = _Net(momentum=momentum)
     # Lightning's default logger and checkpointing, in the working directory (the test's folder,
     # see _worker): each fit writes its own lightning_logs/version_N
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=4, max_steps=steps, **trainer_kw)
@@ -204,16 +205,42 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict | None:
         "other_warning": [str(w.message) for w in other if "top-k residuals" in str(w.message)],
     }
 
-    # Top-k (5% of each inter-node shard) with error feedback trains like DDP on a longer run.
+    # Momentum correction: the velocities travel with the residuals; the optimizer runs without momentum.
+    corrected = {**topk, "topk_momentum": 0.9}
+    ckpt = str(Path(tmp) / "topk_momentum.ckpt")
+    trainer, _ = _fit(hier(**corrected), max_epochs=1, momentum=0.0, **topk_epochs)
+    trainer.save_checkpoint(ckpt)
+    saved = torch.load(f"{ckpt}.topk-residuals-rank{rank}", weights_only=True)
+    _, resumed = _fit(hier(**corrected), max_epochs=2, ckpt_path=ckpt, momentum=0.0, **topk_epochs)
+    _, straight = _fit(hier(**corrected), max_epochs=2, momentum=0.0, **topk_epochs)
+    # Sending everything, momentum correction clears every velocity each step: plain SGD without momentum.
+    _, sgd = _fit(DDPStrategy(), steps=8, momentum=0.0)
+    _, dense = _fit(hier(compression="topk", topk_ratio=1.0, topk_momentum=0.9), steps=8, momentum=0.0)
+    out["topk_momentum"] = {"rel": _rel(_flat(resumed), _flat(straight)), "layout": saved["layout"],
+                            "velocity_keys": sorted(map(str, saved["velocities"])),
+                            "rel_dense_vs_sgd": _rel(_flat(dense), _flat(sgd))}
+
+    # Top-k (5% of each inter-node shard) with error feedback trains like DDP on a longer run,
+    # also with momentum correction (the optimizer's momentum moved into the top-k stage).
     losses = {}
-    for name, strategy in (("ddp", DDPStrategy()), ("topk", hier(compression="topk", topk_ratio=0.05))):
+    for name, strategy, momentum in (("ddp", DDPStrategy(), 0.9), ("topk", hier(**topk), 0.9),
+                                     ("topk_momentum", hier(**corrected), 0.0)):
         with CommRecorder() as recorder:
-            trainer, model = _fit(strategy, steps=40)
+            trainer, model = _fit(strategy, steps=40, momentum=momentum)
         losses[name] = _full_loss(model)
-        if name == "topk":
-            out["topk_stages"] = dict(recorder.stages)
+        if name != "ddp":
+            out[f"{name}_stages"] = dict(recorder.stages)
     losses["initial"] = _full_loss(_Net())
     out["losses"] = losses
+
+    # Last: a refused fit tells the peer watchdogs of later fits in these processes that a rank failed.
+    refused = out["topk_momentum"]["refused"] = {}
+    for name, strategy, momentum in (("optimizer", hier(**corrected), 0.9),
+                                     ("one_node", HierarchicalAllReduceStrategy(**corrected), 0.0)):
+        try:
+            _fit(strategy, momentum=momentum)
+        except ValueError as error:
+            refused[name] = str(error)
     return out if rank == 0 else None
 
 
@@ -284,3 +311,20 @@ def test_topk_trains_like_ddp(results: dict) -> None:
     # Both must learn (loss well below the start), top-k to within 20% of DDP's final loss.
     assert losses["ddp"] < 0.5 * losses["initial"], losses
     assert losses["topk"] < 1.2 * losses["ddp"] + 0.02, losses
+
+
+def test_topk_momentum_learns_and_sending_everything_is_sgd(results: dict) -> None:
+    losses = results["losses"]
+    assert results["topk_momentum_stages"].get("inter-node top-k all-gather", 0) > 0, "compression never engaged"
+    # It learns; not held to DDP's loss in 40 steps: each sent entry's velocity restarts from zero
+    # (momentum factor masking), so its momentum builds up again between sends.
+    assert losses["topk_momentum"] < 0.5 * losses["initial"], losses
+    assert results["topk_momentum"]["rel_dense_vs_sgd"] <= 1e-5, results["topk_momentum"]
+
+
+def test_topk_momentum_resumes_exactly_and_refuses_a_second_momentum(results: dict) -> None:
+    r = results["topk_momentum"]
+    assert r["layout"]["topk_momentum"] == 0.9 and r["velocity_keys"], r  # rank 0 leads node 0
+    assert r["rel"] <= 1e-6, r
+    assert "SGD has momentum=0.9 in param group 0: set the optimizer's momentum to 0" in r["refused"]["optimizer"]
+    assert "which this run does not have (one node)" in r["refused"]["one_node"], r

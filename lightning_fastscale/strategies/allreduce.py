@@ -62,11 +62,24 @@ class _Pending:
 class TopKErrorFeedback:
     """Top-k sparsification with error feedback, one residual per ``key`` (Lin et al. 2018).
 
-    A residual whose tensor changes size (another bucket layout) restarts from zero, counted in ``resets``.
+    With ``momentum`` > 0 the momentum moves here from the optimizer (Lin et al. 2018's momentum
+    correction): each key keeps a velocity ``u = momentum * u + g`` and the residual accumulates
+    ``u``, not ``g``; the entries sent are cleared from both (momentum factor masking), and the
+    optimizer must then run without momentum. A residual whose tensor changes size (another bucket
+    layout) restarts from zero, counted in ``resets``.
+
+    Examples:
+        >>> topk = TopKErrorFeedback(ratio=0.5, momentum=0.5)
+        >>> topk.select("b", torch.tensor([4.0, 1.0]), torch.float32)
+        (tensor([0], dtype=torch.int32), tensor([4.]))
+        >>> topk.select("b", torch.tensor([0.0, 2.0]), torch.float32)  # u = [0, 2.5], residual [0, 3.5]
+        (tensor([1], dtype=torch.int32), tensor([3.5000]))
     """
 
     ratio: float
+    momentum: float = 0.0
     errors: dict[Hashable, Tensor] = field(default_factory=dict)
+    velocities: dict[Hashable, Tensor] = field(default_factory=dict)
     resets: int = 0
     restored: set[Hashable] = field(default_factory=set)
     """Keys whose residual came from a checkpoint; a size change there warns (another bucket layout)."""
@@ -74,30 +87,46 @@ class TopKErrorFeedback:
     def __post_init__(self) -> None:
         if not 0.0 < self.ratio <= 1.0:
             raise ValueError(f"topk_ratio must be in (0, 1], got {self.ratio}.")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"topk_momentum must be in [0, 1) (0: the optimizer keeps its momentum), got {self.momentum}.")
 
     def num_selected(self, numel: int) -> int:
         """How many entries of a ``numel``-long tensor are sent."""
         return max(1, min(numel, round(self.ratio * numel)))
 
+    def _residual(self, key: Hashable, tensor: Tensor) -> Tensor:
+        """``key``'s residual, restarted from zero (with its velocity) where ``tensor`` does not fit it."""
+        error = self.errors.get(key)
+        if error is not None and error.shape == tensor.shape and error.dtype == tensor.dtype:
+            return error
+        if error is not None:
+            self.resets += 1
+            if key in self.restored:
+                warnings.warn(
+                    f"top-k residual {key} from the checkpoint holds {error.numel()} elements but this run's "
+                    f"bucket holds {tensor.numel()} (another bucket layout): it restarts from zero.",
+                    stacklevel=3,
+                )
+        self.restored.discard(key)
+        self.velocities.pop(key, None)
+        error = self.errors[key] = torch.zeros_like(tensor)
+        return error
+
     def select(self, key: Hashable, tensor: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """``(indices int32, values in dtype)`` of the top-k of ``tensor + residual``; the residual keeps the rest."""
-        error = self.errors.get(key)
-        if error is None or error.shape != tensor.shape or error.dtype != tensor.dtype:
-            if error is not None:
-                self.resets += 1
-                if key in self.restored:
-                    warnings.warn(
-                        f"top-k residual {key} from the checkpoint holds {error.numel()} elements but this run's "
-                        f"bucket holds {tensor.numel()} (another bucket layout): it restarts from zero.",
-                        stacklevel=2,
-                    )
-            self.restored.discard(key)
-            error = torch.zeros_like(tensor)
-        error.add_(tensor)
+        error = self._residual(key, tensor)
+        if self.momentum:
+            velocity = self.velocities.get(key)
+            if velocity is None:
+                velocity = self.velocities[key] = torch.zeros_like(tensor)
+            error.add_(velocity.mul_(self.momentum).add_(tensor))
+        else:
+            error.add_(tensor)
         indices = error.abs().topk(self.num_selected(tensor.numel()), sorted=False).indices
         values = error[indices].to(dtype)
         error[indices] -= values.to(error.dtype)
-        self.errors[key] = error
+        if self.momentum:
+            velocity[indices] = 0
         return indices.to(torch.int32), values
 
 

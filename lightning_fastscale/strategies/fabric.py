@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_fastscale.strategies.hierarchical_mixin import HierarchicalAllReduceMixin
+from lightning_fastscale.strategies.option_checks import check_optimizers_for_topk_momentum
 
 
 class FabricHierarchicalAllReduceStrategy(HierarchicalAllReduceMixin, DDPStrategy):
@@ -41,6 +42,12 @@ class FabricHierarchicalAllReduceStrategy(HierarchicalAllReduceMixin, DDPStrateg
         self._install_hook(ddp_module)
         rank_zero_info(self.plan_message())
         return ddp_module
+
+    @override
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Fabric's optimizer set-up; with ``topk_momentum`` the optimizer must hold no momentum."""
+        check_optimizers_for_topk_momentum(self.topk_momentum, [optimizer])
+        return super().setup_optimizer(optimizer)
 
     @override
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:

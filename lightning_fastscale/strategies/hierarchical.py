@@ -15,6 +15,7 @@ from typing_extensions import override
 
 from lightning_fastscale.lightning_internals import attached_trainer, logs_hyperparameters
 from lightning_fastscale.strategies.hierarchical_mixin import HierarchicalAllReduceMixin
+from lightning_fastscale.strategies.option_checks import check_optimizers_for_topk_momentum
 from lightning_fastscale.strategies.topk_residuals import SavedResiduals, residual_path, residual_state
 
 
@@ -28,6 +29,9 @@ class HierarchicalAllReduceStrategy(HierarchicalAllReduceMixin, DDPStrategy):
         fusion_plan: DDP bucket caps in MB, gradient-ready order (``bucket_cap_mb_list``);
             ``two_segment_split``: two buckets split before this trainable parameter.
         pipeline_chunk_mb: MiB per chunk pipelined through the stages; ``"auto"``: 2 MiB per node.
+        compression: ``"topk"``: only the ``topk_ratio`` largest entries cross between nodes, the rest
+            kept as error feedback; ``topk_momentum`` > 0 moves the optimizer's momentum into it
+            (momentum correction, Lin et al. 2018; the optimizer's own momentum must then be 0).
         planner: a `CommPlanner` such as `CostModelPlanner`, asked once at setup.
         ddp_comm_hook: a torch DDP hook run as the inter-node stage of ``"hier"``, with
             ``ddp_comm_state`` (process group ``None``) and ``ddp_comm_wrapper``.
@@ -54,6 +58,12 @@ class HierarchicalAllReduceStrategy(HierarchicalAllReduceMixin, DDPStrategy):
     def _setup_model(self, model: nn.Module) -> DistributedDataParallel:
         self._plan_ddp(model)
         return super()._setup_model(model)
+
+    @override
+    def setup_optimizers(self, trainer: Any) -> None:
+        """Lightning's optimizer set-up; with ``topk_momentum`` the optimizers must hold no momentum."""
+        super().setup_optimizers(trainer)
+        check_optimizers_for_topk_momentum(self.topk_momentum, self.optimizers)
 
     @override
     def _register_ddp_hooks(self) -> None:

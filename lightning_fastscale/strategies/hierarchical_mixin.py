@@ -60,6 +60,7 @@ class HierarchicalAllReduceMixin:
         compression: str | None = None,
         topk_ratio: float = 0.01,
         topk_start_iter: int = 2,
+        topk_momentum: float = 0.0,
         pipeline_chunk_mb: float | str | None = DEFAULT_PIPELINE_CHUNK_MB,
         planner: CommPlanner | None = None,
         ddp_comm_hook: Callable | None = None,
@@ -71,7 +72,8 @@ class HierarchicalAllReduceMixin:
         check_strategy_options(
             algorithm=algorithm, ranks_per_node=ranks_per_node, wire_dtype=wire_dtype, bucket_cap_mb=bucket_cap_mb,
             fusion_plan=fusion_plan, two_segment_split=two_segment_split, compression=compression,
-            topk_ratio=topk_ratio, topk_start_iter=topk_start_iter, pipeline_chunk_mb=pipeline_chunk_mb,
+            topk_ratio=topk_ratio, topk_start_iter=topk_start_iter, topk_momentum=topk_momentum,
+            pipeline_chunk_mb=pipeline_chunk_mb,
             planner=planner, user_hook=user_hook, model_averaging_period=kwargs.pop("model_averaging_period", None),
         )
         if bucket_cap_mb is not None:
@@ -85,6 +87,7 @@ class HierarchicalAllReduceMixin:
         self.compression = compression
         self.topk_ratio = topk_ratio
         self.topk_start_iter = topk_start_iter
+        self.topk_momentum = topk_momentum
         self.pipeline_chunk_mb = pipeline_chunk_mb
         self.planner = planner
         self.user_hook = user_hook
@@ -181,6 +184,14 @@ class HierarchicalAllReduceMixin:
         if self.uses_ddp_allreduce:
             # One node, no hook: every algorithm is then the one all-reduce DDP runs itself.
             self.resolved_algorithm = "flat"
+        if self.topk_momentum and (self.topology.num_nodes == 1 or self.resolved_algorithm == "flat"):
+            # one node or a flat all-reduce: nothing is sparsified, so the momentum would be lost
+            why = "one node" if self.topology.num_nodes == 1 else self.plain_ddp_reason or "a flat all-reduce"
+            raise ValueError(
+                f"topk_momentum={self.topk_momentum} moves the optimizer's momentum into the top-k stage between "
+                f"nodes, which this run does not have ({why}): set topk_momentum=0 and keep the momentum in "
+                "the optimizer."
+            )
         if fusion_plan is not None:
             self._ddp_kwargs["bucket_cap_mb_list"] = fusion_plan
         if self.user_hook.hook is not None and self.topology.num_nodes > 1:
@@ -204,7 +215,7 @@ class HierarchicalAllReduceMixin:
         self.hook_state = HierarchicalHookState(
             groups=build_process_groups(self.topology, timeout=self._timeout),
             wire_dtype=self.wire_dtype,
-            topk=TopKErrorFeedback(self.topk_ratio) if self.compression == "topk" else None,
+            topk=TopKErrorFeedback(self.topk_ratio, self.topk_momentum) if self.compression == "topk" else None,
             topk_start_iter=self.topk_start_iter,
             chunk_numel=chunk_numel_for(self.pipeline_chunk_mb, self.topology.num_nodes),
             algorithm=self.resolved_algorithm,
@@ -272,7 +283,7 @@ class HierarchicalAllReduceMixin:
     def _comm_layout(self) -> dict[str, Any]:
         assert self.topology is not None and self.hook_state is not None
         return comm_layout(self.topology, self.resolved_algorithm, self.topk_ratio, self.hook_state.chunk_numel,
-                           self.global_rank)
+                           self.global_rank, self.topk_momentum)
 
     @override
     def teardown(self) -> None:

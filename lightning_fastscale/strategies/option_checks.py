@@ -26,6 +26,7 @@ def check_strategy_options(
     planner: Any,
     user_hook: UserHook,
     model_averaging_period: Any = None,
+    topk_momentum: float = 0.0,
 ) -> None:
     """Raise naming the argument when an option of the strategy, or a combination of them, is invalid.
 
@@ -54,7 +55,10 @@ def check_strategy_options(
             "have: use algorithm='hier' or 'torus2d'."
         )
     if compression == "topk":
-        TopKErrorFeedback(topk_ratio)  # validates the ratio
+        TopKErrorFeedback(topk_ratio, topk_momentum)  # validates the ratio and the momentum
+    elif topk_momentum:
+        raise ValueError(f"topk_momentum={topk_momentum} corrects top-k's error feedback: set compression='topk' "
+                         "too, or leave topk_momentum=0 and the momentum in the optimizer.")
     if topk_start_iter < 1:
         raise ValueError(f"topk_start_iter={topk_start_iter} must be >= 1 (DDP rebuilds buckets after iteration 0).")
     if ranks_per_node is not None and ranks_per_node < 1:
@@ -69,3 +73,40 @@ def check_strategy_options(
     user_hook.check(algorithm, wire_dtype, compression)
     if model_averaging_period is not None:
         raise ValueError(f"model_averaging_period= {POST_LOCAL_SGD}")
+
+
+def check_optimizers_for_topk_momentum(topk_momentum: float, optimizers: Sequence[Any]) -> None:
+    """Raise where an optimizer keeps a momentum that ``topk_momentum`` > 0 has moved into the top-k stage.
+
+    With momentum correction (Lin et al. 2018) the gradient reaching the optimizer already holds
+    the momentum; a momentum in the optimizer would apply it twice.
+
+    Examples:
+        >>> import torch
+        >>> check_optimizers_for_topk_momentum(0.9, [torch.optim.SGD([torch.zeros(1)], lr=0.1)])
+        >>> check_optimizers_for_topk_momentum(0.9, [torch.optim.SGD([torch.zeros(1)], lr=0.1, momentum=0.9)])
+        Traceback (most recent call last):
+        ...
+        ValueError: topk_momentum=0.9 moves the momentum into the top-k stage (momentum correction), but SGD has momentum=0.9 in param group 0: set the optimizer's momentum to 0 (e.g. SGD(..., momentum=0)), or topk_momentum=0.
+    """
+    if not topk_momentum:
+        return
+    for optimizer in optimizers:
+        held = optimizer_momentum(optimizer)
+        if held is not None:
+            raise ValueError(
+                f"topk_momentum={topk_momentum} moves the momentum into the top-k stage (momentum correction), "
+                f"but {type(optimizer).__name__} has {held[1]} in param group {held[0]}: set the optimizer's "
+                "momentum to 0 (e.g. SGD(..., momentum=0)), or topk_momentum=0."
+            )
+
+
+def optimizer_momentum(optimizer: Any) -> tuple[int, str] | None:
+    """The first param group of ``optimizer`` that holds a momentum, and which (``momentum=`` or Adam's ``betas=``)."""
+    for index, group in enumerate(optimizer.param_groups):
+        momentum, betas = group.get("momentum", 0.0), group.get("betas")
+        if momentum:
+            return index, f"momentum={momentum}"
+        if betas is not None and betas[0]:
+            return index, f"betas={tuple(betas)}"
+    return None

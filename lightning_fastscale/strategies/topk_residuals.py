@@ -52,20 +52,26 @@ class SavedResiduals:
 
 
 def comm_layout(topology: Topology, algorithm: str | None, topk_ratio: float, chunk_numel: int | None,
-                rank: int) -> dict[str, Any]:
-    """What residuals belong to: world size, ranks per node, algorithm, top-k ratio, chunking and rank."""
-    return {
+                rank: int, topk_momentum: float = 0.0) -> dict[str, Any]:
+    """What residuals belong to: world size, ranks per node, algorithm, top-k ratio and momentum, chunking, rank."""
+    layout = {
         "world_size": topology.world_size, "ranks_per_node": topology.ranks_per_node,
         "algorithm": algorithm, "topk_ratio": topk_ratio,
         "chunk_numel": chunk_numel, "rank": rank,
     }
+    if topk_momentum:  # absent otherwise, as in files written before momentum correction
+        layout["topk_momentum"] = topk_momentum
+    return layout
 
 
 def residual_state(hook_state: HierarchicalHookState, layout: dict[str, Any]) -> dict[str, Any]:
     """The file content of ``hook_state``'s residuals (on the CPU) under ``layout``, with the hook's iteration."""
     assert hook_state.topk is not None
-    return {"layout": layout, "iteration": hook_state.iteration,
-            "errors": {key: t.detach().cpu() for key, t in hook_state.topk.errors.items()}}
+    state = {"layout": layout, "iteration": hook_state.iteration,
+             "errors": {key: t.detach().cpu() for key, t in hook_state.topk.errors.items()}}
+    if hook_state.topk.momentum:
+        state["velocities"] = {key: t.detach().cpu() for key, t in hook_state.topk.velocities.items()}
+    return state
 
 
 def resplit_residuals(saved: list[dict[Hashable, Tensor]], holder: int, holders: int,
@@ -114,14 +120,15 @@ def restore_residuals(hook_state: HierarchicalHookState, saved: SavedResiduals, 
     # a rank the old run did not have: rank 0's file says what the old layout was
     path, state = (own_path, own) if own is not None or rank == 0 else saved.of_rank(0)
     then = {} if state is None else state["layout"]
-    differ = {k: (then.get(k), v) for k, v in layout.items() if k != "rank" and then.get(k) != v}
+    keys = list(layout) + [k for k in then if k not in layout]  # a key only one side has differs too
+    differ = {k: (then.get(k), layout.get(k)) for k in keys if k != "rank" and then.get(k) != layout.get(k)}
     if state is None or own is None and not differ:
         warnings.warn(f"no top-k residuals for rank {rank} at {own_path}: error feedback restarts "
                       "from zero, so this run will not equal an uninterrupted one.", stacklevel=2)
         return
     what = f"belong to another layout ({', '.join(f'{k} {a!r} in the checkpoint vs {b!r} now' for k, (a, b) in differ.items())})"
     if not differ:
-        errors = state["errors"]
+        errors, velocities = state["errors"], state.get("velocities", {})
     elif not set(differ) <= _RESPLIT_KEYS or not (_whole_buckets(then) and _whole_buckets(layout)):
         return _restart(path, what)
     elif layout["world_size"] == layout["ranks_per_node"]:
@@ -132,8 +139,12 @@ def restore_residuals(hook_state: HierarchicalHookState, saved: SavedResiduals, 
         if lost:
             return _restart(path, f"{what} and {lost[0]} is missing")
         rpn = layout["ranks_per_node"]
-        errors = {} if rank % rpn else resplit_residuals(
-            [s["errors"] for _, s in old], rank // rpn, layout["world_size"] // rpn, layout["chunk_numel"])
+        errors, velocities = {}, {}
+        if rank % rpn == 0:  # the velocities of momentum correction are re-split as the residuals are
+            errors, velocities = (resplit_residuals([s.get(name, {}) for _, s in old], rank // rpn,
+                                                    layout["world_size"] // rpn, layout["chunk_numel"])
+                                  for name in ("errors", "velocities"))
     hook_state.topk.errors = {key: t.to(device) for key, t in errors.items()}
+    hook_state.topk.velocities = {key: t.to(device) for key, t in velocities.items()}
     hook_state.topk.restored = set(errors)
     hook_state.iteration = int(state["iteration"])
