@@ -21,7 +21,9 @@ fast.ai's DAWNBench entry). The arms, all on ``resnet_small`` (widths 16/32/64),
   two fixes for a communication-bound step together (a cheaper wire, a larger per-device batch);
 - ``fp16_wire_planned``: ``fp16_wire`` with the algorithm and gradient buckets the planner picks
   after measuring the link and each layer's backward at start-up (``strategy=hier_auto``;
-  Jia et al. 2018's fusion): the same arithmetic, communication overlapped with backward.
+  Jia et al. 2018's fusion): the same arithmetic, communication overlapped with backward;
+- ``topk_momentum``: ``topk`` with Lin et al. 2018's momentum correction (``topk_momentum=0.9``):
+  the momentum moves from the optimizer into the compression, the optimizer runs without it.
 
 Machines: ``one`` (one machine, 2 ranks), ``cloud`` and ``record`` (the emulated 2-node cluster,
 one rank and one torch thread per node, each link capped with ``tbf`` at the rate
@@ -65,7 +67,7 @@ from benchmarks.convergence import PrerenderedSplit  # noqa: E402
 from lightning_fastscale.callbacks._schedule import value_at_epoch  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
-ARMS = ("plain", "recipe", "large", "fp16_wire", "topk", "fp16_wire_k2", "fp16_wire_planned")
+ARMS = ("plain", "recipe", "large", "fp16_wire", "topk", "fp16_wire_k2", "fp16_wire_planned", "topk_momentum")
 MACHINES = ("one", "cloud", "record")
 K = 16  # batch multiple, fixed before any run (the issue: 16 or 32)
 # exposed all-reduce / compute of the plain arm that each emulated regime is calibrated to
@@ -77,13 +79,20 @@ SIZES = {"num_classes": 10, "train_size": 12288, "val_size": 1024, "resolution":
 # (MLPerf ResNet-50 reference points: 35 epochs at batch 3K, 56 at 32K), so the large arm gets 1.5x.
 # The recipe (v2) gets the plain arm's wall time instead: plain's median fit time in the record
 # regime over the recipe's s/epoch there, both from the v1 runs (175.9 s / 8.25 s = 21.3, rounded down).
-EPOCHS = {"plain": 8, "recipe": 21, "large": 12, "fp16_wire": 8, "topk": 8, "fp16_wire_k2": 8, "fp16_wire_planned": 8}
+EPOCHS = {"plain": 8, "recipe": 21, "large": 12, "fp16_wire": 8, "topk": 8, "fp16_wire_k2": 8, "fp16_wire_planned": 8,
+          "topk_momentum": 8}
 # The topk arm's share of each gradient sent between nodes, fixed after two runs at the tuning seed
 # in the record regime (plain's LR 0.2, 8 epochs): 0.01 reached 66.8 % top-1, 0.1 reached 78.6 %.
 TOPK_RATIO = 0.1
 # The arms that change only the plain arm's strategy, and how.
 WIRE_ARMS = {"fp16_wire": {"wire_dtype": "fp16"}, "topk": {"compression": "topk", "topk_ratio": TOPK_RATIO},
-             "fp16_wire_k2": {"wire_dtype": "fp16"}, "fp16_wire_planned": {"wire_dtype": "fp16", "planner": True}}
+             "fp16_wire_k2": {"wire_dtype": "fp16"}, "fp16_wire_planned": {"wire_dtype": "fp16", "planner": True},
+             "topk_momentum": {"compression": "topk", "topk_ratio": TOPK_RATIO, "topk_momentum": 0.9}}
+# The plain arm's optimizer, and the topk_momentum arm's: its momentum moves into the top-k stage
+# (Lin et al. 2018's momentum correction), so the optimizer runs without it, and its weight decay,
+# then no longer summed by the momentum, is scaled by 1 / (1 - 0.9) to decay the weights as much.
+OPTIMIZER = {"momentum": 0.9, "weight_decay": 5e-4}
+ARM_OPTIMIZER = {"topk_momentum": {"momentum": 0.0, "weight_decay": 5e-3}}
 # The planned arm's link probe sizes: around this model's 0.3 MiB gradient (the planner's default
 # 1-64 MiB are for ImageNet models; 64 MiB alone takes 15 s on the record link).
 PLANNER_CALIBRATION_SIZES = [1 << 16, 1 << 18, 1 << 20]
@@ -91,7 +100,7 @@ PLANNER_CALIBRATION_SIZES = [1 << 16, 1 << 18, 1 << 20]
 # 2017). fp16_wire_k2's 2 was fixed before its runs, after fp16_wire reached 1.76x in the record
 # regime: the smallest multiple, halving the all-reduces per sample at the same epoch budget.
 BATCH_MULTIPLE = {"plain": 1, "fp16_wire": 1, "topk": 1, "fp16_wire_k2": 2, "fp16_wire_planned": 1, "large": K,
-                  "recipe": K}
+                  "recipe": K, "topk_momentum": 1}
 # The recipe's warmup, in optimizer steps: this share of the run's steps (Goyal et al. 2017 warm
 # up 5 of their 90 epochs at a constant batch, i.e. 5/90 of the steps); at least one step. Since
 # v3 the poly-2 decay after it is laid out in the same optimizer steps, to 0 at the run's last.
@@ -103,7 +112,7 @@ WARMUP_SHARE = 5 / 90
 # its best was its highest value, so by the rule fixed before the runs it got one more step up, once.
 LR_GRID = {"plain": [0.1, 0.2, 0.4], "large": [0.1, 0.2, 0.4], "recipe": [0.05, 0.1, 0.2, 0.4],
            "fp16_wire": [0.1, 0.2, 0.4], "topk": [0.1, 0.2, 0.4], "fp16_wire_k2": [0.1, 0.2, 0.4],
-           "fp16_wire_planned": [0.1, 0.2, 0.4]}
+           "fp16_wire_planned": [0.1, 0.2, 0.4], "topk_momentum": [0.1, 0.2, 0.4]}
 TUNE_SEED = 100
 # Supplementary read-out (chosen after the tuning runs, which put the recipe below the plain
 # arm's accuracy): median seconds to these fixed top-1 levels, below the target.
@@ -248,7 +257,7 @@ def _plain_module(spec: dict[str, Any], lr: float) -> Any:
             self.log("val/top1", self.val_top1)
 
         def configure_optimizers(self) -> Any:
-            opt = torch.optim.SGD(self.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4)
+            opt = torch.optim.SGD(self.parameters(), lr=lr, **ARM_OPTIMIZER.get(spec["arm"], OPTIMIZER))
             sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=self.trainer.estimated_stepping_batches)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -293,14 +302,19 @@ def _recipe_parts(spec: dict[str, Any], lr: float, world: int) -> tuple[Any, lis
     return module, callbacks, plugins, strategy
 
 
-def _wire_strategy(arm: str, example_input: torch.Tensor) -> Any:
+def wire_arms(topk_ratio: float = TOPK_RATIO) -> dict[str, dict[str, Any]]:
+    """``WIRE_ARMS`` with the top-k arms at ``topk_ratio`` (``--topk-ratio``)."""
+    return {arm: {**s, "topk_ratio": topk_ratio} if "topk_ratio" in s else s for arm, s in WIRE_ARMS.items()}
+
+
+def _wire_strategy(arm: str, example_input: torch.Tensor, topk_ratio: float = TOPK_RATIO) -> Any:
     """A wire arm's one change to the plain arm (``WIRE_ARMS``); each rank is a node, as on the
     emulated cluster, so machine ``one`` runs the same arithmetic. With ``planner`` the algorithm
     and buckets come from ``CostModelPlanner`` measuring the link and ``example_input``'s backward."""
     from lightning_fastscale.planner import CostModelPlanner
     from lightning_fastscale.strategies import HierarchicalAllReduceStrategy
 
-    settings = {"algorithm": "hier", **WIRE_ARMS[arm]}
+    settings = {"algorithm": "hier", **wire_arms(topk_ratio)[arm]}
     if settings.pop("planner", False):
         settings.update(algorithm="auto", planner=CostModelPlanner(
             calibrate=True, calibration_sizes=PLANNER_CALIBRATION_SIZES, example_input=example_input,
@@ -311,7 +325,9 @@ def _wire_strategy(arm: str, example_input: torch.Tensor) -> Any:
 def _wire_of(strategy: Any) -> dict[str, Any]:
     """What a wire arm's strategy sends between nodes: its dtype, with top-k the share, and its plan."""
     plan = strategy.plan_summary()
-    return {"wire_dtype": strategy.wire_dtype, "topk_ratio": strategy.topk_ratio if strategy.compression == "topk" else None,
+    topk = strategy.compression == "topk"
+    return {"wire_dtype": strategy.wire_dtype, "topk_ratio": strategy.topk_ratio if topk else None,
+            "topk_momentum": strategy.topk_momentum if topk else None,
             "algorithm": plan["strategy/algorithm"], "fusion_plan": plan["strategy/fusion_plan"],
             "comm_hook": plan["strategy/comm_hook"], "plain_ddp_reason": plan.get("strategy/plain_ddp_reason")}
 
@@ -401,7 +417,8 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
         module, callbacks, plugins, strategy = _recipe_parts(spec, spec["lr"], world)
     else:
         example = torch.zeros(batch, 3, sizes["resolution"], sizes["resolution"])
-        module, strategy = _plain_module(spec, lr), _wire_strategy(arm, example) if arm in WIRE_ARMS else DDPStrategy()
+        module, strategy = _plain_module(spec, lr), _wire_strategy(arm, example, spec.get("topk_ratio", TOPK_RATIO)) if arm in WIRE_ARMS \
+            else DDPStrategy()
     curve_cbs = _curve_callbacks(spec)
     breakdown = StepBreakdown(every_n_steps=10, dirpath=spec["run_dir"], plot=False, print_table=False)
     callbacks += [breakdown, *curve_cbs]
@@ -753,7 +770,7 @@ def plot(results: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> Non
     panels = sorted({(r["data"], r["machine"]) for r in rows}, key=lambda p: (p[0], MACHINES.index(p[1])))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), dpi=100, squeeze=False)
     colors = {"plain": "#1f77b4", "recipe": "#d62728", "large": "#7f7f7f", "fp16_wire": "#ff7f0e", "topk": "#2ca02c",
-              "fp16_wire_k2": "#9467bd", "fp16_wire_planned": "#8c564b"}
+              "fp16_wire_k2": "#9467bd", "fp16_wire_planned": "#8c564b", "topk_momentum": "#17becf"}
     for ax, (data, machine) in zip(axes[0], panels):
         labelled: set[str] = set()
         for key, r in sorted(results["runs"].items()):
@@ -800,6 +817,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="with --tune: only these values of each arm's grid (to split the tuning into pieces)")
     p.add_argument("--epochs", nargs="+", default=[], metavar="ARM=N",
                    help=f"an arm's epoch budget instead of its default {EPOCHS} (its LR is tuned anew for it)")
+    p.add_argument("--topk-ratio", type=float, default=TOPK_RATIO,
+                   help=f"the share of each gradient the top-k arms send (default {TOPK_RATIO}); their LR is tuned anew for it")
     p.add_argument("--report", action="store_true", help="train nothing: target, table and figure from the results")
     p.add_argument("--quick", action="store_true", help="smoke test: tiny data and model, 1 epoch, B0 = 4, no tuning")
     p.add_argument("--output", type=Path, default=RESULTS / "time_to_accuracy.json")
@@ -830,7 +849,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         settings = load(args.settings_from)
         # an arm's LR tuning carries over only if its epochs, grid (and recipe) are unchanged
         tuning = {arm: grid for arm, grid in settings["tuning"].items()
-                  if _arm_settings(settings.get("meta", {}), arm) == _arm_settings(_meta(epochs), arm)}
+                  if _arm_settings(settings.get("meta", {}), arm) == _arm_settings(_meta(epochs, args.topk_ratio), arm)}
         results.update(calibration=settings["calibration"], tuning=tuning, settings_from=args.settings_from.name)
     if args.copy_runs_from is not None:
         source = load(args.copy_runs_from)
@@ -845,13 +864,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "b0" not in cal and not args.quick:
         p.error(f"no B0 in {args.output}: run --calibrate first")
     b0 = 4 if args.quick else cal["b0"]
-    lrs = {} if args.tune else {arm: LR_GRID[arm][1] if args.quick else _tuned_lr(p, results, arm, epochs[arm], args.output)
+    lrs = {} if args.tune else {arm: LR_GRID[arm][1] if args.quick else _tuned_lr(p, results, arm, epochs[arm], args.output,
+                                                                                      args.topk_ratio)
                                 for arm in args.arms}
     paths = prepare_data(work, sizes, image_tree=args.data == "tree", tree=args.tree)
 
     def spec(arm: str, seed: int, lr: float, machine: str, tag: str) -> dict[str, Any]:
         return {"arm": arm, "seed": seed, "lr": lr, "b0": b0, "k": K, "sizes": sizes, "epochs": epochs[arm],
-                "data": args.data, "data_paths": paths, "process_start": time.time(),
+                "data": args.data, "data_paths": paths, "process_start": time.time(), "topk_ratio": args.topk_ratio,
                 "run_dir": str(work / "runs" / tag / f"{args.data}-{machine}-{arm}-s{seed}-lr{lr:g}")}
 
     if args.tune:
@@ -860,8 +880,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for lr in LR_GRID[arm] if args.lrs is None else [lr for lr in LR_GRID[arm] if lr in args.lrs]:
                     r = machine.run(spec(arm, TUNE_SEED, lr, "one", "tune"))
                     best = max((v for _, v in r["curve"]), default=float("nan"))
-                    results["tuning"].setdefault(arm, {})[f"{lr:g}"] = {"best_top1": best, "error": r["error"],
-                                                                        "epochs": epochs[arm]}
+                    results["tuning"].setdefault(arm, {})[f"{lr:g}"] = {
+                        "best_top1": best, "error": r["error"], "epochs": epochs[arm],
+                        **({"topk_ratio": args.topk_ratio} if "topk_ratio" in WIRE_ARMS.get(arm, {}) else {})}
                     print(f"tune {arm} lr {lr:g}: best top-1 {best:.4f}" + (f" ({r['error']})" if r["error"] else ""),
                           flush=True)
                     save(args.output, results)
@@ -876,7 +897,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     r = machine.run(spec(arm, seed, lrs[arm], name, "eval"))
                     r["rate_mbit"] = rate
                     results["runs"][run_key(args.data, name, arm, seed)] = r
-                    results.setdefault("meta", {}).update(_meta(epochs))
+                    results.setdefault("meta", {}).update(_meta(epochs, args.topk_ratio))
                     save(args.output, results)
                     best = max((v for _, v in r["curve"]), default=float("nan"))
                     print(f"{args.data} {name} seed {seed} {arm}: best top-1 {best:.4f} after {r['curve'][-1][0]:.0f} s"
@@ -884,13 +905,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return results
 
 
-def _tuned_lr(parser: argparse.ArgumentParser, results: dict[str, Any], arm: str, epochs: int, output: Path) -> float:
-    """The best LR of ``arm``'s grid tuned at ``epochs``; a parser error if that grid is incomplete."""
-    # entries from before --epochs existed were tuned at the arm's default budget
+def _tuned_lr(parser: argparse.ArgumentParser, results: dict[str, Any], arm: str, epochs: int, output: Path,
+              topk_ratio: float = TOPK_RATIO) -> float:
+    """The best LR of ``arm``'s grid tuned at ``epochs`` (and a top-k arm's at ``topk_ratio``); a
+    parser error if that grid is incomplete."""
+    # entries from before --epochs (--topk-ratio) existed were tuned at the arm's default budget (ratio)
+    sparse = "topk_ratio" in WIRE_ARMS.get(arm, {})
     grid = {lr: v for lr, v in results["tuning"].get(arm, {}).items()
-            if float(lr) in LR_GRID[arm] and v.get("epochs", EPOCHS[arm]) == epochs}
+            if float(lr) in LR_GRID[arm] and v.get("epochs", EPOCHS[arm]) == epochs
+            and (not sparse or v.get("topk_ratio", TOPK_RATIO) == topk_ratio)}
     if len(grid) < len(LR_GRID[arm]):
-        parser.error(f"arm {arm} has no complete LR grid {LR_GRID[arm]} at {epochs} epochs in {output}: "
+        ratio = f" and top-k ratio {topk_ratio:g}" if sparse else ""
+        parser.error(f"arm {arm} has no complete LR grid {LR_GRID[arm]} at {epochs} epochs{ratio} in {output}: "
                      f"run --tune --arms {arm} first")
     return float(max(grid, key=lambda lr: (grid[lr]["error"] is None, grid[lr]["best_top1"])))
 
@@ -906,10 +932,10 @@ def _epoch_overrides(parser: argparse.ArgumentParser, given: list[str]) -> dict[
     return overrides
 
 
-def _meta(epochs: dict[str, int] | None = None) -> dict[str, Any]:
+def _meta(epochs: dict[str, int] | None = None, topk_ratio: float = TOPK_RATIO) -> dict[str, Any]:
     return {"torch": torch.__version__, "platform": platform.platform(), "cpu_count": os.cpu_count(),
             "k": K, "epochs": EPOCHS if epochs is None else epochs, "sizes": SIZES, "lr_grid": LR_GRID, "recipe": RECIPE, "warmup_share": WARMUP_SHARE,
-            "wire_arms": WIRE_ARMS, "batch_multiple": BATCH_MULTIPLE,
+            "wire_arms": wire_arms(topk_ratio), "arm_optimizer": ARM_OPTIMIZER, "batch_multiple": BATCH_MULTIPLE,
             "loadavg": os.getloadavg()}
 
 

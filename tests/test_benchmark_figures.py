@@ -272,11 +272,28 @@ def test_prose_figures_match_results(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["time_to_accuracy", "time_to_accuracy_tree", "time_to_accuracy_v2", "time_to_accuracy_v3",
-                                  "time_to_accuracy_topk", "time_to_accuracy_topk17", "time_to_accuracy_planned"])
+                                  "time_to_accuracy_topk", "time_to_accuracy_topk17", "time_to_accuracy_planned",
+                                  "time_to_accuracy_topk_momentum"])
 def test_time_to_accuracy_table_is_on_the_benchmarks_page(name: str) -> None:
     page = (ROOT / "benchmarks" / "README.md").read_text()
     table = [line for line in (RESULTS / f"{name}.md").read_text().splitlines() if line.startswith("| ")]
     assert table and all(line in page for line in table)
+
+
+def test_time_to_accuracy_topk1_figures_are_on_the_benchmarks_page() -> None:
+    """The 1 % exploration (no plain arm, so no table): each arm's tuning and best top-1 per seed."""
+    data = json.loads((RESULTS / "time_to_accuracy_topk1.json").read_text())
+    page = " ".join((ROOT / "benchmarks" / "README.md").read_text().split())
+    best = {arm: [100 * max(v for _, v in data["runs"][f"procedural/one/{arm}/seed{seed}"]["curve"]) for seed in range(3)]
+            for arm in ("topk", "topk_momentum")}
+    for arm, values in best.items():
+        assert data["meta"]["wire_arms"][arm]["topk_ratio"] == 0.01
+        assert f"{arm} " + " / ".join(f"{v:.1f}" for v in values) + " %" in page
+    for arm in ("topk", "topk_momentum"):
+        for lr, entry in data["tuning"][arm].items():
+            assert f"{lr}: " in page and f"{100 * entry['best_top1']:.1f} %" in page
+    medians = [statistics.median(best[arm]) for arm in ("topk", "topk_momentum")]
+    assert f"Medians {medians[0]:.1f} against {medians[1]:.1f} %" in page
 
 
 def test_time_to_accuracy_v3_figures_are_on_the_benchmarks_page() -> None:

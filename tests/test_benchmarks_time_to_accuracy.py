@@ -93,8 +93,10 @@ def data(tmp_path_factory):
 
 
 # the wire arms read the data as the plain arm does, so they run on the built-in data only
+# topk_momentum needs an inter-node stage, which one process lacks: the quick 2-rank run below trains it
 @pytest.mark.parametrize(("arm", "kind"), [(arm, kind) for arm in tta.ARMS for kind in ("procedural", "tree")
-                                           if kind == "procedural" or arm not in tta.WIRE_ARMS])
+                                           if (kind == "procedural" or arm not in tta.WIRE_ARMS)
+                                           and arm != "topk_momentum"])
 def test_each_arm_trains_one_epoch_and_records_its_curve(data, arm, kind):
     work, paths = data
     run_dir = work / f"{kind}-{arm}"
@@ -147,6 +149,8 @@ def test_quick_run_on_two_ranks_and_report(tmp_path):
     assert sorted(results["runs"]) == [f"procedural/one/{a}/seed0" for a in sorted(tta.ARMS)]
     for r in results["runs"].values():
         assert r["world_size"] == 2 and r["error"] is None and len(r["curve"]) == 1
+    # each rank a node: momentum correction between them, the optimizer without a momentum of its own
+    assert results["runs"]["procedural/one/topk_momentum/seed0"]["wire"]["topk_momentum"] == 0.9
     done = subprocess.run(cmd + ["--report"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(out.with_name("r_summary.json").read_text())
@@ -240,3 +244,20 @@ def test_copy_runs_from_copies_the_asked_runs_marked_and_refuses_a_missing_one(t
     assert tta.load(out)["runs"] == {"procedural/record/plain/seed0": dict(run, copied_from="v2.json")}
     with pytest.raises(SystemExit):
         tta.main([*args, "--seeds", "1"])
+
+
+def test_topk_ratio_sets_the_topk_arms_and_needs_its_own_tuning(tmp_path, capsys):
+    arms = tta.wire_arms(0.01)
+    assert arms["topk"]["topk_ratio"] == arms["topk_momentum"]["topk_ratio"] == 0.01
+    assert arms["fp16_wire"] == tta.WIRE_ARMS["fp16_wire"] and tta.wire_arms() == tta.WIRE_ARMS
+    strategy = tta._wire_strategy("topk_momentum", torch.zeros(2, 3, 8, 8), 0.01)
+    assert (strategy.topk_ratio, strategy.topk_momentum) == (0.01, 0.9)
+    # a grid tuned at the default ratio (entries without one) does not serve another ratio
+    out = tmp_path / "r.json"
+    grid = {f"{lr:g}": {"best_top1": 0.5, "error": None, "epochs": tta.EPOCHS["topk"]} for lr in tta.LR_GRID["topk"]}
+    tta.save(out, {"calibration": {"b0": 32, "rates_mbit": {"record": 30.0}}, "tuning": {"topk": grid}, "runs": {}})
+    with pytest.raises(SystemExit):
+        tta.main(["--machines", "record", "--arms", "topk", "--topk-ratio", "0.01", "--output", str(out)])
+    assert "no complete LR grid [0.1, 0.2, 0.4] at 8 epochs and top-k ratio 0.01" in capsys.readouterr().err
+    parser = tta.argparse.ArgumentParser()
+    assert tta._tuned_lr(parser, tta.load(out), "topk", tta.EPOCHS["topk"], out) == 0.1  # its own ratio: served
