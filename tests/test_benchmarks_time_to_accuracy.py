@@ -218,6 +218,13 @@ def test_recipe_lr_warms_up_and_decays_in_steps_without_a_jump_at_the_ramp(data,
     assert lrs[8] < lrs[7]  # the ramp's step to 2x the batch: no jump up (v1 scaled the LR by 2)
 
 
+def _topk_tuned_at_defaults(out: Path) -> Path:
+    """A results file whose topk LR grid was tuned at the default epochs and ratio (entries without one)."""
+    grid = {f"{lr:g}": {"best_top1": 0.5, "error": None, "epochs": tta.EPOCHS["topk"]} for lr in tta.LR_GRID["topk"]}
+    tta.save(out, {"calibration": {"b0": 32, "rates_mbit": {"record": 30.0}}, "tuning": {"topk": grid}, "runs": {}})
+    return out
+
+
 def test_epoch_budget_overrides_are_checked_and_need_their_own_tuning(tmp_path, capsys):
     parser = tta.argparse.ArgumentParser()
     assert tta._epoch_overrides(parser, ["topk=17", "plain=3"]) == {"topk": 17, "plain": 3}
@@ -226,9 +233,7 @@ def test_epoch_budget_overrides_are_checked_and_need_their_own_tuning(tmp_path, 
             tta._epoch_overrides(parser, [bad])
         assert "--epochs" in capsys.readouterr().err
     # an LR grid tuned at the default budget does not serve another one
-    out = tmp_path / "r.json"
-    grid = {f"{lr:g}": {"best_top1": 0.5, "error": None, "epochs": tta.EPOCHS["topk"]} for lr in tta.LR_GRID["topk"]}
-    tta.save(out, {"calibration": {"b0": 32, "rates_mbit": {"record": 30.0}}, "tuning": {"topk": grid}, "runs": {}})
+    out = _topk_tuned_at_defaults(tmp_path / "r.json")
     with pytest.raises(SystemExit):
         tta.main(["--machines", "record", "--arms", "topk", "--epochs", "topk=17", "--output", str(out)])
     assert "no complete LR grid [0.1, 0.2, 0.4] at 17 epochs" in capsys.readouterr().err
@@ -253,9 +258,7 @@ def test_topk_ratio_sets_the_topk_arms_and_needs_its_own_tuning(tmp_path, capsys
     strategy = tta._wire_strategy("topk_momentum", torch.zeros(2, 3, 8, 8), 0.01)
     assert (strategy.topk_ratio, strategy.topk_momentum) == (0.01, 0.9)
     # a grid tuned at the default ratio (entries without one) does not serve another ratio
-    out = tmp_path / "r.json"
-    grid = {f"{lr:g}": {"best_top1": 0.5, "error": None, "epochs": tta.EPOCHS["topk"]} for lr in tta.LR_GRID["topk"]}
-    tta.save(out, {"calibration": {"b0": 32, "rates_mbit": {"record": 30.0}}, "tuning": {"topk": grid}, "runs": {}})
+    out = _topk_tuned_at_defaults(tmp_path / "r.json")
     with pytest.raises(SystemExit):
         tta.main(["--machines", "record", "--arms", "topk", "--topk-ratio", "0.01", "--output", str(out)])
     assert "no complete LR grid [0.1, 0.2, 0.4] at 8 epochs and top-k ratio 0.01" in capsys.readouterr().err
