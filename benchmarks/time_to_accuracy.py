@@ -417,8 +417,8 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
         module, callbacks, plugins, strategy = _recipe_parts(spec, spec["lr"], world)
     else:
         example = torch.zeros(batch, 3, sizes["resolution"], sizes["resolution"])
-        module, strategy = _plain_module(spec, lr), _wire_strategy(arm, example, spec.get("topk_ratio", TOPK_RATIO)) if arm in WIRE_ARMS \
-            else DDPStrategy()
+        module = _plain_module(spec, lr)
+        strategy = _wire_strategy(arm, example, spec.get("topk_ratio", TOPK_RATIO)) if arm in WIRE_ARMS else DDPStrategy()
     curve_cbs = _curve_callbacks(spec)
     breakdown = StepBreakdown(every_n_steps=10, dirpath=spec["run_dir"], plot=False, print_table=False)
     callbacks += [breakdown, *curve_cbs]
