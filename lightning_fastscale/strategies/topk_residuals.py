@@ -107,7 +107,8 @@ def _restart(path: str, why: str) -> None:
 
 def restore_residuals(hook_state: HierarchicalHookState, saved: SavedResiduals, layout: dict[str, Any],
                       device: torch.device) -> None:
-    """Put the ``saved`` residuals and iteration that belong to ``layout`` into ``hook_state``; else warn why not.
+    """Put the ``saved`` residuals (with momentum correction's velocities) and iteration that belong to
+    ``layout`` into ``hook_state``; else warn why not.
 
     On another world size they are re-split ([`resplit_residuals`][lightning_fastscale.strategies.topk_residuals.resplit_residuals]);
     every rank takes the hook's iteration, so all start compressing on the same step.
