@@ -320,7 +320,7 @@ def check_parts(cfg: DictConfig, module: Any, trainer: pl.Trainer, datamodule: A
     if datamodule is not None:
         _check_one_batch(cfg, datamodule, trainer)
     _check_strategy(cfg, trainer)
-    _check_topk_momentum(trainer, optimizer)
+    _check_topk_momentum(cfg, trainer, optimizer)
     _warn_fp16_on_cpu(cfg, trainer)
     bn_span = (cfg.get("model") or {}).get("bn_span")
     if bn_span is not None and datamodule is not None:  # refused with the nearest spans that work
@@ -408,21 +408,17 @@ def _check_strategy(cfg: DictConfig, trainer: pl.Trainer) -> None:
             ) from error
 
 
-def _check_topk_momentum(trainer: pl.Trainer, optimizer: Any) -> None:
+def _check_topk_momentum(cfg: DictConfig, trainer: pl.Trainer, optimizer: Any) -> None:
     """``strategy.topk_momentum`` moves the optimizer's momentum into the top-k stage between nodes:
     refuse a run with no such stage (one node) and an optimizer that keeps a momentum of its own."""
-    from lightning_fastscale.strategies.option_checks import optimizer_momentum
+    from lightning_fastscale.strategies.option_checks import check_topk_momentum_stage, optimizer_momentum
 
     strategy = trainer.strategy
     topk_momentum = getattr(strategy, "topk_momentum", 0.0)
     if not topk_momentum:
         return
-    if strategy.check_topology().num_nodes == 1:
-        raise ConfigError(
-            f"strategy.topk_momentum={show(topk_momentum)} moves the momentum into the top-k stage between nodes, "
-            f"which a run on one node does not have (trainer.num_nodes={trainer.num_nodes}, "
-            f"strategy.ranks_per_node={show(strategy.ranks_per_node)}): set strategy.topk_momentum=0, or "
-            "strategy.ranks_per_node below trainer.devices to emulate nodes", key="strategy.topk_momentum")
+    with setting_errors("strategy", cfg.get("strategy")):
+        check_topk_momentum_stage(topk_momentum, strategy.check_topology().num_nodes, strategy.algorithm)
     held = None if optimizer is None else optimizer_momentum(optimizer)
     if held is None:
         return

@@ -49,7 +49,6 @@ def _fit(tmp_path: Path, model: BoringModel, caplog: pytest.LogCaptureFixture) -
     logger = CSVLogger(tmp_path, name="run", version=0)
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=HierarchicalAllReduceStrategy(), logger=logger, max_steps=1,
-        limit_val_batches=0,
     )
     seen_before_train_start: list[str] = []
 

@@ -102,7 +102,8 @@ def _build(overrides: list[str], run_dir: Path, base: list[str] | None = None):
          r"^model.bn_span=3 must divide the per-device batch \(16\) .*: use bn_span=2 or 4$"),
         (["strategy=hier_ring", "strategy.compression=topk", "strategy.topk_momentum=0.9", "trainer.devices=2",
           "optimizer.momentum=0", "optimizer.nesterov=false"], "strategy.topk_momentum",
-         r"^strategy.topk_momentum=0.9 moves the momentum into the top-k stage between nodes, which a run on one node"),
+         r"^strategy.topk_momentum=0.9 moves the optimizer's momentum into the top-k stage between nodes, which "
+         r"this run does not have \(one node\)"),
         (["strategy=hier_ring", "strategy.compression=topk", "strategy.topk_momentum=0.9", "trainer.devices=2",
           "strategy.ranks_per_node=1"], "strategy.topk_momentum",
          r"^strategy.topk_momentum=0.9 moves the momentum into the top-k stage .*keeps its own \(momentum=0.9\): "

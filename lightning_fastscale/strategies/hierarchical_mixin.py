@@ -24,7 +24,7 @@ from lightning_fastscale.strategies.node_checks import (
     configured_topology,
     gather_node_reports,
 )
-from lightning_fastscale.strategies.option_checks import check_strategy_options
+from lightning_fastscale.strategies.option_checks import check_strategy_options, check_topk_momentum_stage
 from lightning_fastscale.strategies.options import DEFAULT_PIPELINE_CHUNK_MB, CommSetting, chunk_numel_for
 from lightning_fastscale.strategies.plan_report import hook_name, plan_message, plan_summary
 from lightning_fastscale.strategies.planning import (
@@ -184,14 +184,8 @@ class HierarchicalAllReduceMixin:
         if self.uses_ddp_allreduce:
             # One node, no hook: every algorithm is then the one all-reduce DDP runs itself.
             self.resolved_algorithm = "flat"
-        if self.topk_momentum and (self.topology.num_nodes == 1 or self.resolved_algorithm == "flat"):
-            # one node or a flat all-reduce: nothing is sparsified, so the momentum would be lost
-            why = "one node" if self.topology.num_nodes == 1 else self.plain_ddp_reason or "a flat all-reduce"
-            raise ValueError(
-                f"topk_momentum={self.topk_momentum} moves the optimizer's momentum into the top-k stage between "
-                f"nodes, which this run does not have ({why}): set topk_momentum=0 and keep the momentum in "
-                "the optimizer."
-            )
+        check_topk_momentum_stage(self.topk_momentum, self.topology.num_nodes, self.resolved_algorithm,
+                                  self.plain_ddp_reason)
         if fusion_plan is not None:
             self._ddp_kwargs["bucket_cap_mb_list"] = fusion_plan
         if self.user_hook.hook is not None and self.topology.num_nodes > 1:

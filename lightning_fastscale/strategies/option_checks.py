@@ -101,6 +101,26 @@ def check_optimizers_for_topk_momentum(topk_momentum: float, optimizers: Sequenc
             )
 
 
+def check_topk_momentum_stage(topk_momentum: float, num_nodes: int, algorithm: str | None,
+                              plain_ddp_reason: str | None = None) -> None:
+    """Raise where ``topk_momentum`` > 0 would be lost: no top-k stage between nodes (one node, a flat all-reduce).
+
+    Examples:
+        >>> check_topk_momentum_stage(0.9, 2, "hier")
+        >>> check_topk_momentum_stage(0.9, 1, "hier")
+        Traceback (most recent call last):
+        ...
+        ValueError: topk_momentum=0.9 moves the optimizer's momentum into the top-k stage between nodes, which this run does not have (one node): set topk_momentum=0 and keep the momentum in the optimizer.
+    """
+    if not topk_momentum or (num_nodes > 1 and algorithm != "flat"):
+        return
+    why = "one node" if num_nodes == 1 else plain_ddp_reason or "a flat all-reduce"
+    raise ValueError(
+        f"topk_momentum={topk_momentum} moves the optimizer's momentum into the top-k stage between nodes, "
+        f"which this run does not have ({why}): set topk_momentum=0 and keep the momentum in the optimizer."
+    )
+
+
 def optimizer_momentum(optimizer: Any) -> tuple[int, str] | None:
     """The first param group of ``optimizer`` that holds a momentum, and which (``momentum=`` or Adam's ``betas=``)."""
     for index, group in enumerate(optimizer.param_groups):
