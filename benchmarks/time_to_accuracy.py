@@ -28,8 +28,10 @@ fast.ai's DAWNBench entry). The arms, all on ``resnet_small`` (widths 16/32/64),
 Machines: ``one`` (one machine, 2 ranks), ``cloud`` and ``record`` (the emulated 2-node cluster,
 one rank and one torch thread per node, each link capped with ``tbf`` at the rate
 ``--calibrate`` picked from the plain arm's measured step breakdown: exposed all-reduce 0.5x
-and 2.5x its compute). Every arm records its curve (validation top-1 against wall seconds from
-fit start) with the ``TimeToAccuracy`` callback and its step breakdown with ``StepBreakdown``.
+and 2.5x its compute), or ``launched``: the processes torchrun started on your own nodes, the
+arms one after another in each (benchmarks/README.md, "On your own nodes"). Every arm records
+its curve (validation top-1 against wall seconds from fit start) with the ``TimeToAccuracy``
+callback and its step breakdown with ``StepBreakdown``.
 The target is fixed after all arms ran the epoch budget: the plain arm's median best top-1 over
 seeds minus 1 point; time to target = the first validation at or above it. Commands (each piece
 under the shared CPU lock; results accumulate in ``--output``)::
@@ -69,6 +71,8 @@ from lightning_fastscale.callbacks._schedule import value_at_epoch  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results"
 ARMS = ("plain", "recipe", "large", "fp16_wire", "topk", "fp16_wire_k2", "fp16_wire_planned", "topk_momentum")
 MACHINES = ("one", "cloud", "record")
+# the processes an outside launcher started (torchrun on each real node): the arms run in them in turn
+LAUNCHED = "launched"
 K = 16  # batch multiple, fixed before any run (the issue: 16 or 32)
 # exposed all-reduce / compute of the plain arm that each emulated regime is calibrated to
 REGIME_RATIO = {"cloud": 0.5, "record": 2.5}
@@ -297,7 +301,8 @@ def _recipe_parts(spec: dict[str, Any], lr: float, world: int) -> tuple[Any, lis
                              no_weight_decay_on_bias_norm=True)
     callbacks = [BatchSizeRamp(ramp), LabelSmoothing(0.1), ZeroInitResidualBN(), GhostBatchNorm(ghost_batch_size=b0)]
     plugins = [LARSMixedPrecision("32-true", "cpu", eta=0.02, trust_clip=True)]
-    strategy = (HierarchicalAllReduceStrategy(algorithm="hier", ranks_per_node=1, wire_dtype="fp16")
+    per_node = spec.get("strategy_ranks_per_node", 1)
+    strategy = (HierarchicalAllReduceStrategy(algorithm="hier", ranks_per_node=per_node, wire_dtype="fp16")
                 if spec["nodes"] > 1 else DDPStrategy())
     return module, callbacks, plugins, strategy
 
@@ -307,10 +312,12 @@ def wire_arms(topk_ratio: float = TOPK_RATIO) -> dict[str, dict[str, Any]]:
     return {arm: {**s, "topk_ratio": topk_ratio} if "topk_ratio" in s else s for arm, s in WIRE_ARMS.items()}
 
 
-def _wire_strategy(arm: str, example_input: torch.Tensor, topk_ratio: float = TOPK_RATIO) -> Any:
+def _wire_strategy(arm: str, example_input: torch.Tensor, topk_ratio: float = TOPK_RATIO,
+                   ranks_per_node: int = 1) -> Any:
     """A wire arm's one change to the plain arm (``WIRE_ARMS``); each rank is a node, as on the
-    emulated cluster, so machine ``one`` runs the same arithmetic. With ``planner`` the algorithm
-    and buckets come from ``CostModelPlanner`` measuring the link and ``example_input``'s backward."""
+    emulated cluster, so machine ``one`` runs the same arithmetic (``launched``: the launcher's
+    ``ranks_per_node``). With ``planner`` the algorithm and buckets come from ``CostModelPlanner``
+    measuring the link and ``example_input``'s backward."""
     from lightning_fastscale.planner import CostModelPlanner
     from lightning_fastscale.strategies import HierarchicalAllReduceStrategy
 
@@ -319,7 +326,7 @@ def _wire_strategy(arm: str, example_input: torch.Tensor, topk_ratio: float = TO
         settings.update(algorithm="auto", planner=CostModelPlanner(
             calibrate=True, calibration_sizes=PLANNER_CALIBRATION_SIZES, example_input=example_input,
             measure_backward=True))
-    return HierarchicalAllReduceStrategy(ranks_per_node=1, **settings)
+    return HierarchicalAllReduceStrategy(ranks_per_node=ranks_per_node, **settings)
 
 
 def _wire_of(strategy: Any) -> dict[str, Any]:
@@ -418,7 +425,8 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
     else:
         example = torch.zeros(batch, 3, sizes["resolution"], sizes["resolution"])
         module = _plain_module(spec, lr)
-        strategy = _wire_strategy(arm, example, spec.get("topk_ratio", TOPK_RATIO)) if arm in WIRE_ARMS else DDPStrategy()
+        strategy = (_wire_strategy(arm, example, spec.get("topk_ratio", TOPK_RATIO), spec.get("strategy_ranks_per_node", 1))
+                    if arm in WIRE_ARMS else DDPStrategy())
     curve_cbs = _curve_callbacks(spec)
     breakdown = StepBreakdown(every_n_steps=10, dirpath=spec["run_dir"], plot=False, print_table=False)
     callbacks += [breakdown, *curve_cbs]
@@ -464,7 +472,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
     except Exception as exc:  # a diverged arm is a result (NaN loss stops the fit), not a crash
         error = f"{type(exc).__name__}: {exc}"
     if not trainer.is_global_zero:
-        _leave_group()
+        _leave_group(spec.get("keep_group", False))
         return None
     result = {
         "arm": arm, "machine": spec["machine"], "data": data, "seed": spec["seed"], "lr": spec["lr"],
@@ -476,16 +484,18 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
         "initial_lr": trainer.optimizers[0].param_groups[0]["initial_lr"] if trainer.optimizers else None,
     }
     Path(spec["result"]).write_text(json.dumps(result))
-    _leave_group()
+    _leave_group(spec.get("keep_group", False))
     return result
 
 
-def _leave_group() -> None:
+def _leave_group(keep: bool = False) -> None:
     # without it a gloo rank can abort at interpreter exit ("terminate called without an active
-    # exception") after a finished fit, and torchrun then reports the run as failed
+    # exception") after a finished fit, and torchrun then reports the run as failed; ``keep``:
+    # the next arm runs in this process on the same group (launched)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+        if not keep:
+            torch.distributed.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -767,7 +777,7 @@ def plot(results: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(r["data"], r["machine"]) for r in rows}, key=lambda p: (p[0], MACHINES.index(p[1])))
+    panels = sorted({(r["data"], r["machine"]) for r in rows}, key=lambda p: (p[0], (*MACHINES, LAUNCHED).index(p[1])))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), dpi=100, squeeze=False)
     colors = {"plain": "#1f77b4", "recipe": "#d62728", "large": "#7f7f7f", "fp16_wire": "#ff7f0e", "topk": "#2ca02c",
               "fp16_wire_k2": "#9467bd", "fp16_wire_planned": "#8c564b", "topk_momentum": "#17becf"}
@@ -782,7 +792,8 @@ def plot(results: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> Non
         target = next(r["target"] for r in rows if (r["data"], r["machine"]) == (data, machine))
         ax.axhline(100 * target, ls="--", color="k", lw=0.8)
         rate = results.get("calibration", {}).get("rates_mbit", {}).get(machine)
-        ax.set_title(f"{data}, {machine}" + (f" ({rate:g} Mbit/s)" if rate else " (2 ranks)"), fontsize=9)
+        world = next(r["world_size"] for k, r in results["runs"].items() if k.startswith(f"{data}/{machine}/"))
+        ax.set_title(f"{data}, {machine}" + (f" ({rate:g} Mbit/s)" if rate else f" ({world} ranks)"), fontsize=9)
         ax.set_xlabel("wall seconds from fit start")
         ax.set_ylabel("validation top-1 (%)")
         ax.grid(alpha=0.3)
@@ -802,7 +813,8 @@ QUICK_SIZES = {"num_classes": 4, "train_size": 256, "val_size": 64, "resolution"
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Parse the command line and run the asked piece: ``--calibrate``, ``--tune``, arms, ``--report``."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--machines", nargs="+", choices=MACHINES, default=list(MACHINES))
+    p.add_argument("--machines", nargs="+", choices=(*MACHINES, LAUNCHED), default=list(MACHINES),
+                   help=f"where the arms run; {LAUNCHED}: in the processes torchrun started on your nodes")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     p.add_argument("--data", choices=("procedural", "tree"), default="procedural",
@@ -867,7 +879,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     lrs = {} if args.tune else {arm: LR_GRID[arm][1] if args.quick else _tuned_lr(p, results, arm, epochs[arm], args.output,
                                                                                       args.topk_ratio)
                                 for arm in args.arms}
-    paths = prepare_data(work, sizes, image_tree=args.data == "tree", tree=args.tree)
+    launched = args.machines == [LAUNCHED]
+    if LAUNCHED in args.machines and (not launched or args.tune):
+        p.error(f"--machines {LAUNCHED} runs alone and without --tune, in the processes your launcher starts on every "
+                f"node (benchmarks/README.md, 'On your own nodes')")
+    paths = _launched_data(p, work, sizes, args) if launched else \
+        prepare_data(work, sizes, image_tree=args.data == "tree", tree=args.tree)
 
     def spec(arm: str, seed: int, lr: float, machine: str, tag: str) -> dict[str, Any]:
         return {"arm": arm, "seed": seed, "lr": lr, "b0": b0, "k": K, "sizes": sizes, "epochs": epochs[arm],
@@ -887,6 +904,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                           flush=True)
                     save(args.output, results)
         return results
+    if launched:
+        return _run_launched(results, args, spec, lrs, epochs)
     for name in args.machines:
         rate = None if name == "one" else cal.get("rates_mbit", {}).get(name)
         if name != "one" and rate is None:
@@ -902,6 +921,51 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     best = max((v for _, v in r["curve"]), default=float("nan"))
                     print(f"{args.data} {name} seed {seed} {arm}: best top-1 {best:.4f} after {r['curve'][-1][0]:.0f} s"
                           + (f" ({r['error']})" if r["error"] else ""), flush=True)
+    return results
+
+
+def _launched_data(parser: argparse.ArgumentParser, work: Path, sizes: dict[str, Any],
+                   args: argparse.Namespace) -> dict[str, Any]:
+    """Join the launcher's process group; global rank 0 writes the data, then each node's first
+    rank where the work folder is not shared; every rank returns the paths."""
+    missing = [v for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE") if v not in os.environ]
+    if missing:
+        parser.error(f"--machines {LAUNCHED}: {', '.join(missing)} not set; start this command with torchrun on "
+                     "every node (benchmarks/README.md, 'On your own nodes')")
+    if int(os.environ["WORLD_SIZE"]) % int(os.environ["LOCAL_WORLD_SIZE"]):
+        parser.error(f"--machines {LAUNCHED}: WORLD_SIZE={os.environ['WORLD_SIZE']} is not a multiple of "
+                     f"LOCAL_WORLD_SIZE={os.environ['LOCAL_WORLD_SIZE']}: give every node the same --nproc_per_node")
+    torch.distributed.init_process_group("gloo")
+    for writes in (torch.distributed.get_rank() == 0, os.environ["LOCAL_RANK"] == "0"):
+        if writes:
+            prepare_data(work, sizes, image_tree=args.data == "tree", tree=args.tree)
+        torch.distributed.barrier()
+    return prepare_data(work, sizes, image_tree=args.data == "tree", tree=args.tree)
+
+
+def _run_launched(results: dict[str, Any], args: argparse.Namespace, spec: Any, lrs: dict[str, float],
+                  epochs: dict[str, int]) -> dict[str, Any]:
+    """Every seed's arms in turn in this process (one of the launcher's), on one process group;
+    global rank 0 records. Each LR is scaled linearly from the tuning's global batch (B0 x 2) to
+    this world's."""
+    world, per_node = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    for seed in args.seeds:
+        for arm in args.arms:
+            s = spec(arm, seed, lrs[arm] * world / 2, LAUNCHED, "eval")
+            Path(s["run_dir"]).mkdir(parents=True, exist_ok=True)
+            s.update(machine=LAUNCHED, nodes=world // per_node, ranks_per_node=per_node, strategy_ranks_per_node=per_node,
+                     keep_group=True, result=str(Path(s["run_dir"]) / "result.json"))
+            r = run_rank(s)
+            if r is None:
+                continue
+            r.update(rate_mbit=None, lr_tuned=lrs[arm])
+            results["runs"][run_key(args.data, LAUNCHED, arm, seed)] = r
+            results.setdefault("meta", {}).update(_meta(epochs, args.topk_ratio))
+            save(args.output, results)
+            best = max((v for _, v in r["curve"]), default=float("nan"))
+            print(f"{args.data} {LAUNCHED} ({world // per_node} x {per_node} ranks) seed {seed} {arm}: best top-1 "
+                  f"{best:.4f} after {r['curve'][-1][0]:.0f} s" + (f" ({r['error']})" if r["error"] else ""), flush=True)
+    torch.distributed.destroy_process_group()
     return results
 
 

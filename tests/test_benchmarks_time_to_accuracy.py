@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +22,7 @@ import pytest
 import torch
 
 from benchmarks import time_to_accuracy as tta
+from lightning_fastscale.emulation.faults import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -159,6 +163,64 @@ def test_quick_run_on_two_ranks_and_report(tmp_path):
     assert plain["target"] == pytest.approx(max(v for _, v in results["runs"]["procedural/one/plain/seed0"]["curve"]) - 0.01)
     assert plain["reached"] == "1/1" and not math.isnan(plain["median_s"])
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _nodes_commands() -> list[str]:
+    """The two commands of benchmarks/README.md's "On your own nodes", continuation lines joined."""
+    section = (ROOT / "benchmarks" / "README.md").read_text().split("### On your own nodes", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+@pytest.mark.slow  # two torchrun launches, three arms: about 40 s
+@pytest.mark.timeout(300)
+def test_the_documented_command_on_two_launched_nodes_runs_each_arm_on_their_ranks(tmp_path):
+    """benchmarks/README.md's command as written, on two torchrun launches of this machine (node
+    ranks 0 and 1, one CPU rank each instead of 8), then its report; small-run limits appended."""
+    launch, report = _nodes_commands()
+    limits = f" --quick --seeds 0 --output {tmp_path / 'r.json'} --work-dir {tmp_path / 'work'}"
+    text = re.sub(r"\s+", " ", launch).replace("--nproc_per_node 8", "--nproc_per_node 1")
+    text = text.replace("29500", str(free_port())).replace("torchrun ", f"{sys.executable} -m torch.distributed.run ", 1)
+    env = {**os.environ, "MASTER_HOST": "127.0.0.1", "PYTHONWARNINGS": "ignore"}
+    procs = [subprocess.Popen(["bash", "-c", text + limits], cwd=ROOT, env={**env, "NODE_RANK": str(rank)}, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True) for rank in (0, 1)]
+    out = ""
+    for proc in procs:
+        try:
+            out += proc.communicate(timeout=240)[0]
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert all(proc.returncode == 0 for proc in procs), out[-6000:]
+    results = json.loads((tmp_path / "r.json").read_text())
+    arms = ["plain", "fp16_wire", "fp16_wire_planned"]
+    assert sorted(results["runs"]) == sorted(f"procedural/launched/{arm}/seed0" for arm in arms)
+    for arm in arms:
+        run = results["runs"][f"procedural/launched/{arm}/seed0"]
+        assert run["world_size"] == 2 and run["error"] is None and len(run["curve"]) == 1
+        # 2 ranks: the LR tuned at 2 x B0 is already at this world's global batch
+        assert run["lr"] == run["lr_tuned"] == tta.LR_GRID[arm][1]
+    # the package's strategy sees the launcher's two nodes: its fp16 wire runs between them
+    wire = results["runs"]["procedural/launched/fp16_wire/seed0"]["wire"]
+    assert (wire["algorithm"], wire["wire_dtype"], wire["comm_hook"]) == ("hier", "fp16", "hier_hook")
+    assert report.startswith("python ")
+    done = subprocess.run([sys.executable, *report.split()[1:], "--output", str(tmp_path / "r.json")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| procedural | launched | plain |" in done.stdout
+
+
+def test_launched_runs_alone_and_inside_a_launcher(tmp_path, capsys, monkeypatch):
+    for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(variable, raising=False)
+    common = ["--quick", "--output", str(tmp_path / "r.json"), "--work-dir", str(tmp_path / "work")]
+    with pytest.raises(SystemExit):
+        tta.main(["--machines", "launched", "one", *common])
+    assert "--machines launched runs alone and without --tune" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tta.main(["--machines", "launched", *common])
+    assert "RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE not set; start this command with torchrun" in \
+        capsys.readouterr().err
 
 
 def test_recipe_ramp_stages_have_equal_steps_and_warmup_is_a_share_of_them():
