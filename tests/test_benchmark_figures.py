@@ -273,7 +273,7 @@ def test_prose_figures_match_results(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["time_to_accuracy", "time_to_accuracy_tree", "time_to_accuracy_v2", "time_to_accuracy_v3",
                                   "time_to_accuracy_topk", "time_to_accuracy_topk17", "time_to_accuracy_planned",
-                                  "time_to_accuracy_topk_momentum"])
+                                  "time_to_accuracy_topk_momentum", "time_to_accuracy_recalibrated"])
 def test_time_to_accuracy_table_is_on_the_benchmarks_page(name: str) -> None:
     page = (ROOT / "benchmarks" / "README.md").read_text()
     table = [line for line in (RESULTS / f"{name}.md").read_text().splitlines() if line.startswith("| ")]
@@ -344,6 +344,20 @@ def test_time_to_accuracy_planned_figures_are_on_the_docs_page() -> None:
                      f"the fp16 wire in one bucket {fp16['speedup_vs_plain']:.2f}x in that run",
                      f"({cloud_planned['speedup_vs_plain']:.2f}x against {cloud_fp16['speedup_vs_plain']:.2f}x)"):
         assert expected in page, f"docs/time_to_accuracy.md should say {expected!r} (time_to_accuracy_planned_summary.json)"
+
+
+def test_time_to_accuracy_recalibrated_figures_are_on_both_pages() -> None:
+    """The planner's-buckets run on the recalibrated regimes, as docs/time_to_accuracy.md and benchmarks/README.md word it."""
+    summary = {(r["machine"], r["arm"]): r for r in json.loads((RESULTS / "time_to_accuracy_recalibrated_summary.json").read_text())}
+    plain, fp16, planned = (summary[("record", arm)] for arm in ("plain", "fp16_wire", "fp16_wire_planned"))
+    sooner = f"{planned['speedup_vs_plain']:.2f}x sooner than plain Lightning (median {planned['median_s']:.0f} s against " \
+             f"{plain['median_s']:.0f} s)"
+    for page in ("docs/time_to_accuracy.md", "benchmarks/README.md"):
+        text = " ".join((ROOT / page).read_text().split())
+        assert sooner in text, f"{page} should say {sooner!r} (time_to_accuracy_recalibrated_summary.json)"
+        assert f"{plain['comm_ratio']:.2f}x" in text
+    readme = " ".join((ROOT / "benchmarks" / "README.md").read_text().split())
+    assert f"fp16_wire {fp16['speedup_vs_plain']:.2f}x" in readme
 
 
 def test_sweep_docs_figures_match_results() -> None:
