@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -67,6 +70,25 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             raise TimeoutError(f"distributed run of {fn.__name__} exceeded {timeout}s")
     drain()
     return [results[r] for r in range(world_size)]
+
+
+def run_node_launches(command: str, cwd: Path, env: dict[str, str], nodes: int = 2,
+                      timeout: float = 280) -> tuple[list[int | None], str]:
+    """``bash -c command`` once per node with ``NODE_RANK`` 0, 1, ... (a launcher per node, as on a
+    cluster); their exit codes and output. Past ``timeout`` every launch's process group is killed."""
+    procs = [subprocess.Popen(["bash", "-c", command], cwd=cwd, text=True, start_new_session=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**env, "NODE_RANK": str(rank)})
+             for rank in range(nodes)]
+    deadline, out = time.monotonic() + timeout, ""
+    try:
+        for proc in procs:
+            out += proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return [proc.returncode for proc in procs], out
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 
 from benchmarks import time_to_accuracy as tta
 from lightning_fastscale.emulation.faults import free_port
+from tests.distributed import run_node_launches
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -181,17 +181,9 @@ def test_the_documented_command_on_two_launched_nodes_runs_each_arm_on_their_ran
     limits = f" --quick --seeds 0 --output {tmp_path / 'r.json'} --work-dir {tmp_path / 'work'}"
     text = re.sub(r"\s+", " ", launch).replace("--nproc_per_node 8", "--nproc_per_node 1")
     text = text.replace("29500", str(free_port())).replace("torchrun ", f"{sys.executable} -m torch.distributed.run ", 1)
-    env = {**os.environ, "MASTER_HOST": "127.0.0.1", "PYTHONWARNINGS": "ignore"}
-    procs = [subprocess.Popen(["bash", "-c", text + limits], cwd=ROOT, env={**env, "NODE_RANK": str(rank)}, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True) for rank in (0, 1)]
-    out = ""
-    for proc in procs:
-        try:
-            out += proc.communicate(timeout=240)[0]
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-    assert all(proc.returncode == 0 for proc in procs), out[-6000:]
+    codes, out = run_node_launches(text + limits, ROOT, {**os.environ, "MASTER_HOST": "127.0.0.1",
+                                                          "PYTHONWARNINGS": "ignore"}, timeout=240)
+    assert codes == [0, 0], out[-6000:]
     results = json.loads((tmp_path / "r.json").read_text())
     arms = ["plain", "fp16_wire", "fp16_wire_planned"]
     assert sorted(results["runs"]) == sorted(f"procedural/launched/{arm}/seed0" for arm in arms)

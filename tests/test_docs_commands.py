@@ -40,6 +40,7 @@ from pathlib import Path
 import pytest
 
 from tests.data_streaming_utils import write_tree
+from tests.distributed import run_node_launches
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -293,19 +294,8 @@ def run_command(c: Command, rule: Rule, work: Path) -> str:
         port = free_port()
         text = text.replace("--nproc_per_node 8", "--nproc_per_node 1").replace("trainer.devices=8", "trainer.devices=1")
         text = f"{text} trainer.accelerator=cpu {rule.append}".replace(":29500", f":{port}")
-        procs = [subprocess.Popen(["bash", "-c", text], cwd=work, text=True, start_new_session=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  env=environment({"NODE_RANK": str(rank), "MASTER_HOST": "127.0.0.1",
-                                                   **rule.env}))
-                 for rank in (0, 1)]
-        out = ""
-        for proc in procs:
-            try:
-                out += proc.communicate(timeout=280)[0]
-            finally:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-        assert all(p.returncode == 0 for p in procs), out[-6000:]
+        codes, out = run_node_launches(text, work, environment({"MASTER_HOST": "127.0.0.1", **rule.env}))
+        assert codes == [0, 0], out[-6000:]
         return out
     elif rule.kind == "srun":
         text = text.replace("--ntasks-per-node 8 --gpus-per-node 8", "--ntasks-per-node 1")
