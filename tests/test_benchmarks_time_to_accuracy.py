@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -172,7 +173,7 @@ def _nodes_commands() -> list[str]:
     return [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
 
 
-@pytest.mark.slow  # two torchrun launches, three arms: about 40 s
+@pytest.mark.slow  # two torchrun launches, three arms: about 20 s
 @pytest.mark.timeout(300)
 def test_the_documented_command_on_two_launched_nodes_runs_each_arm_on_their_ranks(tmp_path):
     """benchmarks/README.md's command as written, on two torchrun launches of this machine (node
@@ -200,6 +201,31 @@ def test_the_documented_command_on_two_launched_nodes_runs_each_arm_on_their_ran
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| procedural | launched | plain |" in done.stdout
+
+
+def test_launched_arms_take_the_launchers_layout_and_scale_the_lr_to_its_world(tmp_path, monkeypatch):
+    """2 nodes x 2 ranks (what the 2-launch test above cannot show: one rank per node was the
+    emulation's layout too): every arm's spec names the launcher's nodes and ranks per node, keeps
+    the process group, and runs at the tuned LR x 4 ranks / 2; the strategy takes that layout."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    specs: list[dict] = []
+    monkeypatch.setattr(tta, "run_rank", lambda spec: specs.append(spec))  # a rank that is not global zero
+    monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda: None)
+    args = SimpleNamespace(seeds=[0, 1], arms=["plain", "fp16_wire"], data="procedural", output=tmp_path / "r.json",
+                           topk_ratio=tta.TOPK_RATIO)
+
+    def spec(arm, seed, lr, machine, tag):
+        return {"arm": arm, "seed": seed, "lr": lr, "run_dir": str(tmp_path / f"{arm}-{seed}")}
+
+    tta._run_launched({"runs": {}}, args, spec, {"plain": 0.2, "fp16_wire": 0.1}, dict(tta.EPOCHS))
+    assert [(s["seed"], s["arm"]) for s in specs] == [(0, "plain"), (0, "fp16_wire"), (1, "plain"), (1, "fp16_wire")]
+    for s in specs:
+        assert (s["nodes"], s["ranks_per_node"], s["strategy_ranks_per_node"], s["keep_group"]) == (2, 2, 2, True)
+        assert s["lr"] == pytest.approx({"plain": 0.4, "fp16_wire": 0.2}[s["arm"]])
+    assert not (tmp_path / "r.json").exists()  # only global rank zero records
+    strategy = tta._wire_strategy("fp16_wire", torch.zeros(4, 3, 16, 16), ranks_per_node=2)
+    assert strategy.ranks_per_node == 2
 
 
 def test_launched_runs_alone_and_inside_a_launcher(tmp_path, capsys, monkeypatch):
