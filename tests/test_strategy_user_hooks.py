@@ -154,3 +154,24 @@ def test_auto_algorithm_checked_once_chosen() -> None:
     check_user_hook(powerSGD_hook.powerSGD_hook, None, None, "auto", "fp32", None)  # may still become hier
     with pytest.raises(ValueError, match="algorithm='torus2d'"):
         check_user_hook(powerSGD_hook.powerSGD_hook, None, None, "torus2d", "fp32", None)
+
+
+def test_a_powersgd_state_crosses_a_spawn_before_any_process_group_exists() -> None:
+    """Lightning pickles the strategy into the ranks it spawns (ddp_spawn, a multirun on several
+    devices); PowerSGDState's own unpickling reads the default group, which those ranks lack yet."""
+    import pickle
+
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2)
+    if not dist.is_initialized():  # as in a freshly spawned rank
+        with pytest.raises(ValueError, match="Default process group has not been initialized"):
+            pickle.loads(pickle.dumps(state))  # torch's own: what such a rank hit
+    for strategy in (HierarchicalAllReduceStrategy, FabricHierarchicalAllReduceStrategy):
+        sent = strategy(ddp_comm_hook=powerSGD_hook.powerSGD_hook, ddp_comm_state=state)
+        received = pickle.loads(pickle.dumps(sent)).user_hook
+        assert received.hook is powerSGD_hook.powerSGD_hook and received.state is not state
+        assert isinstance(received.state, powerSGD_hook.PowerSGDState)
+        assert (received.state.matrix_approximation_rank, received.state.start_powerSGD_iter,
+                received.state.use_error_feedback, received.state.process_group) == (4, 2, True, None)
+    # a state without a group slot (torch's default hooks take none) travels as it is
+    plain = pickle.loads(pickle.dumps(HierarchicalAllReduceStrategy(ddp_comm_hook=default_hooks.fp16_compress_hook)))
+    assert plain.user_hook.hook is default_hooks.fp16_compress_hook and plain.user_hook.state is None

@@ -94,6 +94,27 @@ class UserHook:
         """The hook's qualified name (``None`` without a hook)."""
         return None if self.hook is None else _name(self.hook)
 
+    def __getstate__(self) -> dict:
+        # PowerSGDState's own unpickling reads the default process group, which a rank started by
+        # spawn (ddp_spawn, a multirun on several devices) does not have yet: carry its fields
+        # instead; its group is the strategy's to set at setup anyway
+        fields = {"hook": self.hook, "state": self.state, "wrapper": self.wrapper}
+        slots = getattr(type(self.state), "__slots__", ())
+        if "process_group" in slots:
+            fields["state"] = None
+            fields["state_slots"] = (type(self.state), {s: getattr(self.state, s) for s in slots if s != "process_group"})
+        return fields
+
+    def __setstate__(self, fields: dict) -> None:
+        fields = dict(fields)
+        if "state_slots" in fields:
+            cls, values = fields.pop("state_slots")
+            fields["state"] = cls.__new__(cls)
+            for slot, value in {**values, "process_group": None}.items():
+                setattr(fields["state"], slot, value)
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+
     def check(self, algorithm: str, wire_dtype: str, compression: Optional[str]) -> None:
         """`check_user_hook` against these settings."""
         check_user_hook(self.hook, self.state, self.wrapper, algorithm, wire_dtype, compression)
