@@ -165,6 +165,18 @@ def test_hierarchical_strategy_configs(override, algorithm, tmp_path, monkeypatc
     assert strategy.pipeline_chunk_mb == "auto"
 
 
+def test_hier_powersgd_runs_torchs_powersgd_hook_between_the_nodes(tmp_path, monkeypatch):
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    _, _, _, trainer = build(["strategy=hier_powersgd"], tmp_path, monkeypatch)
+    strategy = trainer.strategy
+    assert isinstance(strategy, HierarchicalAllReduceStrategy) and strategy.algorithm == "hier"
+    assert strategy.user_hook.hook is powerSGD_hook.powerSGD_hook
+    state = strategy.user_hook.state
+    assert (state.matrix_approximation_rank, state.start_powerSGD_iter, state.process_group) == (4, 2, None)
+    assert state.use_error_feedback
+
+
 def test_large_batch_callbacks_replace_the_scheduler(tmp_path, monkeypatch):
     cfg, _, module, trainer = build(["experiment=large_batch"], tmp_path, monkeypatch)
     types = {type(c) for c in trainer.callbacks}
