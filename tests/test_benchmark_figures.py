@@ -83,6 +83,22 @@ def time_to_accuracy_planned() -> list[str]:
             f"{cloud['fp16_wire_planned']['median_s']:.0f} s ({cloud['fp16_wire_planned']['speedup_vs_plain']:.2f}x)"]
 
 
+def time_to_accuracy_powersgd12() -> list[str]:
+    """The first row: plain and powersgd over 12 epochs, arms in turn within each seed, record and cloud."""
+    summary = {(r["machine"], r["arm"]): r for r in json.loads((RESULTS / "time_to_accuracy_powersgd12_summary.json").read_text())}
+    plain, powersgd = summary[("record", "plain")], summary[("record", "powersgd")]
+    cloud_plain, cloud_powersgd = summary[("cloud", "plain")], summary[("cloud", "powersgd")]
+    per_seed = ", ".join(f"{p / s:.2f}x" for p, s in zip(plain["seconds"], powersgd["seconds"]))
+    # the row's "inside the seeds' spread": the cloud median among plain Lightning's own seeds
+    assert min(cloud_plain["seconds"]) <= cloud_powersgd["median_s"] <= max(cloud_plain["seconds"])
+    return [f"exposed all-reduce {plain['comm_ratio']:.2f}x its compute",
+            f"plain Lightning {plain['median_s']:.0f} s (median, {plain['reached']} seeds)",
+            f"PowerSGD rank 4 over 12 epochs {powersgd['median_s']:.0f} s (**{powersgd['speedup_vs_plain']:.2f}x**; "
+            f"per seed {per_seed}; {powersgd['reached']} seeds)",
+            f"Mbit/s: {cloud_plain['comm_ratio']:.2f}x): plain {cloud_plain['median_s']:.0f} s, PowerSGD "
+            f"{cloud_powersgd['median_s']:.0f} s ({cloud_powersgd['speedup_vs_plain']:.2f}x"]
+
+
 def allreduce() -> list[str]:
     hier, torus, fp16 = row("allreduce", "hier@4mb"), row("allreduce", "torus2d@4mb"), row("allreduce", "hier fp16@4mb")
     return [f"{hier[2]}x", f"fp16 wire: {fp16[2]}x", f"{span([number(hier[3]), number(torus[3])], '.0f')} %"]
@@ -169,6 +185,7 @@ def default_job() -> list[str]:
 
 # README headline row (by its command) -> the figures its results file gives
 HEADLINE: dict[str, Callable[[], list[str]]] = {
+    "python benchmarks/time_to_accuracy.py --arms plain powersgd": time_to_accuracy_powersgd12,
     "python benchmarks/time_to_accuracy.py --arms plain fp16_wire fp16_wire_planned": time_to_accuracy_planned,
     "python benchmarks/time_to_accuracy.py --arms plain fp16_wire topk": time_to_accuracy_wire,
     "python benchmarks/time_to_accuracy.py --machines record": lambda: time_to_accuracy("record"),
@@ -273,7 +290,8 @@ def test_prose_figures_match_results(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["time_to_accuracy", "time_to_accuracy_tree", "time_to_accuracy_v2", "time_to_accuracy_v3",
                                   "time_to_accuracy_topk", "time_to_accuracy_topk17", "time_to_accuracy_planned",
-                                  "time_to_accuracy_topk_momentum", "time_to_accuracy_recalibrated"])
+                                  "time_to_accuracy_topk_momentum", "time_to_accuracy_recalibrated",
+                                  "time_to_accuracy_powersgd", "time_to_accuracy_powersgd12"])
 def test_time_to_accuracy_table_is_on_the_benchmarks_page(name: str) -> None:
     page = (ROOT / "benchmarks" / "README.md").read_text()
     table = [line for line in (RESULTS / f"{name}.md").read_text().splitlines() if line.startswith("| ")]
@@ -358,6 +376,20 @@ def test_time_to_accuracy_recalibrated_figures_are_on_both_pages() -> None:
         assert f"{plain['comm_ratio']:.2f}x" in text
     readme = " ".join((ROOT / "benchmarks" / "README.md").read_text().split())
     assert f"fp16_wire {fp16['speedup_vs_plain']:.2f}x" in readme
+
+
+def test_time_to_accuracy_powersgd_figures_are_on_both_pages() -> None:
+    """PowerSGD over 12 epochs against plain Lightning, as docs/time_to_accuracy.md and benchmarks/README.md word it."""
+    summary = {(r["machine"], r["arm"]): r for r in json.loads((RESULTS / "time_to_accuracy_powersgd12_summary.json").read_text())}
+    plain, powersgd = summary[("record", "plain")], summary[("record", "powersgd")]
+    cloud_plain, cloud_powersgd = summary[("cloud", "plain")], summary[("cloud", "powersgd")]
+    sooner = f"{powersgd['speedup_vs_plain']:.2f}x sooner than plain Lightning (median {powersgd['median_s']:.0f} s " \
+             f"against {plain['median_s']:.0f} s, {powersgd['reached']} seeds against {plain['reached']}"
+    cloud = f"{cloud_powersgd['median_s']:.0f} s against plain Lightning's {cloud_plain['median_s']:.0f} s"
+    for page in ("docs/time_to_accuracy.md", "benchmarks/README.md"):
+        text = " ".join((ROOT / page).read_text().split())
+        for expected in (sooner, cloud):
+            assert expected in text, f"{page} should say {expected!r} (time_to_accuracy_powersgd12_summary.json)"
 
 
 def test_sweep_docs_figures_match_results() -> None:

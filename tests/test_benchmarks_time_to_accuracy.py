@@ -128,9 +128,11 @@ def test_each_arm_trains_one_epoch_and_records_its_curve(data, arm, kind):
     # a wire arm runs the plain arm with the package's strategy set as WIRE_ARMS says, nothing else
     fp16 = {"wire_dtype": "fp16", "topk_ratio": None}
     expected = {"fp16_wire": fp16, "fp16_wire_k2": fp16, "fp16_wire_planned": fp16,
-                "topk": {"wire_dtype": "fp32", "topk_ratio": 0.1}}
+                "topk": {"wire_dtype": "fp32", "topk_ratio": 0.1}, "powersgd": {"wire_dtype": "fp32", "topk_ratio": None}}
     wire = result["wire"] and {k: result["wire"][k] for k in ("wire_dtype", "topk_ratio")}
     assert wire == expected.get(arm)
+    if arm in tta.WIRE_ARMS:  # powersgd: torch's hook is the inter-node stage
+        assert ("powerSGD_hook" in result["wire"]["comm_hook"]) == (arm == "powersgd")
     if arm in tta.WIRE_ARMS:  # the plan the run used: the fixed arms DDP's one 25 MB bucket, the planned its own
         caps = result["wire"]["fusion_plan"]
         assert caps == [25.0] if arm != "fp16_wire_planned" else (caps != [25.0] and all(c > 0 for c in caps))
@@ -344,3 +346,17 @@ def test_topk_ratio_sets_the_topk_arms_and_needs_its_own_tuning(tmp_path, capsys
     assert "no complete LR grid [0.1, 0.2, 0.4] at 8 epochs and top-k ratio 0.01" in capsys.readouterr().err
     parser = tta.argparse.ArgumentParser()
     assert tta._tuned_lr(parser, tta.load(out), "topk", tta.EPOCHS["topk"], out) == 0.1  # its own ratio: served
+
+
+def test_the_powersgd_arm_is_the_package_strategy_with_torchs_hook_at_the_fixed_rank():
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    strategy = tta._wire_strategy("powersgd", torch.zeros(2, 3, 8, 8))
+    assert strategy.user_hook.hook is powerSGD_hook.powerSGD_hook
+    assert (strategy.wire_dtype, strategy.compression) == ("fp32", None)  # the hook alone decides what crosses
+    state = strategy.user_hook.state
+    assert state.matrix_approximation_rank == tta.POWERSGD_RANK == 4
+    # compressed from the second step, with error feedback (torch's default would wait 1,000 steps)
+    assert state.start_powerSGD_iter == 2 and state.use_error_feedback and state.process_group is None
+    # one state per strategy: each arm starts with empty error-feedback buffers
+    assert tta._wire_strategy("powersgd", torch.zeros(2, 3, 8, 8)).user_hook.state is not state
