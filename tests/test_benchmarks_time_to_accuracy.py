@@ -131,9 +131,8 @@ def test_each_arm_trains_one_epoch_and_records_its_curve(data, arm, kind):
                 "topk": {"wire_dtype": "fp32", "topk_ratio": 0.1}, "powersgd": {"wire_dtype": "fp32", "topk_ratio": None}}
     wire = result["wire"] and {k: result["wire"][k] for k in ("wire_dtype", "topk_ratio")}
     assert wire == expected.get(arm)
-    if arm in tta.WIRE_ARMS:  # powersgd: torch's hook is the inter-node stage
-        assert ("powerSGD_hook" in result["wire"]["comm_hook"]) == (arm == "powersgd")
     if arm in tta.WIRE_ARMS:  # the plan the run used: the fixed arms DDP's one 25 MB bucket, the planned its own
+        assert ("powerSGD_hook" in result["wire"]["comm_hook"]) == (arm == "powersgd")  # torch's hook, inter-node
         caps = result["wire"]["fusion_plan"]
         assert caps == [25.0] if arm != "fp16_wire_planned" else (caps != [25.0] and all(c > 0 for c in caps))
     # one epoch of full batches (drop_last) on one rank; the recipe's ramp sets its first batch
