@@ -22,6 +22,7 @@ from lightning_fastscale.diagnostics.doctor import (
     Diagnosis,
     Measurements,
     algorithm_overrides,
+    compressed_wire_bound,
     diagnosis_of,
     large_batch_bound,
 )
@@ -276,6 +277,24 @@ def test_larger_batches_are_bounded_by_step_over_input_and_compute_and_said_not_
     report = render_report(diagnosis_of(slow_link))
     assert "at most 3.35x faster per sample" in report and "do not pay" not in report
     assert diagnosis_of(slow_link).to_json()["large_batch_bound"] == pytest.approx(110.5 / 33.0)
+
+
+def test_a_compressed_wire_is_bounded_by_the_step_without_its_exposed_communication():
+    # the time-to-accuracy benchmark's plain arm (ms/step), record and cloud regimes, and one machine
+    record = Measurements(parts=[_parts(input=0.7e-3, compute=49.3e-3, communication=124.9e-3, optimizer=1.4e-3)],
+                          batch_size=32)
+    cloud = Measurements(parts=[_parts(input=0.7e-3, compute=45.6e-3, communication=21.2e-3, optimizer=1.2e-3)],
+                         batch_size=32)
+    one_machine = Measurements(parts=[_parts(input=0.5e-3, compute=25.2e-3, communication=2.7e-3, optimizer=0.6e-3)],
+                               batch_size=32)
+    assert compressed_wire_bound(record) == pytest.approx(176.3 / 51.4)
+    assert compressed_wire_bound(cloud) == pytest.approx(68.7 / 47.5)
+    assert compressed_wire_bound(one_machine) == pytest.approx(29.0 / 26.3)
+    report = render_report(diagnosis_of(record))
+    assert "strategy=hier_powersgd, torch's PowerSGD) is at most 3.43x faster per step" in report
+    assert "it pays only if the run needs fewer than that many times the epochs" in report
+    assert "it does not pay here" in render_report(diagnosis_of(one_machine))
+    assert diagnosis_of(cloud).to_json()["compressed_wire_bound"] == pytest.approx(68.7 / 47.5)
 
 
 def test_compute_bound_step_takes_only_variants_measured_faster():

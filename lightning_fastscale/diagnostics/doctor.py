@@ -24,8 +24,8 @@ from lightning_fastscale.planner.profile import GradientProfile
 from lightning_fastscale.planner.scaling import allreduce_cost
 from lightning_fastscale.strategies.options import MB, PLAIN_DDP, CommSetting
 
-__all__ = ["Diagnosis", "Fix", "Measurements", "Verdict", "algorithm_overrides", "diagnosis_of", "large_batch_bound",
-           "propose_fixes", "verdict_of", "verify_fixes"]
+__all__ = ["Diagnosis", "Fix", "Measurements", "Verdict", "algorithm_overrides", "compressed_wire_bound", "diagnosis_of",
+           "large_batch_bound", "propose_fixes", "verdict_of", "verify_fixes"]
 
 FLAT = "flat/fp32"  # the baseline all-reduce: one over every rank in fp32, what DDP runs
 
@@ -157,6 +157,7 @@ class Diagnosis:
             "baseline_step_s": self.baseline_step_s,
             "verify_rounds": self.verify_rounds,
             "large_batch_bound": large_batch_bound(m),
+            "compressed_wire_bound": compressed_wire_bound(m),
             "measurements": asdict(m),
         }
 
@@ -474,8 +475,9 @@ def verify_fixes(diagnosis: Diagnosis, fixes: Sequence[Fix], runs: Sequence[Call
         fix.measured_speedup = diagnosis.baseline_step_s / fix.verified_step_s
 
 
-# below this per-sample bound a larger batch does not pay for the epochs it costs (MLPerf's
-# ResNet-50 reference points: 1.19x the epochs from a global batch of 3,264 to 8,192)
+# below this bound a larger batch does not pay for the epochs it costs (MLPerf's ResNet-50
+# reference points: 1.19x the epochs from a global batch of 3,264 to 8,192), nor does a
+# compressed wire (docs/doctor.md: the epochs PowerSGD cost in the time-to-accuracy benchmark)
 LARGE_BATCH_PAYS = 1.2
 
 
@@ -503,6 +505,33 @@ def large_batch_note(m: Measurements) -> str:
                "they pay only if the run needs fewer than that many times the epochs at the larger batch")
     return (f"a larger per-device batch (experiment=large_batch) is at most {bound:.2f}x faster per sample here "
             f"(step over input + compute); {verdict}")
+
+
+def compressed_wire_bound(m: Measurements) -> float:
+    """The most a compressed gradient wire can speed up each step: the step over the step without its exposed communication.
+
+    However few bytes cross (PowerSGD, Vogels et al. 2019), the rest of the step stays; the
+    epochs its approximation may cost are not counted (``docs/doctor.md``).
+
+    Examples:
+        >>> m = Measurements(parts=[dict(input=0.01, compute=0.09, communication=0.1, optimizer=0.0, rest=0.0)],
+        ...                  batch_size=32)
+        >>> round(compressed_wire_bound(m), 2)
+        2.0
+    """
+    rest = m.step_s - m.median_part("communication")
+    return m.step_s / rest if rest > 0 else float("inf")
+
+
+def compressed_wire_note(m: Measurements) -> str:
+    """The report's line on a compressed inter-node wire (``strategy=hier_powersgd``): the bound, and whether it can pay."""
+    bound = compressed_wire_bound(m)
+    verdict = ("it does not pay here: too little of the step is communication (no slow link, or few ranks)"
+               if bound < LARGE_BATCH_PAYS else
+               "it changes the gradients, so it pays only if the run needs fewer than that many times the epochs "
+               "to its target (callbacks.time_to_accuracy.target measures it)")
+    return (f"a compressed wire between the nodes (strategy=hier_powersgd, torch's PowerSGD) is at most {bound:.2f}x "
+            f"faster per step here (step over the step without its exposed communication); {verdict}")
 
 
 def plain_ddp_within(m: Measurements) -> bool:
