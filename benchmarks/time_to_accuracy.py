@@ -1059,7 +1059,8 @@ def report(results: dict[str, Any], output: Path) -> dict[str, Any]:
     tuning = results.get("tuning", {})
     tuned = "\n".join(f"- {arm}: " + ", ".join(f"LR {lr}: {100 * v['best_top1']:.2f}" for lr, v in tuning[arm].items())
                       for arm in ARMS if arm in tuning)
-    origin = f", from {results['settings_from']}" if results.get("settings_from") else ""
+    # the file's calibration and the tuning of each arm whose epochs and grid it kept came from there
+    origin = f"; unchanged arms' from {results['settings_from']}" if results.get("settings_from") else ""
     copied = sorted(f"{k} from {r['copied_from']}" for k, r in results["runs"].items() if r.get("copied_from"))
     if copied:
         tuned += "\n\nRuns copied, not rerun: " + "; ".join(copied)
