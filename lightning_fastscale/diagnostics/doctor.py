@@ -475,10 +475,10 @@ def verify_fixes(diagnosis: Diagnosis, fixes: Sequence[Fix], runs: Sequence[Call
         fix.measured_speedup = diagnosis.baseline_step_s / fix.verified_step_s
 
 
-# below this bound a larger batch does not pay for the epochs it costs (MLPerf's ResNet-50
-# reference points: 1.19x the epochs from a global batch of 3,264 to 8,192), nor does a
-# compressed wire (docs/doctor.md: the epochs PowerSGD cost in the time-to-accuracy benchmark)
-LARGE_BATCH_PAYS = 1.2
+# below this bound neither a larger batch nor a compressed wire pays for the epochs it costs
+# (MLPerf's ResNet-50 reference points: 1.19x the epochs from a global batch of 3,264 to 8,192;
+# PowerSGD's in docs/doctor.md)
+PAYS_FROM_BOUND = 1.2
 
 
 def large_batch_bound(m: Measurements) -> float:
@@ -501,7 +501,7 @@ def large_batch_note(m: Measurements) -> str:
     """The report's line on larger batches: the bound, and whether they can pay here."""
     bound = large_batch_bound(m)
     verdict = ("they do not pay here: too little of the step is communication and optimizer (no slow link, or few ranks)"
-               if bound < LARGE_BATCH_PAYS else
+               if bound < PAYS_FROM_BOUND else
                "they pay only if the run needs fewer than that many times the epochs at the larger batch")
     return (f"a larger per-device batch (experiment=large_batch) is at most {bound:.2f}x faster per sample here "
             f"(step over input + compute); {verdict}")
@@ -527,7 +527,7 @@ def compressed_wire_note(m: Measurements) -> str:
     """The report's line on a compressed inter-node wire (``strategy=hier_powersgd``): the bound, and whether it can pay."""
     bound = compressed_wire_bound(m)
     verdict = ("it does not pay here: too little of the step is communication (no slow link, or few ranks)"
-               if bound < LARGE_BATCH_PAYS else
+               if bound < PAYS_FROM_BOUND else
                "it changes the gradients, so it pays only if the run needs fewer than that many times the epochs "
                "to its target (callbacks.time_to_accuracy.target measures it)")
     return (f"a compressed wire between the nodes (strategy=hier_powersgd, torch's PowerSGD) is at most {bound:.2f}x "
