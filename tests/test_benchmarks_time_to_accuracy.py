@@ -52,6 +52,10 @@ def test_target_time_to_target_and_speedup_from_curves():
     assert by_arm["recipe"]["speedup_range"] == pytest.approx([20.0 / 10.0, 22.0 / 8.0])
     assert by_arm["large"]["reached"] == "0/1" and by_arm["large"]["median_s"] is None
     assert by_arm["large"]["speedup_vs_plain"] is None
+    # every recipe seed sooner than every plain seed: 9 of 9 pairings, the 1 split in C(6, 3) = 20 that does it
+    assert by_arm["recipe"]["sooner_pairs"] == [9.0, 9] and by_arm["recipe"]["rank_sum_p"] == pytest.approx(1 / 20)
+    assert by_arm["large"]["sooner_pairs"] == [0.0, 3] and by_arm["large"]["rank_sum_p"] == 1.0
+    assert "sooner_pairs" not in by_arm["plain"]
     table = tta.format_table(rows, {"calibration": {"rates_mbit": {"record": 35.0}}})
     assert "record (35 Mbit/s)" in table and "not reached" in table
 
@@ -62,6 +66,18 @@ def test_a_seed_that_misses_the_target_counts_as_infinitely_slow():
     plain = tta.summarize_runs({"runs": runs})[0]
     assert plain["reached"] == "2/3" and plain["seconds"] == [40.0, 40.0, None]
     assert plain["median_s"] == 40.0 and plain["min_s"] == 40.0 and plain["max_s"] is None
+
+
+def test_seed_pairings_count_a_miss_as_slowest_and_a_tie_as_half():
+    # 10 < 20 and 10 < miss; miss against 20 loses; miss against miss ties
+    assert tta.sooner_pairs([10.0, None], [20.0, None]) == 2.5
+    # of the C(4, 2) = 6 ways to split {10, 20, miss, miss}, 3 give at least 2.5 sooner pairings:
+    # {10, 20} (4) and {10, miss} (2.5) with either miss
+    assert tta.rank_sum_p([10.0, None], [20.0, None]) == pytest.approx(3 / 6)
+    # the measured case of a 5-seed run: one arm seed (79.1 s) slower than one plain seed (78.0 s)
+    arm, plain = [79.1, 55.3, 48.0, 58.5, 59.5], [79.3, None, 83.8, 78.0, 90.2]
+    assert tta.sooner_pairs(arm, plain) == 24.0
+    assert tta.rank_sum_p(arm, plain) == pytest.approx(2 / 252)  # U = 25 or 24: 1 + 1 of C(10, 5) splits
 
 
 def test_regime_rates_interpolate_the_measured_ratios():
@@ -127,10 +143,12 @@ def test_each_arm_trains_one_epoch_and_records_its_curve(data, arm, kind):
         assert result["initial_lr"] == pytest.approx(tta.LR_GRID[arm][1] * result["per_device_batch"] / 4)
     # a wire arm runs the plain arm with the package's strategy set as WIRE_ARMS says, nothing else
     fp16 = {"wire_dtype": "fp16", "topk_ratio": None}
-    expected = {"fp16_wire": fp16, "fp16_wire_k2": fp16, "fp16_wire_planned": fp16,
+    expected = {"fp16_wire": fp16, "fp16_wire_k2": fp16, "fp16_wire_planned": fp16, "fp16_wire_resizing": fp16,
                 "topk": {"wire_dtype": "fp32", "topk_ratio": 0.1}, "powersgd": {"wire_dtype": "fp32", "topk_ratio": None}}
     wire = result["wire"] and {k: result["wire"][k] for k in ("wire_dtype", "topk_ratio")}
     assert wire == expected.get(arm)
+    # the resizing arm's one epoch trains at 2/3 of the side (16 px here), rounded to a multiple of 4
+    assert result["train_resolutions"] == ([[0, 12]] if arm == "fp16_wire_resizing" else None)
     if arm in tta.WIRE_ARMS:  # the plan the run used: the fixed arms DDP's one 25 MB bucket, the planned its own
         assert ("powerSGD_hook" in result["wire"]["comm_hook"]) == (arm == "powersgd")  # torch's hook, inter-node
         caps = result["wire"]["fusion_plan"]
