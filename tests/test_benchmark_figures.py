@@ -83,6 +83,33 @@ def time_to_accuracy_planned() -> list[str]:
             f"{cloud['fp16_wire_planned']['median_s']:.0f} s ({cloud['fp16_wire_planned']['speedup_vs_plain']:.2f}x)"]
 
 
+def resizing_rows() -> dict[tuple[str, str], dict]:
+    return {(r["machine"], r["arm"]): r for r in json.loads((RESULTS / "time_to_accuracy_resizing_summary.json").read_text())}
+
+
+def slowest(seconds: list[float | None]) -> float:
+    return max(float("inf") if s is None else s for s in seconds)
+
+
+def time_to_accuracy_resizing() -> list[str]:
+    """The first row: plain against the fp16 wire with progressive resizing, 5 seeds over the cloud link."""
+    summary, rates = resizing_rows(), results("time_to_accuracy_resizing")["calibration"]["rates_mbit"]
+    plain, arm = summary[("cloud", "plain")], summary[("cloud", "fp16_wire_resizing")]
+    record_plain, record_arm = summary[("record", "plain")], summary[("record", "fp16_wire_resizing")]
+    # the row's "every one of its seeds sooner than every plain seed"
+    assert slowest(arm["seconds"]) < plain["min_s"] and arm["sooner_pairs"] == [25.0, 25]
+    reached_plain = [s for s in plain["seconds"] if s is not None]
+    return [f"\"cloud\" link ({rates['cloud']:g} Mbit/s: plain DDP's exposed all-reduce {plain['comm_ratio']:.2f}x its compute)",
+            f"to {100 * plain['target']:.1f} %: plain Lightning {plain['median_s']:.0f} s (median, {plain['reached']} seeds)",
+            f"fp16 wire + progressive resizing {arm['median_s']:.0f} s (**{arm['speedup_vs_plain']:.2f}x**; every one of its "
+            f"seeds, {arm['min_s']:.0f}-{arm['max_s']:.0f} s, sooner than every plain seed, {min(reached_plain):.0f}-"
+            f"{max(reached_plain):.0f} s: {arm['sooner_pairs'][0]:g} of {arm['sooner_pairs'][1]} pairings, one-sided "
+            f"rank-sum p = {arm['rank_sum_p']:.3f}; {arm['reached']} seeds)",
+            f"\"Record\" link ({rates['record']:g} Mbit/s, {record_plain['comm_ratio']:.2f}x, above the regime's 2-3x): "
+            f"plain {record_plain['median_s']:.0f} s, this arm {record_arm['median_s']:.0f} s "
+            f"({record_arm['speedup_vs_plain']:.2f}x)"]
+
+
 def time_to_accuracy_powersgd12() -> list[str]:
     """The first row: plain and powersgd over 12 epochs, arms in turn within each seed, record and cloud."""
     summary = {(r["machine"], r["arm"]): r for r in json.loads((RESULTS / "time_to_accuracy_powersgd12_summary.json").read_text())}
@@ -185,6 +212,7 @@ def default_job() -> list[str]:
 
 # README headline row (by its command) -> the figures its results file gives
 HEADLINE: dict[str, Callable[[], list[str]]] = {
+    "python benchmarks/time_to_accuracy.py --arms plain fp16_wire_resizing": time_to_accuracy_resizing,
     "python benchmarks/time_to_accuracy.py --arms plain powersgd": time_to_accuracy_powersgd12,
     "python benchmarks/time_to_accuracy.py --arms plain fp16_wire fp16_wire_planned": time_to_accuracy_planned,
     "python benchmarks/time_to_accuracy.py --arms plain fp16_wire topk": time_to_accuracy_wire,
@@ -291,7 +319,8 @@ def test_prose_figures_match_results(name: str) -> None:
 @pytest.mark.parametrize("name", ["time_to_accuracy", "time_to_accuracy_tree", "time_to_accuracy_v2", "time_to_accuracy_v3",
                                   "time_to_accuracy_topk", "time_to_accuracy_topk17", "time_to_accuracy_planned",
                                   "time_to_accuracy_topk_momentum", "time_to_accuracy_recalibrated",
-                                  "time_to_accuracy_powersgd", "time_to_accuracy_powersgd12", "time_to_accuracy_powersgd10"])
+                                  "time_to_accuracy_powersgd", "time_to_accuracy_powersgd12", "time_to_accuracy_powersgd10",
+                                  "time_to_accuracy_resizing", "time_to_accuracy_resizing160"])
 def test_time_to_accuracy_table_is_on_the_benchmarks_page(name: str) -> None:
     page = (ROOT / "benchmarks" / "README.md").read_text()
     table = [line for line in (RESULTS / f"{name}.md").read_text().splitlines() if line.startswith("| ")]
@@ -418,6 +447,47 @@ def test_time_to_accuracy_powersgd10_figures_are_on_both_pages() -> None:
                      f"{cloud_powersgd['speedup_vs_plain']:.2f}x over the cloud link ({cloud_powersgd['median_s']:.0f} s "
                      f"against {cloud_plain['median_s']:.0f} s)",):
         assert expected in docs, f"docs/time_to_accuracy.md should say {expected!r} (time_to_accuracy_powersgd10_summary.json)"
+
+
+def test_time_to_accuracy_resizing_figures_are_on_the_pages() -> None:
+    """The fp16 wire with progressive resizing, as benchmarks/README.md, docs/time_to_accuracy.md and the method card word it."""
+    summary = resizing_rows()
+    plain, arm = summary[("cloud", "plain")], summary[("cloud", "fp16_wire_resizing")]
+    record_plain, record_arm = summary[("record", "plain")], summary[("record", "fp16_wire_resizing")]
+    first = {(r["machine"], r["arm"]): r for r in json.loads((RESULTS / "time_to_accuracy_resizing160_summary.json").read_text())}
+    first_plain, first_arm = first[("cloud", "plain")], first[("cloud", "fp16_wire_resizing")]
+    per_seed = [p / a for p, a in zip(plain["seconds"], arm["seconds"]) if p is not None]
+    phases = {name: (plain["step_phases_s"][name], arm["step_phases_s"][name]) for name in ("communication", "compute")}
+    per_epoch = plain["seconds_per_epoch"] / arm["seconds_per_epoch"]
+    above = [a - p for p, a in zip(plain["best_top1"], arm["best_top1"])]
+    # the prose's "every one of its seeds sooner than every plain seed", and the one pairing the first run lost
+    assert slowest(arm["seconds"]) < plain["min_s"] and first_arm["sooner_pairs"] == [24.0, 25]
+    assert plain["epochs"] == arm["epochs"] == 7 and min(above) > 0
+    readme = " ".join((ROOT / "benchmarks" / "README.md").read_text().split())
+    for expected in (f"1.41x sooner than plain Lightning** (median {arm['median_s']:.0f} s against {plain['median_s']:.0f} s, "
+                     f"{arm['reached']} seeds against {plain['reached']}; per seed " + ", ".join(f"{r:.2f}x" for r in per_seed[:-1])
+                     + f" and {per_seed[-1]:.2f}x where plain reached it)",
+                     f"{arm['sooner_pairs'][0]:g} of the {arm['sooner_pairs'][1]} pairings, exact one-sided rank-sum p = "
+                     f"{arm['rank_sum_p']:.3f}; the slowest against the fastest is {plain['min_s'] / arm['max_s']:.2f}x",
+                     f"per epoch {per_epoch:.2f}x faster", f"from {1e3 * phases['communication'][0]:.1f} to "
+                     f"{1e3 * phases['communication'][1]:.1f} ms per step", f"compute from {1e3 * phases['compute'][0]:.1f} to "
+                     f"{1e3 * phases['compute'][1]:.1f} ms", f"ends {100 * min(above):.1f}-{100 * max(above):.1f} points above",
+                     f"**Record regime: {record_arm['speedup_vs_plain']:.2f}x** (median {record_arm['median_s']:.0f} s against "
+                     f"{record_plain['median_s']:.0f} s", f"{record_plain['comm_ratio']:.2f}x its compute in these runs",
+                     f"{first_arm['speedup_vs_plain']:.2f}x ({first_arm['median_s']:.0f} s against {first_plain['median_s']:.0f} s), "
+                     f"{first_arm['sooner_pairs'][0]:g} of 25 pairings (p = {first_arm['rank_sum_p']:.3f})"):
+        assert expected in readme, f"benchmarks/README.md should say {expected!r} (time_to_accuracy_resizing*_summary.json)"
+    docs = " ".join((ROOT / "docs" / "time_to_accuracy.md").read_text().split())
+    for expected in (f"{arm['speedup_vs_plain']:.2f}x sooner than plain Lightning over the cloud link (median {arm['median_s']:.0f} s "
+                     f"against {plain['median_s']:.0f} s)", f"({arm['sooner_pairs'][0]:g} of {arm['sooner_pairs'][1]} pairings, "
+                     f"one-sided rank-sum p = {arm['rank_sum_p']:.3f})", f"were {per_epoch:.2f}x faster",
+                     f"it gave {record_arm['speedup_vs_plain']:.2f}x"):
+        assert expected in docs, f"docs/time_to_accuracy.md should say {expected!r} (time_to_accuracy_resizing_summary.json)"
+    card = " ".join((ROOT / "docs" / "methods" / "progressive_resizing.md").read_text().split())
+    for expected in (f"compute fell from {1e3 * phases['compute'][0]:.1f} to {1e3 * phases['compute'][1]:.1f} ms per step",
+                     f"ended {100 * min(above):.1f}-{100 * max(above):.1f} points above",
+                     f"reached the target {arm['speedup_vs_plain']:.2f}x sooner"):
+        assert expected in card, f"docs/methods/progressive_resizing.md should say {expected!r} (time_to_accuracy_resizing_summary.json)"
 
 
 def test_doctor_docs_compressed_wire_figures_match_results() -> None:
