@@ -504,6 +504,24 @@ def test_doctor_docs_compressed_wire_figures_match_results() -> None:
         assert expected in page, f"docs/doctor.md should say {expected!r} (time_to_accuracy_powersgd12_summary.json)"
 
 
+def test_doctor_docs_smaller_images_figures_match_results() -> None:
+    """docs/doctor.md's smaller-images bound against what the resizing arm measured over the cloud link."""
+    from lightning_fastscale.diagnostics.doctor import Measurements, smaller_images_bound
+
+    summary = resizing_rows()
+    plain, arm = summary[("cloud", "plain")], summary[("cloud", "fp16_wire_resizing")]
+    step_parts = Measurements(parts=[plain["step_phases_s"]], batch_size=32)
+    at_two_thirds = smaller_images_bound(step_parts, initial_scale=2 / 3)
+    step = sum(plain["step_phases_s"].values())
+    saved = plain["step_phases_s"]["compute"] - arm["step_phases_s"]["compute"]
+    page = " ".join((ROOT / "docs" / "doctor.md").read_text().split())
+    for expected in (f"`smaller images: ... at most {smaller_images_bound(step_parts):.2f}x faster per step over a run here`",
+                     f"the bound at the arm's initial scale of 2/3 was {at_two_thirds:.2f}x, and the arm's compute fell by "
+                     f"{1e3 * saved:.1f} ms per step of the {1e3 * (step - step / at_two_thirds):.1f} ms the bound allows",
+                     f"reached the target {arm['speedup_vs_plain']:.2f}x sooner than plain Lightning"):
+        assert expected in page, f"docs/doctor.md should say {expected!r} (time_to_accuracy_resizing_summary.json)"
+
+
 def test_sweep_docs_figures_match_results() -> None:
     page = " ".join((ROOT / "docs" / "time_to_accuracy.md").read_text().split())
     returned = results("time_to_accuracy_sweeps")["report"]["returned"]

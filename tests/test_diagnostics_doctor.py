@@ -25,6 +25,7 @@ from lightning_fastscale.diagnostics.doctor import (
     compressed_wire_bound,
     diagnosis_of,
     large_batch_bound,
+    smaller_images_bound,
 )
 from lightning_fastscale.diagnostics.doctor_cli import check_settings, merge_overrides
 from lightning_fastscale.diagnostics.doctor_probe import (
@@ -295,6 +296,38 @@ def test_a_compressed_wire_is_bounded_by_the_step_without_its_exposed_communicat
     assert "it pays only if the run needs fewer than that many times the epochs" in report
     assert "it does not pay here" in render_report(diagnosis_of(one_machine))
     assert diagnosis_of(cloud).to_json()["compressed_wire_bound"] == pytest.approx(68.7 / 47.5)
+
+
+def test_smaller_images_are_bounded_by_the_pixels_composers_schedule_keeps():
+    from lightning_fastscale.callbacks.progressive_resizing import composer_schedule, value_at_epoch
+
+    def pixel_share(epochs: int, side: int, initial_scale: float) -> float:  # the callback's own schedule, epoch by epoch
+        schedule = composer_schedule(epochs, side, initial_scale)
+        return sum((value_at_epoch(schedule, e) / side) ** 2 for e in range(epochs)) / epochs
+
+    compute_only = Measurements(parts=[_parts(compute=1.0)], batch_size=32)
+    for scale in (0.5, 2 / 3):  # a long run's schedule keeps the share the bound's formula gives
+        share = 1 / smaller_images_bound(compute_only, initial_scale=scale)
+        assert share == pytest.approx(pixel_share(90, 224, scale), abs=0.01)
+    # the time-to-accuracy benchmark's plain arm over the cloud link: the bound at the arm's 2/3
+    # covers the compute the arm measured saved (its 8 epochs at 16, 16, 20, 20, 20, 24, 24, 24 px)
+    summary = {(r["machine"], r["arm"]): r for r in json.loads(
+        (Path(__file__).resolve().parents[1] / "benchmarks/results/time_to_accuracy_resizing_summary.json").read_text())}
+    plain, resized = summary[("cloud", "plain")]["step_phases_s"], summary[("cloud", "fp16_wire_resizing")]["step_phases_s"]
+    cloud = Measurements(parts=[plain], batch_size=32)
+    step = sum(plain.values())
+    bound_saved = step - step / smaller_images_bound(cloud, initial_scale=2 / 3)
+    assert plain["compute"] - resized["compute"] <= bound_saved <= 1.1 * (plain["compute"] - resized["compute"])
+    # the report: over the cloud link it may pay; over the record link, where the step is communication, it does not
+    record = Measurements(parts=[_parts(input=0.7e-3, compute=49.3e-3, communication=124.9e-3, optimizer=1.4e-3)],
+                          batch_size=32)
+    report = render_report(diagnosis_of(cloud))
+    assert f"smaller images: training the early epochs on smaller images (ProgressiveResizing, Composer's schedule from " \
+           f"half size) is at most {smaller_images_bound(cloud):.2f}x faster per step" in report
+    assert "so it pays only if the run needs fewer than that many times the epochs" in report.split("smaller images:")[1]
+    assert smaller_images_bound(record) < 1.2 and "it does not pay here" in render_report(diagnosis_of(record)).split(
+        "smaller images:")[1]
+    assert diagnosis_of(cloud).to_json()["smaller_images_bound"] == pytest.approx(smaller_images_bound(cloud))
 
 
 def test_compute_bound_step_takes_only_variants_measured_faster():

@@ -11,6 +11,7 @@ from lightning_fastscale.diagnostics.doctor import (
     compressed_wire_note,
     large_batch_note,
     plain_ddp_within,
+    smaller_images_note,
 )
 from lightning_fastscale.diagnostics.step_breakdown import PHASE_COLORS, PHASES, VERDICTS
 
@@ -65,7 +66,8 @@ def render_report(d: Diagnosis) -> str:
         lines.append(f"  loader images/s per rank (the rest of the step consumes {need:.0f}):")
         lines += [f"    {w:>2} workers: {rate:10.1f}{'  (configured)' if w == m.num_workers else ''}"
                   for w, rate in sorted(m.loader_images_per_s.items())]
-    lines += ["", f"larger batches: {large_batch_note(m)}", f"compressed wire: {compressed_wire_note(m)}"]
+    lines += ["", f"larger batches: {large_batch_note(m)}", f"compressed wire: {compressed_wire_note(m)}",
+              f"smaller images: {smaller_images_note(m)}"]
     lines += ["", "fixes:" if d.fixes else "fixes: none of the measured alternatives is predicted to be faster"]
     for i, f in enumerate(d.fixes, 1):
         what = " ".join(f.overrides) or ("(no override; the command below)" if f.command else "(no override)")
