@@ -498,14 +498,18 @@ def large_batch_bound(m: Measurements) -> float:
     return m.step_s / per_sample_floor if per_sample_floor > 0 else float("inf")
 
 
+def _pays_note(change: str, bound: float, per: str, does_not_pay: str, pays_if: str) -> str:
+    """A report line on a change whose cost is epochs, which a few steps cannot measure: its bound, then a verdict."""
+    return f"{change} is at most {bound:.2f}x faster {per}; {does_not_pay if bound < PAYS_FROM_BOUND else pays_if}"
+
+
 def large_batch_note(m: Measurements) -> str:
     """The report's line on larger batches: the bound, and whether they can pay here."""
-    bound = large_batch_bound(m)
-    verdict = ("they do not pay here: too little of the step is communication and optimizer (no slow link, or few ranks)"
-               if bound < PAYS_FROM_BOUND else
-               "they pay only if the run needs fewer than that many times the epochs at the larger batch")
-    return (f"a larger per-device batch (experiment=large_batch) is at most {bound:.2f}x faster per sample here "
-            f"(step over input + compute); {verdict}")
+    return _pays_note(
+        "a larger per-device batch (experiment=large_batch)", large_batch_bound(m),
+        "per sample here (step over input + compute)",
+        "they do not pay here: too little of the step is communication and optimizer (no slow link, or few ranks)",
+        "they pay only if the run needs fewer than that many times the epochs at the larger batch")
 
 
 def compressed_wire_bound(m: Measurements) -> float:
@@ -526,13 +530,12 @@ def compressed_wire_bound(m: Measurements) -> float:
 
 def compressed_wire_note(m: Measurements) -> str:
     """The report's line on a compressed inter-node wire (``strategy=hier_powersgd``): the bound, and whether it can pay."""
-    bound = compressed_wire_bound(m)
-    verdict = ("it does not pay here: too little of the step is communication (no slow link, or few ranks)"
-               if bound < PAYS_FROM_BOUND else
-               "it changes the gradients, so it pays only if the run needs fewer than that many times the epochs "
-               "to its target (callbacks.time_to_accuracy.target measures it)")
-    return (f"a compressed wire between the nodes (strategy=hier_powersgd, torch's PowerSGD) is at most {bound:.2f}x "
-            f"faster per step here (step over the step without its exposed communication); {verdict}")
+    return _pays_note(
+        "a compressed wire between the nodes (strategy=hier_powersgd, torch's PowerSGD)", compressed_wire_bound(m),
+        "per step here (step over the step without its exposed communication)",
+        "it does not pay here: too little of the step is communication (no slow link, or few ranks)",
+        "it changes the gradients, so it pays only if the run needs fewer than that many times the epochs "
+        "to its target (callbacks.time_to_accuracy.target measures it)")
 
 
 def smaller_images_bound(m: Measurements, initial_scale: float = 0.5, finish_fraction: float = 0.2) -> float:
@@ -556,14 +559,12 @@ def smaller_images_bound(m: Measurements, initial_scale: float = 0.5, finish_fra
 
 def smaller_images_note(m: Measurements) -> str:
     """The report's line on progressive resizing: the bound, and whether it can pay."""
-    bound = smaller_images_bound(m)
-    verdict = ("it does not pay here: too little of the step is input and compute (a slow link: see the wire above)"
-               if bound < PAYS_FROM_BOUND else
-               "it changes what the network sees, so it pays only if the run needs fewer than that many times the "
-               "epochs to its target (callbacks.time_to_accuracy.target measures it)")
-    return (f"training the early epochs on smaller images (ProgressiveResizing, Composer's schedule from half size) is "
-            f"at most {bound:.2f}x faster per step over a run here (input and compute scaled by the pixels it keeps); "
-            f"{verdict}")
+    return _pays_note(
+        "training the early epochs on smaller images (ProgressiveResizing, Composer's schedule from half size)",
+        smaller_images_bound(m), "per step over a run here (input and compute scaled by the pixels it keeps)",
+        "it does not pay here: too little of the step is input and compute (a slow link: see the wire above)",
+        "it changes what the network sees, so it pays only if the run needs fewer than that many times the "
+        "epochs to its target (callbacks.time_to_accuracy.target measures it)")
 
 
 def plain_ddp_within(m: Measurements) -> bool:
