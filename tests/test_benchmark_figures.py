@@ -481,11 +481,16 @@ def test_time_to_accuracy_resizing_figures_are_on_the_pages() -> None:
     for expected in (f"{arm['speedup_vs_plain']:.2f}x sooner than plain Lightning over the cloud link (median {arm['median_s']:.0f} s "
                      f"against {plain['median_s']:.0f} s)", f"({arm['sooner_pairs'][0]:g} of {arm['sooner_pairs'][1]} pairings, "
                      f"one-sided rank-sum p = {arm['rank_sum_p']:.3f})", f"were {per_epoch:.2f}x faster",
-                     f"it gave {record_arm['speedup_vs_plain']:.2f}x"):
+                     f"crossing at the same epoch {arm['epochs']} and ending higher ({span([100 * b for b in arm['best_top1']], '.1f')} % "
+                     f"against {span([100 * b for b in plain['best_top1']], '.1f')} %)",
+                     f"exposed all-reduce from {1e3 * phases['communication'][0]:.1f} to {1e3 * phases['communication'][1]:.1f} ms",
+                     f"compute from {1e3 * phases['compute'][0]:.1f} to {1e3 * phases['compute'][1]:.1f} ms",
+                     f"it gave {record_arm['speedup_vs_plain']:.2f}x", f"exposed all-reduce {record_plain['comm_ratio']:.2f}x its compute"):
         assert expected in docs, f"docs/time_to_accuracy.md should say {expected!r} (time_to_accuracy_resizing_summary.json)"
     card = " ".join((ROOT / "docs" / "methods" / "progressive_resizing.md").read_text().split())
     for expected in (f"compute fell from {1e3 * phases['compute'][0]:.1f} to {1e3 * phases['compute'][1]:.1f} ms per step",
                      f"ended {100 * min(above):.1f}-{100 * max(above):.1f} points above",
+                     f"at the same epoch as plain Lightning ({plain['epochs']:.0f})",
                      f"reached the target {arm['speedup_vs_plain']:.2f}x sooner"):
         assert expected in card, f"docs/methods/progressive_resizing.md should say {expected!r} (time_to_accuracy_resizing_summary.json)"
 
